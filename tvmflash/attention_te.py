@@ -1,0 +1,259 @@
+"""The attention math, written once.
+
+Two layers live here:
+
+* scalar formulas (``exp2``, ``visible``, ``grad_scores``, ``lse_from_stats``) that build TIR
+  expressions. The unfused TE definitions below and the fused TensorIR kernels in
+  ``kernels.py`` both call them, so a mask or a gradient formula exists in one place only;
+* tensor-expression (TE) definitions of the forward and backward pass over symbolic batch,
+  head and sequence sizes. Compiled as they are (``create_prim_func`` + a plain schedule) they
+  are "standard attention": they store the full ``(B, H, Nq, Nk)`` score and probability
+  matrices. Tests use them as a second, independent implementation and benchmarks as the
+  O(N^2)-memory baseline.
+
+Conventions (those of flash-attn): tensors are ``(batch, seqlen, heads, head_dim)``; ``lse`` is
+``(batch, heads, seqlen_q)`` float32 in natural-log units; a causal mask is aligned to the
+bottom-right corner (query ``i`` sees key ``j`` iff ``j <= i + seqlen_k - seqlen_q``); a query row
+that sees no key has output 0, ``lse = -inf`` and zero gradients.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+from tvm import te, tirx
+
+LOG2E = 1.0 / math.log(2.0)
+LN2 = math.log(2.0)
+NEG_INF = float("-inf")
+
+
+def _f32(value: float) -> tirx.PrimExpr:
+    return tirx.const(value, "float32")
+
+
+def _exp2_coefficients(degree: int = 6) -> list[float]:
+    """Near-minimax polynomial for 2**f on [-0.5, 0.5] (Chebyshev fit, max rel. error ~2e-9)."""
+    nodes = 0.5 * np.cos(np.pi * (np.arange(64) + 0.5) / 64)
+    fit = np.polynomial.chebyshev.Chebyshev.fit(nodes, 2.0**nodes, degree, domain=[-0.5, 0.5])
+    return [float(c) for c in fit.convert(kind=np.polynomial.Polynomial).coef]
+
+
+_EXP2_COEFFS = _exp2_coefficients()
+
+
+def exp2(x: tirx.PrimExpr) -> tirx.PrimExpr:
+    """2**x for float32 ``x <= 127`` as a polynomial that LLVM vectorizes.
+
+    ``T.exp``/``T.exp2`` lower to scalar libm calls inside vectorized loops on CPUs, which costs
+    as much as the matrix products. Here: n = round(x), f = x - n in [-0.5, 0.5], 2**f by a
+    degree-6 polynomial, 2**n by writing n into the exponent bits. Inputs below -127 give
+    exactly 0 (x = -inf included), which the online softmax relies on.
+    """
+    xv = tirx.Var("x", "float32")
+    nv = tirx.Var("n", "float32")
+    frac = xv - nv
+    poly = _f32(_EXP2_COEFFS[-1])
+    for c in reversed(_EXP2_COEFFS[:-1]):
+        poly = poly * frac + _f32(c)
+    biased = tirx.Cast("int32", nv) + tirx.const(127, "int32")
+    scale = tirx.reinterpret("float32", tirx.shift_left(biased, tirx.const(23, "int32")))
+    clamped = tirx.max(tirx.min(x, _f32(127.0)), _f32(-127.0))
+    return tirx.Let(xv, clamped, tirx.Let(nv, tirx.floor(xv + _f32(0.5)), poly * scale))
+
+
+def visible(i, j, seqlen_q, seqlen_k, causal: bool) -> tirx.PrimExpr:
+    """Whether query row ``i`` attends to key ``j`` (both may be padding past the end)."""
+    inside = tirx.all(i < seqlen_q, j < seqlen_k)
+    if not causal:
+        return inside
+    return tirx.all(inside, j <= i + (seqlen_k - seqlen_q))
+
+
+def grad_scores(p, dp, delta) -> tirx.PrimExpr:
+    """dS = P * (dP - Delta), Delta_i = sum_d dO_id * O_id (the softmax Jacobian-vector product)."""
+    return p * (dp - delta)
+
+
+def lse_from_stats(row_max_log2, row_sum) -> tirx.PrimExpr:
+    """Natural-log LSE from a base-2 running max and its (rescaled) denominator."""
+    return tirx.Select(
+        row_sum > _f32(0.0), (row_max_log2 + tirx.log2(row_sum)) * _f32(LN2), _f32(NEG_INF)
+    )
+
+
+@dataclass
+class Shapes:
+    """The symbolic sizes shared by every kernel signature."""
+
+    batch: tirx.Var
+    seqlen_q: tirx.Var
+    seqlen_k: tirx.Var
+    heads: tirx.Var
+    heads_k: tirx.Var
+
+    @classmethod
+    def symbolic(cls) -> Shapes:
+        return cls(*(tirx.Var(n, "int64") for n in ("batch", "seqlen_q", "seqlen_k", "heads", "heads_k")))
+
+
+def _qkv_placeholders(shapes: Shapes, head_dim: int, dtype: str):
+    s = shapes
+    q = te.placeholder((s.batch, s.seqlen_q, s.heads, head_dim), dtype, name="q")
+    k = te.placeholder((s.batch, s.seqlen_k, s.heads_k, head_dim), dtype, name="k")
+    v = te.placeholder((s.batch, s.seqlen_k, s.heads_k, head_dim), dtype, name="v")
+    return q, k, v
+
+
+def _scores(q, k, scale, shapes: Shapes, head_dim: int, causal: bool):
+    """S[b, h, i, j] = scale * q_i . k_j, -inf where masked (natural-log units)."""
+    s = shapes
+    group = s.heads // s.heads_k
+    d = te.reduce_axis((0, head_dim), name="d")
+    dot = te.compute(
+        (s.batch, s.heads, s.seqlen_q, s.seqlen_k),
+        lambda b, h, i, j: te.sum(
+            q[b, i, h, d].astype("float32") * k[b, j, h // group, d].astype("float32"), axis=d
+        ),
+        name="qk",
+    )
+    return te.compute(
+        dot.shape,
+        lambda b, h, i, j: tirx.Select(
+            visible(i, j, s.seqlen_q, s.seqlen_k, causal), dot[b, h, i, j] * scale, _f32(NEG_INF)
+        ),
+        name="scores",
+    )
+
+
+def forward_te(head_dim: int, dtype: str, causal: bool):
+    """Standard attention forward. Returns ``(args, shapes)`` with args = q, k, v, out, lse, scale."""
+    s = Shapes.symbolic()
+    group = s.heads // s.heads_k
+    q, k, v = _qkv_placeholders(s, head_dim, dtype)
+    scale = tirx.Var("softmax_scale", "float32")
+    scores = _scores(q, k, scale, s, head_dim, causal)
+    j = te.reduce_axis((0, s.seqlen_k), name="j")
+    row_max = te.compute(
+        (s.batch, s.heads, s.seqlen_q), lambda b, h, i: te.max(scores[b, h, i, j], axis=j), name="row_max"
+    )
+    # te.max starts from the lowest finite float, so a row that sees no key has a finite max and
+    # exp(-inf - max) = 0 everywhere: row_sum = 0 marks it (out = 0, lse = -inf below).
+    probs_unnorm = te.compute(
+        scores.shape, lambda b, h, i, jj: te.exp(scores[b, h, i, jj] - row_max[b, h, i]), name="p_unnorm"
+    )
+    j2 = te.reduce_axis((0, s.seqlen_k), name="j2")
+    row_sum = te.compute(
+        row_max.shape, lambda b, h, i: te.sum(probs_unnorm[b, h, i, j2], axis=j2), name="row_sum"
+    )
+    j3 = te.reduce_axis((0, s.seqlen_k), name="j3")
+    pv = te.compute(
+        (s.batch, s.seqlen_q, s.heads, head_dim),
+        lambda b, i, h, dd: te.sum(
+            probs_unnorm[b, h, i, j3] * v[b, j3, h // group, dd].astype("float32"), axis=j3
+        ),
+        name="pv",
+    )
+    out = te.compute(
+        pv.shape,
+        lambda b, i, h, dd: tirx.Select(
+            row_sum[b, h, i] > _f32(0.0), pv[b, i, h, dd] / row_sum[b, h, i], _f32(0.0)
+        ).astype(dtype),
+        name="out",
+    )
+    lse = te.compute(
+        row_max.shape,
+        lambda b, h, i: tirx.Select(
+            row_sum[b, h, i] > _f32(0.0), row_max[b, h, i] + te.log(row_sum[b, h, i]), _f32(NEG_INF)
+        ),
+        name="lse",
+    )
+    return [q, k, v, out, lse, scale], s
+
+
+def backward_te(head_dim: int, dtype: str, causal: bool):
+    """Standard attention backward (stores P and dS, N x N each).
+
+    Returns ``(args, shapes)`` with args = dout, q, k, v, out, lse, dq, dk, dv, scale.
+    """
+    s = Shapes.symbolic()
+    group = s.heads // s.heads_k
+    q, k, v = _qkv_placeholders(s, head_dim, dtype)
+    dout = te.placeholder((s.batch, s.seqlen_q, s.heads, head_dim), dtype, name="dout")
+    out = te.placeholder((s.batch, s.seqlen_q, s.heads, head_dim), dtype, name="out")
+    lse = te.placeholder((s.batch, s.heads, s.seqlen_q), "float32", name="lse")
+    scale = tirx.Var("softmax_scale", "float32")
+    f32 = "float32"
+
+    dd = te.reduce_axis((0, head_dim), name="dd")
+    delta = te.compute(
+        (s.batch, s.heads, s.seqlen_q),
+        lambda b, h, i: te.sum(dout[b, i, h, dd].astype(f32) * out[b, i, h, dd].astype(f32), axis=dd),
+        name="delta",
+    )
+    scores = _scores(q, k, scale, s, head_dim, causal)
+    probs = te.compute(
+        scores.shape,
+        lambda b, h, i, j: tirx.Select(
+            scores[b, h, i, j] == _f32(NEG_INF), _f32(0.0), te.exp(scores[b, h, i, j] - lse[b, h, i])
+        ),
+        name="probs",
+    )
+    d1 = te.reduce_axis((0, head_dim), name="d1")
+    dprobs = te.compute(
+        scores.shape,
+        lambda b, h, i, j: te.sum(
+            dout[b, i, h, d1].astype(f32) * v[b, j, h // group, d1].astype(f32), axis=d1
+        ),
+        name="dprobs",
+    )
+    dscores = te.compute(
+        scores.shape,
+        lambda b, h, i, j: grad_scores(probs[b, h, i, j], dprobs[b, h, i, j], delta[b, h, i]),
+        name="dscores",
+    )
+    jq = te.reduce_axis((0, s.seqlen_k), name="jq")
+    dq = te.compute(
+        q.shape,
+        lambda b, i, h, d: (
+            scale * te.sum(dscores[b, h, i, jq] * k[b, jq, h // group, d].astype(f32), axis=jq)
+        ).astype(dtype),
+        name="dq",
+    )
+    # K/V head hk receives the gradients of every query head of its group (GQA/MQA).
+    gk = te.reduce_axis((0, group), name="gk")
+    ik = te.reduce_axis((0, s.seqlen_q), name="ik")
+    dk = te.compute(
+        k.shape,
+        lambda b, j, hk, d: (
+            scale
+            * te.sum(
+                dscores[b, hk * group + gk, ik, j] * q[b, ik, hk * group + gk, d].astype(f32),
+                axis=[gk, ik],
+            )
+        ).astype(dtype),
+        name="dk",
+    )
+    gv = te.reduce_axis((0, group), name="gv")
+    iv = te.reduce_axis((0, s.seqlen_q), name="iv")
+    dv = te.compute(
+        v.shape,
+        lambda b, j, hk, d: te.sum(
+            probs[b, hk * group + gv, iv, j] * dout[b, iv, hk * group + gv, d].astype(f32),
+            axis=[gv, iv],
+        ).astype(dtype),
+        name="dv",
+    )
+    return [dout, q, k, v, out, lse, dq, dk, dv, scale], s
+
+
+def standard_forward(head_dim: int, dtype: str, causal: bool) -> tirx.PrimFunc:
+    args, _ = forward_te(head_dim, dtype, causal)
+    return te.create_prim_func(args).with_attr("global_symbol", "standard_fwd")
+
+
+def standard_backward(head_dim: int, dtype: str, causal: bool) -> tirx.PrimFunc:
+    args, _ = backward_te(head_dim, dtype, causal)
+    return te.create_prim_func(args).with_attr("global_symbol", "standard_bwd")

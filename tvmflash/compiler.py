@@ -1,0 +1,259 @@
+"""Compilation, caching and the kernel objects users call.
+
+``compile(target, head_dim, dtype, causal)`` builds the fused forward and backward kernels of
+``kernels.py`` with the target's schedule from ``schedules/`` into one TVM module and returns a
+``FlashKernels`` object. Built modules are cached twice: in this process, and on disk
+(``$TVMFLASH_CACHE_DIR``, default ``~/.cache/tvmflash``) under a key made of the versions of
+tvmflash, TVM and tvm-ffi, a hash of the kernel and schedule sources, the full target, the
+kernel parameters and the schedule config. A second process therefore starts without compiling,
+and any change to the code, the target or the knobs builds anew.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import tvm
+import tvm_ffi
+from tvm import s_tir
+
+from . import __version__, kernels
+from . import target as targets
+from .checks import check_backward_args, check_forward_args, check_kernel_params
+from .schedules import llvm as llvm_schedules
+
+_PACKAGE_DIRS = (Path(__file__).parent, Path(llvm_schedules.__file__).parent)
+_memory_cache: dict[str, FlashKernels] = {}
+_lock = threading.Lock()
+
+
+def _progress(message: str) -> None:
+    """Long work (compiling) says what it does on stderr; TVMFLASH_QUIET=1 silences it."""
+    if os.environ.get("TVMFLASH_QUIET", "0") in ("", "0"):
+        print(f"tvmflash: {message}", file=sys.stderr, flush=True)
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("TVMFLASH_CACHE_DIR")
+    if root:
+        return Path(root)
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "tvmflash"
+
+
+_source_digest: str | None = None
+
+
+def _sources_digest() -> str:
+    """Hash of the code that decides what gets compiled (kernels, math, schedules, this file)."""
+    global _source_digest
+    if _source_digest is None:
+        h = hashlib.sha256()
+        for d in _PACKAGE_DIRS:
+            for p in sorted(d.glob("*.py")):
+                h.update(p.name.encode())
+                h.update(p.read_bytes())
+        _source_digest = h.hexdigest()[:16]
+    return _source_digest
+
+
+@dataclass(frozen=True)
+class KernelParams:
+    head_dim: int
+    dtype: str
+    causal: bool
+
+
+def _cache_key(target: tvm.target.Target, params: KernelParams, config_json: dict) -> str:
+    blob = json.dumps(
+        {
+            "tvmflash": __version__,
+            "tvm": tvm.__version__,
+            "tvm_ffi": tvm_ffi.__version__,
+            "sources": _sources_digest(),
+            "target": str(target),
+            "params": params.__dict__,
+            "config": config_json,
+        },
+        sort_keys=True,
+    )
+    return hashlib.sha256(blob.encode()).hexdigest()[:24]
+
+
+class FlashKernels:
+    """Compiled fused forward and backward kernels for one target, head dim, dtype and mask.
+
+    ``forward`` and ``backward`` take any DLPack tensors (torch, numpy, tvm) in the flash-attn
+    layout ``(batch, seqlen, heads, head_dim)`` and write their outputs in place; ``lse`` is
+    ``(batch, heads, seqlen_q)`` float32. Sizes are free (any batch, lengths, heads with
+    ``heads % heads_k == 0``); only the head dim must be contiguous.
+    """
+
+    def __init__(self, module, meta: dict, source_text: str | None = None):
+        self._module = module
+        self.meta = meta
+        self.target = tvm.target.Target(meta["target"])
+        self.head_dim = meta["head_dim"]
+        self.dtype = meta["dtype"]
+        self.causal = meta["causal"]
+        self.config = llvm_schedules.LLVMConfig.from_json(meta["config"])
+        self.tuning_record = meta.get("tuning_record")
+        self._source = source_text
+        self._fwd = module["flash_fwd"]
+        self._bwd = module["flash_bwd"]
+
+    def __repr__(self):
+        mask = "causal" if self.causal else "full"
+        return f"FlashKernels({targets.key(self.target)}, head_dim={self.head_dim}, {self.dtype}, {mask})"
+
+    def forward(self, q, k, v, out, lse, softmax_scale: float | None = None) -> None:
+        check_forward_args(self, q, k, v, out, lse)
+        self._fwd(q, k, v, out, lse, _scale(softmax_scale, self.head_dim))
+
+    def backward(self, dout, q, k, v, out, lse, dq, dk, dv, softmax_scale: float | None = None) -> None:
+        batch, _, _, heads_k = check_backward_args(self, dout, q, k, v, out, lse, dq, dk, dv)
+        splits = backward_splits(batch, heads_k, k.shape[1], self.config.block_k)
+        self._bwd(dout, q, k, v, out, lse, dq, dk, dv, _scale(softmax_scale, self.head_dim), splits)
+
+    def export_library(self, path: str | os.PathLike) -> None:
+        """Write the compiled module (a shared library) and its metadata (``path + '.json'``)."""
+        path = Path(path)
+        self._module.export_library(str(path))
+        Path(str(path) + ".json").write_text(json.dumps(self.meta, indent=1))
+
+    def source(self) -> str:
+        """The generated code: LLVM IR for CPU targets, CUDA C for GPU targets."""
+        if self._source is None:
+            raise RuntimeError("this module was loaded from a library without its source; "
+                               "compile it with tvmflash.compile(...) to see the generated code")
+        return self._source
+
+
+def _scale(softmax_scale, head_dim: int) -> float:
+    return 1.0 / math.sqrt(head_dim) if softmax_scale is None else float(softmax_scale)
+
+
+def _num_threads() -> int:
+    return int(tvm_ffi.get_global_func("runtime.NumThreads")())
+
+
+def backward_splits(batch: int, heads_k: int, seqlen_k: int, block_k: int) -> int:
+    """Key-tile splits of the backward: enough parallel tasks for every thread (>= 2 each)."""
+    tasks = batch * heads_k
+    wanted = -(-2 * _num_threads() // tasks)
+    return max(1, min(wanted, -(-seqlen_k // block_k)))
+
+
+def load(path: str | os.PathLike) -> FlashKernels:
+    """Load kernels written by ``FlashKernels.export_library``."""
+    path = Path(path)
+    meta_path = Path(str(path) + ".json")
+    if not meta_path.exists():
+        raise FileNotFoundError(f"{meta_path} (written by export_library next to the library) is missing")
+    meta = json.loads(meta_path.read_text())
+    return FlashKernels(tvm.runtime.load_module(str(path)), meta)
+
+
+def build_module(target: tvm.target.Target, params: KernelParams, config) -> tvm.runtime.Module:
+    """Schedule and compile both fused kernels into one module (no caching)."""
+    spec = kernels.KernelSpec(params.head_dim, params.dtype, params.causal, config.block_q, config.block_k)
+    fwd = llvm_schedules.schedule_forward(s_tir.Schedule(kernels.fused_forward(spec)), config).mod["main"]
+    bwd = llvm_schedules.schedule_backward(s_tir.Schedule(kernels.fused_backward(spec)), config).mod["main"]
+    mod = tvm.IRModule({"flash_fwd": fwd, "flash_bwd": bwd})
+    return tvm.compile(mod, target=target)
+
+
+def compile(  # noqa: A001 - the public name the API promises
+    target="llvm",
+    head_dim: int = 64,
+    dtype: str = "float32",
+    causal: bool = False,
+    *,
+    config=None,
+    cache: bool = True,
+) -> FlashKernels:
+    """Compile (or fetch from the caches) the fused forward and backward kernels.
+
+    ``target``: "llvm" (this machine's CPU), "cuda", a target dict or a ``tvm.target.Target``.
+    ``config``: schedule knobs (``schedules.llvm.LLVMConfig``); default: chosen for the target.
+    ``cache=False`` skips both caches.
+    """
+    target = targets.resolve(target)
+    check_kernel_params(head_dim, dtype)
+    params = KernelParams(int(head_dim), str(dtype), bool(causal))
+    if target.kind.name != "llvm":
+        raise NotImplementedError(f"target {target.kind.name!r} is not supported yet")
+    config = config or llvm_schedules.default_config(target, params.head_dim, params.dtype, params.causal)
+    key = _cache_key(target, params, config.to_json())
+    meta = {
+        "target": json.loads(str(target)),
+        **params.__dict__,
+        "config": config.to_json(),
+        "tuning_record": None,
+        "cache_key": key,
+    }
+    if cache:
+        with _lock:
+            if key in _memory_cache:
+                return _memory_cache[key]
+        kernels_obj = _load_from_disk(key)
+        if kernels_obj is None:
+            kernels_obj = _compile_and_store(target, params, config, meta, key)
+        with _lock:
+            _memory_cache[key] = kernels_obj
+        return kernels_obj
+    return _build(target, params, config, meta)
+
+
+def _build(target, params: KernelParams, config, meta: dict) -> FlashKernels:
+    desc = f"{targets.key(target)}, head_dim={params.head_dim}, {params.dtype}" + (
+        ", causal" if params.causal else ""
+    )
+    _progress(f"compiling flash attention forward+backward ({desc}) ...")
+    start = time.perf_counter()
+    lib = build_module(target, params, config)
+    source_text = lib.mod.inspect_source("ll")
+    _progress(f"compiled in {time.perf_counter() - start:.1f} s")
+    return FlashKernels(lib, meta, source_text)
+
+
+def _load_from_disk(key: str) -> FlashKernels | None:
+    so = cache_dir() / f"{key}.so"
+    meta_path = cache_dir() / f"{key}.json"
+    if not (so.exists() and meta_path.exists()):
+        return None
+    try:
+        meta = json.loads(meta_path.read_text())
+        src = cache_dir() / f"{key}.ll"
+        return FlashKernels(tvm.runtime.load_module(str(so)), meta,
+                            src.read_text() if src.exists() else None)
+    except (OSError, ValueError, tvm.error.TVMError) as err:  # a broken entry is rebuilt
+        _progress(f"ignoring unreadable cache entry {so} ({err})")
+        return None
+
+
+def _compile_and_store(target, params, config, meta, key: str) -> FlashKernels:
+    kernels_obj = _build(target, params, config, meta)
+    directory = cache_dir()
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        # Write under temporary names, then rename: concurrent processes never see half a file.
+        with tempfile.TemporaryDirectory(dir=directory) as tmp:
+            tmp_so = Path(tmp) / "kernels.so"
+            kernels_obj._module.export_library(str(tmp_so))
+            (Path(tmp) / "kernels.ll").write_text(kernels_obj.source())
+            (Path(tmp) / "kernels.json").write_text(json.dumps(meta, indent=1))
+            os.replace(Path(tmp) / "kernels.ll", directory / f"{key}.ll")
+            os.replace(tmp_so, directory / f"{key}.so")
+            os.replace(Path(tmp) / "kernels.json", directory / f"{key}.json")
+    except OSError as err:
+        _progress(f"could not write the compile cache in {directory} ({err}); continuing without it")
+    return kernels_obj

@@ -1,0 +1,407 @@
+"""Fused FlashAttention kernels: the loop skeletons, in TensorIR (TVMScript).
+
+The tile-level math comes from ``attention_te`` (mask, exp2, dS, LSE); this module arranges it
+into the FlashAttention loop nests and names every stage with an ``sblock`` so that the
+per-target schedules in ``schedules/`` can tile, vectorize and parallelize them. Tile sizes
+(``block_q`` x ``block_k``) are part of the loop structure and therefore come in here; every
+other choice (register tiles, vector width, unrolling, threads) is the schedule's.
+
+Shapes are symbolic in batch, heads and both sequence lengths, so one compiled module serves
+every input size. Head dim, dtype and causality are fixed per module.
+
+Layout conventions inside the kernels (all tile buffers fp32, rule 3):
+
+* forward: tiles are kept transposed, query index innermost. Scores ``ST[j, i]`` and the output
+  accumulator ``OT[d, i]`` are then updated with vector FMAs along i, and the row statistics
+  (running max ``m``, denominator ``l``) become plain vector operations instead of horizontal
+  reductions. K and V are packed once per call into zero-padded fp32 copies (O(N) memory), so
+  the inner loops have no bounds checks and no dtype conversions.
+* backward: for each key tile, K^T and V^T are packed once (D x block_k) and all of S, P, dP,
+  dS, dV, dK, dQ for every query tile come from one recompute of S (rule 2). dK and dV
+  accumulate in fp32 tile buffers across all query tiles of all heads of a GQA group. dQ is
+  accumulated in fp32 partials, one per "split" of the key tiles, so that splits run in
+  parallel without races (even when batch * heads is 1) and are summed once at the end.
+
+Accumulators carried across loop iterations (O, l, m, dK, dV, dQ) are updated through a
+"compute into a fresh tile, then copy back" pair of blocks (``pv`` + ``keep_o`` ...): TensorIR's
+schedule checks reject vectorizing a block that reads and writes the same buffer, and this keeps
+every block a plain complete or reduction block, schedulable by hand and by MetaSchedule.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tvm import tirx
+from tvm.runtime import DataType
+from tvm.script import tirx as T
+
+from .attention_te import LOG2E, NEG_INF, exp2, grad_scores, lse_from_stats, visible
+
+F32 = "float32"
+
+
+@dataclass(frozen=True)
+class KernelSpec:
+    """What a fused kernel computes, and the tile shape its loop nest is built around."""
+
+    head_dim: int
+    dtype: str
+    causal: bool
+    block_q: int
+    block_k: int
+
+
+def _ceildiv(a, b):
+    return (a + b - 1) // b
+
+
+def _key_tiles_for_query_tile(q0, spec: KernelSpec, seqlen_q, seqlen_k):
+    """Number of key tiles a query tile [q0, q0 + block_q) needs (causal: skip masked ones)."""
+    n_kt = _ceildiv(seqlen_k, spec.block_k)
+    if not spec.causal:
+        return n_kt
+    last_row = tirx.min(q0 + spec.block_q, seqlen_q) - 1
+    last_key = last_row + (seqlen_k - seqlen_q)  # bottom-right aligned mask
+    return tirx.max(tirx.min(_ceildiv(last_key + 1, spec.block_k), n_kt), 0)
+
+
+def _first_query_tile_for_key_tile(k0, spec: KernelSpec, seqlen_q, seqlen_k):
+    """First query tile that sees key k0 (causal); 0 otherwise."""
+    if not spec.causal:
+        return tirx.const(0, "int64")
+    return tirx.max(k0 - (seqlen_k - seqlen_q), 0) // spec.block_q
+
+
+def fused_forward(spec: KernelSpec) -> tirx.PrimFunc:
+    """flash_fwd(q, k, v, out, lse, softmax_scale): one pass, online softmax, O(N) memory."""
+    D, Br, Bc, dtype = spec.head_dim, spec.block_q, spec.block_k, spec.dtype
+    causal = spec.causal
+    elem = DataType(dtype).bits // 8
+
+    @T.prim_func(s_tir=True)
+    def flash_fwd(q_h: T.handle, k_h: T.handle, v_h: T.handle, o_h: T.handle, lse_h: T.handle,
+                  softmax_scale: T.float32):
+        T.func_attr({"global_symbol": "flash_fwd", "tirx.noalias": True})
+        B = T.int64()
+        Nq = T.int64()
+        Nk = T.int64()
+        H = T.int64()
+        Hk = T.int64()
+        sq = (T.int64(), T.int64(), T.int64())
+        sk = (T.int64(), T.int64(), T.int64())
+        sv = (T.int64(), T.int64(), T.int64())
+        so = (T.int64(), T.int64(), T.int64())
+        # Strided views (e.g. q, k, v sliced from one packed qkv tensor) are read in place; only
+        # the head dim must be contiguous. align = element size: no alignment is assumed.
+        Q = T.match_buffer(q_h, (B, Nq, H, D), dtype, strides=(*sq, 1), align=elem)
+        K = T.match_buffer(k_h, (B, Nk, Hk, D), dtype, strides=(*sk, 1), align=elem)
+        V = T.match_buffer(v_h, (B, Nk, Hk, D), dtype, strides=(*sv, 1), align=elem)
+        O = T.match_buffer(o_h, (B, Nq, H, D), dtype, strides=(*so, 1), align=elem)
+        LSE = T.match_buffer(lse_h, (B, H, Nq), F32, align=4)
+        Kp = T.alloc_buffer((B, Hk, _ceildiv(Nk, Bc) * Bc, D), F32)
+        Vp = T.alloc_buffer((B, Hk, _ceildiv(Nk, Bc) * Bc, D), F32)
+        for b, hk, j, d in T.grid(B, Hk, _ceildiv(Nk, Bc) * Bc, D):
+            with T.sblock("pack_kv"):
+                vb, vhk, vj, vd = T.axis.remap("SSSS", [b, hk, j, d])
+                Kp[vb, vhk, vj, vd] = T.if_then_else(vj < Nk, T.Cast(F32, K[vb, T.min(vj, Nk - 1), vhk, vd]),
+                                                     T.float32(0))
+                Vp[vb, vhk, vj, vd] = T.if_then_else(vj < Nk, T.Cast(F32, V[vb, T.min(vj, Nk - 1), vhk, vd]),
+                                                     T.float32(0))
+        for b, h, qt in T.grid(B, H, _ceildiv(Nq, Br)):
+            with T.sblock("q_tile"):
+                vb, vh, vqt = T.axis.remap("SSS", [b, h, qt])
+                T.reads()
+                T.writes()
+                QT = T.sblock_alloc_buffer((D, Br), F32)  # q tile, transposed, pre-scaled
+                ST = T.sblock_alloc_buffer((Bc, Br), F32)  # scores (log2 units), transposed
+                PT = T.sblock_alloc_buffer((Bc, Br), F32)  # unnormalized probabilities
+                OT = T.sblock_alloc_buffer((D, Br), F32)  # output accumulator
+                OT_next = T.sblock_alloc_buffer((D, Br), F32)
+                m = T.sblock_alloc_buffer((Br,), F32)  # running row max (log2 units)
+                m_next = T.sblock_alloc_buffer((Br,), F32)
+                l = T.sblock_alloc_buffer((Br,), F32)  # running denominator
+                l_next = T.sblock_alloc_buffer((Br,), F32)
+                alpha = T.sblock_alloc_buffer((Br,), F32)  # exp2(m - m_next)
+                q0: T.let[T.int64] = vqt * Br
+                hk: T.let[T.int64] = vh // (H // Hk)
+                for d, i in T.grid(D, Br):
+                    with T.sblock("load_q"):
+                        vd, vi = T.axis.remap("SS", [d, i])
+                        # Fold softmax_scale * log2(e) into q once: scores come out in log2 units.
+                        QT[vd, vi] = T.if_then_else(
+                            q0 + vi < Nq,
+                            T.Cast(F32, Q[vb, T.min(q0 + vi, Nq - 1), vh, vd]) * (softmax_scale * T.float32(LOG2E)),
+                            T.float32(0))
+                for d, i in T.grid(D, Br):
+                    with T.sblock("init_o"):
+                        vd, vi = T.axis.remap("SS", [d, i])
+                        OT[vd, vi] = T.float32(0)
+                for i in T.serial(Br):
+                    with T.sblock("init_stats"):
+                        vi = T.axis.remap("S", [i])
+                        m[vi] = T.float32(NEG_INF)
+                        l[vi] = T.float32(0)
+                for kt in T.serial(_key_tiles_for_query_tile(q0, spec, Nq, Nk)):
+                    k0: T.let[T.int64] = kt * Bc
+                    with T.sblock("scores_tile"):
+                        for j, i, d in T.grid(Bc, Br, D):
+                            with T.sblock("scores"):
+                                vj, vi, vd = T.axis.remap("SSR", [j, i, d])
+                                with T.init():
+                                    ST[vj, vi] = T.float32(0)
+                                ST[vj, vi] = ST[vj, vi] + Kp[vb, hk, k0 + vj, vd] * QT[vd, vi]
+                    with T.sblock("row_max_tile"):
+                        for j, i in T.grid(Bc, Br):
+                            with T.sblock("row_max"):
+                                vj, vi = T.axis.remap("RS", [j, i])
+                                with T.init():
+                                    m_next[vi] = m[vi]
+                                m_next[vi] = T.max(m_next[vi], T.Select(
+                                    visible(q0 + vi, k0 + vj, Nq, Nk, causal), ST[vj, vi], T.float32(NEG_INF)))
+                    with T.sblock("rescale_tile"):
+                        for i in T.serial(Br):
+                            with T.sblock("rescale"):
+                                vi = T.axis.remap("S", [i])
+                                # Equal maxima (also both -inf: nothing seen yet) rescale by exactly 1.
+                                alpha[vi] = T.Select(m[vi] == m_next[vi], T.float32(1), exp2(m[vi] - m_next[vi]))
+                    with T.sblock("probs_tile"):
+                        for j, i in T.grid(Bc, Br):
+                            with T.sblock("probs"):
+                                vj, vi = T.axis.remap("SS", [j, i])
+                                PT[vj, vi] = T.Select(visible(q0 + vi, k0 + vj, Nq, Nk, causal),
+                                                      exp2(ST[vj, vi] - m_next[vi]), T.float32(0))
+                    with T.sblock("pv_tile"):
+                        for d, i, j in T.grid(D, Br, Bc):
+                            with T.sblock("pv"):
+                                vd, vi, vj = T.axis.remap("SSR", [d, i, j])
+                                with T.init():
+                                    OT_next[vd, vi] = OT[vd, vi] * alpha[vi]
+                                OT_next[vd, vi] = OT_next[vd, vi] + Vp[vb, hk, k0 + vj, vd] * PT[vj, vi]
+                    with T.sblock("keep_o_tile"):
+                        for d, i in T.grid(D, Br):
+                            with T.sblock("keep_o"):
+                                vd, vi = T.axis.remap("SS", [d, i])
+                                OT[vd, vi] = OT_next[vd, vi]
+                    with T.sblock("row_sum_tile"):
+                        for j, i in T.grid(Bc, Br):
+                            with T.sblock("row_sum"):
+                                vj, vi = T.axis.remap("RS", [j, i])
+                                with T.init():
+                                    l_next[vi] = l[vi] * alpha[vi]
+                                l_next[vi] = l_next[vi] + PT[vj, vi]
+                    with T.sblock("keep_stats_tile"):
+                        for i in T.serial(Br):
+                            with T.sblock("keep_stats"):
+                                vi = T.axis.remap("S", [i])
+                                m[vi] = m_next[vi]
+                                l[vi] = l_next[vi]
+                for i, d in T.grid(Br, D):
+                    with T.sblock("store_o"):
+                        vi, vd = T.axis.remap("SS", [i, d])
+                        if q0 + vi < Nq:
+                            # One cast to the storage dtype, at the end (rule 3).
+                            O[vb, q0 + vi, vh, vd] = T.Cast(dtype, OT[vd, vi] * T.Select(
+                                l[vi] > T.float32(0), T.float32(1) / l[vi], T.float32(0)))
+                for i in T.serial(Br):
+                    with T.sblock("store_lse"):
+                        vi = T.axis.remap("S", [i])
+                        if q0 + vi < Nq:
+                            LSE[vb, vh, q0 + vi] = lse_from_stats(m[vi], l[vi])
+
+    return flash_fwd
+
+
+def fused_backward(spec: KernelSpec) -> tirx.PrimFunc:
+    """flash_bwd(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale, n_split).
+
+    ``n_split`` (runtime) splits the key tiles of each (batch, kv head) into interleaved groups
+    that run in parallel; each split owns an fp32 dQ partial (rule 3, no races).
+    """
+    D, Br, Bc, dtype = spec.head_dim, spec.block_q, spec.block_k, spec.dtype
+    causal = spec.causal
+    elem = DataType(dtype).bits // 8
+
+    @T.prim_func(s_tir=True)
+    def flash_bwd(do_h: T.handle, q_h: T.handle, k_h: T.handle, v_h: T.handle, o_h: T.handle,
+                  lse_h: T.handle, dq_h: T.handle, dk_h: T.handle, dv_h: T.handle,
+                  softmax_scale: T.float32, n_split: T.int64):
+        T.func_attr({"global_symbol": "flash_bwd", "tirx.noalias": True})
+        B = T.int64()
+        Nq = T.int64()
+        Nk = T.int64()
+        H = T.int64()
+        Hk = T.int64()
+        sdo = (T.int64(), T.int64(), T.int64())
+        sq = (T.int64(), T.int64(), T.int64())
+        sk = (T.int64(), T.int64(), T.int64())
+        sv = (T.int64(), T.int64(), T.int64())
+        so = (T.int64(), T.int64(), T.int64())
+        sdq = (T.int64(), T.int64(), T.int64())
+        sdk = (T.int64(), T.int64(), T.int64())
+        sdv = (T.int64(), T.int64(), T.int64())
+        dO = T.match_buffer(do_h, (B, Nq, H, D), dtype, strides=(*sdo, 1), align=elem)
+        Q = T.match_buffer(q_h, (B, Nq, H, D), dtype, strides=(*sq, 1), align=elem)
+        K = T.match_buffer(k_h, (B, Nk, Hk, D), dtype, strides=(*sk, 1), align=elem)
+        V = T.match_buffer(v_h, (B, Nk, Hk, D), dtype, strides=(*sv, 1), align=elem)
+        O = T.match_buffer(o_h, (B, Nq, H, D), dtype, strides=(*so, 1), align=elem)
+        LSE = T.match_buffer(lse_h, (B, H, Nq), F32, align=4)
+        dQ = T.match_buffer(dq_h, (B, Nq, H, D), dtype, strides=(*sdq, 1), align=elem)
+        dK = T.match_buffer(dk_h, (B, Nk, Hk, D), dtype, strides=(*sdk, 1), align=elem)
+        dV = T.match_buffer(dv_h, (B, Nk, Hk, D), dtype, strides=(*sdv, 1), align=elem)
+        # Packed copies are padded to whole tiles with zero rows: no bounds checks in the tile loops.
+        Qp = T.alloc_buffer((B, H, _ceildiv(Nq, Br) * Br, D), F32)
+        dOp = T.alloc_buffer((B, H, _ceildiv(Nq, Br) * Br, D), F32)
+        Delta = T.alloc_buffer((B, H, _ceildiv(Nq, Br) * Br), F32)
+        LSE2 = T.alloc_buffer((B, H, _ceildiv(Nq, Br) * Br), F32)
+        dQacc = T.alloc_buffer((n_split, B, H, _ceildiv(Nq, Br) * Br, D), F32)
+        dQsum = T.alloc_buffer((B, H, _ceildiv(Nq, Br) * Br, D), F32)
+        for b, h, i, d in T.grid(B, H, _ceildiv(Nq, Br) * Br, D):
+            with T.sblock("pack_q_do"):
+                vb, vh, vi, vd = T.axis.remap("SSSS", [b, h, i, d])
+                Qp[vb, vh, vi, vd] = T.if_then_else(vi < Nq, T.Cast(F32, Q[vb, T.min(vi, Nq - 1), vh, vd]),
+                                                    T.float32(0))
+                dOp[vb, vh, vi, vd] = T.if_then_else(vi < Nq, T.Cast(F32, dO[vb, T.min(vi, Nq - 1), vh, vd]),
+                                                     T.float32(0))
+        for b, h, i, d in T.grid(B, H, _ceildiv(Nq, Br) * Br, D):
+            with T.sblock("delta"):
+                vb, vh, vi, vd = T.axis.remap("SSSR", [b, h, i, d])
+                with T.init():
+                    Delta[vb, vh, vi] = T.float32(0)
+                Delta[vb, vh, vi] = Delta[vb, vh, vi] + dOp[vb, vh, vi, vd] * T.Cast(
+                    F32, O[vb, T.min(vi, Nq - 1), vh, vd])
+        for b, h, i in T.grid(B, H, _ceildiv(Nq, Br) * Br):
+            with T.sblock("lse_log2"):
+                vb, vh, vi = T.axis.remap("SSS", [b, h, i])
+                LSE2[vb, vh, vi] = T.if_then_else(vi < Nq, LSE[vb, vh, T.min(vi, Nq - 1)] * T.float32(LOG2E),
+                                                  T.float32(0))
+        for s, b, h, i, d in T.grid(n_split, B, H, _ceildiv(Nq, Br) * Br, D):
+            with T.sblock("zero_dq"):
+                vs, vb, vh, vi, vd = T.axis.remap("SSSSS", [s, b, h, i, d])
+                dQacc[vs, vb, vh, vi, vd] = T.float32(0)
+        for b, hk, s in T.grid(B, Hk, n_split):
+            with T.sblock("kv_split"):
+                vb, vhk, vs = T.axis.remap("SSS", [b, hk, s])
+                T.reads()
+                T.writes()
+                Kt = T.sblock_alloc_buffer((Bc, D), F32)  # k tile (for dQ += dS K)
+                KT = T.sblock_alloc_buffer((D, Bc), F32)  # k tile transposed, pre-scaled (for S)
+                VT = T.sblock_alloc_buffer((D, Bc), F32)  # v tile transposed (for dP)
+                dKacc = T.sblock_alloc_buffer((Bc, D), F32)
+                dKnext = T.sblock_alloc_buffer((Bc, D), F32)
+                dVacc = T.sblock_alloc_buffer((Bc, D), F32)
+                dVnext = T.sblock_alloc_buffer((Bc, D), F32)
+                S = T.sblock_alloc_buffer((Br, Bc), F32)
+                P = T.sblock_alloc_buffer((Br, Bc), F32)
+                dP = T.sblock_alloc_buffer((Br, Bc), F32)
+                dS = T.sblock_alloc_buffer((Br, Bc), F32)
+                dQnext = T.sblock_alloc_buffer((Br, D), F32)
+                group: T.let[T.int64] = H // Hk
+                for t in T.serial(_ceildiv(_ceildiv(Nk, Bc) - vs, n_split)):
+                    k0: T.let[T.int64] = (vs + t * n_split) * Bc
+                    with T.sblock("load_k_tile"):
+                        for j, d in T.grid(Bc, D):
+                            with T.sblock("load_k"):
+                                vj, vd = T.axis.remap("SS", [j, d])
+                                Kt[vj, vd] = T.if_then_else(
+                                    k0 + vj < Nk, T.Cast(F32, K[vb, T.min(k0 + vj, Nk - 1), vhk, vd]), T.float32(0))
+                    with T.sblock("load_kt_tile"):
+                        for d, j in T.grid(D, Bc):
+                            with T.sblock("load_kt"):
+                                vd, vj = T.axis.remap("SS", [d, j])
+                                KT[vd, vj] = Kt[vj, vd] * (softmax_scale * T.float32(LOG2E))
+                    with T.sblock("load_vt_tile"):
+                        for d, j in T.grid(D, Bc):
+                            with T.sblock("load_vt"):
+                                vd, vj = T.axis.remap("SS", [d, j])
+                                VT[vd, vj] = T.if_then_else(
+                                    k0 + vj < Nk, T.Cast(F32, V[vb, T.min(k0 + vj, Nk - 1), vhk, vd]), T.float32(0))
+                    with T.sblock("init_dkv_tile"):
+                        for j, d in T.grid(Bc, D):
+                            with T.sblock("init_dkv"):
+                                vj, vd = T.axis.remap("SS", [j, d])
+                                dKacc[vj, vd] = T.float32(0)
+                                dVacc[vj, vd] = T.float32(0)
+                    for g in T.serial(group):
+                        h: T.let[T.int64] = vhk * group + g
+                        for qt in T.serial(_first_query_tile_for_key_tile(k0, spec, Nq, Nk), _ceildiv(Nq, Br)):
+                            q0: T.let[T.int64] = qt * Br
+                            with T.sblock("scores_tile"):
+                                for i, j, d in T.grid(Br, Bc, D):
+                                    with T.sblock("scores"):
+                                        vi, vj, vd = T.axis.remap("SSR", [i, j, d])
+                                        with T.init():
+                                            S[vi, vj] = T.float32(0)
+                                        S[vi, vj] = S[vi, vj] + Qp[vb, h, q0 + vi, vd] * KT[vd, vj]
+                            with T.sblock("probs_tile"):
+                                for i, j in T.grid(Br, Bc):
+                                    with T.sblock("probs"):
+                                        vi, vj = T.axis.remap("SS", [i, j])
+                                        P[vi, vj] = T.Select(visible(q0 + vi, k0 + vj, Nq, Nk, causal),
+                                                             exp2(S[vi, vj] - LSE2[vb, h, q0 + vi]), T.float32(0))
+                            with T.sblock("dv_tile"):
+                                for j, d, i in T.grid(Bc, D, Br):
+                                    with T.sblock("dv"):
+                                        vj, vd, vi = T.axis.remap("SSR", [j, d, i])
+                                        with T.init():
+                                            dVnext[vj, vd] = dVacc[vj, vd]
+                                        dVnext[vj, vd] = dVnext[vj, vd] + P[vi, vj] * dOp[vb, h, q0 + vi, vd]
+                            with T.sblock("keep_dv_tile"):
+                                for j, d in T.grid(Bc, D):
+                                    with T.sblock("keep_dv"):
+                                        vj, vd = T.axis.remap("SS", [j, d])
+                                        dVacc[vj, vd] = dVnext[vj, vd]
+                            with T.sblock("dprobs_tile"):
+                                for i, j, d in T.grid(Br, Bc, D):
+                                    with T.sblock("dprobs"):
+                                        vi, vj, vd = T.axis.remap("SSR", [i, j, d])
+                                        with T.init():
+                                            dP[vi, vj] = T.float32(0)
+                                        dP[vi, vj] = dP[vi, vj] + dOp[vb, h, q0 + vi, vd] * VT[vd, vj]
+                            with T.sblock("dscores_tile"):
+                                for i, j in T.grid(Br, Bc):
+                                    with T.sblock("dscores"):
+                                        vi, vj = T.axis.remap("SS", [i, j])
+                                        dS[vi, vj] = grad_scores(P[vi, vj], dP[vi, vj], Delta[vb, h, q0 + vi])
+                            with T.sblock("dk_tile"):
+                                for j, d, i in T.grid(Bc, D, Br):
+                                    with T.sblock("dk"):
+                                        vj, vd, vi = T.axis.remap("SSR", [j, d, i])
+                                        with T.init():
+                                            dKnext[vj, vd] = dKacc[vj, vd]
+                                        dKnext[vj, vd] = dKnext[vj, vd] + dS[vi, vj] * Qp[vb, h, q0 + vi, vd]
+                            with T.sblock("keep_dk_tile"):
+                                for j, d in T.grid(Bc, D):
+                                    with T.sblock("keep_dk"):
+                                        vj, vd = T.axis.remap("SS", [j, d])
+                                        dKacc[vj, vd] = dKnext[vj, vd]
+                            with T.sblock("dq_tile"):
+                                for i, d, j in T.grid(Br, D, Bc):
+                                    with T.sblock("dq"):
+                                        vi, vd, vj = T.axis.remap("SSR", [i, d, j])
+                                        with T.init():
+                                            dQnext[vi, vd] = dQacc[vs, vb, h, q0 + vi, vd]
+                                        dQnext[vi, vd] = dQnext[vi, vd] + dS[vi, vj] * Kt[vj, vd]
+                            with T.sblock("keep_dq_tile"):
+                                for i, d in T.grid(Br, D):
+                                    with T.sblock("keep_dq"):
+                                        vi, vd = T.axis.remap("SS", [i, d])
+                                        dQacc[vs, vb, h, q0 + vi, vd] = dQnext[vi, vd]
+                    for j, d in T.grid(Bc, D):
+                        with T.sblock("store_dkv"):
+                            vj, vd = T.axis.remap("SS", [j, d])
+                            if k0 + vj < Nk:
+                                dK[vb, k0 + vj, vhk, vd] = T.Cast(dtype, dKacc[vj, vd] * softmax_scale)
+                                dV[vb, k0 + vj, vhk, vd] = T.Cast(dtype, dVacc[vj, vd])
+        for b, h, i, s, d in T.grid(B, H, _ceildiv(Nq, Br) * Br, n_split, D):
+            with T.sblock("sum_dq"):
+                vb, vh, vi, vs, vd = T.axis.remap("SSSRS", [b, h, i, s, d])
+                with T.init():
+                    dQsum[vb, vh, vi, vd] = T.float32(0)
+                dQsum[vb, vh, vi, vd] = dQsum[vb, vh, vi, vd] + dQacc[vs, vb, vh, vi, vd]
+        for b, i, h, d in T.grid(B, Nq, H, D):
+            with T.sblock("store_dq"):
+                vb, vi, vh, vd = T.axis.remap("SSSS", [b, i, h, d])
+                dQ[vb, vi, vh, vd] = T.Cast(dtype, dQsum[vb, vh, vi, vd] * softmax_scale)
+
+    return flash_bwd
