@@ -146,7 +146,7 @@ def schedule_forward(sch: s_tir.Schedule, cfg: LLVMConfig) -> s_tir.Schedule:
     _parallel(sch, "q_tile", 3)
     for name in FORWARD_PRODUCTS:
         register_tile(sch, name, cfg.tile(name), lanes)
-    for name in ("load_q", "init_o", "init_stats", "rescale", "probs", "keep_o", "keep_stats", "store_o"):
+    for name in ("load_q", "init_o", "init_stats", "rescale", "probs", "store_o"):
         _vectorize_elementwise(sch, name, lanes)
     for name in ("row_max", "row_sum"):
         _vectorize_row_reduction(sch, name, lanes)
@@ -162,8 +162,7 @@ def schedule_backward(sch: s_tir.Schedule, cfg: LLVMConfig) -> s_tir.Schedule:
     _parallel(sch, "kv_split", 3)
     for name in BACKWARD_PRODUCTS:
         register_tile(sch, name, cfg.tile(name), lanes)
-    for name in ("load_k", "load_kt", "load_vt", "init_dkv", "probs", "keep_dv", "dscores", "keep_dk",
-                 "keep_dq", "store_dkv"):
+    for name in ("load_k", "load_kt", "load_vt", "init_dkv", "probs", "dscores", "store_dkv"):
         _vectorize_elementwise(sch, name, lanes)
     block = sch.get_sblock("sum_dq")
     loops = sch.get_loops(block)

@@ -78,10 +78,47 @@ def grad_scores(p, dp, delta) -> tirx.PrimExpr:
 
 
 def lse_from_stats(row_max_log2, row_sum) -> tirx.PrimExpr:
-    """Natural-log LSE from a base-2 running max and its (rescaled) denominator."""
-    return tirx.Select(
-        row_sum > _f32(0.0), (row_max_log2 + tirx.log2(row_sum)) * _f32(LN2), _f32(NEG_INF)
-    )
+    """Natural-log LSE from a base-2 running max and its (rescaled) denominator.
+
+    Evaluated in float64 (once per row, so free) and rounded once: the backward recomputes P
+    from this fp32 number, and every extra rounding here would scale a whole row of P.
+    """
+    m64 = tirx.Cast("float64", row_max_log2)
+    lse = (m64 + tirx.log2(tirx.Cast("float64", row_sum))) * tirx.const(LN2, "float64")
+    return tirx.Select(row_sum > _f32(0.0), tirx.Cast("float32", lse), _f32(NEG_INF))
+
+
+def _split_f32(exact) -> tuple[tirx.PrimExpr, tirx.PrimExpr]:
+    """A float64 value as float32 hi + lo (hi + lo equals it to ~2^-48 relative)."""
+    hi = tirx.Cast("float32", exact)
+    return hi, tirx.Cast("float32", exact - tirx.Cast("float64", hi))
+
+
+def scale_log2_parts(softmax_scale) -> tuple[tirx.PrimExpr, tirx.PrimExpr]:
+    """softmax_scale * log2(e) (float64 argument) as a float32 pair: scores -> log2 units."""
+    return _split_f32(tirx.Cast("float64", softmax_scale) * tirx.const(LOG2E, "float64"))
+
+
+def log2_exponent(score, scale_parts, shift_parts) -> tirx.PrimExpr:
+    """score * scale - shift in log2 units, with both constants as (hi, lo) pairs.
+
+    ``score * scale_hi - shift_hi`` is one fused multiply-add (LLVM contracts it) of two nearly
+    equal numbers for the probabilities that matter, so it is exact before its one rounding; the
+    lo parts add the rest. This keeps the exponents as accurate as the scores themselves, also
+    for large logits, where rounding a pre-scaled q or k would perturb every exponent.
+    """
+    (c_hi, c_lo), (m_hi, m_lo) = scale_parts, shift_parts
+    return (score * c_hi - m_hi) + (score * c_lo - m_lo)
+
+
+def lse_log2_parts(lse) -> tuple[tirx.PrimExpr, tirx.PrimExpr]:
+    """LSE * log2(e) as a float32 pair (hi, lo) with hi + lo exact to ~float64 precision.
+
+    The backward needs P = 2**(S2 - LSE2) with S2 in log2 units. Rounding LSE2 to one float32
+    would add up to half an ulp of ~10 (5e-7) to every exponent of the row; subtracting hi, then
+    lo, keeps that error out.
+    """
+    return _split_f32(tirx.Cast("float64", lse) * tirx.const(LOG2E, "float64"))
 
 
 @dataclass

@@ -22,10 +22,14 @@ Layout conventions inside the kernels (all tile buffers fp32, rule 3):
   accumulated in fp32 partials, one per "split" of the key tiles, so that splits run in
   parallel without races (even when batch * heads is 1) and are summed once at the end.
 
-Accumulators carried across loop iterations (O, l, m, dK, dV, dQ) are updated through a
-"compute into a fresh tile, then copy back" pair of blocks (``pv`` + ``keep_o`` ...): TensorIR's
-schedule checks reject vectorizing a block that reads and writes the same buffer, and this keeps
-every block a plain complete or reduction block, schedulable by hand and by MetaSchedule.
+Accumulators carried across loop iterations (O and l in the forward, dK, dV, dQ in the
+backward) are updated in two levels: a product block sums one tile into a fresh fp32 partial,
+and an ``update_*`` block adds the partial to the running accumulator. A sequential fp32 sum of
+N terms has an error growing like N ulps; tile sums added up tile by tile grow like
+block + N/block. The measured errors are those of PyTorch's blocked GEMMs or better. The
+product blocks stay plain reduction blocks that the schedules can register-tile; the in-place
+``update_*`` blocks are plain loops left to LLVM's loop vectorizer (TensorIR's ``vectorize``
+refuses blocks that read and write the same buffer).
 """
 
 from __future__ import annotations
@@ -36,7 +40,16 @@ from tvm import tirx
 from tvm.runtime import DataType
 from tvm.script import tirx as T
 
-from .attention_te import LOG2E, NEG_INF, exp2, grad_scores, lse_from_stats, visible
+from .attention_te import (
+    NEG_INF,
+    exp2,
+    grad_scores,
+    log2_exponent,
+    lse_from_stats,
+    lse_log2_parts,
+    scale_log2_parts,
+    visible,
+)
 
 F32 = "float32"
 
@@ -81,7 +94,7 @@ def fused_forward(spec: KernelSpec) -> tirx.PrimFunc:
 
     @T.prim_func(s_tir=True)
     def flash_fwd(q_h: T.handle, k_h: T.handle, v_h: T.handle, o_h: T.handle, lse_h: T.handle,
-                  softmax_scale: T.float32):
+                  softmax_scale: T.float64):
         T.func_attr({"global_symbol": "flash_fwd", "tirx.noalias": True})
         B = T.int64()
         Nq = T.int64()
@@ -113,26 +126,23 @@ def fused_forward(spec: KernelSpec) -> tirx.PrimFunc:
                 vb, vh, vqt = T.axis.remap("SSS", [b, h, qt])
                 T.reads()
                 T.writes()
-                QT = T.sblock_alloc_buffer((D, Br), F32)  # q tile, transposed, pre-scaled
-                ST = T.sblock_alloc_buffer((Bc, Br), F32)  # scores (log2 units), transposed
+                QT = T.sblock_alloc_buffer((D, Br), F32)  # q tile, transposed
+                ST = T.sblock_alloc_buffer((Bc, Br), F32)  # scores q.k (unscaled), transposed
                 PT = T.sblock_alloc_buffer((Bc, Br), F32)  # unnormalized probabilities
                 OT = T.sblock_alloc_buffer((D, Br), F32)  # output accumulator
-                OT_next = T.sblock_alloc_buffer((D, Br), F32)
+                PVT = T.sblock_alloc_buffer((D, Br), F32)  # this key tile's P V
                 m = T.sblock_alloc_buffer((Br,), F32)  # running row max (log2 units)
                 m_next = T.sblock_alloc_buffer((Br,), F32)
                 l = T.sblock_alloc_buffer((Br,), F32)  # running denominator
-                l_next = T.sblock_alloc_buffer((Br,), F32)
+                l_tile = T.sblock_alloc_buffer((Br,), F32)  # this key tile's row sums
                 alpha = T.sblock_alloc_buffer((Br,), F32)  # exp2(m - m_next)
                 q0: T.let[T.int64] = vqt * Br
                 hk: T.let[T.int64] = vh // (H // Hk)
                 for d, i in T.grid(D, Br):
                     with T.sblock("load_q"):
                         vd, vi = T.axis.remap("SS", [d, i])
-                        # Fold softmax_scale * log2(e) into q once: scores come out in log2 units.
                         QT[vd, vi] = T.if_then_else(
-                            q0 + vi < Nq,
-                            T.Cast(F32, Q[vb, T.min(q0 + vi, Nq - 1), vh, vd]) * (softmax_scale * T.float32(LOG2E)),
-                            T.float32(0))
+                            q0 + vi < Nq, T.Cast(F32, Q[vb, T.min(q0 + vi, Nq - 1), vh, vd]), T.float32(0))
                 for d, i in T.grid(D, Br):
                     with T.sblock("init_o"):
                         vd, vi = T.axis.remap("SS", [d, i])
@@ -158,7 +168,8 @@ def fused_forward(spec: KernelSpec) -> tirx.PrimFunc:
                                 with T.init():
                                     m_next[vi] = m[vi]
                                 m_next[vi] = T.max(m_next[vi], T.Select(
-                                    visible(q0 + vi, k0 + vj, Nq, Nk, causal), ST[vj, vi], T.float32(NEG_INF)))
+                                    visible(q0 + vi, k0 + vj, Nq, Nk, causal),
+                                    ST[vj, vi] * scale_log2_parts(softmax_scale)[0], T.float32(NEG_INF)))
                     with T.sblock("rescale_tile"):
                         for i in T.serial(Br):
                             with T.sblock("rescale"):
@@ -169,33 +180,36 @@ def fused_forward(spec: KernelSpec) -> tirx.PrimFunc:
                         for j, i in T.grid(Bc, Br):
                             with T.sblock("probs"):
                                 vj, vi = T.axis.remap("SS", [j, i])
-                                PT[vj, vi] = T.Select(visible(q0 + vi, k0 + vj, Nq, Nk, causal),
-                                                      exp2(ST[vj, vi] - m_next[vi]), T.float32(0))
+                                PT[vj, vi] = T.Select(
+                                    visible(q0 + vi, k0 + vj, Nq, Nk, causal),
+                                    exp2(log2_exponent(ST[vj, vi], scale_log2_parts(softmax_scale),
+                                                       (m_next[vi], T.float32(0)))),
+                                    T.float32(0))
                     with T.sblock("pv_tile"):
                         for d, i, j in T.grid(D, Br, Bc):
                             with T.sblock("pv"):
                                 vd, vi, vj = T.axis.remap("SSR", [d, i, j])
                                 with T.init():
-                                    OT_next[vd, vi] = OT[vd, vi] * alpha[vi]
-                                OT_next[vd, vi] = OT_next[vd, vi] + Vp[vb, hk, k0 + vj, vd] * PT[vj, vi]
-                    with T.sblock("keep_o_tile"):
+                                    PVT[vd, vi] = T.float32(0)
+                                PVT[vd, vi] = PVT[vd, vi] + Vp[vb, hk, k0 + vj, vd] * PT[vj, vi]
+                    with T.sblock("update_o_tile"):
                         for d, i in T.grid(D, Br):
-                            with T.sblock("keep_o"):
+                            with T.sblock("update_o"):
                                 vd, vi = T.axis.remap("SS", [d, i])
-                                OT[vd, vi] = OT_next[vd, vi]
+                                OT[vd, vi] = OT[vd, vi] * alpha[vi] + PVT[vd, vi]
                     with T.sblock("row_sum_tile"):
                         for j, i in T.grid(Bc, Br):
                             with T.sblock("row_sum"):
                                 vj, vi = T.axis.remap("RS", [j, i])
                                 with T.init():
-                                    l_next[vi] = l[vi] * alpha[vi]
-                                l_next[vi] = l_next[vi] + PT[vj, vi]
-                    with T.sblock("keep_stats_tile"):
+                                    l_tile[vi] = T.float32(0)
+                                l_tile[vi] = l_tile[vi] + PT[vj, vi]
+                    with T.sblock("update_stats_tile"):
                         for i in T.serial(Br):
-                            with T.sblock("keep_stats"):
+                            with T.sblock("update_stats"):
                                 vi = T.axis.remap("S", [i])
                                 m[vi] = m_next[vi]
-                                l[vi] = l_next[vi]
+                                l[vi] = l[vi] * alpha[vi] + l_tile[vi]
                 for i, d in T.grid(Br, D):
                     with T.sblock("store_o"):
                         vi, vd = T.axis.remap("SS", [i, d])
@@ -225,7 +239,7 @@ def fused_backward(spec: KernelSpec) -> tirx.PrimFunc:
     @T.prim_func(s_tir=True)
     def flash_bwd(do_h: T.handle, q_h: T.handle, k_h: T.handle, v_h: T.handle, o_h: T.handle,
                   lse_h: T.handle, dq_h: T.handle, dk_h: T.handle, dv_h: T.handle,
-                  softmax_scale: T.float32, n_split: T.int64):
+                  softmax_scale: T.float64, n_split: T.int64):
         T.func_attr({"global_symbol": "flash_bwd", "tirx.noalias": True})
         B = T.int64()
         Nq = T.int64()
@@ -253,7 +267,7 @@ def fused_backward(spec: KernelSpec) -> tirx.PrimFunc:
         Qp = T.alloc_buffer((B, H, _ceildiv(Nq, Br) * Br, D), F32)
         dOp = T.alloc_buffer((B, H, _ceildiv(Nq, Br) * Br, D), F32)
         Delta = T.alloc_buffer((B, H, _ceildiv(Nq, Br) * Br), F32)
-        LSE2 = T.alloc_buffer((B, H, _ceildiv(Nq, Br) * Br), F32)
+        LSE2 = T.alloc_buffer((2, B, H, _ceildiv(Nq, Br) * Br), F32)  # LSE * log2(e) as hi + lo
         dQacc = T.alloc_buffer((n_split, B, H, _ceildiv(Nq, Br) * Br, D), F32)
         dQsum = T.alloc_buffer((B, H, _ceildiv(Nq, Br) * Br, D), F32)
         for b, h, i, d in T.grid(B, H, _ceildiv(Nq, Br) * Br, D):
@@ -273,8 +287,10 @@ def fused_backward(spec: KernelSpec) -> tirx.PrimFunc:
         for b, h, i in T.grid(B, H, _ceildiv(Nq, Br) * Br):
             with T.sblock("lse_log2"):
                 vb, vh, vi = T.axis.remap("SSS", [b, h, i])
-                LSE2[vb, vh, vi] = T.if_then_else(vi < Nq, LSE[vb, vh, T.min(vi, Nq - 1)] * T.float32(LOG2E),
-                                                  T.float32(0))
+                LSE2[0, vb, vh, vi] = T.if_then_else(
+                    vi < Nq, lse_log2_parts(LSE[vb, vh, T.min(vi, Nq - 1)])[0], T.float32(0))
+                LSE2[1, vb, vh, vi] = T.if_then_else(
+                    vi < Nq, lse_log2_parts(LSE[vb, vh, T.min(vi, Nq - 1)])[1], T.float32(0))
         for s, b, h, i, d in T.grid(n_split, B, H, _ceildiv(Nq, Br) * Br, D):
             with T.sblock("zero_dq"):
                 vs, vb, vh, vi, vd = T.axis.remap("SSSSS", [s, b, h, i, d])
@@ -285,17 +301,17 @@ def fused_backward(spec: KernelSpec) -> tirx.PrimFunc:
                 T.reads()
                 T.writes()
                 Kt = T.sblock_alloc_buffer((Bc, D), F32)  # k tile (for dQ += dS K)
-                KT = T.sblock_alloc_buffer((D, Bc), F32)  # k tile transposed, pre-scaled (for S)
+                KT = T.sblock_alloc_buffer((D, Bc), F32)  # k tile transposed (for S)
                 VT = T.sblock_alloc_buffer((D, Bc), F32)  # v tile transposed (for dP)
-                dKacc = T.sblock_alloc_buffer((Bc, D), F32)
-                dKnext = T.sblock_alloc_buffer((Bc, D), F32)
+                dKacc = T.sblock_alloc_buffer((Bc, D), F32)  # over all query tiles and GQA heads
+                dKtile = T.sblock_alloc_buffer((Bc, D), F32)  # one query tile's share
                 dVacc = T.sblock_alloc_buffer((Bc, D), F32)
-                dVnext = T.sblock_alloc_buffer((Bc, D), F32)
+                dVtile = T.sblock_alloc_buffer((Bc, D), F32)
                 S = T.sblock_alloc_buffer((Br, Bc), F32)
                 P = T.sblock_alloc_buffer((Br, Bc), F32)
                 dP = T.sblock_alloc_buffer((Br, Bc), F32)
                 dS = T.sblock_alloc_buffer((Br, Bc), F32)
-                dQnext = T.sblock_alloc_buffer((Br, D), F32)
+                dQtile = T.sblock_alloc_buffer((Br, D), F32)
                 group: T.let[T.int64] = H // Hk
                 for t in T.serial(_ceildiv(_ceildiv(Nk, Bc) - vs, n_split)):
                     k0: T.let[T.int64] = (vs + t * n_split) * Bc
@@ -309,7 +325,7 @@ def fused_backward(spec: KernelSpec) -> tirx.PrimFunc:
                         for d, j in T.grid(D, Bc):
                             with T.sblock("load_kt"):
                                 vd, vj = T.axis.remap("SS", [d, j])
-                                KT[vd, vj] = Kt[vj, vd] * (softmax_scale * T.float32(LOG2E))
+                                KT[vd, vj] = Kt[vj, vd]
                     with T.sblock("load_vt_tile"):
                         for d, j in T.grid(D, Bc):
                             with T.sblock("load_vt"):
@@ -338,19 +354,22 @@ def fused_backward(spec: KernelSpec) -> tirx.PrimFunc:
                                     with T.sblock("probs"):
                                         vi, vj = T.axis.remap("SS", [i, j])
                                         P[vi, vj] = T.Select(visible(q0 + vi, k0 + vj, Nq, Nk, causal),
-                                                             exp2(S[vi, vj] - LSE2[vb, h, q0 + vi]), T.float32(0))
+                                                             exp2(log2_exponent(
+                                                                 S[vi, vj], scale_log2_parts(softmax_scale),
+                                                                 (LSE2[0, vb, h, q0 + vi], LSE2[1, vb, h, q0 + vi]))),
+                                                             T.float32(0))
                             with T.sblock("dv_tile"):
                                 for j, d, i in T.grid(Bc, D, Br):
                                     with T.sblock("dv"):
                                         vj, vd, vi = T.axis.remap("SSR", [j, d, i])
                                         with T.init():
-                                            dVnext[vj, vd] = dVacc[vj, vd]
-                                        dVnext[vj, vd] = dVnext[vj, vd] + P[vi, vj] * dOp[vb, h, q0 + vi, vd]
-                            with T.sblock("keep_dv_tile"):
+                                            dVtile[vj, vd] = T.float32(0)
+                                        dVtile[vj, vd] = dVtile[vj, vd] + P[vi, vj] * dOp[vb, h, q0 + vi, vd]
+                            with T.sblock("update_dv_tile"):
                                 for j, d in T.grid(Bc, D):
-                                    with T.sblock("keep_dv"):
+                                    with T.sblock("update_dv"):
                                         vj, vd = T.axis.remap("SS", [j, d])
-                                        dVacc[vj, vd] = dVnext[vj, vd]
+                                        dVacc[vj, vd] = dVacc[vj, vd] + dVtile[vj, vd]
                             with T.sblock("dprobs_tile"):
                                 for i, j, d in T.grid(Br, Bc, D):
                                     with T.sblock("dprobs"):
@@ -368,30 +387,30 @@ def fused_backward(spec: KernelSpec) -> tirx.PrimFunc:
                                     with T.sblock("dk"):
                                         vj, vd, vi = T.axis.remap("SSR", [j, d, i])
                                         with T.init():
-                                            dKnext[vj, vd] = dKacc[vj, vd]
-                                        dKnext[vj, vd] = dKnext[vj, vd] + dS[vi, vj] * Qp[vb, h, q0 + vi, vd]
-                            with T.sblock("keep_dk_tile"):
+                                            dKtile[vj, vd] = T.float32(0)
+                                        dKtile[vj, vd] = dKtile[vj, vd] + dS[vi, vj] * Qp[vb, h, q0 + vi, vd]
+                            with T.sblock("update_dk_tile"):
                                 for j, d in T.grid(Bc, D):
-                                    with T.sblock("keep_dk"):
+                                    with T.sblock("update_dk"):
                                         vj, vd = T.axis.remap("SS", [j, d])
-                                        dKacc[vj, vd] = dKnext[vj, vd]
+                                        dKacc[vj, vd] = dKacc[vj, vd] + dKtile[vj, vd]
                             with T.sblock("dq_tile"):
                                 for i, d, j in T.grid(Br, D, Bc):
                                     with T.sblock("dq"):
                                         vi, vd, vj = T.axis.remap("SSR", [i, d, j])
                                         with T.init():
-                                            dQnext[vi, vd] = dQacc[vs, vb, h, q0 + vi, vd]
-                                        dQnext[vi, vd] = dQnext[vi, vd] + dS[vi, vj] * Kt[vj, vd]
-                            with T.sblock("keep_dq_tile"):
+                                            dQtile[vi, vd] = T.float32(0)
+                                        dQtile[vi, vd] = dQtile[vi, vd] + dS[vi, vj] * Kt[vj, vd]
+                            with T.sblock("update_dq_tile"):
                                 for i, d in T.grid(Br, D):
-                                    with T.sblock("keep_dq"):
+                                    with T.sblock("update_dq"):
                                         vi, vd = T.axis.remap("SS", [i, d])
-                                        dQacc[vs, vb, h, q0 + vi, vd] = dQnext[vi, vd]
+                                        dQacc[vs, vb, h, q0 + vi, vd] = dQacc[vs, vb, h, q0 + vi, vd] + dQtile[vi, vd]
                     for j, d in T.grid(Bc, D):
                         with T.sblock("store_dkv"):
                             vj, vd = T.axis.remap("SS", [j, d])
                             if k0 + vj < Nk:
-                                dK[vb, k0 + vj, vhk, vd] = T.Cast(dtype, dKacc[vj, vd] * softmax_scale)
+                                dK[vb, k0 + vj, vhk, vd] = T.Cast(dtype, dKacc[vj, vd] * T.Cast(F32, softmax_scale))
                                 dV[vb, k0 + vj, vhk, vd] = T.Cast(dtype, dVacc[vj, vd])
         for b, h, i, s, d in T.grid(B, H, _ceildiv(Nq, Br) * Br, n_split, D):
             with T.sblock("sum_dq"):
@@ -402,6 +421,6 @@ def fused_backward(spec: KernelSpec) -> tirx.PrimFunc:
         for b, i, h, d in T.grid(B, Nq, H, D):
             with T.sblock("store_dq"):
                 vb, vi, vh, vd = T.axis.remap("SSSS", [b, i, h, d])
-                dQ[vb, vi, vh, vd] = T.Cast(dtype, dQsum[vb, vh, vi, vd] * softmax_scale)
+                dQ[vb, vi, vh, vd] = T.Cast(dtype, dQsum[vb, vh, vi, vd] * T.Cast(F32, softmax_scale))
 
     return flash_bwd

@@ -1,0 +1,94 @@
+"""Shared test helpers: float64 reference attention, the flash-attn tolerance rule, random shapes.
+
+Every test draws fresh random inputs. The seed is printed with each failure; set
+TVMFLASH_TEST_SEED=<seed> to replay one.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import secrets
+
+import pytest
+import torch
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+@pytest.fixture
+def seed() -> int:
+    value = int(os.environ.get("TVMFLASH_TEST_SEED", secrets.randbits(31)))
+    print(f"random seed: {value} (replay with TVMFLASH_TEST_SEED={value})")  # shown on failure
+    return value
+
+
+@pytest.fixture
+def gen(seed) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def causal_mask(seqlen_q: int, seqlen_k: int) -> torch.Tensor:
+    """Bottom-right aligned: query i sees key j iff j <= i + seqlen_k - seqlen_q."""
+    i = torch.arange(seqlen_q)[:, None]
+    j = torch.arange(seqlen_k)[None, :]
+    return j <= i + (seqlen_k - seqlen_q)
+
+
+def reference_attention(q, k, v, causal: bool, scale: float | None = None, dtype=torch.float64):
+    """Plain (materialized) attention computed in ``dtype``. Returns out (B,Nq,H,D), lse (B,H,Nq).
+
+    With dtype=float64 this is the ground truth; with the input dtype it is "plain PyTorch
+    attention in the same dtype", whose error sets the tolerance (the flash-attn rule).
+    Differentiable, so gradients come from autograd.
+    """
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    group = q.shape[2] // k.shape[2]
+    qt = q.to(dtype).transpose(1, 2)
+    kt = k.to(dtype).transpose(1, 2).repeat_interleave(group, dim=1)
+    vt = v.to(dtype).transpose(1, 2).repeat_interleave(group, dim=1)
+    scores = (qt @ kt.transpose(-1, -2)) * scale
+    if not causal:
+        probs = torch.softmax(scores, dim=-1)
+        return (probs @ vt).transpose(1, 2), torch.logsumexp(scores.to(torch.promote_types(dtype, torch.float32)), -1)
+    mask = causal_mask(q.shape[1], k.shape[1])
+    sees_a_key = mask.any(-1)[:, None]
+    # Rows that see no key: output 0, lse -inf, zero gradients. Give them finite scores before
+    # the softmax and zero their probabilities after, so autograd produces no NaN.
+    scores = scores.masked_fill(~mask, float("-inf")).masked_fill(~sees_a_key, 0.0)
+    probs = torch.softmax(scores, dim=-1) * sees_a_key
+    lse = torch.logsumexp(scores.to(torch.promote_types(dtype, torch.float32)), -1)
+    lse = lse.masked_fill(~sees_a_key[:, 0], float("-inf"))
+    return (probs @ vt).transpose(1, 2), lse
+
+
+def ulp(dtype: torch.dtype) -> float:
+    return torch.finfo(dtype).eps
+
+
+def assert_flash_rule(name: str, ours, ref64, same_dtype, dtype: torch.dtype, seed: int, ulps: float = 4.0,
+                      magnitude: float = 1.0):
+    """error(ours vs float64) <= 2 * error(plain PyTorch in the same dtype) + a few ulps.
+
+    The ulps are those of the largest value involved: the result, or ``magnitude``, the size of
+    the terms that cancel on the way to it (FlashAttention's dS = P (dP - Delta) subtracts two
+    numbers of size |dO| |V| even where the gradient is ~0; plain attention cancels differently).
+    """
+    assert not torch.isnan(ours).any(), f"{name}: NaN in the result (seed {seed})"
+    scale = max(1.0, magnitude, ref64.abs().max().item())
+    err = (ours.double() - ref64).abs().max().item()
+    err_torch = (same_dtype.double() - ref64).abs().max().item()
+    bound = 2 * err_torch + ulps * ulp(dtype) * scale
+    assert err <= bound, (
+        f"{name}: max error {err:.3g} > 2 x PyTorch's {err_torch:.3g} + {ulps} ulp(={bound:.3g}) (seed {seed})"
+    )
+
+
+def random_inputs(gen: torch.Generator, batch, seqlen_q, seqlen_k, heads, heads_k, head_dim, dtype,
+                  requires_grad=False):
+    def draw(*shape):
+        t = torch.randn(*shape, generator=gen, dtype=torch.float32).to(DTYPES.get(dtype, dtype))
+        return t.requires_grad_(requires_grad)
+
+    return (draw(batch, seqlen_q, heads, head_dim), draw(batch, seqlen_k, heads_k, head_dim),
+            draw(batch, seqlen_k, heads_k, head_dim))
