@@ -252,37 +252,33 @@ def backward_te(head_dim: int, dtype: str, causal: bool):
         name="dscores",
     )
     jq = te.reduce_axis((0, s.seqlen_k), name="jq")
-    dq = te.compute(
+    dq_sum = te.compute(
         q.shape,
-        lambda b, i, h, d: (
-            scale * te.sum(dscores[b, h, i, jq] * k[b, jq, h // group, d].astype(f32), axis=jq)
-        ).astype(dtype),
-        name="dq",
+        lambda b, i, h, d: te.sum(dscores[b, h, i, jq] * k[b, jq, h // group, d].astype(f32), axis=jq),
+        name="dq_sum",
     )
     # K/V head hk receives the gradients of every query head of its group (GQA/MQA).
     gk = te.reduce_axis((0, group), name="gk")
     ik = te.reduce_axis((0, s.seqlen_q), name="ik")
-    dk = te.compute(
+    dk_sum = te.compute(
         k.shape,
-        lambda b, j, hk, d: (
-            scale
-            * te.sum(
-                dscores[b, hk * group + gk, ik, j] * q[b, ik, hk * group + gk, d].astype(f32),
-                axis=[gk, ik],
-            )
-        ).astype(dtype),
-        name="dk",
+        lambda b, j, hk, d: te.sum(
+            dscores[b, hk * group + gk, ik, j] * q[b, ik, hk * group + gk, d].astype(f32), axis=[gk, ik]
+        ),
+        name="dk_sum",
     )
     gv = te.reduce_axis((0, group), name="gv")
     iv = te.reduce_axis((0, s.seqlen_q), name="iv")
-    dv = te.compute(
+    dv_sum = te.compute(
         v.shape,
         lambda b, j, hk, d: te.sum(
-            probs[b, hk * group + gv, iv, j] * dout[b, iv, hk * group + gv, d].astype(f32),
-            axis=[gv, iv],
-        ).astype(dtype),
-        name="dv",
+            probs[b, hk * group + gv, iv, j] * dout[b, iv, hk * group + gv, d].astype(f32), axis=[gv, iv]
+        ),
+        name="dv_sum",
     )
+    dq = te.compute(q.shape, lambda *i: (scale * dq_sum(*i)).astype(dtype), name="dq")
+    dk = te.compute(k.shape, lambda *i: (scale * dk_sum(*i)).astype(dtype), name="dk")
+    dv = te.compute(v.shape, lambda *i: dv_sum(*i).astype(dtype), name="dv")
     return [dout, q, k, v, out, lse, dq, dk, dv, scale], s
 
 

@@ -26,7 +26,7 @@ import tvm
 import tvm_ffi
 from tvm import s_tir
 
-from . import __version__, kernels
+from . import __version__, attention_te, kernels
 from . import target as targets
 from .checks import check_backward_args, check_forward_args, check_kernel_params
 from .schedules import llvm as llvm_schedules
@@ -257,3 +257,45 @@ def _compile_and_store(target, params, config, meta, key: str) -> FlashKernels:
     except OSError as err:
         _progress(f"could not write the compile cache in {directory} ({err}); continuing without it")
     return kernels_obj
+
+
+class StandardAttention:
+    """The unfused TE definitions compiled as they are: "standard attention", O(N^2) memory.
+
+    Same call signatures as ``FlashKernels`` (minus the backward's split count); used as an
+    independent second implementation in tests and as the baseline of the memory experiments.
+    """
+
+    def __init__(self, module, head_dim: int, dtype: str, causal: bool):
+        self._module = module
+        self.head_dim, self.dtype, self.causal = head_dim, dtype, causal
+
+    def forward(self, q, k, v, out, lse, softmax_scale: float | None = None) -> None:
+        check_forward_args(self, q, k, v, out, lse)
+        self._module["standard_fwd"](q, k, v, out, lse, _scale(softmax_scale, self.head_dim))
+
+    def backward(self, dout, q, k, v, out, lse, dq, dk, dv, softmax_scale: float | None = None) -> None:
+        check_backward_args(self, dout, q, k, v, out, lse, dq, dk, dv)
+        self._module["standard_bwd"](dout, q, k, v, out, lse, dq, dk, dv, _scale(softmax_scale, self.head_dim))
+
+    @property
+    def target(self):
+        return targets.host_target()
+
+
+_standard_cache: dict[tuple, StandardAttention] = {}
+
+
+def compile_standard(head_dim: int = 64, dtype: str = "float32", causal: bool = False) -> StandardAttention:
+    """Compile the unfused TE forward and backward for this CPU (cached in this process)."""
+    check_kernel_params(head_dim, dtype)
+    key = (int(head_dim), str(dtype), bool(causal))
+    if key not in _standard_cache:
+        fwd = attention_te.standard_forward(*key)
+        bwd = attention_te.standard_backward(*key)
+        mod = tvm.IRModule({
+            "standard_fwd": llvm_schedules.schedule_standard(s_tir.Schedule(fwd)).mod["main"],
+            "standard_bwd": llvm_schedules.schedule_standard(s_tir.Schedule(bwd)).mod["main"],
+        })
+        _standard_cache[key] = StandardAttention(tvm.compile(mod, target=targets.host_target()), *key)
+    return _standard_cache[key]

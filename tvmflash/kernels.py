@@ -63,6 +63,12 @@ class KernelSpec:
     causal: bool
     block_q: int
     block_k: int
+    # "polynomial": attention_te.exp2, which vectorizes on CPUs; "intrinsic": T.exp2, a single
+    # op (GPUs have it in hardware; FLOP analyses can only read this form).
+    exp2: str = "polynomial"
+
+    def exp2_fn(self):
+        return exp2 if self.exp2 == "polynomial" else tirx.exp2
 
 
 def _ceildiv(a, b):
@@ -89,7 +95,7 @@ def _first_query_tile_for_key_tile(k0, spec: KernelSpec, seqlen_q, seqlen_k):
 def fused_forward(spec: KernelSpec) -> tirx.PrimFunc:
     """flash_fwd(q, k, v, out, lse, softmax_scale): one pass, online softmax, O(N) memory."""
     D, Br, Bc, dtype = spec.head_dim, spec.block_q, spec.block_k, spec.dtype
-    causal = spec.causal
+    causal, exp2_ = spec.causal, spec.exp2_fn()
     elem = DataType(dtype).bits // 8
 
     @T.prim_func(s_tir=True)
@@ -175,14 +181,14 @@ def fused_forward(spec: KernelSpec) -> tirx.PrimFunc:
                             with T.sblock("rescale"):
                                 vi = T.axis.remap("S", [i])
                                 # Equal maxima (also both -inf: nothing seen yet) rescale by exactly 1.
-                                alpha[vi] = T.Select(m[vi] == m_next[vi], T.float32(1), exp2(m[vi] - m_next[vi]))
+                                alpha[vi] = T.Select(m[vi] == m_next[vi], T.float32(1), exp2_(m[vi] - m_next[vi]))
                     with T.sblock("probs_tile"):
                         for j, i in T.grid(Bc, Br):
                             with T.sblock("probs"):
                                 vj, vi = T.axis.remap("SS", [j, i])
                                 PT[vj, vi] = T.Select(
                                     visible(q0 + vi, k0 + vj, Nq, Nk, causal),
-                                    exp2(log2_exponent(ST[vj, vi], scale_log2_parts(softmax_scale),
+                                    exp2_(log2_exponent(ST[vj, vi], scale_log2_parts(softmax_scale),
                                                        (m_next[vi], T.float32(0)))),
                                     T.float32(0))
                     with T.sblock("pv_tile"):
@@ -233,7 +239,7 @@ def fused_backward(spec: KernelSpec) -> tirx.PrimFunc:
     that run in parallel; each split owns an fp32 dQ partial (rule 3, no races).
     """
     D, Br, Bc, dtype = spec.head_dim, spec.block_q, spec.block_k, spec.dtype
-    causal = spec.causal
+    causal, exp2_ = spec.causal, spec.exp2_fn()
     elem = DataType(dtype).bits // 8
 
     @T.prim_func(s_tir=True)
@@ -313,105 +319,107 @@ def fused_backward(spec: KernelSpec) -> tirx.PrimFunc:
                 dS = T.sblock_alloc_buffer((Br, Bc), F32)
                 dQtile = T.sblock_alloc_buffer((Br, D), F32)
                 group: T.let[T.int64] = H // Hk
-                for t in T.serial(_ceildiv(_ceildiv(Nk, Bc) - vs, n_split)):
-                    k0: T.let[T.int64] = (vs + t * n_split) * Bc
-                    with T.sblock("load_k_tile"):
+                # Key tiles vs, vs + n_split, ...: interleaved, so causal splits get equal work.
+                for t in T.serial(_ceildiv(_ceildiv(Nk, Bc), n_split)):
+                    if vs + t * n_split < _ceildiv(Nk, Bc):
+                        k0: T.let[T.int64] = (vs + t * n_split) * Bc
+                        with T.sblock("load_k_tile"):
+                            for j, d in T.grid(Bc, D):
+                                with T.sblock("load_k"):
+                                    vj, vd = T.axis.remap("SS", [j, d])
+                                    Kt[vj, vd] = T.if_then_else(
+                                        k0 + vj < Nk, T.Cast(F32, K[vb, T.min(k0 + vj, Nk - 1), vhk, vd]), T.float32(0))
+                        with T.sblock("load_kt_tile"):
+                            for d, j in T.grid(D, Bc):
+                                with T.sblock("load_kt"):
+                                    vd, vj = T.axis.remap("SS", [d, j])
+                                    KT[vd, vj] = Kt[vj, vd]
+                        with T.sblock("load_vt_tile"):
+                            for d, j in T.grid(D, Bc):
+                                with T.sblock("load_vt"):
+                                    vd, vj = T.axis.remap("SS", [d, j])
+                                    VT[vd, vj] = T.if_then_else(
+                                        k0 + vj < Nk, T.Cast(F32, V[vb, T.min(k0 + vj, Nk - 1), vhk, vd]), T.float32(0))
+                        with T.sblock("init_dkv_tile"):
+                            for j, d in T.grid(Bc, D):
+                                with T.sblock("init_dkv"):
+                                    vj, vd = T.axis.remap("SS", [j, d])
+                                    dKacc[vj, vd] = T.float32(0)
+                                    dVacc[vj, vd] = T.float32(0)
+                        for g in T.serial(group):
+                            h: T.let[T.int64] = vhk * group + g
+                            for qt in T.serial(_first_query_tile_for_key_tile(k0, spec, Nq, Nk), _ceildiv(Nq, Br)):
+                                q0: T.let[T.int64] = qt * Br
+                                with T.sblock("scores_tile"):
+                                    for i, j, d in T.grid(Br, Bc, D):
+                                        with T.sblock("scores"):
+                                            vi, vj, vd = T.axis.remap("SSR", [i, j, d])
+                                            with T.init():
+                                                S[vi, vj] = T.float32(0)
+                                            S[vi, vj] = S[vi, vj] + Qp[vb, h, q0 + vi, vd] * KT[vd, vj]
+                                with T.sblock("probs_tile"):
+                                    for i, j in T.grid(Br, Bc):
+                                        with T.sblock("probs"):
+                                            vi, vj = T.axis.remap("SS", [i, j])
+                                            P[vi, vj] = T.Select(visible(q0 + vi, k0 + vj, Nq, Nk, causal),
+                                                                 exp2_(log2_exponent(
+                                                                     S[vi, vj], scale_log2_parts(softmax_scale),
+                                                                     (LSE2[0, vb, h, q0 + vi], LSE2[1, vb, h, q0 + vi]))),
+                                                                 T.float32(0))
+                                with T.sblock("dv_tile"):
+                                    for j, d, i in T.grid(Bc, D, Br):
+                                        with T.sblock("dv"):
+                                            vj, vd, vi = T.axis.remap("SSR", [j, d, i])
+                                            with T.init():
+                                                dVtile[vj, vd] = T.float32(0)
+                                            dVtile[vj, vd] = dVtile[vj, vd] + P[vi, vj] * dOp[vb, h, q0 + vi, vd]
+                                with T.sblock("update_dv_tile"):
+                                    for j, d in T.grid(Bc, D):
+                                        with T.sblock("update_dv"):
+                                            vj, vd = T.axis.remap("SS", [j, d])
+                                            dVacc[vj, vd] = dVacc[vj, vd] + dVtile[vj, vd]
+                                with T.sblock("dprobs_tile"):
+                                    for i, j, d in T.grid(Br, Bc, D):
+                                        with T.sblock("dprobs"):
+                                            vi, vj, vd = T.axis.remap("SSR", [i, j, d])
+                                            with T.init():
+                                                dP[vi, vj] = T.float32(0)
+                                            dP[vi, vj] = dP[vi, vj] + dOp[vb, h, q0 + vi, vd] * VT[vd, vj]
+                                with T.sblock("dscores_tile"):
+                                    for i, j in T.grid(Br, Bc):
+                                        with T.sblock("dscores"):
+                                            vi, vj = T.axis.remap("SS", [i, j])
+                                            dS[vi, vj] = grad_scores(P[vi, vj], dP[vi, vj], Delta[vb, h, q0 + vi])
+                                with T.sblock("dk_tile"):
+                                    for j, d, i in T.grid(Bc, D, Br):
+                                        with T.sblock("dk"):
+                                            vj, vd, vi = T.axis.remap("SSR", [j, d, i])
+                                            with T.init():
+                                                dKtile[vj, vd] = T.float32(0)
+                                            dKtile[vj, vd] = dKtile[vj, vd] + dS[vi, vj] * Qp[vb, h, q0 + vi, vd]
+                                with T.sblock("update_dk_tile"):
+                                    for j, d in T.grid(Bc, D):
+                                        with T.sblock("update_dk"):
+                                            vj, vd = T.axis.remap("SS", [j, d])
+                                            dKacc[vj, vd] = dKacc[vj, vd] + dKtile[vj, vd]
+                                with T.sblock("dq_tile"):
+                                    for i, d, j in T.grid(Br, D, Bc):
+                                        with T.sblock("dq"):
+                                            vi, vd, vj = T.axis.remap("SSR", [i, d, j])
+                                            with T.init():
+                                                dQtile[vi, vd] = T.float32(0)
+                                            dQtile[vi, vd] = dQtile[vi, vd] + dS[vi, vj] * Kt[vj, vd]
+                                with T.sblock("update_dq_tile"):
+                                    for i, d in T.grid(Br, D):
+                                        with T.sblock("update_dq"):
+                                            vi, vd = T.axis.remap("SS", [i, d])
+                                            dQacc[vs, vb, h, q0 + vi, vd] = dQacc[vs, vb, h, q0 + vi, vd] + dQtile[vi, vd]
                         for j, d in T.grid(Bc, D):
-                            with T.sblock("load_k"):
+                            with T.sblock("store_dkv"):
                                 vj, vd = T.axis.remap("SS", [j, d])
-                                Kt[vj, vd] = T.if_then_else(
-                                    k0 + vj < Nk, T.Cast(F32, K[vb, T.min(k0 + vj, Nk - 1), vhk, vd]), T.float32(0))
-                    with T.sblock("load_kt_tile"):
-                        for d, j in T.grid(D, Bc):
-                            with T.sblock("load_kt"):
-                                vd, vj = T.axis.remap("SS", [d, j])
-                                KT[vd, vj] = Kt[vj, vd]
-                    with T.sblock("load_vt_tile"):
-                        for d, j in T.grid(D, Bc):
-                            with T.sblock("load_vt"):
-                                vd, vj = T.axis.remap("SS", [d, j])
-                                VT[vd, vj] = T.if_then_else(
-                                    k0 + vj < Nk, T.Cast(F32, V[vb, T.min(k0 + vj, Nk - 1), vhk, vd]), T.float32(0))
-                    with T.sblock("init_dkv_tile"):
-                        for j, d in T.grid(Bc, D):
-                            with T.sblock("init_dkv"):
-                                vj, vd = T.axis.remap("SS", [j, d])
-                                dKacc[vj, vd] = T.float32(0)
-                                dVacc[vj, vd] = T.float32(0)
-                    for g in T.serial(group):
-                        h: T.let[T.int64] = vhk * group + g
-                        for qt in T.serial(_first_query_tile_for_key_tile(k0, spec, Nq, Nk), _ceildiv(Nq, Br)):
-                            q0: T.let[T.int64] = qt * Br
-                            with T.sblock("scores_tile"):
-                                for i, j, d in T.grid(Br, Bc, D):
-                                    with T.sblock("scores"):
-                                        vi, vj, vd = T.axis.remap("SSR", [i, j, d])
-                                        with T.init():
-                                            S[vi, vj] = T.float32(0)
-                                        S[vi, vj] = S[vi, vj] + Qp[vb, h, q0 + vi, vd] * KT[vd, vj]
-                            with T.sblock("probs_tile"):
-                                for i, j in T.grid(Br, Bc):
-                                    with T.sblock("probs"):
-                                        vi, vj = T.axis.remap("SS", [i, j])
-                                        P[vi, vj] = T.Select(visible(q0 + vi, k0 + vj, Nq, Nk, causal),
-                                                             exp2(log2_exponent(
-                                                                 S[vi, vj], scale_log2_parts(softmax_scale),
-                                                                 (LSE2[0, vb, h, q0 + vi], LSE2[1, vb, h, q0 + vi]))),
-                                                             T.float32(0))
-                            with T.sblock("dv_tile"):
-                                for j, d, i in T.grid(Bc, D, Br):
-                                    with T.sblock("dv"):
-                                        vj, vd, vi = T.axis.remap("SSR", [j, d, i])
-                                        with T.init():
-                                            dVtile[vj, vd] = T.float32(0)
-                                        dVtile[vj, vd] = dVtile[vj, vd] + P[vi, vj] * dOp[vb, h, q0 + vi, vd]
-                            with T.sblock("update_dv_tile"):
-                                for j, d in T.grid(Bc, D):
-                                    with T.sblock("update_dv"):
-                                        vj, vd = T.axis.remap("SS", [j, d])
-                                        dVacc[vj, vd] = dVacc[vj, vd] + dVtile[vj, vd]
-                            with T.sblock("dprobs_tile"):
-                                for i, j, d in T.grid(Br, Bc, D):
-                                    with T.sblock("dprobs"):
-                                        vi, vj, vd = T.axis.remap("SSR", [i, j, d])
-                                        with T.init():
-                                            dP[vi, vj] = T.float32(0)
-                                        dP[vi, vj] = dP[vi, vj] + dOp[vb, h, q0 + vi, vd] * VT[vd, vj]
-                            with T.sblock("dscores_tile"):
-                                for i, j in T.grid(Br, Bc):
-                                    with T.sblock("dscores"):
-                                        vi, vj = T.axis.remap("SS", [i, j])
-                                        dS[vi, vj] = grad_scores(P[vi, vj], dP[vi, vj], Delta[vb, h, q0 + vi])
-                            with T.sblock("dk_tile"):
-                                for j, d, i in T.grid(Bc, D, Br):
-                                    with T.sblock("dk"):
-                                        vj, vd, vi = T.axis.remap("SSR", [j, d, i])
-                                        with T.init():
-                                            dKtile[vj, vd] = T.float32(0)
-                                        dKtile[vj, vd] = dKtile[vj, vd] + dS[vi, vj] * Qp[vb, h, q0 + vi, vd]
-                            with T.sblock("update_dk_tile"):
-                                for j, d in T.grid(Bc, D):
-                                    with T.sblock("update_dk"):
-                                        vj, vd = T.axis.remap("SS", [j, d])
-                                        dKacc[vj, vd] = dKacc[vj, vd] + dKtile[vj, vd]
-                            with T.sblock("dq_tile"):
-                                for i, d, j in T.grid(Br, D, Bc):
-                                    with T.sblock("dq"):
-                                        vi, vd, vj = T.axis.remap("SSR", [i, d, j])
-                                        with T.init():
-                                            dQtile[vi, vd] = T.float32(0)
-                                        dQtile[vi, vd] = dQtile[vi, vd] + dS[vi, vj] * Kt[vj, vd]
-                            with T.sblock("update_dq_tile"):
-                                for i, d in T.grid(Br, D):
-                                    with T.sblock("update_dq"):
-                                        vi, vd = T.axis.remap("SS", [i, d])
-                                        dQacc[vs, vb, h, q0 + vi, vd] = dQacc[vs, vb, h, q0 + vi, vd] + dQtile[vi, vd]
-                    for j, d in T.grid(Bc, D):
-                        with T.sblock("store_dkv"):
-                            vj, vd = T.axis.remap("SS", [j, d])
-                            if k0 + vj < Nk:
-                                dK[vb, k0 + vj, vhk, vd] = T.Cast(dtype, dKacc[vj, vd] * T.Cast(F32, softmax_scale))
-                                dV[vb, k0 + vj, vhk, vd] = T.Cast(dtype, dVacc[vj, vd])
+                                if k0 + vj < Nk:
+                                    dK[vb, k0 + vj, vhk, vd] = T.Cast(dtype, dKacc[vj, vd] * T.Cast(F32, softmax_scale))
+                                    dV[vb, k0 + vj, vhk, vd] = T.Cast(dtype, dVacc[vj, vd])
         for b, h, i, s, d in T.grid(B, H, _ceildiv(Nq, Br) * Br, n_split, D):
             with T.sblock("sum_dq"):
                 vb, vh, vi, vs, vd = T.axis.remap("SSSRS", [b, h, i, s, d])

@@ -1,0 +1,180 @@
+"""The compile API: kernels over DLPack tensors, export/load, generated source, caches, errors."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+import torch
+
+import tvmflash
+from conftest import assert_flash_rule, random_inputs, reference_attention
+from tvmflash import compiler
+from tvmflash.schedules import llvm as llvm_schedules
+from tvmflash.target import resolve
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    return tvmflash.compile("llvm", head_dim=64, dtype="float32", causal=True)
+
+
+def _poisoned(*shape, dtype=torch.float32):
+    return torch.full(shape, float("nan"), dtype=dtype)
+
+
+def test_forward_backward_on_numpy_arrays(kernels, gen, seed):
+    """Any DLPack tensor works; outputs are poisoned (NaN) first so unwritten elements show."""
+    q, k, v = random_inputs(gen, 2, 77, 130, 4, 2, 64, "float32")
+    dout = torch.randn(q.shape, generator=gen)
+    arrays = [x.numpy() for x in (q, k, v)]
+    out, lse = np.full(q.shape, np.nan, np.float32), np.full((2, 4, 77), np.nan, np.float32)
+    kernels.forward(*arrays, out, lse, 0.125)
+    ref_out, ref_lse = reference_attention(q, k, v, True, 0.125)
+    same_out, same_lse = reference_attention(q, k, v, True, 0.125, dtype=torch.float32)
+    assert_flash_rule("out", torch.from_numpy(out), ref_out, same_out, torch.float32, seed)
+    assert_flash_rule("lse", torch.from_numpy(lse), ref_lse, same_lse, torch.float32, seed)
+
+    grads = [np.full(x.shape, np.nan, np.float32) for x in (q, k, v)]
+    kernels.backward(dout.numpy(), *arrays, out, lse, *grads, 0.125)
+    qd, kd, vd = (x.double().requires_grad_() for x in (q, k, v))
+    ref_grads = torch.autograd.grad(reference_attention(qd, kd, vd, True, 0.125)[0], (qd, kd, vd), dout.double())
+    for name, g, r in zip(("dq", "dk", "dv"), grads, ref_grads):
+        assert np.isfinite(g).all(), name
+        assert np.abs(g - r.numpy()).max() < 1e-5, name
+
+
+def test_strided_views_are_read_in_place(kernels, gen):
+    """q, k, v sliced out of one packed (batch, seqlen, 3, heads, dim) tensor: no copy needed."""
+    qkv = torch.randn(2, 90, 3, 4, 64, generator=gen)
+    q, k, v = qkv.unbind(2)
+    assert not q.is_contiguous() and q.stride(-1) == 1
+    out_strided, lse_strided = torch.empty(2, 90, 4, 64), torch.empty(2, 4, 90)
+    kernels.forward(q, k, v, out_strided, lse_strided, 0.125)
+    out, lse = torch.empty(2, 90, 4, 64), torch.empty(2, 4, 90)
+    kernels.forward(q.contiguous(), k.contiguous(), v.contiguous(), out, lse, 0.125)
+    assert torch.equal(out, out_strided) and torch.equal(lse, lse_strided)
+
+
+def test_export_library_and_load(kernels, tmp_path, gen):
+    path = tmp_path / "flash.so"
+    kernels.export_library(path)
+    loaded = tvmflash.load(path)
+    assert (loaded.head_dim, loaded.dtype, loaded.causal) == (64, "float32", True)
+    q, k, v = random_inputs(gen, 1, 50, 70, 2, 2, 64, "float32")
+    results = []
+    for kern in (kernels, loaded):
+        out, lse = torch.empty_like(q), torch.empty(1, 2, 50)
+        kern.forward(q, k, v, out, lse)
+        results.append(out)
+    assert torch.equal(*results)
+    with pytest.raises(FileNotFoundError, match="json"):
+        tvmflash.load(tmp_path / "missing.so")
+
+
+def test_source_is_vectorized_llvm_ir(kernels):
+    src = kernels.source()
+    assert "define" in src and "flash_fwd" in src and "flash_bwd" in src
+    lanes = kernels.config.lanes
+    assert f"fmul <{lanes} x float>" in src or f"<{lanes} x float>" in src
+    assert "call float @expf" not in src and "@llvm.exp" not in src  # the polynomial exp2 is inlined
+    assert kernels.tuning_record is None
+
+
+def test_second_process_loads_from_disk_cache(tmp_path, monkeypatch):
+    """compile() writes the module to the disk cache; a new process loads it instead of compiling."""
+    monkeypatch.setenv("TVMFLASH_CACHE_DIR", str(tmp_path))
+    target = resolve("llvm")
+    # A config that no other test uses: this process must really build it (and store it).
+    config = llvm_schedules.default_config(target, 32, "float32", False)
+    config = llvm_schedules.LLVMConfig(**{**config.__dict__, "block_k": 32})
+    first = tvmflash.compile("llvm", head_dim=32, dtype="float32", config=config)
+    assert (tmp_path / f"{first.meta['cache_key']}.so").exists()
+
+    script = textwrap.dedent(f"""
+        import time, json, torch, tvmflash
+        from tvmflash.schedules import llvm
+        config = llvm.LLVMConfig.from_json(json.loads({json.dumps(json.dumps(config.to_json()))}))
+        start = time.perf_counter()
+        k = tvmflash.compile("llvm", head_dim=32, dtype="float32", config=config)
+        elapsed = time.perf_counter() - start
+        q = torch.randn(1, 10, 1, 32); out = torch.empty_like(q); lse = torch.empty(1, 1, 10)
+        k.forward(q, q, q, out, lse)
+        print(elapsed, k.meta["cache_key"])
+    """)
+    env = {**os.environ, "TVMFLASH_CACHE_DIR": str(tmp_path), "TVMFLASH_QUIET": "0"}
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    elapsed, key = proc.stdout.split()
+    assert key == first.meta["cache_key"]
+    assert "compiling" not in proc.stderr
+    assert float(elapsed) < 5.0
+
+
+def test_cache_key_covers_target_config_and_params():
+    target = resolve("llvm")
+    other_cpu = resolve({"kind": "llvm", "mcpu": "znver3"})
+    cfg = llvm_schedules.default_config(target, 64, "float32", False)
+    params = compiler.KernelParams(64, "float32", False)
+    base = compiler._cache_key(target, params, cfg.to_json())
+    assert base != compiler._cache_key(other_cpu, params, cfg.to_json())
+    assert base != compiler._cache_key(target, compiler.KernelParams(64, "float32", True), cfg.to_json())
+    assert base != compiler._cache_key(target, params, {**cfg.to_json(), "block_q": 32})
+    assert base == compiler._cache_key(target, params, cfg.to_json())
+
+
+@pytest.mark.parametrize(
+    "kwargs,error,match",
+    [
+        (dict(head_dim=63), ValueError, "head_dim 63"),
+        (dict(head_dim=264), ValueError, "head_dim 264"),
+        (dict(dtype="float64"), TypeError, "float64"),
+        (dict(target="rocm"), ValueError, "rocm"),
+        (dict(target=42), TypeError, "target"),
+    ],
+)
+def test_compile_rejects_bad_parameters(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        tvmflash.compile(**{"target": "llvm", **kwargs})
+
+
+def _args(batch=1, nq=8, nk=9, h=2, hk=2, d=64, dtype=torch.float32):
+    q, k, v = torch.randn(batch, nq, h, d, dtype=dtype), torch.randn(batch, nk, hk, d, dtype=dtype), torch.randn(
+        batch, nk, hk, d, dtype=dtype)
+    return dict(q=q, k=k, v=v, out=torch.empty_like(q), lse=torch.empty(batch, h, nq))
+
+
+@pytest.mark.parametrize(
+    "change,error,match",
+    [
+        (lambda a: a.update(q=a["q"][0]), ValueError, "q must have 4 dimensions"),
+        (lambda a: a.update(v=torch.randn(1, 10, 2, 64)), ValueError, "k and v must have the same shape"),
+        (lambda a: a.update(k=torch.randn(2, 9, 2, 64), v=torch.randn(2, 9, 2, 64)), ValueError, "batch sizes"),
+        (lambda a: a.update(k=torch.randn(1, 9, 3, 64), v=torch.randn(1, 9, 3, 64)), ValueError, "multiple"),
+        (lambda a: a.update(out=torch.empty(1, 8, 2, 32)), ValueError, "out must have shape"),
+        (lambda a: a.update(lse=torch.empty(1, 2, 8, dtype=torch.float64)), TypeError, "lse must be float32"),
+        (lambda a: a.update(lse=torch.empty(1, 8, 2)), ValueError, "lse must have shape"),
+        (lambda a: a.update(**_args(dtype=torch.float16)), TypeError, "compiled for float32"),
+        (lambda a: a.update(**_args(d=32)), ValueError, "compiled for 64"),
+        (lambda a: a.update(q=torch.randn(1, 8, 64, 2).transpose(2, 3)), ValueError, "contiguous"),
+        (lambda a: a.update(**_args(nk=0)), ValueError, "empty"),
+        (lambda a: a.update(q="not a tensor"), TypeError, "DLPack"),
+    ],
+)
+def test_forward_rejects_bad_inputs(kernels, change, error, match):
+    args = _args()
+    change(args)
+    with pytest.raises(error, match=match):
+        kernels.forward(**args)
+
+
+def test_backward_rejects_mismatched_gradients(kernels):
+    a = _args()
+    with pytest.raises(ValueError, match="dk must have shape"):
+        kernels.backward(torch.randn_like(a["q"]), a["q"], a["k"], a["v"], a["out"], a["lse"],
+                         torch.empty_like(a["q"]), torch.empty_like(a["q"]), torch.empty_like(a["v"]))

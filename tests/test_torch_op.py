@@ -1,0 +1,110 @@
+"""The PyTorch op: registration (opcheck), torch.compile, layouts, edge sizes, input errors."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from conftest import random_inputs, reference_attention
+from tvmflash import flash_attn_func
+
+fwd_op = torch.ops.tvmflash.flash_attn_forward.default
+bwd_op = torch.ops.tvmflash.flash_attn_backward.default
+
+
+def test_opcheck_forward_and_backward(gen):
+    q, k, v = random_inputs(gen, 1, 20, 33, 4, 2, 64, "float32", requires_grad=True)
+    torch.library.opcheck(fwd_op, (q, k, v, 0.125, True))
+    out, lse = fwd_op(q, k, v, 0.125, True)
+    dout = torch.randn(out.shape, generator=gen)
+    torch.library.opcheck(bwd_op, (dout, q.detach(), k.detach(), v.detach(), out.detach(), lse, 0.125, True))
+
+
+def test_torch_compile_fullgraph_matches_eager(gen):
+    q, k, v = random_inputs(gen, 2, 40, 40, 2, 1, 64, "float32", requires_grad=True)
+    w = torch.randn(2, 40, 2, 64, generator=gen)
+
+    def loss_fn(q, k, v):
+        return (flash_attn_func(torch.tanh(q), k, v, causal=True) * w).sum()
+
+    compiled = torch.compile(loss_fn, fullgraph=True, backend="aot_eager")
+    eager_loss = loss_fn(q, k, v)
+    eager_grads = torch.autograd.grad(eager_loss, (q, k, v))
+    compiled_loss = compiled(q, k, v)
+    compiled_grads = torch.autograd.grad(compiled_loss, (q, k, v))
+    torch.testing.assert_close(compiled_loss, eager_loss)
+    for a, b in zip(compiled_grads, eager_grads):
+        torch.testing.assert_close(a, b)
+
+
+def test_torch_compile_inductor(gen):
+    q, k, v = random_inputs(gen, 1, 30, 30, 2, 2, 64, "float32")
+    compiled = torch.compile(lambda q, k, v: flash_attn_func(q * 2, k, v), fullgraph=True)
+    torch.testing.assert_close(compiled(q, k, v), flash_attn_func(q * 2, k, v))
+
+
+def test_layouts_strided_and_non_contiguous(gen):
+    """(batch, heads, seqlen, dim) tensors transposed to flash layout, and a non-unit last stride."""
+    q_bhsd, k_bhsd, v_bhsd = (torch.randn(2, 3, 50, 64, generator=gen) for _ in range(3))
+    q, k, v = (t.transpose(1, 2) for t in (q_bhsd, k_bhsd, v_bhsd))  # strided views, dim contiguous
+    out = flash_attn_func(q, k, v, causal=True)
+    expected = flash_attn_func(q.contiguous(), k.contiguous(), v.contiguous(), causal=True)
+    assert torch.equal(out, expected)
+    q_odd = torch.randn(2, 50, 3, 128, generator=gen)[..., ::2]  # last-dim stride 2: copied
+    ref, _ = reference_attention(q_odd, k, v, False)
+    torch.testing.assert_close(flash_attn_func(q_odd, k, v).double(), ref, atol=1e-5, rtol=0)
+
+
+def test_return_lse_and_default_scale(gen):
+    q, k, v = random_inputs(gen, 1, 17, 29, 2, 2, 64, "float32")
+    out, lse = flash_attn_func(q, k, v, return_lse=True)
+    assert lse.shape == (1, 2, 17) and lse.dtype == torch.float32
+    same = flash_attn_func(q, k, v, softmax_scale=1 / math.sqrt(64))
+    assert torch.equal(out, same)
+    ref_out, ref_lse = reference_attention(q, k, v, False)
+    torch.testing.assert_close(lse.double(), ref_lse, atol=1e-5, rtol=0)
+
+
+def test_gradient_only_for_some_inputs(gen):
+    q, k, v = random_inputs(gen, 1, 20, 20, 2, 2, 64, "float32")
+    q.requires_grad_()
+    flash_attn_func(q, k, v).sum().backward()
+    qd = q.detach().double().requires_grad_()
+    ref, _ = reference_attention(qd, k, v, False)
+    ref.sum().backward()
+    torch.testing.assert_close(q.grad.double(), qd.grad, atol=1e-5, rtol=0)
+
+
+def test_empty_sizes():
+    q, k = torch.randn(0, 5, 2, 64), torch.randn(0, 7, 2, 64)
+    assert flash_attn_func(q, k, k).shape == (0, 5, 2, 64)
+    q, k = torch.randn(1, 5, 2, 64, requires_grad=True), torch.randn(1, 0, 2, 64, requires_grad=True)
+    out, lse = flash_attn_func(q, k, k, return_lse=True)
+    assert torch.all(out == 0) and torch.all(lse == float("-inf"))
+    out.sum().backward()
+    assert torch.all(q.grad == 0)
+
+
+@pytest.mark.parametrize(
+    "args,kwargs,error,match",
+    [
+        ((torch.randn(5, 2, 64),) * 3, {}, ValueError, "q must have 4 dimensions"),
+        ((torch.randn(1, 5, 2, 64), torch.randn(2, 5, 2, 64), torch.randn(2, 5, 2, 64)), {}, ValueError, "batch"),
+        ((torch.randn(1, 5, 4, 64), torch.randn(1, 5, 3, 64), torch.randn(1, 5, 3, 64)), {}, ValueError, "multiple"),
+        ((torch.randn(1, 5, 2, 64), torch.randn(1, 5, 2, 32), torch.randn(1, 5, 2, 32)), {}, ValueError, "head dims"),
+        ((torch.randn(1, 5, 2, 12),) * 3, {}, ValueError, "head_dim 12"),
+        ((torch.randn(1, 5, 2, 264),) * 3, {}, ValueError, "head_dim 264"),
+        ((torch.randn(1, 5, 2, 64, dtype=torch.float64),) * 3, {}, TypeError, "float64"),
+        ((torch.randn(1, 5, 2, 64), torch.randn(1, 5, 2, 64).half(), torch.randn(1, 5, 2, 64)), {}, TypeError,
+         "same dtype"),
+        ((torch.ones(1, 5, 2, 64, dtype=torch.int32),) * 3, {}, TypeError, "int32"),
+        ((torch.randn(1, 5, 2, 64),) * 3, {"dropout_p": 0.1}, ValueError, "dropout"),
+        ((torch.randn(1, 5, 2, 64),) * 3, {"softmax_scale": float("nan")}, ValueError, "softmax_scale"),
+        (([1.0],) * 3, {}, TypeError, "torch.Tensor"),
+    ],
+)
+def test_bad_inputs_raise_clear_errors(args, kwargs, error, match):
+    with pytest.raises(error, match=match):
+        flash_attn_func(*args, **kwargs)
