@@ -31,7 +31,14 @@ from . import target as targets
 from .checks import check_backward_args, check_forward_args, check_kernel_params
 from .schedules import llvm as llvm_schedules
 
-_PACKAGE_DIRS = (Path(__file__).parent, Path(llvm_schedules.__file__).parent)
+# The code that decides what gets compiled: a change to any of it invalidates the disk cache.
+_CODEGEN_SOURCES = (
+    Path(__file__),
+    Path(kernels.__file__),
+    Path(attention_te.__file__),
+    Path(targets.__file__),
+    *sorted(Path(llvm_schedules.__file__).parent.glob("*.py")),
+)
 _memory_cache: dict[str, FlashKernels] = {}
 _lock = threading.Lock()
 
@@ -53,14 +60,12 @@ _source_digest: str | None = None
 
 
 def _sources_digest() -> str:
-    """Hash of the code that decides what gets compiled (kernels, math, schedules, this file)."""
     global _source_digest
     if _source_digest is None:
         h = hashlib.sha256()
-        for d in _PACKAGE_DIRS:
-            for p in sorted(d.glob("*.py")):
-                h.update(p.name.encode())
-                h.update(p.read_bytes())
+        for p in _CODEGEN_SOURCES:
+            h.update(p.name.encode())
+            h.update(p.read_bytes())
         _source_digest = h.hexdigest()[:16]
     return _source_digest
 

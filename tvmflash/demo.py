@@ -1,0 +1,109 @@
+"""A short CPU demo that checks itself: ``python -m tvmflash.demo``.
+
+1. compiles the fused kernels for this CPU (cached after the first run),
+2. checks forward and gradients against float64 PyTorch (flash-attn's error rule),
+3. times forward and forward+backward against PyTorch's own CPU FlashAttention (SDPA),
+4. measures the peak memory of forward+backward as the sequence grows, next to what standard
+   attention allocates.
+
+Exits with status 1 if the correctness check fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+import torch
+
+from . import analysis, bench, memory, target
+from .torch_op import flash_attn_func, kernels_for
+
+
+def _step(message: str) -> None:
+    print(f"\n== {message}", flush=True)
+
+
+def check_correctness(seed: int = 0) -> bool:
+    gen = torch.Generator().manual_seed(seed)
+    shape = dict(batch=2, seqlen_q=300, seqlen_k=333, heads=4, heads_k=2, head_dim=64)
+    ok = True
+    for causal in (False, True):
+        q, k, v = (torch.randn(shape["batch"], n, h, 64, generator=gen).requires_grad_()
+                   for n, h in ((300, 4), (333, 2), (333, 2)))
+        dout = torch.randn(2, 300, 4, 64, generator=gen)
+        ours = [flash_attn_func(q, k, v, causal=causal)]
+        ours += torch.autograd.grad(ours[0], (q, k, v), dout)
+        errors = {}
+        for dtype in (torch.float64, torch.float32):
+            qq, kk, vv = (t.detach().to(dtype).requires_grad_() for t in (q, k, v))
+            scores = torch.einsum("bihd,bjhd->bhij", qq, kk.repeat_interleave(2, 2)) / 8
+            if causal:
+                mask = torch.ones(300, 333, dtype=torch.bool).tril(333 - 300)
+                scores = scores.masked_fill(~mask, float("-inf"))
+            out = torch.einsum("bhij,bjhd->bihd", scores.softmax(-1), vv.repeat_interleave(2, 2))
+            errors[dtype] = [out] + list(torch.autograd.grad(out, (qq, kk, vv), dout.to(dtype)))
+        worst = 0.0
+        for name, a, ref, pt in zip(("out", "dq", "dk", "dv"), ours, errors[torch.float64], errors[torch.float32]):
+            err = (a.double() - ref).abs().max().item()
+            err_pt = (pt.double() - ref).abs().max().item()
+            bound = 2 * err_pt + 4 * torch.finfo(torch.float32).eps * max(1.0, ref.abs().max().item())
+            worst = max(worst, err / bound)
+            ok &= err <= bound
+        mask = "causal" if causal else "full  "
+        verdict = "OK" if worst <= 1 else "FAILED"
+        print(f"  {mask}: out, dq, dk, dv: worst error / bound = {worst:.2f} "
+              f"(bound: 2 x PyTorch fp32's error + 4 ulp, vs float64): {verdict}")
+    return ok
+
+
+def show_speed(rounds: int) -> None:
+    cases = [bench.Case(1, 2048, 8, 64), bench.Case(1, 2048, 8, 64, causal=True)]
+    print(f"  {'shape':42s} {'tvmflash GF/s':>16s} {'SDPA flash GF/s':>16s} {'ratio':>12s}")
+    for case in cases:
+        r = bench.run_case(case, rounds=rounds, implementations=("tvmflash", "sdpa_flash"))
+        g = r["gflops"]
+        for phase in ("fwd", "fwd+bwd"):
+            print(f"  {case.label() + ' ' + phase:42s} {g['tvmflash/' + phase]:16.0f} "
+                  f"{g['sdpa_flash/' + phase]:16.0f} {bench.ratio(r, 'sdpa_flash', phase):11.2f}x", flush=True)
+
+
+def show_memory(lengths) -> None:
+    print(f"  {'seqlen':>7s} {'tvmflash (measured)':>20s} {'standard attention (allocates)':>31s}")
+    fwd, bwd = analysis.standard_kernels()
+    for n in lengths:
+        measured = memory.peak_added_mb("tvmflash", n)
+        sizes = dict(batch=1, heads=1, heads_k=1, seqlen_q=n, seqlen_k=n)
+        standard = max(analysis.allocated_bytes(analysis.specialize(f, **sizes)) for f in (fwd, bwd)) / 2**20
+        print(f"  {n:7d} {measured:17.1f} MB {standard:28.0f} MB", flush=True)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=5, help="interleaved timing rounds")
+    parser.add_argument("--lengths", type=int, nargs="+", default=[1024, 4096, 16384])
+    args = parser.parse_args(argv)
+    start = time.perf_counter()
+    print(f"tvmflash demo on {target.host_cpu()} ({target.usable_cpus()} CPUs), torch {torch.__version__}")
+
+    _step("1/4 compile (or load from cache) the fused kernels")
+    for causal in (False, True):
+        kernels_for(torch.empty(1, 1, 1, 64), causal)
+    print("  ready")
+
+    _step("2/4 correctness vs float64 PyTorch (B2 Nq300 Nk333 H4 Hkv2 D64 fp32, GQA)")
+    ok = check_correctness()
+
+    _step(f"3/4 speed vs PyTorch SDPA (FLASH backend), medians of {args.rounds} interleaved rounds")
+    show_speed(args.rounds)
+
+    _step("4/4 peak memory of forward+backward (B=H=1, D=64, fp32) beyond inputs and outputs")
+    show_memory(args.lengths)
+
+    print(f"\ndone in {time.perf_counter() - start:.0f} s" + ("" if ok else " -- CORRECTNESS CHECK FAILED"))
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
