@@ -15,9 +15,10 @@ busy, and accumulators + operands must fit the register file.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, replace
 
 import tvm
+import tvm_ffi
 from tvm import s_tir
 
 # (row, col, reduction) products of each kernel, by block name.
@@ -35,41 +36,48 @@ class RegisterTile:
 class LLVMConfig:
     """Knobs of the CPU schedules (also the search space of the autotuner)."""
 
-    block_q: int = 64
-    block_k: int = 64
+    block_q: int = 64  # query rows per tile (part of the kernels' loop nests)
+    block_k: int = 64  # key rows per tile
     lanes: int = 16  # fp32 lanes of one vector register
-    tiles: dict = field(default_factory=dict)  # block name -> RegisterTile
-    default_tile: RegisterTile = RegisterTile(4, 2)
+    # Register tile of each matrix product, by block name.
+    forward_tiles: tuple = tuple((name, RegisterTile(4, 4)) for name in FORWARD_PRODUCTS)
+    backward_tiles: tuple = tuple((name, RegisterTile(8, 2)) for name in BACKWARD_PRODUCTS)
 
-    def tile(self, block: str) -> RegisterTile:
-        return self.tiles.get(block, self.default_tile)
+    def tile(self, kernel: str, block: str) -> RegisterTile:
+        return dict(self.forward_tiles if kernel == "forward" else self.backward_tiles)[block]
+
+    def with_tiles(self, kernel: str, **tiles: RegisterTile) -> LLVMConfig:
+        field_name = f"{kernel}_tiles"
+        merged = {**dict(getattr(self, field_name)), **tiles}
+        return replace(self, **{field_name: tuple(merged.items())})
 
     def to_json(self) -> dict:
         d = asdict(self)
-        d["tiles"] = {k: asdict(v) for k, v in self.tiles.items()}
+        for name in ("forward_tiles", "backward_tiles"):
+            d[name] = {block: [t.rows, t.vectors] for block, t in getattr(self, name)}
         return d
 
     @classmethod
     def from_json(cls, d: dict) -> LLVMConfig:
         d = dict(d)
-        d["tiles"] = {k: RegisterTile(**v) for k, v in d.get("tiles", {}).items()}
-        d["default_tile"] = RegisterTile(**d["default_tile"])
+        for name in ("forward_tiles", "backward_tiles"):
+            d[name] = tuple((block, RegisterTile(*rv)) for block, rv in d[name].items())
         return cls(**d)
-
-    def __hash__(self):  # dict field: hash the JSON form
-        return hash(repr(sorted(self.to_json().items(), key=str)))
 
 
 def has_avx512(target: tvm.target.Target) -> bool:
-    import tvm_ffi
-
     return bool(tvm_ffi.get_global_func("target.llvm_cpu_has_feature")("avx512f", target))
 
 
 def default_config(target: tvm.target.Target, head_dim: int, dtype: str, causal: bool) -> LLVMConfig:
+    """Measured defaults (DEVELOPING.md): AVX-512, 32 registers of 16 floats: 16 accumulators
+    (4 x 4 vectors in the forward, 8 x 2 in the backward); AVX2, 16 registers of 8 floats:
+    8 accumulators (4 x 2 vectors) leave room for the operands."""
     if has_avx512(target):
-        return LLVMConfig(lanes=16, default_tile=RegisterTile(4, 2))
-    return LLVMConfig(lanes=8, default_tile=RegisterTile(4, 2))
+        return LLVMConfig(lanes=16)
+    small = RegisterTile(4, 2)
+    return LLVMConfig(lanes=8, forward_tiles=tuple((n, small) for n in FORWARD_PRODUCTS),
+                      backward_tiles=tuple((n, small) for n in BACKWARD_PRODUCTS))
 
 
 def _fit(extent: int, preferred: int, step: int) -> int:
@@ -86,8 +94,11 @@ def _extent(sch: s_tir.Schedule, loop) -> int:
 
 
 def _vector_width(extent: int, lanes: int) -> int:
-    """Vector width for a contiguous loop of this extent (head dims are multiples of 8 only)."""
-    return lanes if extent % lanes == 0 else _fit(extent, lanes, 1)
+    """Widest power-of-two vector <= lanes dividing the extent (head dims: multiples of 8)."""
+    width = lanes
+    while extent % width:
+        width //= 2
+    return width
 
 
 def _vectorize_loop(sch: s_tir.Schedule, loop, lanes: int) -> None:
@@ -145,7 +156,7 @@ def schedule_forward(sch: s_tir.Schedule, cfg: LLVMConfig) -> s_tir.Schedule:
     _parallel(sch, "pack_kv", 3, lanes)
     _parallel(sch, "q_tile", 3)
     for name in FORWARD_PRODUCTS:
-        register_tile(sch, name, cfg.tile(name), lanes)
+        register_tile(sch, name, cfg.tile("forward", name), lanes)
     for name in ("load_q", "init_o", "init_stats", "rescale", "probs", "store_o"):
         _vectorize_elementwise(sch, name, lanes)
     for name in ("row_max", "row_sum"):
@@ -161,8 +172,8 @@ def schedule_backward(sch: s_tir.Schedule, cfg: LLVMConfig) -> s_tir.Schedule:
     _parallel(sch, "zero_dq", 4, lanes)
     _parallel(sch, "kv_split", 3)
     for name in BACKWARD_PRODUCTS:
-        register_tile(sch, name, cfg.tile(name), lanes)
-    for name in ("load_k", "load_kt", "load_vt", "init_dkv", "probs", "dscores", "store_dkv"):
+        register_tile(sch, name, cfg.tile("backward", name), lanes)
+    for name in ("load_k", "load_kt", "load_vt", "init_dkv", "load_row_stats", "probs", "dscores", "store_dkv"):
         _vectorize_elementwise(sch, name, lanes)
     block = sch.get_sblock("sum_dq")
     loops = sch.get_loops(block)
@@ -174,12 +185,8 @@ def schedule_backward(sch: s_tir.Schedule, cfg: LLVMConfig) -> s_tir.Schedule:
 
 
 def schedule_standard(sch: s_tir.Schedule) -> s_tir.Schedule:
-    """Plain schedule for the unfused TE baseline: inline elementwise stages, parallel outer loops."""
-    for name in ("scores",):
-        try:
-            sch.compute_inline(sch.get_sblock(name))
-        except (tvm.error.TVMError, ValueError):
-            pass
+    """Plain schedule for the unfused TE baseline: inline the masking, parallel outer loops."""
+    sch.compute_inline(sch.get_sblock("scores"))
     for block in sch.get_child_blocks(sch.get_sblock("root")):
         loops = sch.get_loops(block)
         if len(loops) >= 2:

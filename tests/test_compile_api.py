@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -92,7 +93,7 @@ def test_second_process_loads_from_disk_cache(tmp_path, monkeypatch):
     target = resolve("llvm")
     # A config that no other test uses: this process must really build it (and store it).
     config = llvm_schedules.default_config(target, 32, "float32", False)
-    config = llvm_schedules.LLVMConfig(**{**config.__dict__, "block_k": 32})
+    config = dataclasses.replace(config, block_k=32)
     first = tvmflash.compile("llvm", head_dim=32, dtype="float32", config=config)
     assert (tmp_path / f"{first.meta['cache_key']}.so").exists()
 

@@ -45,12 +45,13 @@ _EXP2_COEFFS = _exp2_coefficients()
 
 
 def exp2(x: tirx.PrimExpr) -> tirx.PrimExpr:
-    """2**x for float32 ``x <= 127`` as a polynomial that LLVM vectorizes.
+    """2**x for float32 ``x`` <= ~1 as a polynomial that vectorizes.
 
     ``T.exp``/``T.exp2`` lower to scalar libm calls inside vectorized loops on CPUs, which costs
-    as much as the matrix products. Here: n = round(x), f = x - n in [-0.5, 0.5], 2**f by a
-    degree-6 polynomial, 2**n by writing n into the exponent bits. Inputs below -127 give
-    exactly 0 (x = -inf included), which the online softmax relies on.
+    as much as the matrix products. Here: n = round(x), f = x - n in [-0.5, 0.5],
+    2**f by a degree-6 polynomial, 2**n by writing n + 127 into the exponent bits. The kernels
+    only exponentiate x = score - (running max or LSE) <= ~0, so there is no upper clamp; inputs
+    below -127 give exactly 0 (x = -inf included), which the online softmax relies on.
     """
     xv = tirx.Var("x", "float32")
     nv = tirx.Var("n", "float32")
@@ -60,16 +61,19 @@ def exp2(x: tirx.PrimExpr) -> tirx.PrimExpr:
         poly = poly * frac + _f32(c)
     biased = tirx.Cast("int32", nv) + tirx.const(127, "int32")
     scale = tirx.reinterpret("float32", tirx.shift_left(biased, tirx.const(23, "int32")))
-    clamped = tirx.max(tirx.min(x, _f32(127.0)), _f32(-127.0))
-    return tirx.Let(xv, clamped, tirx.Let(nv, tirx.floor(xv + _f32(0.5)), poly * scale))
+    # floor(x + 0.5), not nearbyint: TVM's vectorizer scalarizes nearbyint.
+    return tirx.Let(xv, tirx.max(x, _f32(-127.0)), tirx.Let(nv, tirx.floor(xv + _f32(0.5)), poly * scale))
 
 
 def visible(i, j, seqlen_q, seqlen_k, causal: bool) -> tirx.PrimExpr:
-    """Whether query row ``i`` attends to key ``j`` (both may be padding past the end)."""
-    inside = tirx.all(i < seqlen_q, j < seqlen_k)
+    """Whether query ``i`` attends to key ``j``; ``j`` may be padding past the last key.
+
+    Query rows past the end need no mask: the kernels zero-pad them (their outputs are dropped
+    and their dO is 0, so they add nothing to any gradient).
+    """
     if not causal:
-        return inside
-    return tirx.all(inside, j <= i + (seqlen_k - seqlen_q))
+        return j < seqlen_k
+    return tirx.all(j < seqlen_k, j <= i + (seqlen_k - seqlen_q))
 
 
 def grad_scores(p, dp, delta) -> tirx.PrimExpr:

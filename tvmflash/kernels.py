@@ -272,8 +272,8 @@ def fused_backward(spec: KernelSpec) -> tirx.PrimFunc:
         # Packed copies are padded to whole tiles with zero rows: no bounds checks in the tile loops.
         Qp = T.alloc_buffer((B, H, _ceildiv(Nq, Br) * Br, D), F32)
         dOp = T.alloc_buffer((B, H, _ceildiv(Nq, Br) * Br, D), F32)
-        Delta = T.alloc_buffer((B, H, _ceildiv(Nq, Br) * Br), F32)
-        LSE2 = T.alloc_buffer((2, B, H, _ceildiv(Nq, Br) * Br), F32)  # LSE * log2(e) as hi + lo
+        # Per query row: LSE * log2(e) as a float32 hi + lo pair, and Delta = rowsum(dO * O).
+        RowStats = T.alloc_buffer((B, H, 3, _ceildiv(Nq, Br) * Br), F32)
         dQacc = T.alloc_buffer((n_split, B, H, _ceildiv(Nq, Br) * Br, D), F32)
         dQsum = T.alloc_buffer((B, H, _ceildiv(Nq, Br) * Br, D), F32)
         for b, h, i, d in T.grid(B, H, _ceildiv(Nq, Br) * Br, D):
@@ -287,15 +287,15 @@ def fused_backward(spec: KernelSpec) -> tirx.PrimFunc:
             with T.sblock("delta"):
                 vb, vh, vi, vd = T.axis.remap("SSSR", [b, h, i, d])
                 with T.init():
-                    Delta[vb, vh, vi] = T.float32(0)
-                Delta[vb, vh, vi] = Delta[vb, vh, vi] + dOp[vb, vh, vi, vd] * T.Cast(
+                    RowStats[vb, vh, 2, vi] = T.float32(0)
+                RowStats[vb, vh, 2, vi] = RowStats[vb, vh, 2, vi] + dOp[vb, vh, vi, vd] * T.Cast(
                     F32, O[vb, T.min(vi, Nq - 1), vh, vd])
         for b, h, i in T.grid(B, H, _ceildiv(Nq, Br) * Br):
             with T.sblock("lse_log2"):
                 vb, vh, vi = T.axis.remap("SSS", [b, h, i])
-                LSE2[0, vb, vh, vi] = T.if_then_else(
+                RowStats[vb, vh, 0, vi] = T.if_then_else(
                     vi < Nq, lse_log2_parts(LSE[vb, vh, T.min(vi, Nq - 1)])[0], T.float32(0))
-                LSE2[1, vb, vh, vi] = T.if_then_else(
+                RowStats[vb, vh, 1, vi] = T.if_then_else(
                     vi < Nq, lse_log2_parts(LSE[vb, vh, T.min(vi, Nq - 1)])[1], T.float32(0))
         for s, b, h, i, d in T.grid(n_split, B, H, _ceildiv(Nq, Br) * Br, D):
             with T.sblock("zero_dq"):
@@ -318,6 +318,7 @@ def fused_backward(spec: KernelSpec) -> tirx.PrimFunc:
                 dP = T.sblock_alloc_buffer((Br, Bc), F32)
                 dS = T.sblock_alloc_buffer((Br, Bc), F32)
                 dQtile = T.sblock_alloc_buffer((Br, D), F32)
+                row_stats = T.sblock_alloc_buffer((3, Br), F32)  # lse_hi, lse_lo, delta of the q tile
                 group: T.let[T.int64] = H // Hk
                 # Key tiles vs, vs + n_split, ...: interleaved, so causal splits get equal work.
                 for t in T.serial(_ceildiv(_ceildiv(Nk, Bc), n_split)):
@@ -350,6 +351,10 @@ def fused_backward(spec: KernelSpec) -> tirx.PrimFunc:
                             h: T.let[T.int64] = vhk * group + g
                             for qt in T.serial(_first_query_tile_for_key_tile(k0, spec, Nq, Nk), _ceildiv(Nq, Br)):
                                 q0: T.let[T.int64] = qt * Br
+                                for r, i in T.grid(3, Br):
+                                    with T.sblock("load_row_stats"):
+                                        vr, vi = T.axis.remap("SS", [r, i])
+                                        row_stats[vr, vi] = RowStats[vb, h, vr, q0 + vi]
                                 with T.sblock("scores_tile"):
                                     for i, j, d in T.grid(Br, Bc, D):
                                         with T.sblock("scores"):
@@ -364,7 +369,7 @@ def fused_backward(spec: KernelSpec) -> tirx.PrimFunc:
                                             P[vi, vj] = T.Select(visible(q0 + vi, k0 + vj, Nq, Nk, causal),
                                                                  exp2_(log2_exponent(
                                                                      S[vi, vj], scale_log2_parts(softmax_scale),
-                                                                     (LSE2[0, vb, h, q0 + vi], LSE2[1, vb, h, q0 + vi]))),
+                                                                     (row_stats[0, vi], row_stats[1, vi]))),
                                                                  T.float32(0))
                                 with T.sblock("dv_tile"):
                                     for j, d, i in T.grid(Bc, D, Br):
@@ -389,7 +394,7 @@ def fused_backward(spec: KernelSpec) -> tirx.PrimFunc:
                                     for i, j in T.grid(Br, Bc):
                                         with T.sblock("dscores"):
                                             vi, vj = T.axis.remap("SS", [i, j])
-                                            dS[vi, vj] = grad_scores(P[vi, vj], dP[vi, vj], Delta[vb, h, q0 + vi])
+                                            dS[vi, vj] = grad_scores(P[vi, vj], dP[vi, vj], row_stats[2, vi])
                                 with T.sblock("dk_tile"):
                                     for j, d, i in T.grid(Bc, D, Br):
                                         with T.sblock("dk"):
