@@ -179,3 +179,25 @@ def test_backward_rejects_mismatched_gradients(kernels):
     with pytest.raises(ValueError, match="dk must have shape"):
         kernels.backward(torch.randn_like(a["q"]), a["q"], a["k"], a["v"], a["out"], a["lse"],
                          torch.empty_like(a["q"]), torch.empty_like(a["q"]), torch.empty_like(a["v"]))
+
+
+def test_avx2_schedule_runs_correctly(gen, seed):
+    """The AVX2 code path (8-lane vectors, smaller register tiles), run on this machine."""
+    if " avx2" not in open("/proc/cpuinfo").read():
+        pytest.skip("this CPU cannot run AVX2 code")
+    kernels = tvmflash.compile({"kind": "llvm", "mcpu": "haswell"}, head_dim=40, dtype="bfloat16", causal=True)
+    assert kernels.config.lanes == 8 and "<8 x float>" in kernels.source()
+    q, k, v = random_inputs(gen, 1, 70, 100, 4, 2, 40, "bfloat16")
+    dout = torch.randn(q.shape, generator=gen).to(torch.bfloat16)
+    out, lse = torch.empty_like(q), torch.empty(1, 4, 70)
+    kernels.forward(q, k, v, out, lse)
+    grads = [torch.empty_like(t) for t in (q, k, v)]
+    kernels.backward(dout, q, k, v, out, lse, *grads)
+    refs = {}
+    for dtype in (torch.float64, torch.bfloat16):
+        leaves = [t.to(dtype).requires_grad_() for t in (q, k, v)]
+        ref_out, _ = reference_attention(*leaves, True, dtype=dtype)
+        refs[dtype] = [ref_out, *torch.autograd.grad(ref_out, leaves, dout.to(dtype))]
+    for name, ours, f64, same in zip(("out", "dq", "dk", "dv"), [out, *grads], refs[torch.float64],
+                                     refs[torch.bfloat16]):
+        assert_flash_rule(f"{name} (avx2)", ours, f64, same, torch.bfloat16, seed)
