@@ -154,7 +154,7 @@ def _parallel(sch: s_tir.Schedule, name: str, n_outer: int, vectorize_inner: int
 def schedule_forward(sch: s_tir.Schedule, cfg: LLVMConfig) -> s_tir.Schedule:
     lanes = cfg.lanes
     _parallel(sch, "pack_kv", 3, lanes)
-    _parallel(sch, "q_tile", 3)
+    _parallel(sch, "q_tile", 4)
     for name in FORWARD_PRODUCTS:
         register_tile(sch, name, cfg.tile("forward", name), lanes)
     for name in ("load_q", "init_o", "init_stats", "rescale", "probs", "store_o"):
@@ -166,10 +166,10 @@ def schedule_forward(sch: s_tir.Schedule, cfg: LLVMConfig) -> s_tir.Schedule:
 
 def schedule_backward(sch: s_tir.Schedule, cfg: LLVMConfig) -> s_tir.Schedule:
     lanes = cfg.lanes
-    _parallel(sch, "pack_q_do", 3, lanes)
-    _parallel(sch, "delta", 3)
-    _parallel(sch, "lse_log2", 3)
-    _parallel(sch, "zero_dq", 4, lanes)
+    _parallel(sch, "pack_q_do", 4, lanes)
+    _parallel(sch, "delta", 4)
+    _parallel(sch, "lse_log2", 4)
+    _parallel(sch, "zero_dq", 5, lanes)
     _parallel(sch, "kv_split", 3)
     for name in BACKWARD_PRODUCTS:
         register_tile(sch, name, cfg.tile("backward", name), lanes)
@@ -177,10 +177,10 @@ def schedule_backward(sch: s_tir.Schedule, cfg: LLVMConfig) -> s_tir.Schedule:
         _vectorize_elementwise(sch, name, lanes)
     block = sch.get_sblock("sum_dq")
     loops = sch.get_loops(block)
-    sch.parallel(sch.fuse(*loops[:3]))
+    sch.parallel(sch.fuse(*loops[:4]))
     _vectorize_loop(sch, loops[-1], lanes)
-    sch.decompose_reduction(block, loops[3])
-    _parallel(sch, "store_dq", 3, lanes)
+    sch.decompose_reduction(block, loops[4])
+    _parallel(sch, "store_dq", 4, lanes)
     return sch
 
 

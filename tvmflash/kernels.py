@@ -127,9 +127,12 @@ def fused_forward(spec: KernelSpec) -> tirx.PrimFunc:
                                                      T.float32(0))
                 Vp[vb, vhk, vj, vd] = T.if_then_else(vj < Nk, T.Cast(F32, V[vb, T.min(vj, Nk - 1), vhk, vd]),
                                                      T.float32(0))
-        for b, h, qt in T.grid(B, H, _ceildiv(Nq, Br)):
+        # Heads as (kv head, member of its GQA group): workspace indices stay plain loop
+        # variables, which TVM's buffer compaction bounds exactly (a division by H // Hk it
+        # cannot simplify, and every access would carry the unsimplified bound).
+        for b, hk, g, qt in T.grid(B, Hk, H // Hk, _ceildiv(Nq, Br)):
             with T.sblock("q_tile"):
-                vb, vh, vqt = T.axis.remap("SSS", [b, h, qt])
+                vb, vhk, vg, vqt = T.axis.remap("SSSS", [b, hk, g, qt])
                 T.reads()
                 T.writes()
                 QT = T.sblock_alloc_buffer((D, Br), F32)  # q tile, transposed
@@ -143,12 +146,12 @@ def fused_forward(spec: KernelSpec) -> tirx.PrimFunc:
                 l_tile = T.sblock_alloc_buffer((Br,), F32)  # this key tile's row sums
                 alpha = T.sblock_alloc_buffer((Br,), F32)  # exp2(m - m_next)
                 q0: T.let[T.int64] = vqt * Br
-                hk: T.let[T.int64] = vh // (H // Hk)
+                h: T.let[T.int64] = vhk * (H // Hk) + vg
                 for d, i in T.grid(D, Br):
                     with T.sblock("load_q"):
                         vd, vi = T.axis.remap("SS", [d, i])
                         QT[vd, vi] = T.if_then_else(
-                            q0 + vi < Nq, T.Cast(F32, Q[vb, T.min(q0 + vi, Nq - 1), vh, vd]), T.float32(0))
+                            q0 + vi < Nq, T.Cast(F32, Q[vb, T.min(q0 + vi, Nq - 1), h, vd]), T.float32(0))
                 for d, i in T.grid(D, Br):
                     with T.sblock("init_o"):
                         vd, vi = T.axis.remap("SS", [d, i])
@@ -166,7 +169,7 @@ def fused_forward(spec: KernelSpec) -> tirx.PrimFunc:
                                 vj, vi, vd = T.axis.remap("SSR", [j, i, d])
                                 with T.init():
                                     ST[vj, vi] = T.float32(0)
-                                ST[vj, vi] = ST[vj, vi] + Kp[vb, hk, k0 + vj, vd] * QT[vd, vi]
+                                ST[vj, vi] = ST[vj, vi] + Kp[vb, vhk, k0 + vj, vd] * QT[vd, vi]
                     with T.sblock("row_max_tile"):
                         for j, i in T.grid(Bc, Br):
                             with T.sblock("row_max"):
@@ -197,7 +200,7 @@ def fused_forward(spec: KernelSpec) -> tirx.PrimFunc:
                                 vd, vi, vj = T.axis.remap("SSR", [d, i, j])
                                 with T.init():
                                     PVT[vd, vi] = T.float32(0)
-                                PVT[vd, vi] = PVT[vd, vi] + Vp[vb, hk, k0 + vj, vd] * PT[vj, vi]
+                                PVT[vd, vi] = PVT[vd, vi] + Vp[vb, vhk, k0 + vj, vd] * PT[vj, vi]
                     with T.sblock("update_o_tile"):
                         for d, i in T.grid(D, Br):
                             with T.sblock("update_o"):
@@ -221,13 +224,13 @@ def fused_forward(spec: KernelSpec) -> tirx.PrimFunc:
                         vi, vd = T.axis.remap("SS", [i, d])
                         if q0 + vi < Nq:
                             # One cast to the storage dtype, at the end (rule 3).
-                            O[vb, q0 + vi, vh, vd] = T.Cast(dtype, OT[vd, vi] * T.Select(
+                            O[vb, q0 + vi, h, vd] = T.Cast(dtype, OT[vd, vi] * T.Select(
                                 l[vi] > T.float32(0), T.float32(1) / l[vi], T.float32(0)))
                 for i in T.serial(Br):
                     with T.sblock("store_lse"):
                         vi = T.axis.remap("S", [i])
                         if q0 + vi < Nq:
-                            LSE[vb, vh, q0 + vi] = lse_from_stats(m[vi], l[vi])
+                            LSE[vb, h, q0 + vi] = lse_from_stats(m[vi], l[vi])
 
     return flash_fwd
 
@@ -270,37 +273,38 @@ def fused_backward(spec: KernelSpec) -> tirx.PrimFunc:
         dK = T.match_buffer(dk_h, (B, Nk, Hk, D), dtype, strides=(*sdk, 1), align=elem)
         dV = T.match_buffer(dv_h, (B, Nk, Hk, D), dtype, strides=(*sdv, 1), align=elem)
         # Packed copies are padded to whole tiles with zero rows: no bounds checks in the tile loops.
-        Qp = T.alloc_buffer((B, H, _ceildiv(Nq, Br) * Br, D), F32)
-        dOp = T.alloc_buffer((B, H, _ceildiv(Nq, Br) * Br, D), F32)
+        # Heads are indexed (kv head, member of its GQA group) in the workspaces; see the forward.
+        Qp = T.alloc_buffer((B, Hk, H // Hk, _ceildiv(Nq, Br) * Br, D), F32)
+        dOp = T.alloc_buffer((B, Hk, H // Hk, _ceildiv(Nq, Br) * Br, D), F32)
         # Per query row: LSE * log2(e) as a float32 hi + lo pair, and Delta = rowsum(dO * O).
-        RowStats = T.alloc_buffer((B, H, 3, _ceildiv(Nq, Br) * Br), F32)
-        dQacc = T.alloc_buffer((n_split, B, H, _ceildiv(Nq, Br) * Br, D), F32)
-        dQsum = T.alloc_buffer((B, H, _ceildiv(Nq, Br) * Br, D), F32)
-        for b, h, i, d in T.grid(B, H, _ceildiv(Nq, Br) * Br, D):
+        RowStats = T.alloc_buffer((B, Hk, H // Hk, 3, _ceildiv(Nq, Br) * Br), F32)
+        dQacc = T.alloc_buffer((n_split, B, Hk, H // Hk, _ceildiv(Nq, Br) * Br, D), F32)
+        dQsum = T.alloc_buffer((B, Hk, H // Hk, _ceildiv(Nq, Br) * Br, D), F32)
+        for b, hk, g, i, d in T.grid(B, Hk, H // Hk, _ceildiv(Nq, Br) * Br, D):
             with T.sblock("pack_q_do"):
-                vb, vh, vi, vd = T.axis.remap("SSSS", [b, h, i, d])
-                Qp[vb, vh, vi, vd] = T.if_then_else(vi < Nq, T.Cast(F32, Q[vb, T.min(vi, Nq - 1), vh, vd]),
-                                                    T.float32(0))
-                dOp[vb, vh, vi, vd] = T.if_then_else(vi < Nq, T.Cast(F32, dO[vb, T.min(vi, Nq - 1), vh, vd]),
-                                                     T.float32(0))
-        for b, h, i, d in T.grid(B, H, _ceildiv(Nq, Br) * Br, D):
+                vb, vhk, vg, vi, vd = T.axis.remap("SSSSS", [b, hk, g, i, d])
+                Qp[vb, vhk, vg, vi, vd] = T.if_then_else(
+                    vi < Nq, T.Cast(F32, Q[vb, T.min(vi, Nq - 1), vhk * (H // Hk) + vg, vd]), T.float32(0))
+                dOp[vb, vhk, vg, vi, vd] = T.if_then_else(
+                    vi < Nq, T.Cast(F32, dO[vb, T.min(vi, Nq - 1), vhk * (H // Hk) + vg, vd]), T.float32(0))
+        for b, hk, g, i, d in T.grid(B, Hk, H // Hk, _ceildiv(Nq, Br) * Br, D):
             with T.sblock("delta"):
-                vb, vh, vi, vd = T.axis.remap("SSSR", [b, h, i, d])
+                vb, vhk, vg, vi, vd = T.axis.remap("SSSSR", [b, hk, g, i, d])
                 with T.init():
-                    RowStats[vb, vh, 2, vi] = T.float32(0)
-                RowStats[vb, vh, 2, vi] = RowStats[vb, vh, 2, vi] + dOp[vb, vh, vi, vd] * T.Cast(
-                    F32, O[vb, T.min(vi, Nq - 1), vh, vd])
-        for b, h, i in T.grid(B, H, _ceildiv(Nq, Br) * Br):
+                    RowStats[vb, vhk, vg, 2, vi] = T.float32(0)
+                RowStats[vb, vhk, vg, 2, vi] = RowStats[vb, vhk, vg, 2, vi] + dOp[vb, vhk, vg, vi, vd] * T.Cast(
+                    F32, O[vb, T.min(vi, Nq - 1), vhk * (H // Hk) + vg, vd])
+        for b, hk, g, i in T.grid(B, Hk, H // Hk, _ceildiv(Nq, Br) * Br):
             with T.sblock("lse_log2"):
-                vb, vh, vi = T.axis.remap("SSS", [b, h, i])
-                RowStats[vb, vh, 0, vi] = T.if_then_else(
-                    vi < Nq, lse_log2_parts(LSE[vb, vh, T.min(vi, Nq - 1)])[0], T.float32(0))
-                RowStats[vb, vh, 1, vi] = T.if_then_else(
-                    vi < Nq, lse_log2_parts(LSE[vb, vh, T.min(vi, Nq - 1)])[1], T.float32(0))
-        for s, b, h, i, d in T.grid(n_split, B, H, _ceildiv(Nq, Br) * Br, D):
+                vb, vhk, vg, vi = T.axis.remap("SSSS", [b, hk, g, i])
+                RowStats[vb, vhk, vg, 0, vi] = T.if_then_else(
+                    vi < Nq, lse_log2_parts(LSE[vb, vhk * (H // Hk) + vg, T.min(vi, Nq - 1)])[0], T.float32(0))
+                RowStats[vb, vhk, vg, 1, vi] = T.if_then_else(
+                    vi < Nq, lse_log2_parts(LSE[vb, vhk * (H // Hk) + vg, T.min(vi, Nq - 1)])[1], T.float32(0))
+        for s, b, hk, g, i, d in T.grid(n_split, B, Hk, H // Hk, _ceildiv(Nq, Br) * Br, D):
             with T.sblock("zero_dq"):
-                vs, vb, vh, vi, vd = T.axis.remap("SSSSS", [s, b, h, i, d])
-                dQacc[vs, vb, vh, vi, vd] = T.float32(0)
+                vs, vb, vhk, vg, vi, vd = T.axis.remap("SSSSSS", [s, b, hk, g, i, d])
+                dQacc[vs, vb, vhk, vg, vi, vd] = T.float32(0)
         for b, hk, s in T.grid(B, Hk, n_split):
             with T.sblock("kv_split"):
                 vb, vhk, vs = T.axis.remap("SSS", [b, hk, s])
@@ -348,20 +352,20 @@ def fused_backward(spec: KernelSpec) -> tirx.PrimFunc:
                                     dKacc[vj, vd] = T.float32(0)
                                     dVacc[vj, vd] = T.float32(0)
                         for g in T.serial(group):
-                            h: T.let[T.int64] = vhk * group + g
+                            member: T.let[T.int64] = g
                             for qt in T.serial(_first_query_tile_for_key_tile(k0, spec, Nq, Nk), _ceildiv(Nq, Br)):
                                 q0: T.let[T.int64] = qt * Br
                                 for r, i in T.grid(3, Br):
                                     with T.sblock("load_row_stats"):
                                         vr, vi = T.axis.remap("SS", [r, i])
-                                        row_stats[vr, vi] = RowStats[vb, h, vr, q0 + vi]
+                                        row_stats[vr, vi] = RowStats[vb, vhk, member, vr, q0 + vi]
                                 with T.sblock("scores_tile"):
                                     for i, j, d in T.grid(Br, Bc, D):
                                         with T.sblock("scores"):
                                             vi, vj, vd = T.axis.remap("SSR", [i, j, d])
                                             with T.init():
                                                 S[vi, vj] = T.float32(0)
-                                            S[vi, vj] = S[vi, vj] + Qp[vb, h, q0 + vi, vd] * KT[vd, vj]
+                                            S[vi, vj] = S[vi, vj] + Qp[vb, vhk, member, q0 + vi, vd] * KT[vd, vj]
                                 with T.sblock("probs_tile"):
                                     for i, j in T.grid(Br, Bc):
                                         with T.sblock("probs"):
@@ -377,7 +381,7 @@ def fused_backward(spec: KernelSpec) -> tirx.PrimFunc:
                                             vj, vd, vi = T.axis.remap("SSR", [j, d, i])
                                             with T.init():
                                                 dVtile[vj, vd] = T.float32(0)
-                                            dVtile[vj, vd] = dVtile[vj, vd] + P[vi, vj] * dOp[vb, h, q0 + vi, vd]
+                                            dVtile[vj, vd] = dVtile[vj, vd] + P[vi, vj] * dOp[vb, vhk, member, q0 + vi, vd]
                                 with T.sblock("update_dv_tile"):
                                     for j, d in T.grid(Bc, D):
                                         with T.sblock("update_dv"):
@@ -389,7 +393,7 @@ def fused_backward(spec: KernelSpec) -> tirx.PrimFunc:
                                             vi, vj, vd = T.axis.remap("SSR", [i, j, d])
                                             with T.init():
                                                 dP[vi, vj] = T.float32(0)
-                                            dP[vi, vj] = dP[vi, vj] + dOp[vb, h, q0 + vi, vd] * VT[vd, vj]
+                                            dP[vi, vj] = dP[vi, vj] + dOp[vb, vhk, member, q0 + vi, vd] * VT[vd, vj]
                                 with T.sblock("dscores_tile"):
                                     for i, j in T.grid(Br, Bc):
                                         with T.sblock("dscores"):
@@ -401,7 +405,7 @@ def fused_backward(spec: KernelSpec) -> tirx.PrimFunc:
                                             vj, vd, vi = T.axis.remap("SSR", [j, d, i])
                                             with T.init():
                                                 dKtile[vj, vd] = T.float32(0)
-                                            dKtile[vj, vd] = dKtile[vj, vd] + dS[vi, vj] * Qp[vb, h, q0 + vi, vd]
+                                            dKtile[vj, vd] = dKtile[vj, vd] + dS[vi, vj] * Qp[vb, vhk, member, q0 + vi, vd]
                                 with T.sblock("update_dk_tile"):
                                     for j, d in T.grid(Bc, D):
                                         with T.sblock("update_dk"):
@@ -418,22 +422,24 @@ def fused_backward(spec: KernelSpec) -> tirx.PrimFunc:
                                     for i, d in T.grid(Br, D):
                                         with T.sblock("update_dq"):
                                             vi, vd = T.axis.remap("SS", [i, d])
-                                            dQacc[vs, vb, h, q0 + vi, vd] = dQacc[vs, vb, h, q0 + vi, vd] + dQtile[vi, vd]
+                                            dQacc[vs, vb, vhk, member, q0 + vi, vd] = (
+                                                dQacc[vs, vb, vhk, member, q0 + vi, vd] + dQtile[vi, vd])
                         for j, d in T.grid(Bc, D):
                             with T.sblock("store_dkv"):
                                 vj, vd = T.axis.remap("SS", [j, d])
                                 if k0 + vj < Nk:
                                     dK[vb, k0 + vj, vhk, vd] = T.Cast(dtype, dKacc[vj, vd] * T.Cast(F32, softmax_scale))
                                     dV[vb, k0 + vj, vhk, vd] = T.Cast(dtype, dVacc[vj, vd])
-        for b, h, i, s, d in T.grid(B, H, _ceildiv(Nq, Br) * Br, n_split, D):
+        for b, hk, g, i, s, d in T.grid(B, Hk, H // Hk, _ceildiv(Nq, Br) * Br, n_split, D):
             with T.sblock("sum_dq"):
-                vb, vh, vi, vs, vd = T.axis.remap("SSSRS", [b, h, i, s, d])
+                vb, vhk, vg, vi, vs, vd = T.axis.remap("SSSSRS", [b, hk, g, i, s, d])
                 with T.init():
-                    dQsum[vb, vh, vi, vd] = T.float32(0)
-                dQsum[vb, vh, vi, vd] = dQsum[vb, vh, vi, vd] + dQacc[vs, vb, vh, vi, vd]
-        for b, i, h, d in T.grid(B, Nq, H, D):
+                    dQsum[vb, vhk, vg, vi, vd] = T.float32(0)
+                dQsum[vb, vhk, vg, vi, vd] = dQsum[vb, vhk, vg, vi, vd] + dQacc[vs, vb, vhk, vg, vi, vd]
+        for b, i, hk, g, d in T.grid(B, Nq, Hk, H // Hk, D):
             with T.sblock("store_dq"):
-                vb, vi, vh, vd = T.axis.remap("SSSS", [b, i, h, d])
-                dQ[vb, vi, vh, vd] = T.Cast(dtype, dQsum[vb, vh, vi, vd] * T.Cast(F32, softmax_scale))
+                vb, vi, vhk, vg, vd = T.axis.remap("SSSSS", [b, i, hk, g, d])
+                dQ[vb, vi, vhk * (H // Hk) + vg, vd] = T.Cast(
+                    dtype, dQsum[vb, vhk, vg, vi, vd] * T.Cast(F32, softmax_scale))
 
     return flash_bwd
