@@ -15,6 +15,7 @@ import hashlib
 import json
 import math
 import os
+import shutil
 import sys
 import tempfile
 import threading
@@ -102,8 +103,9 @@ class FlashKernels:
     ``heads % heads_k == 0``); only the head dim must be contiguous.
     """
 
-    def __init__(self, module, meta: dict, source_text: str | None = None):
+    def __init__(self, module, meta: dict, source_text: str | None = None, library: Path | None = None):
         self._module = module
+        self._library = library  # the shared library this module was loaded from, if any
         self.meta = meta
         self.target = tvm.target.Target(meta["target"])
         self.head_dim = meta["head_dim"]
@@ -131,7 +133,10 @@ class FlashKernels:
     def export_library(self, path: str | os.PathLike) -> None:
         """Write the compiled module (a shared library) and its metadata (``path + '.json'``)."""
         path = Path(path)
-        self._module.export_library(str(path))
+        if self._library is not None:  # loaded from a library: its code is that file
+            shutil.copyfile(self._library, path)
+        else:
+            self._module.export_library(str(path))
         Path(str(path) + ".json").write_text(json.dumps(self.meta, indent=1))
 
     def source(self) -> str:
@@ -164,7 +169,7 @@ def load(path: str | os.PathLike) -> FlashKernels:
     if not meta_path.exists():
         raise FileNotFoundError(f"{meta_path} (written by export_library next to the library) is missing")
     meta = json.loads(meta_path.read_text())
-    return FlashKernels(tvm.runtime.load_module(str(path)), meta)
+    return FlashKernels(tvm.runtime.load_module(str(path)), meta, library=path)
 
 
 def build_module(target: tvm.target.Target, params: KernelParams, config) -> tvm.runtime.Module:
@@ -239,7 +244,7 @@ def _load_from_disk(key: str) -> FlashKernels | None:
         meta = json.loads(meta_path.read_text())
         src = cache_dir() / f"{key}.ll"
         return FlashKernels(tvm.runtime.load_module(str(so)), meta,
-                            src.read_text() if src.exists() else None)
+                            src.read_text() if src.exists() else None, library=so)
     except (OSError, ValueError, tvm.error.TVMError) as err:  # a broken entry is rebuilt
         _progress(f"ignoring unreadable cache entry {so} ({err})")
         return None
