@@ -67,13 +67,15 @@ def test_export_library_and_load(kernels, tmp_path, gen):
     kernels.export_library(path)
     loaded = tvmflash.load(path)
     assert (loaded.head_dim, loaded.dtype, loaded.causal) == (64, "float32", True)
+    loaded.export_library(tmp_path / "again.so")  # a loaded library can be exported again
+    reloaded = tvmflash.load(tmp_path / "again.so")
     q, k, v = random_inputs(gen, 1, 50, 70, 2, 2, 64, "float32")
     results = []
-    for kern in (kernels, loaded):
+    for kern in (kernels, loaded, reloaded):
         out, lse = torch.empty_like(q), torch.empty(1, 2, 50)
         kern.forward(q, k, v, out, lse)
         results.append(out)
-    assert torch.equal(*results)
+    assert torch.equal(results[0], results[1]) and torch.equal(results[0], results[2])
     with pytest.raises(FileNotFoundError, match="json"):
         tvmflash.load(tmp_path / "missing.so")
 
