@@ -6,11 +6,17 @@ registers (``cols`` = a few vectors), the reduction loop outside the register ti
 load + ``rows`` broadcasts feeding ``rows * cols / lanes`` FMAs per step. The tile buffers the
 products read are small (a 64 x 64 fp32 tile is 16 KB) and stay in L1/L2.
 
-The knobs are in ``LLVMConfig``: tile sizes (they shape the kernel's loop nest), vector width
-and the register tile of each product. ``default_config`` picks them from the target's ISA:
-AVX-512 has 32 vector registers of 16 floats, AVX2 16 registers of 8 floats; an FMA has a
-latency of ~4 cycles and two issue ports, so at least 8 independent accumulators keep both
-busy, and accumulators + operands must fit the register file.
+The same code is the autotuner's search space. Every tunable choice goes through a ``Knobs``
+object: ``FixedKnobs`` reads it from an ``LLVMConfig`` (the hand-written schedule), while
+``tune.SampledKnobs`` draws it with ``sch.sample_perfect_tile`` for MetaSchedule. Tile sizes
+(``forward_blocks``, ``backward_blocks``) shape the kernels' loop nests, so the tuner explores
+them as separate kernels rather than as knobs of one schedule.
+
+Defaults (``default_config``) follow from the ISA: AVX-512 has 32 vector registers of 16
+floats, AVX2 16 registers of 8 floats; an FMA has a latency of ~4 cycles and two issue ports, so
+at least 8 independent accumulators keep both busy, and accumulators + operands must fit the
+register file. Measured on Emerald Rapids (DEVELOPING.md): 16 accumulators, 4 x 4 vectors in the
+forward and 8 x 2 in the backward.
 """
 
 from __future__ import annotations
@@ -24,6 +30,9 @@ from tvm import s_tir
 # (row, col, reduction) products of each kernel, by block name.
 FORWARD_PRODUCTS = ("scores", "pv")
 BACKWARD_PRODUCTS = ("scores", "dv", "dprobs", "dk", "dq")
+PRODUCTS = {"forward": FORWARD_PRODUCTS, "backward": BACKWARD_PRODUCTS}
+MAX_TILE_ROWS = 8
+MAX_TILE_VECTORS = 4
 
 
 @dataclass(frozen=True)
@@ -36,12 +45,15 @@ class RegisterTile:
 class LLVMConfig:
     """Knobs of the CPU schedules (also the search space of the autotuner)."""
 
-    block_q: int = 64  # query rows per tile (part of the kernels' loop nests)
-    block_k: int = 64  # key rows per tile
+    forward_blocks: tuple = (64, 64)  # (query rows, key rows) per tile: part of the loop nests
+    backward_blocks: tuple = (64, 64)
     lanes: int = 16  # fp32 lanes of one vector register
     # Register tile of each matrix product, by block name.
     forward_tiles: tuple = tuple((name, RegisterTile(4, 4)) for name in FORWARD_PRODUCTS)
     backward_tiles: tuple = tuple((name, RegisterTile(8, 2)) for name in BACKWARD_PRODUCTS)
+
+    def blocks(self, kernel: str) -> tuple:
+        return tuple(self.forward_blocks if kernel == "forward" else self.backward_blocks)
 
     def tile(self, kernel: str, block: str) -> RegisterTile:
         return dict(self.forward_tiles if kernel == "forward" else self.backward_tiles)[block]
@@ -53,15 +65,17 @@ class LLVMConfig:
 
     def to_json(self) -> dict:
         d = asdict(self)
-        for name in ("forward_tiles", "backward_tiles"):
-            d[name] = {block: [t.rows, t.vectors] for block, t in getattr(self, name)}
+        for kernel in PRODUCTS:
+            d[f"{kernel}_blocks"] = list(self.blocks(kernel))
+            d[f"{kernel}_tiles"] = {block: [t.rows, t.vectors] for block, t in getattr(self, f"{kernel}_tiles")}
         return d
 
     @classmethod
     def from_json(cls, d: dict) -> LLVMConfig:
         d = dict(d)
-        for name in ("forward_tiles", "backward_tiles"):
-            d[name] = tuple((block, RegisterTile(*rv)) for block, rv in d[name].items())
+        for kernel in PRODUCTS:
+            d[f"{kernel}_blocks"] = tuple(d[f"{kernel}_blocks"])
+            d[f"{kernel}_tiles"] = tuple((block, RegisterTile(*rv)) for block, rv in d[f"{kernel}_tiles"].items())
         return cls(**d)
 
 
@@ -70,23 +84,28 @@ def has_avx512(target: tvm.target.Target) -> bool:
 
 
 def default_config(target: tvm.target.Target, head_dim: int, dtype: str, causal: bool) -> LLVMConfig:
-    """Measured defaults (DEVELOPING.md): AVX-512, 32 registers of 16 floats: 16 accumulators
-    (4 x 4 vectors in the forward, 8 x 2 in the backward); AVX2, 16 registers of 8 floats:
-    8 accumulators (4 x 2 vectors) leave room for the operands."""
     if has_avx512(target):
         return LLVMConfig(lanes=16)
-    small = RegisterTile(4, 2)
+    small = RegisterTile(4, 2)  # 8 accumulators + 2 loads + 1 broadcast of 16 AVX2 registers
     return LLVMConfig(lanes=8, forward_tiles=tuple((n, small) for n in FORWARD_PRODUCTS),
                       backward_tiles=tuple((n, small) for n in BACKWARD_PRODUCTS))
 
 
-def _fit(extent: int, preferred: int, step: int) -> int:
-    """Largest multiple of ``step`` that divides ``extent`` and is <= ``preferred`` (>= step)."""
-    best = step
-    for cand in range(step, min(preferred, extent) + 1, step):
-        if extent % cand == 0:
-            best = cand
-    return best
+def _largest_divisor(extent: int, at_most: int) -> int:
+    return max(d for d in range(1, min(at_most, extent) + 1) if extent % d == 0)
+
+
+class FixedKnobs:
+    """The hand-written schedule's choices, read from an LLVMConfig."""
+
+    def __init__(self, config: LLVMConfig):
+        self.config = config
+
+    def split(self, sch: s_tir.Schedule, loop, kernel: str, name: str, max_inner: int) -> list:
+        block, what = name.rsplit(".", 1)
+        tile = self.config.tile(kernel, block)
+        wanted = tile.rows if what == "rows" else tile.vectors
+        return [None, _largest_divisor(_extent(sch, loop), min(wanted, max_inner))]
 
 
 def _extent(sch: s_tir.Schedule, loop) -> int:
@@ -102,10 +121,7 @@ def _vector_width(extent: int, lanes: int) -> int:
 
 
 def _vectorize_loop(sch: s_tir.Schedule, loop, lanes: int) -> None:
-    width = _vector_width(_extent(sch, loop), lanes)
-    if width == 1:
-        return
-    _, inner = sch.split(loop, [None, width])
+    _, inner = sch.split(loop, [None, _vector_width(_extent(sch, loop), lanes)])
     sch.vectorize(inner)
 
 
@@ -122,25 +138,29 @@ def _vectorize_row_reduction(sch: s_tir.Schedule, name: str, lanes: int) -> None
     _vectorize_loop(sch, sch.get_loops(init)[-1], lanes)
 
 
-def register_tile(sch: s_tir.Schedule, name: str, tile: RegisterTile, lanes: int) -> None:
-    """Schedule a (row, col, reduction) block as a register-tiled micro-kernel."""
+def register_tile(sch: s_tir.Schedule, kernel: str, name: str, knobs, lanes: int) -> None:
+    """Schedule a (row, col, reduction) block as a register-tiled micro-kernel.
+
+    Knobs: ``<name>.rows`` (rows of the register tile) and ``<name>.vectors`` (vectors per row).
+    """
     block = sch.get_sblock(name)
     row, col, red = sch.get_loops(block)[-3:]
-    col_extent = _extent(sch, col)
-    width = _vector_width(col_extent, lanes)
-    cols = _fit(col_extent, tile.vectors * lanes, width)
-    rows = _fit(_extent(sch, row), tile.rows, 1)
-    row_o, row_i = sch.split(row, [None, rows])
-    col_o, col_i = sch.split(col, [None, cols])
-    sch.reorder(row_o, col_o, red, row_i, col_i)
+    width = _vector_width(_extent(sch, col), lanes)
+    col_vectors, col_lanes = sch.split(col, [None, width])
+    row_o, row_i = sch.split(row, knobs.split(sch, row, kernel, f"{name}.rows", MAX_TILE_ROWS))
+    col_o, col_i = sch.split(col_vectors, knobs.split(sch, col_vectors, kernel, f"{name}.vectors",
+                                                      MAX_TILE_VECTORS))
+    sch.reorder(row_o, col_o, red, row_i, col_i, col_lanes)
     acc = sch.cache_write(block, 0, "local")  # the accumulators: promoted to registers by LLVM
-    sch.reverse_compute_at(acc, col_o)
-    for b in (block, acc):
-        r, c = sch.get_loops(b)[-2:]
-        sch.unroll(r)
-        c_o, c_v = sch.split(c, [None, width])
-        sch.unroll(c_o)
-        sch.vectorize(c_v)
+    sch.reverse_compute_at(acc, col_o, preserve_unit_loops=True)  # same loops for every tile shape
+    sch.unroll(row_i)
+    sch.unroll(col_i)
+    sch.vectorize(col_lanes)
+    acc_row, acc_col = sch.get_loops(acc)[-2:]
+    sch.unroll(acc_row)
+    acc_vectors, acc_lanes = sch.split(acc_col, [None, width])
+    sch.unroll(acc_vectors)
+    sch.vectorize(acc_lanes)
     sch.decompose_reduction(block, red)
 
 
@@ -151,12 +171,13 @@ def _parallel(sch: s_tir.Schedule, name: str, n_outer: int, vectorize_inner: int
         _vectorize_loop(sch, loops[-1], vectorize_inner)
 
 
-def schedule_forward(sch: s_tir.Schedule, cfg: LLVMConfig) -> s_tir.Schedule:
+def schedule_forward(sch: s_tir.Schedule, cfg: LLVMConfig, knobs=None) -> s_tir.Schedule:
+    knobs = knobs or FixedKnobs(cfg)
     lanes = cfg.lanes
     _parallel(sch, "pack_kv", 3, lanes)
     _parallel(sch, "q_tile", 4)
     for name in FORWARD_PRODUCTS:
-        register_tile(sch, name, cfg.tile("forward", name), lanes)
+        register_tile(sch, "forward", name, knobs, lanes)
     for name in ("load_q", "init_o", "init_stats", "rescale", "probs", "store_o"):
         _vectorize_elementwise(sch, name, lanes)
     for name in ("row_max", "row_sum"):
@@ -164,7 +185,8 @@ def schedule_forward(sch: s_tir.Schedule, cfg: LLVMConfig) -> s_tir.Schedule:
     return sch
 
 
-def schedule_backward(sch: s_tir.Schedule, cfg: LLVMConfig) -> s_tir.Schedule:
+def schedule_backward(sch: s_tir.Schedule, cfg: LLVMConfig, knobs=None) -> s_tir.Schedule:
+    knobs = knobs or FixedKnobs(cfg)
     lanes = cfg.lanes
     _parallel(sch, "pack_q_do", 4, lanes)
     _parallel(sch, "delta", 4)
@@ -172,7 +194,7 @@ def schedule_backward(sch: s_tir.Schedule, cfg: LLVMConfig) -> s_tir.Schedule:
     _parallel(sch, "zero_dq", 5, lanes)
     _parallel(sch, "kv_split", 3)
     for name in BACKWARD_PRODUCTS:
-        register_tile(sch, name, cfg.tile("backward", name), lanes)
+        register_tile(sch, "backward", name, knobs, lanes)
     for name in ("load_k", "load_kt", "load_vt", "init_dkv", "load_row_stats", "probs", "dscores", "store_dkv"):
         _vectorize_elementwise(sch, name, lanes)
     block = sch.get_sblock("sum_dq")
@@ -182,6 +204,9 @@ def schedule_backward(sch: s_tir.Schedule, cfg: LLVMConfig) -> s_tir.Schedule:
     sch.decompose_reduction(block, loops[4])
     _parallel(sch, "store_dq", 4, lanes)
     return sch
+
+
+SCHEDULES = {"forward": schedule_forward, "backward": schedule_backward}
 
 
 def schedule_standard(sch: s_tir.Schedule) -> s_tir.Schedule:

@@ -95,7 +95,7 @@ def test_second_process_loads_from_disk_cache(tmp_path, monkeypatch):
     target = resolve("llvm")
     # A config that no other test uses: this process must really build it (and store it).
     config = llvm_schedules.default_config(target, 32, "float32", False)
-    config = dataclasses.replace(config, block_k=32)
+    config = dataclasses.replace(config, forward_blocks=(64, 32), backward_blocks=(64, 32))
     first = tvmflash.compile("llvm", head_dim=32, dtype="float32", config=config)
     assert (tmp_path / f"{first.meta['cache_key']}.so").exists()
 
@@ -127,7 +127,7 @@ def test_cache_key_covers_target_config_and_params():
     base = compiler._cache_key(target, params, cfg.to_json())
     assert base != compiler._cache_key(other_cpu, params, cfg.to_json())
     assert base != compiler._cache_key(target, compiler.KernelParams(64, "float32", True), cfg.to_json())
-    assert base != compiler._cache_key(target, params, {**cfg.to_json(), "block_q": 32})
+    assert base != compiler._cache_key(target, params, {**cfg.to_json(), "forward_blocks": [32, 64]})
     assert base == compiler._cache_key(target, params, cfg.to_json())
 
 

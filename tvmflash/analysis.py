@@ -24,9 +24,13 @@ _ALIASES = {
 }
 
 
-def specialize(func: tirx.PrimFunc, **sizes: int) -> tirx.PrimFunc:
-    """Bind batch, seqlen_q, seqlen_k, heads, heads_k (and n_split) to constants; tensors compact."""
+def specialize(func: tirx.PrimFunc, **sizes) -> tirx.PrimFunc:
+    """Bind batch, seqlen_q, seqlen_k, heads, heads_k (and n_split) to constants; tensors compact.
+
+    Other keywords bind scalar parameters of that name (e.g. ``softmax_scale=0.125``).
+    """
     values = {alias: sizes[name] for name, aliases in _ALIASES.items() if name in sizes for alias in aliases}
+    scalars = {name: v for name, v in sizes.items() if name not in _ALIASES}
     param_map = {}
     for param in func.params:
         ty = param.ty
@@ -45,6 +49,8 @@ def specialize(func: tirx.PrimFunc, **sizes: int) -> tirx.PrimFunc:
                 data_alignment=ty.data_alignment, offset_factor=ty.offset_factor)
         elif param.name in values:
             param_map[param] = tirx.const(values[param.name], "int64")
+        elif param.name in scalars:
+            param_map[param] = tirx.const(scalars[param.name], ty.dtype)
     return func.specialize(param_map)
 
 

@@ -48,21 +48,23 @@ def exp2(x: tirx.PrimExpr) -> tirx.PrimExpr:
     """2**x for float32 ``x`` <= ~1 as a polynomial that vectorizes.
 
     ``T.exp``/``T.exp2`` lower to scalar libm calls inside vectorized loops on CPUs, which costs
-    as much as the matrix products. Here: n = round(x), f = x - n in [-0.5, 0.5],
-    2**f by a degree-6 polynomial, 2**n by writing n + 127 into the exponent bits. The kernels
-    only exponentiate x = score - (running max or LSE) <= ~0, so there is no upper clamp; inputs
+    as much as the matrix products. Here: n = round(x), f = x - n in [-0.5, 0.5], 2**f by a
+    degree-6 polynomial, 2**n by writing n + 127 into the exponent bits. The kernels only
+    exponentiate x = score - (running max or LSE) <= ~0, so there is no upper clamp; inputs
     below -127 give exactly 0 (x = -inf included), which the online softmax relies on.
+
+    The expression repeats ``x`` instead of binding it with ``Let``: MetaSchedule's FLOP
+    estimator cannot read ``Let``, and TVM's common-subexpression pass (and LLVM) merge the
+    copies again. ``floor(x + 0.5)``, not ``nearbyint``: TVM's vectorizer scalarizes nearbyint.
     """
-    xv = tirx.Var("x", "float32")
-    nv = tirx.Var("n", "float32")
-    frac = xv - nv
+    clamped = tirx.max(x, _f32(-127.0))
+    n = tirx.floor(clamped + _f32(0.5))
+    frac = clamped - n
     poly = _f32(_EXP2_COEFFS[-1])
     for c in reversed(_EXP2_COEFFS[:-1]):
         poly = poly * frac + _f32(c)
-    biased = tirx.Cast("int32", nv) + tirx.const(127, "int32")
-    scale = tirx.reinterpret("float32", tirx.shift_left(biased, tirx.const(23, "int32")))
-    # floor(x + 0.5), not nearbyint: TVM's vectorizer scalarizes nearbyint.
-    return tirx.Let(xv, tirx.max(x, _f32(-127.0)), tirx.Let(nv, tirx.floor(xv + _f32(0.5)), poly * scale))
+    biased = tirx.Cast("int32", n) + tirx.const(127, "int32")
+    return poly * tirx.reinterpret("float32", tirx.shift_left(biased, tirx.const(23, "int32")))
 
 
 def visible(i, j, seqlen_q, seqlen_k, causal: bool) -> tirx.PrimExpr:

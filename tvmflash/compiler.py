@@ -40,7 +40,7 @@ _CODEGEN_SOURCES = (
     Path(targets.__file__),
     *sorted(Path(llvm_schedules.__file__).parent.glob("*.py")),
 )
-_memory_cache: dict[str, FlashKernels] = {}
+_memory_cache: dict[tuple, FlashKernels] = {}
 _lock = threading.Lock()
 
 
@@ -127,7 +127,7 @@ class FlashKernels:
 
     def backward(self, dout, q, k, v, out, lse, dq, dk, dv, softmax_scale: float | None = None) -> None:
         batch, _, _, heads_k = check_backward_args(self, dout, q, k, v, out, lse, dq, dk, dv)
-        splits = backward_splits(batch, heads_k, k.shape[1], self.config.block_k)
+        splits = backward_splits(batch, heads_k, k.shape[1], self.config.backward_blocks[1])
         self._bwd(dout, q, k, v, out, lse, dq, dk, dv, _scale(softmax_scale, self.head_dim), splits)
 
     def export_library(self, path: str | os.PathLike) -> None:
@@ -172,12 +172,23 @@ def load(path: str | os.PathLike) -> FlashKernels:
     return FlashKernels(tvm.runtime.load_module(str(path)), meta, library=path)
 
 
+def kernel_spec(params: KernelParams, config, kernel: str) -> kernels.KernelSpec:
+    return kernels.KernelSpec(params.head_dim, params.dtype, params.causal, *config.blocks(kernel))
+
+
+def scheduled_kernel(params: KernelParams, config, kernel: str) -> tvm.tirx.PrimFunc:
+    """One fused kernel ("forward" or "backward") with the hand-written schedule applied."""
+    build = kernels.fused_forward if kernel == "forward" else kernels.fused_backward
+    sch = s_tir.Schedule(build(kernel_spec(params, config, kernel)))
+    return llvm_schedules.SCHEDULES[kernel](sch, config).mod["main"]
+
+
 def build_module(target: tvm.target.Target, params: KernelParams, config) -> tvm.runtime.Module:
     """Schedule and compile both fused kernels into one module (no caching)."""
-    spec = kernels.KernelSpec(params.head_dim, params.dtype, params.causal, config.block_q, config.block_k)
-    fwd = llvm_schedules.schedule_forward(s_tir.Schedule(kernels.fused_forward(spec)), config).mod["main"]
-    bwd = llvm_schedules.schedule_backward(s_tir.Schedule(kernels.fused_backward(spec)), config).mod["main"]
-    mod = tvm.IRModule({"flash_fwd": fwd, "flash_bwd": bwd})
+    mod = tvm.IRModule({
+        "flash_fwd": scheduled_kernel(params, config, "forward"),
+        "flash_bwd": scheduled_kernel(params, config, "backward"),
+    })
     return tvm.compile(mod, target=target)
 
 
@@ -188,39 +199,53 @@ def compile(  # noqa: A001 - the public name the API promises
     causal: bool = False,
     *,
     config=None,
+    tuned: bool = True,
+    seqlen: int | None = None,
     cache: bool = True,
 ) -> FlashKernels:
     """Compile (or fetch from the caches) the fused forward and backward kernels.
 
     ``target``: "llvm" (this machine's CPU), "cuda", a target dict or a ``tvm.target.Target``.
-    ``config``: schedule knobs (``schedules.llvm.LLVMConfig``); default: chosen for the target.
-    ``cache=False`` skips both caches.
+    ``config``: schedule knobs (``schedules.llvm.LLVMConfig``). Default: the best tuning record
+    for this target and kernel (``tvmflash.tune``; shipped ``tune_logs`` and
+    ``$TVMFLASH_TUNE_LOGS``), from the tuned sequence length nearest to ``seqlen`` (default
+    2048), else the hand-written defaults. ``tuned=False`` always uses the defaults; the record
+    used is ``kernels.tuning_record``. ``cache=False`` skips both caches.
     """
     target = targets.resolve(target)
     check_kernel_params(head_dim, dtype)
     params = KernelParams(int(head_dim), str(dtype), bool(causal))
     if target.kind.name != "llvm":
         raise NotImplementedError(f"target {target.kind.name!r} is not supported yet")
-    config = config or llvm_schedules.default_config(target, params.head_dim, params.dtype, params.causal)
+    record = None
+    if config is None:
+        config = llvm_schedules.default_config(target, params.head_dim, params.dtype, params.causal)
+        if tuned:
+            from . import tune
+
+            found = tune.tuned_config(target, params, config, seqlen or 2048)
+            if found is not None:
+                config, record = found
     key = _cache_key(target, params, config.to_json())
     meta = {
         "target": json.loads(str(target)),
         **params.__dict__,
         "config": config.to_json(),
-        "tuning_record": None,
+        "tuning_record": record,
         "cache_key": key,
     }
-    if cache:
-        with _lock:
-            if key in _memory_cache:
-                return _memory_cache[key]
-        kernels_obj = _load_from_disk(key)
-        if kernels_obj is None:
-            kernels_obj = _compile_and_store(target, params, config, meta, key)
-        with _lock:
-            _memory_cache[key] = kernels_obj
-        return kernels_obj
-    return _build(target, params, config, meta)
+    if not cache:
+        return _build(target, params, config, meta)
+    memo_key = (key, json.dumps(record, sort_keys=True))
+    with _lock:
+        if memo_key in _memory_cache:
+            return _memory_cache[memo_key]
+    kernels_obj = _load_from_disk(key, meta)
+    if kernels_obj is None:
+        kernels_obj = _compile_and_store(target, params, config, meta, key)
+    with _lock:
+        _memory_cache[memo_key] = kernels_obj
+    return kernels_obj
 
 
 def _build(target, params: KernelParams, config, meta: dict) -> FlashKernels:
@@ -235,13 +260,11 @@ def _build(target, params: KernelParams, config, meta: dict) -> FlashKernels:
     return FlashKernels(lib, meta, source_text)
 
 
-def _load_from_disk(key: str) -> FlashKernels | None:
+def _load_from_disk(key: str, meta: dict) -> FlashKernels | None:
     so = cache_dir() / f"{key}.so"
-    meta_path = cache_dir() / f"{key}.json"
-    if not (so.exists() and meta_path.exists()):
+    if not so.exists():
         return None
     try:
-        meta = json.loads(meta_path.read_text())
         src = cache_dir() / f"{key}.ll"
         return FlashKernels(tvm.runtime.load_module(str(so)), meta,
                             src.read_text() if src.exists() else None, library=so)
@@ -262,8 +285,8 @@ def _compile_and_store(target, params, config, meta, key: str) -> FlashKernels:
             (Path(tmp) / "kernels.ll").write_text(kernels_obj.source())
             (Path(tmp) / "kernels.json").write_text(json.dumps(meta, indent=1))
             os.replace(Path(tmp) / "kernels.ll", directory / f"{key}.ll")
-            os.replace(tmp_so, directory / f"{key}.so")
-            os.replace(Path(tmp) / "kernels.json", directory / f"{key}.json")
+            os.replace(Path(tmp) / "kernels.json", directory / f"{key}.json")  # for people reading the cache
+            os.replace(tmp_so, directory / f"{key}.so")  # last: its presence marks a complete entry
     except OSError as err:
         _progress(f"could not write the compile cache in {directory} ({err}); continuing without it")
     return kernels_obj

@@ -22,6 +22,15 @@ Layout conventions inside the kernels (all tile buffers fp32, rule 3):
   accumulated in fp32 partials, one per "split" of the key tiles, so that splits run in
   parallel without races (even when batch * heads is 1) and are summed once at the end.
 
+Every stage sits in its own opaque wrapper block (``scores_tile``, ...): ``cache_write``,
+``reverse_compute_at`` and ``decompose_reduction`` need the parent block of a stage to be a
+"stage pipeline", which the online-softmax loop body as a whole is not. Each wrapper in turn sits
+under a unit loop (``for unit in range(1)``): in TVM 0.27, once one of several blocks that sit
+directly in the same ``SeqStmt`` has been scheduled, scheduling another modifies the *original*
+PrimFunc in place (copy-on-write misses the shared block), which breaks MetaSchedule's trace
+replay on the task's module. Loops in a ``SeqStmt`` are copied correctly; unit loops vanish when
+the kernels are lowered.
+
 Accumulators carried across loop iterations (O and l in the forward, dK, dV, dQ in the
 backward) are updated in two levels: a product block sums one tile into a fresh fp32 partial,
 and an ``update_*`` block adds the partial to the running accumulator. A sequential fp32 sum of
@@ -163,62 +172,70 @@ def fused_forward(spec: KernelSpec) -> tirx.PrimFunc:
                         l[vi] = T.float32(0)
                 for kt in T.serial(_key_tiles_for_query_tile(q0, spec, Nq, Nk)):
                     k0: T.let[T.int64] = kt * Bc
-                    with T.sblock("scores_tile"):
-                        for j, i, d in T.grid(Bc, Br, D):
-                            with T.sblock("scores"):
-                                vj, vi, vd = T.axis.remap("SSR", [j, i, d])
-                                with T.init():
-                                    ST[vj, vi] = T.float32(0)
-                                ST[vj, vi] = ST[vj, vi] + Kp[vb, vhk, k0 + vj, vd] * QT[vd, vi]
-                    with T.sblock("row_max_tile"):
-                        for j, i in T.grid(Bc, Br):
-                            with T.sblock("row_max"):
-                                vj, vi = T.axis.remap("RS", [j, i])
-                                with T.init():
-                                    m_next[vi] = m[vi]
-                                m_next[vi] = T.max(m_next[vi], T.Select(
-                                    visible(q0 + vi, k0 + vj, Nq, Nk, causal),
-                                    ST[vj, vi] * scale_log2_parts(softmax_scale)[0], T.float32(NEG_INF)))
-                    with T.sblock("rescale_tile"):
-                        for i in T.serial(Br):
-                            with T.sblock("rescale"):
-                                vi = T.axis.remap("S", [i])
-                                # Equal maxima (also both -inf: nothing seen yet) rescale by exactly 1.
-                                alpha[vi] = T.Select(m[vi] == m_next[vi], T.float32(1), exp2_(m[vi] - m_next[vi]))
-                    with T.sblock("probs_tile"):
-                        for j, i in T.grid(Bc, Br):
-                            with T.sblock("probs"):
-                                vj, vi = T.axis.remap("SS", [j, i])
-                                PT[vj, vi] = T.Select(
-                                    visible(q0 + vi, k0 + vj, Nq, Nk, causal),
-                                    exp2_(log2_exponent(ST[vj, vi], scale_log2_parts(softmax_scale),
-                                                       (m_next[vi], T.float32(0)))),
-                                    T.float32(0))
-                    with T.sblock("pv_tile"):
-                        for d, i, j in T.grid(D, Br, Bc):
-                            with T.sblock("pv"):
-                                vd, vi, vj = T.axis.remap("SSR", [d, i, j])
-                                with T.init():
-                                    PVT[vd, vi] = T.float32(0)
-                                PVT[vd, vi] = PVT[vd, vi] + Vp[vb, vhk, k0 + vj, vd] * PT[vj, vi]
-                    with T.sblock("update_o_tile"):
-                        for d, i in T.grid(D, Br):
-                            with T.sblock("update_o"):
-                                vd, vi = T.axis.remap("SS", [d, i])
-                                OT[vd, vi] = OT[vd, vi] * alpha[vi] + PVT[vd, vi]
-                    with T.sblock("row_sum_tile"):
-                        for j, i in T.grid(Bc, Br):
-                            with T.sblock("row_sum"):
-                                vj, vi = T.axis.remap("RS", [j, i])
-                                with T.init():
-                                    l_tile[vi] = T.float32(0)
-                                l_tile[vi] = l_tile[vi] + PT[vj, vi]
-                    with T.sblock("update_stats_tile"):
-                        for i in T.serial(Br):
-                            with T.sblock("update_stats"):
-                                vi = T.axis.remap("S", [i])
-                                m[vi] = m_next[vi]
-                                l[vi] = l[vi] * alpha[vi] + l_tile[vi]
+                    for unit in range(1):
+                        with T.sblock("scores_tile"):
+                            for j, i, d in T.grid(Bc, Br, D):
+                                with T.sblock("scores"):
+                                    vj, vi, vd = T.axis.remap("SSR", [j, i, d])
+                                    with T.init():
+                                        ST[vj, vi] = T.float32(0)
+                                    ST[vj, vi] = ST[vj, vi] + Kp[vb, vhk, k0 + vj, vd] * QT[vd, vi]
+                    for unit in range(1):
+                        with T.sblock("row_max_tile"):
+                            for j, i in T.grid(Bc, Br):
+                                with T.sblock("row_max"):
+                                    vj, vi = T.axis.remap("RS", [j, i])
+                                    with T.init():
+                                        m_next[vi] = m[vi]
+                                    m_next[vi] = T.max(m_next[vi], T.Select(
+                                        visible(q0 + vi, k0 + vj, Nq, Nk, causal),
+                                        ST[vj, vi] * scale_log2_parts(softmax_scale)[0], T.float32(NEG_INF)))
+                    for unit in range(1):
+                        with T.sblock("rescale_tile"):
+                            for i in T.serial(Br):
+                                with T.sblock("rescale"):
+                                    vi = T.axis.remap("S", [i])
+                                    # Equal maxima (also both -inf: nothing seen yet) rescale by exactly 1.
+                                    alpha[vi] = T.Select(m[vi] == m_next[vi], T.float32(1), exp2_(m[vi] - m_next[vi]))
+                    for unit in range(1):
+                        with T.sblock("probs_tile"):
+                            for j, i in T.grid(Bc, Br):
+                                with T.sblock("probs"):
+                                    vj, vi = T.axis.remap("SS", [j, i])
+                                    PT[vj, vi] = T.Select(
+                                        visible(q0 + vi, k0 + vj, Nq, Nk, causal),
+                                        exp2_(log2_exponent(ST[vj, vi], scale_log2_parts(softmax_scale),
+                                                           (m_next[vi], T.float32(0)))),
+                                        T.float32(0))
+                    for unit in range(1):
+                        with T.sblock("pv_tile"):
+                            for d, i, j in T.grid(D, Br, Bc):
+                                with T.sblock("pv"):
+                                    vd, vi, vj = T.axis.remap("SSR", [d, i, j])
+                                    with T.init():
+                                        PVT[vd, vi] = T.float32(0)
+                                    PVT[vd, vi] = PVT[vd, vi] + Vp[vb, vhk, k0 + vj, vd] * PT[vj, vi]
+                    for unit in range(1):
+                        with T.sblock("update_o_tile"):
+                            for d, i in T.grid(D, Br):
+                                with T.sblock("update_o"):
+                                    vd, vi = T.axis.remap("SS", [d, i])
+                                    OT[vd, vi] = OT[vd, vi] * alpha[vi] + PVT[vd, vi]
+                    for unit in range(1):
+                        with T.sblock("row_sum_tile"):
+                            for j, i in T.grid(Bc, Br):
+                                with T.sblock("row_sum"):
+                                    vj, vi = T.axis.remap("RS", [j, i])
+                                    with T.init():
+                                        l_tile[vi] = T.float32(0)
+                                    l_tile[vi] = l_tile[vi] + PT[vj, vi]
+                    for unit in range(1):
+                        with T.sblock("update_stats_tile"):
+                            for i in T.serial(Br):
+                                with T.sblock("update_stats"):
+                                    vi = T.axis.remap("S", [i])
+                                    m[vi] = m_next[vi]
+                                    l[vi] = l[vi] * alpha[vi] + l_tile[vi]
                 for i, d in T.grid(Br, D):
                     with T.sblock("store_o"):
                         vi, vd = T.axis.remap("SS", [i, d])
@@ -328,29 +345,33 @@ def fused_backward(spec: KernelSpec) -> tirx.PrimFunc:
                 for t in T.serial(_ceildiv(_ceildiv(Nk, Bc), n_split)):
                     if vs + t * n_split < _ceildiv(Nk, Bc):
                         k0: T.let[T.int64] = (vs + t * n_split) * Bc
-                        with T.sblock("load_k_tile"):
-                            for j, d in T.grid(Bc, D):
-                                with T.sblock("load_k"):
-                                    vj, vd = T.axis.remap("SS", [j, d])
-                                    Kt[vj, vd] = T.if_then_else(
-                                        k0 + vj < Nk, T.Cast(F32, K[vb, T.min(k0 + vj, Nk - 1), vhk, vd]), T.float32(0))
-                        with T.sblock("load_kt_tile"):
-                            for d, j in T.grid(D, Bc):
-                                with T.sblock("load_kt"):
-                                    vd, vj = T.axis.remap("SS", [d, j])
-                                    KT[vd, vj] = Kt[vj, vd]
-                        with T.sblock("load_vt_tile"):
-                            for d, j in T.grid(D, Bc):
-                                with T.sblock("load_vt"):
-                                    vd, vj = T.axis.remap("SS", [d, j])
-                                    VT[vd, vj] = T.if_then_else(
-                                        k0 + vj < Nk, T.Cast(F32, V[vb, T.min(k0 + vj, Nk - 1), vhk, vd]), T.float32(0))
-                        with T.sblock("init_dkv_tile"):
-                            for j, d in T.grid(Bc, D):
-                                with T.sblock("init_dkv"):
-                                    vj, vd = T.axis.remap("SS", [j, d])
-                                    dKacc[vj, vd] = T.float32(0)
-                                    dVacc[vj, vd] = T.float32(0)
+                        for unit in range(1):
+                            with T.sblock("load_k_tile"):
+                                for j, d in T.grid(Bc, D):
+                                    with T.sblock("load_k"):
+                                        vj, vd = T.axis.remap("SS", [j, d])
+                                        Kt[vj, vd] = T.if_then_else(
+                                            k0 + vj < Nk, T.Cast(F32, K[vb, T.min(k0 + vj, Nk - 1), vhk, vd]), T.float32(0))
+                        for unit in range(1):
+                            with T.sblock("load_kt_tile"):
+                                for d, j in T.grid(D, Bc):
+                                    with T.sblock("load_kt"):
+                                        vd, vj = T.axis.remap("SS", [d, j])
+                                        KT[vd, vj] = Kt[vj, vd]
+                        for unit in range(1):
+                            with T.sblock("load_vt_tile"):
+                                for d, j in T.grid(D, Bc):
+                                    with T.sblock("load_vt"):
+                                        vd, vj = T.axis.remap("SS", [d, j])
+                                        VT[vd, vj] = T.if_then_else(
+                                            k0 + vj < Nk, T.Cast(F32, V[vb, T.min(k0 + vj, Nk - 1), vhk, vd]), T.float32(0))
+                        for unit in range(1):
+                            with T.sblock("init_dkv_tile"):
+                                for j, d in T.grid(Bc, D):
+                                    with T.sblock("init_dkv"):
+                                        vj, vd = T.axis.remap("SS", [j, d])
+                                        dKacc[vj, vd] = T.float32(0)
+                                        dVacc[vj, vd] = T.float32(0)
                         for g in T.serial(group):
                             member: T.let[T.int64] = g
                             for qt in T.serial(_first_query_tile_for_key_tile(k0, spec, Nq, Nk), _ceildiv(Nq, Br)):
@@ -359,71 +380,81 @@ def fused_backward(spec: KernelSpec) -> tirx.PrimFunc:
                                     with T.sblock("load_row_stats"):
                                         vr, vi = T.axis.remap("SS", [r, i])
                                         row_stats[vr, vi] = RowStats[vb, vhk, member, vr, q0 + vi]
-                                with T.sblock("scores_tile"):
-                                    for i, j, d in T.grid(Br, Bc, D):
-                                        with T.sblock("scores"):
-                                            vi, vj, vd = T.axis.remap("SSR", [i, j, d])
-                                            with T.init():
-                                                S[vi, vj] = T.float32(0)
-                                            S[vi, vj] = S[vi, vj] + Qp[vb, vhk, member, q0 + vi, vd] * KT[vd, vj]
-                                with T.sblock("probs_tile"):
-                                    for i, j in T.grid(Br, Bc):
-                                        with T.sblock("probs"):
-                                            vi, vj = T.axis.remap("SS", [i, j])
-                                            P[vi, vj] = T.Select(visible(q0 + vi, k0 + vj, Nq, Nk, causal),
-                                                                 exp2_(log2_exponent(
-                                                                     S[vi, vj], scale_log2_parts(softmax_scale),
-                                                                     (row_stats[0, vi], row_stats[1, vi]))),
-                                                                 T.float32(0))
-                                with T.sblock("dv_tile"):
-                                    for j, d, i in T.grid(Bc, D, Br):
-                                        with T.sblock("dv"):
-                                            vj, vd, vi = T.axis.remap("SSR", [j, d, i])
-                                            with T.init():
-                                                dVtile[vj, vd] = T.float32(0)
-                                            dVtile[vj, vd] = dVtile[vj, vd] + P[vi, vj] * dOp[vb, vhk, member, q0 + vi, vd]
-                                with T.sblock("update_dv_tile"):
-                                    for j, d in T.grid(Bc, D):
-                                        with T.sblock("update_dv"):
-                                            vj, vd = T.axis.remap("SS", [j, d])
-                                            dVacc[vj, vd] = dVacc[vj, vd] + dVtile[vj, vd]
-                                with T.sblock("dprobs_tile"):
-                                    for i, j, d in T.grid(Br, Bc, D):
-                                        with T.sblock("dprobs"):
-                                            vi, vj, vd = T.axis.remap("SSR", [i, j, d])
-                                            with T.init():
-                                                dP[vi, vj] = T.float32(0)
-                                            dP[vi, vj] = dP[vi, vj] + dOp[vb, vhk, member, q0 + vi, vd] * VT[vd, vj]
-                                with T.sblock("dscores_tile"):
-                                    for i, j in T.grid(Br, Bc):
-                                        with T.sblock("dscores"):
-                                            vi, vj = T.axis.remap("SS", [i, j])
-                                            dS[vi, vj] = grad_scores(P[vi, vj], dP[vi, vj], row_stats[2, vi])
-                                with T.sblock("dk_tile"):
-                                    for j, d, i in T.grid(Bc, D, Br):
-                                        with T.sblock("dk"):
-                                            vj, vd, vi = T.axis.remap("SSR", [j, d, i])
-                                            with T.init():
-                                                dKtile[vj, vd] = T.float32(0)
-                                            dKtile[vj, vd] = dKtile[vj, vd] + dS[vi, vj] * Qp[vb, vhk, member, q0 + vi, vd]
-                                with T.sblock("update_dk_tile"):
-                                    for j, d in T.grid(Bc, D):
-                                        with T.sblock("update_dk"):
-                                            vj, vd = T.axis.remap("SS", [j, d])
-                                            dKacc[vj, vd] = dKacc[vj, vd] + dKtile[vj, vd]
-                                with T.sblock("dq_tile"):
-                                    for i, d, j in T.grid(Br, D, Bc):
-                                        with T.sblock("dq"):
-                                            vi, vd, vj = T.axis.remap("SSR", [i, d, j])
-                                            with T.init():
-                                                dQtile[vi, vd] = T.float32(0)
-                                            dQtile[vi, vd] = dQtile[vi, vd] + dS[vi, vj] * Kt[vj, vd]
-                                with T.sblock("update_dq_tile"):
-                                    for i, d in T.grid(Br, D):
-                                        with T.sblock("update_dq"):
-                                            vi, vd = T.axis.remap("SS", [i, d])
-                                            dQacc[vs, vb, vhk, member, q0 + vi, vd] = (
-                                                dQacc[vs, vb, vhk, member, q0 + vi, vd] + dQtile[vi, vd])
+                                for unit in range(1):
+                                    with T.sblock("scores_tile"):
+                                        for i, j, d in T.grid(Br, Bc, D):
+                                            with T.sblock("scores"):
+                                                vi, vj, vd = T.axis.remap("SSR", [i, j, d])
+                                                with T.init():
+                                                    S[vi, vj] = T.float32(0)
+                                                S[vi, vj] = S[vi, vj] + Qp[vb, vhk, member, q0 + vi, vd] * KT[vd, vj]
+                                for unit in range(1):
+                                    with T.sblock("probs_tile"):
+                                        for i, j in T.grid(Br, Bc):
+                                            with T.sblock("probs"):
+                                                vi, vj = T.axis.remap("SS", [i, j])
+                                                P[vi, vj] = T.Select(visible(q0 + vi, k0 + vj, Nq, Nk, causal),
+                                                                     exp2_(log2_exponent(
+                                                                         S[vi, vj], scale_log2_parts(softmax_scale),
+                                                                         (row_stats[0, vi], row_stats[1, vi]))),
+                                                                     T.float32(0))
+                                for unit in range(1):
+                                    with T.sblock("dv_tile"):
+                                        for j, d, i in T.grid(Bc, D, Br):
+                                            with T.sblock("dv"):
+                                                vj, vd, vi = T.axis.remap("SSR", [j, d, i])
+                                                with T.init():
+                                                    dVtile[vj, vd] = T.float32(0)
+                                                dVtile[vj, vd] = dVtile[vj, vd] + P[vi, vj] * dOp[vb, vhk, member, q0 + vi, vd]
+                                for unit in range(1):
+                                    with T.sblock("update_dv_tile"):
+                                        for j, d in T.grid(Bc, D):
+                                            with T.sblock("update_dv"):
+                                                vj, vd = T.axis.remap("SS", [j, d])
+                                                dVacc[vj, vd] = dVacc[vj, vd] + dVtile[vj, vd]
+                                for unit in range(1):
+                                    with T.sblock("dprobs_tile"):
+                                        for i, j, d in T.grid(Br, Bc, D):
+                                            with T.sblock("dprobs"):
+                                                vi, vj, vd = T.axis.remap("SSR", [i, j, d])
+                                                with T.init():
+                                                    dP[vi, vj] = T.float32(0)
+                                                dP[vi, vj] = dP[vi, vj] + dOp[vb, vhk, member, q0 + vi, vd] * VT[vd, vj]
+                                for unit in range(1):
+                                    with T.sblock("dscores_tile"):
+                                        for i, j in T.grid(Br, Bc):
+                                            with T.sblock("dscores"):
+                                                vi, vj = T.axis.remap("SS", [i, j])
+                                                dS[vi, vj] = grad_scores(P[vi, vj], dP[vi, vj], row_stats[2, vi])
+                                for unit in range(1):
+                                    with T.sblock("dk_tile"):
+                                        for j, d, i in T.grid(Bc, D, Br):
+                                            with T.sblock("dk"):
+                                                vj, vd, vi = T.axis.remap("SSR", [j, d, i])
+                                                with T.init():
+                                                    dKtile[vj, vd] = T.float32(0)
+                                                dKtile[vj, vd] = dKtile[vj, vd] + dS[vi, vj] * Qp[vb, vhk, member, q0 + vi, vd]
+                                for unit in range(1):
+                                    with T.sblock("update_dk_tile"):
+                                        for j, d in T.grid(Bc, D):
+                                            with T.sblock("update_dk"):
+                                                vj, vd = T.axis.remap("SS", [j, d])
+                                                dKacc[vj, vd] = dKacc[vj, vd] + dKtile[vj, vd]
+                                for unit in range(1):
+                                    with T.sblock("dq_tile"):
+                                        for i, d, j in T.grid(Br, D, Bc):
+                                            with T.sblock("dq"):
+                                                vi, vd, vj = T.axis.remap("SSR", [i, d, j])
+                                                with T.init():
+                                                    dQtile[vi, vd] = T.float32(0)
+                                                dQtile[vi, vd] = dQtile[vi, vd] + dS[vi, vj] * Kt[vj, vd]
+                                for unit in range(1):
+                                    with T.sblock("update_dq_tile"):
+                                        for i, d in T.grid(Br, D):
+                                            with T.sblock("update_dq"):
+                                                vi, vd = T.axis.remap("SS", [i, d])
+                                                dQacc[vs, vb, vhk, member, q0 + vi, vd] = (
+                                                    dQacc[vs, vb, vhk, member, q0 + vi, vd] + dQtile[vi, vd])
                         for j, d in T.grid(Bc, D):
                             with T.sblock("store_dkv"):
                                 vj, vd = T.axis.remap("SS", [j, d])

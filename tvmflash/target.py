@@ -7,6 +7,7 @@ JSON is part of every cache key: kernels built for AVX-512 are never loaded on a
 
 from __future__ import annotations
 
+import functools
 import os
 
 import tvm
@@ -20,6 +21,7 @@ def usable_cpus() -> int:
         return os.cpu_count() or 1
 
 
+@functools.lru_cache(maxsize=None)
 def host_cpu() -> str:
     return str(tvm_ffi.get_global_func("target.llvm_get_system_cpu")())
 
