@@ -71,8 +71,10 @@ def assert_flash_rule(name: str, ours, ref64, same_dtype, dtype: torch.dtype, se
     """error(ours vs float64) <= 2 * error(plain PyTorch in the same dtype) + a few ulps.
 
     The ulps are those of the largest value involved: the result, or ``magnitude``, the size of
-    the terms that cancel on the way to it (FlashAttention's dS = P (dP - Delta) subtracts two
-    numbers of size |dO| |V| even where the gradient is ~0; plain attention cancels differently).
+    the terms summed or cancelled on the way to it. FlashAttention rounds differently from plain
+    attention at exactly those places: it recomputes P from the fp32 LSE (a relative error of a
+    few ulps on every P, times the rows of V or dO it weights), and dS = P (dP - Delta)
+    subtracts two numbers of size |dO| |V| even where the gradient is ~0.
     """
     assert not torch.isnan(ours).any(), f"{name}: NaN in the result (seed {seed})"
     scale = max(1.0, magnitude, ref64.abs().max().item())

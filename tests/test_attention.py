@@ -56,13 +56,15 @@ def check_against_reference(shape: dict, dtype: str, head_dim: int, causal: bool
 
     tag = f"{shape} {dtype} d={head_dim} causal={causal}"
     torch_dtype = DTYPES[dtype]
-    # Size of the terms summed or cancelled on the way to each result: out averages rows of v;
-    # dS = P (dP - Delta) subtracts numbers of size |dP| = |dO . v|, then dq, dk scale it by |k|, |q|.
+    # Size of the terms summed or cancelled on the way to each result: out averages rows of v, dv
+    # sums P-weighted rows of dO; dS = P (dP - Delta) subtracts numbers of size |dP| = |dO . v|,
+    # which dq and dk then scale by |k| and |q|.
     group = q.shape[2] // k.shape[2]
     with torch.no_grad():
         dp = torch.einsum("bihd,bjhd->bhij", dout.double(), v.double().repeat_interleave(group, 2)).abs().max()
         sm_scale = scale or head_dim**-0.5
-        magnitude = {"out": v.abs().max(), "dq": sm_scale * dp * k.abs().max(), "dk": sm_scale * dp * q.abs().max()}
+        magnitude = {"out": v.abs().max(), "dv": dout.abs().max(), "dq": sm_scale * dp * k.abs().max(),
+                     "dk": sm_scale * dp * q.abs().max()}
     for i, (name, ours) in enumerate((("out", out), ("lse", lse), ("dq", dq), ("dk", dk), ("dv", dv))):
         f64, same = ref["f64"][i], ref["same"][i]
         if name == "lse":  # -inf rows (no visible key) must match exactly; compare the rest
