@@ -57,11 +57,12 @@ def check_against_reference(shape: dict, dtype: str, head_dim: int, causal: bool
     tag = f"{shape} {dtype} d={head_dim} causal={causal}"
     torch_dtype = DTYPES[dtype]
     # Size of the terms summed or cancelled on the way to each result: out averages rows of v, dv
-    # sums P-weighted rows of dO; dS = P (dP - Delta) subtracts numbers of size |dP| = |dO . v|,
-    # which dq and dk then scale by |k| and |q|.
+    # sums P-weighted rows of dO; dS = P (dP - Delta) subtracts two dot products dO . v and dO . o
+    # whose rounding scales with sum_d |dO_d v_d|, which dq and dk then scale by |k| and |q|.
     group = q.shape[2] // k.shape[2]
     with torch.no_grad():
-        dp = torch.einsum("bihd,bjhd->bhij", dout.double(), v.double().repeat_interleave(group, 2)).abs().max()
+        dp = torch.einsum("bihd,bjhd->bhij", dout.double().abs(),
+                          v.double().abs().repeat_interleave(group, 2)).max()
         sm_scale = scale or head_dim**-0.5
         magnitude = {"out": v.abs().max(), "dv": dout.abs().max(), "dq": sm_scale * dp * k.abs().max(),
                      "dk": sm_scale * dp * q.abs().max()}
