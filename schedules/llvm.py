@@ -138,12 +138,23 @@ def _vectorize_row_reduction(sch: s_tir.Schedule, name: str, lanes: int) -> None
     _vectorize_loop(sch, sch.get_loops(init)[-1], lanes)
 
 
-def register_tile(sch: s_tir.Schedule, kernel: str, name: str, knobs, lanes: int) -> None:
+def _instances(sch: s_tir.Schedule, name: str) -> list[str]:
+    """``name`` and its repeats: a macro stage expanded twice gets ``_1`` appended (kernels.py)."""
+    found = [name]
+    try:
+        sch.get_sblock(f"{name}_1")
+        found.append(f"{name}_1")
+    except s_tir.schedule.ScheduleError:  # no such block: the usual case
+        pass
+    return found
+
+
+def register_tile(sch: s_tir.Schedule, kernel: str, name: str, knobs, lanes: int, block_name=None) -> None:
     """Schedule a (row, col, reduction) block as a register-tiled micro-kernel.
 
     Knobs: ``<name>.rows`` (rows of the register tile) and ``<name>.vectors`` (vectors per row).
     """
-    block = sch.get_sblock(name)
+    block = sch.get_sblock(block_name or name)
     row, col, red = sch.get_loops(block)[-3:]
     width = _vector_width(_extent(sch, col), lanes)
     col_vectors, col_lanes = sch.split(col, [None, width])
@@ -194,9 +205,11 @@ def schedule_backward(sch: s_tir.Schedule, cfg: LLVMConfig, knobs=None) -> s_tir
     _parallel(sch, "zero_dq", 5, lanes)
     _parallel(sch, "kv_split", 3)
     for name in BACKWARD_PRODUCTS:
-        register_tile(sch, "backward", name, knobs, lanes)
+        for block in _instances(sch, name):
+            register_tile(sch, "backward", name, knobs, lanes, block)
     for name in ("load_k", "load_kt", "load_vt", "init_dkv", "load_row_stats", "probs", "dscores", "store_dkv"):
-        _vectorize_elementwise(sch, name, lanes)
+        for block in _instances(sch, name):
+            _vectorize_elementwise(sch, block, lanes)
     block = sch.get_sblock("sum_dq")
     loops = sch.get_loops(block)
     sch.parallel(sch.fuse(*loops[:4]))

@@ -172,24 +172,43 @@ def load(path: str | os.PathLike) -> FlashKernels:
     return FlashKernels(tvm.runtime.load_module(str(path)), meta, library=path)
 
 
-def kernel_spec(params: KernelParams, config, kernel: str) -> kernels.KernelSpec:
-    return kernels.KernelSpec(params.head_dim, params.dtype, params.causal, *config.blocks(kernel))
+def kernel_spec(params: KernelParams, config, kernel: str, **variant) -> kernels.KernelSpec:
+    return kernels.KernelSpec(params.head_dim, params.dtype, params.causal, *config.blocks(kernel), **variant)
 
 
-def scheduled_kernel(params: KernelParams, config, kernel: str) -> tvm.tirx.PrimFunc:
+def scheduled_kernel(params: KernelParams, config, kernel: str, **variant) -> tvm.tirx.PrimFunc:
     """One fused kernel ("forward" or "backward") with the hand-written schedule applied."""
     build = kernels.fused_forward if kernel == "forward" else kernels.fused_backward
-    sch = s_tir.Schedule(build(kernel_spec(params, config, kernel)))
+    sch = s_tir.Schedule(build(kernel_spec(params, config, kernel, **variant)))
     return llvm_schedules.SCHEDULES[kernel](sch, config).mod["main"]
 
 
-def build_module(target: tvm.target.Target, params: KernelParams, config) -> tvm.runtime.Module:
-    """Schedule and compile both fused kernels into one module (no caching)."""
+def build_module(target: tvm.target.Target, params: KernelParams, config, **variant) -> tvm.runtime.Module:
+    """Schedule and compile both fused kernels into one module (no caching).
+
+    ``variant``: the experiment knobs of ``kernels.KernelSpec`` (lse_dtype, recompute,
+    grad_acc_dtype); empty for the real kernels.
+    """
     mod = tvm.IRModule({
-        "flash_fwd": scheduled_kernel(params, config, "forward"),
-        "flash_bwd": scheduled_kernel(params, config, "backward"),
+        "flash_fwd": scheduled_kernel(params, config, "forward", **variant),
+        "flash_bwd": scheduled_kernel(params, config, "backward", **variant),
     })
     return tvm.compile(mod, target=target)
+
+
+def compile_variant(head_dim: int = 64, dtype: str = "float32", causal: bool = False, **variant) -> FlashKernels:
+    """Kernels that break one of the three rules on purpose, for the experiments in benchmarks/.
+
+    Built for this CPU with the default schedule, in this process only (never cached on disk).
+    """
+    target = targets.host_target()
+    params = KernelParams(head_dim, dtype, causal)
+    config = llvm_schedules.default_config(target, head_dim, dtype, causal)
+    meta = {"target": json.loads(str(target)), **params.__dict__, "config": config.to_json(),
+            "tuning_record": None, "variant": variant}
+    _progress(f"compiling an experiment variant {variant} ...")
+    lib = build_module(target, params, config, **variant)
+    return FlashKernels(lib, meta, lib.mod.inspect_source("ll"))
 
 
 def compile(  # noqa: A001 - the public name the API promises
@@ -268,7 +287,7 @@ def _load_from_disk(key: str, meta: dict) -> FlashKernels | None:
         src = cache_dir() / f"{key}.ll"
         return FlashKernels(tvm.runtime.load_module(str(so)), meta,
                             src.read_text() if src.exists() else None, library=so)
-    except (OSError, ValueError, tvm.error.TVMError) as err:  # a broken entry is rebuilt
+    except (OSError, ValueError, RuntimeError) as err:  # a broken entry is rebuilt (TVM errors are RuntimeErrors)
         _progress(f"ignoring unreadable cache entry {so} ({err})")
         return None
 

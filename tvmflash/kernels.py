@@ -75,9 +75,23 @@ class KernelSpec:
     # "polynomial": attention_te.exp2, which vectorizes on CPUs; "intrinsic": T.exp2, a single
     # op (GPUs have it in hardware; FLOP analyses can only read this form).
     exp2: str = "polynomial"
+    # Experiment knobs (benchmarks/rules.py), each breaking one of the three rules; the defaults
+    # are the real kernels. lse_dtype: precision of the stored LSE (rule 1: fp32 row statistics).
+    # recompute: "once" or "twice" (a second pass recomputes P for dK, dQ; rule 2).
+    # grad_acc_dtype: dtype of the running dQ/dK/dV sums (rule 3: fp32 accumulators).
+    lse_dtype: str = "float32"
+    recompute: str = "once"
+    grad_acc_dtype: str = "float32"
 
     def exp2_fn(self):
         return exp2 if self.exp2 == "polynomial" else tirx.exp2
+
+    def to_acc(self, x):
+        """fp32 value -> the dtype of the running gradient sums."""
+        return x if self.grad_acc_dtype == F32 else tirx.Cast(self.grad_acc_dtype, x)
+
+    def from_acc(self, x):
+        return x if self.grad_acc_dtype == F32 else tirx.Cast(F32, x)
 
 
 def _ceildiv(a, b):
@@ -106,6 +120,9 @@ def fused_forward(spec: KernelSpec) -> tirx.PrimFunc:
     D, Br, Bc, dtype = spec.head_dim, spec.block_q, spec.block_k, spec.dtype
     causal, exp2_ = spec.causal, spec.exp2_fn()
     elem = DataType(dtype).bits // 8
+
+    def stored_lse(x):  # rounded through a lower precision in the rule-1 experiment only
+        return x if spec.lse_dtype == F32 else tirx.Cast(F32, tirx.Cast(spec.lse_dtype, x))
 
     @T.prim_func(s_tir=True)
     def flash_fwd(q_h: T.handle, k_h: T.handle, v_h: T.handle, o_h: T.handle, lse_h: T.handle,
@@ -247,7 +264,7 @@ def fused_forward(spec: KernelSpec) -> tirx.PrimFunc:
                     with T.sblock("store_lse"):
                         vi = T.axis.remap("S", [i])
                         if q0 + vi < Nq:
-                            LSE[vb, h, q0 + vi] = lse_from_stats(m[vi], l[vi])
+                            LSE[vb, h, q0 + vi] = stored_lse(lse_from_stats(m[vi], l[vi]))
 
     return flash_fwd
 
@@ -261,6 +278,98 @@ def fused_backward(spec: KernelSpec) -> tirx.PrimFunc:
     D, Br, Bc, dtype = spec.head_dim, spec.block_q, spec.block_k, spec.dtype
     causal, exp2_ = spec.causal, spec.exp2_fn()
     elem = DataType(dtype).bits // 8
+    acc = spec.grad_acc_dtype  # of the running dQ, dK, dV sums: float32 except in the rule-3 experiment
+    to_acc, from_acc = spec.to_acc, spec.from_acc
+
+    # Stages of one (key tile, query tile) step, as macros: the naive two-pass variant of the
+    # rule-2 experiment reuses them. Non-hygienic: they use the buffers and loop variables of
+    # the call site (a repeated expansion gets "_1" appended to its block names).
+    @T.macro(hygienic=False)
+    def recompute_probs():
+        for r, i in T.grid(3, Br):
+            with T.sblock("load_row_stats"):
+                vr, vi = T.axis.remap("SS", [r, i])
+                row_stats[vr, vi] = RowStats[vb, vhk, member, vr, q0 + vi]
+        for unit in range(1):
+            with T.sblock("scores_tile"):
+                for i, j, d in T.grid(Br, Bc, D):
+                    with T.sblock("scores"):
+                        vi, vj, vd = T.axis.remap("SSR", [i, j, d])
+                        with T.init():
+                            S[vi, vj] = T.float32(0)
+                        S[vi, vj] = S[vi, vj] + Qp[vb, vhk, member, q0 + vi, vd] * KT[vd, vj]
+        for unit in range(1):
+            with T.sblock("probs_tile"):
+                for i, j in T.grid(Br, Bc):
+                    with T.sblock("probs"):
+                        vi, vj = T.axis.remap("SS", [i, j])
+                        P[vi, vj] = T.Select(visible(q0 + vi, k0 + vj, Nq, Nk, spec.causal),
+                                             spec.exp2_fn()(log2_exponent(S[vi, vj], scale_log2_parts(softmax_scale),
+                                                                 (row_stats[0, vi], row_stats[1, vi]))),
+                                             T.float32(0))
+
+    @T.macro(hygienic=False)
+    def accumulate_dv():
+        for unit in range(1):
+            with T.sblock("dv_tile"):
+                for j, d, i in T.grid(Bc, D, Br):
+                    with T.sblock("dv"):
+                        vj, vd, vi = T.axis.remap("SSR", [j, d, i])
+                        with T.init():
+                            dVtile[vj, vd] = T.float32(0)
+                        dVtile[vj, vd] = dVtile[vj, vd] + P[vi, vj] * dOp[vb, vhk, member, q0 + vi, vd]
+        for unit in range(1):
+            with T.sblock("update_dv_tile"):
+                for j, d in T.grid(Bc, D):
+                    with T.sblock("update_dv"):
+                        vj, vd = T.axis.remap("SS", [j, d])
+                        dVacc[vj, vd] = spec.to_acc(spec.from_acc(dVacc[vj, vd]) + dVtile[vj, vd])
+
+    @T.macro(hygienic=False)
+    def accumulate_dk_dq():
+        for unit in range(1):
+            with T.sblock("dprobs_tile"):
+                for i, j, d in T.grid(Br, Bc, D):
+                    with T.sblock("dprobs"):
+                        vi, vj, vd = T.axis.remap("SSR", [i, j, d])
+                        with T.init():
+                            dP[vi, vj] = T.float32(0)
+                        dP[vi, vj] = dP[vi, vj] + dOp[vb, vhk, member, q0 + vi, vd] * VT[vd, vj]
+        for unit in range(1):
+            with T.sblock("dscores_tile"):
+                for i, j in T.grid(Br, Bc):
+                    with T.sblock("dscores"):
+                        vi, vj = T.axis.remap("SS", [i, j])
+                        dS[vi, vj] = grad_scores(P[vi, vj], dP[vi, vj], row_stats[2, vi])
+        for unit in range(1):
+            with T.sblock("dk_tile"):
+                for j, d, i in T.grid(Bc, D, Br):
+                    with T.sblock("dk"):
+                        vj, vd, vi = T.axis.remap("SSR", [j, d, i])
+                        with T.init():
+                            dKtile[vj, vd] = T.float32(0)
+                        dKtile[vj, vd] = dKtile[vj, vd] + dS[vi, vj] * Qp[vb, vhk, member, q0 + vi, vd]
+        for unit in range(1):
+            with T.sblock("update_dk_tile"):
+                for j, d in T.grid(Bc, D):
+                    with T.sblock("update_dk"):
+                        vj, vd = T.axis.remap("SS", [j, d])
+                        dKacc[vj, vd] = spec.to_acc(spec.from_acc(dKacc[vj, vd]) + dKtile[vj, vd])
+        for unit in range(1):
+            with T.sblock("dq_tile"):
+                for i, d, j in T.grid(Br, D, Bc):
+                    with T.sblock("dq"):
+                        vi, vd, vj = T.axis.remap("SSR", [i, d, j])
+                        with T.init():
+                            dQtile[vi, vd] = T.float32(0)
+                        dQtile[vi, vd] = dQtile[vi, vd] + dS[vi, vj] * Kt[vj, vd]
+        for unit in range(1):
+            with T.sblock("update_dq_tile"):
+                for i, d in T.grid(Br, D):
+                    with T.sblock("update_dq"):
+                        vi, vd = T.axis.remap("SS", [i, d])
+                        dQacc[vs, vb, vhk, member, q0 + vi, vd] = spec.to_acc(
+                            spec.from_acc(dQacc[vs, vb, vhk, member, q0 + vi, vd]) + dQtile[vi, vd])
 
     @T.prim_func(s_tir=True)
     def flash_bwd(do_h: T.handle, q_h: T.handle, k_h: T.handle, v_h: T.handle, o_h: T.handle,
@@ -295,7 +404,7 @@ def fused_backward(spec: KernelSpec) -> tirx.PrimFunc:
         dOp = T.alloc_buffer((B, Hk, H // Hk, _ceildiv(Nq, Br) * Br, D), F32)
         # Per query row: LSE * log2(e) as a float32 hi + lo pair, and Delta = rowsum(dO * O).
         RowStats = T.alloc_buffer((B, Hk, H // Hk, 3, _ceildiv(Nq, Br) * Br), F32)
-        dQacc = T.alloc_buffer((n_split, B, Hk, H // Hk, _ceildiv(Nq, Br) * Br, D), F32)
+        dQacc = T.alloc_buffer((n_split, B, Hk, H // Hk, _ceildiv(Nq, Br) * Br, D), acc)
         dQsum = T.alloc_buffer((B, Hk, H // Hk, _ceildiv(Nq, Br) * Br, D), F32)
         for b, hk, g, i, d in T.grid(B, Hk, H // Hk, _ceildiv(Nq, Br) * Br, D):
             with T.sblock("pack_q_do"):
@@ -321,7 +430,7 @@ def fused_backward(spec: KernelSpec) -> tirx.PrimFunc:
         for s, b, hk, g, i, d in T.grid(n_split, B, Hk, H // Hk, _ceildiv(Nq, Br) * Br, D):
             with T.sblock("zero_dq"):
                 vs, vb, vhk, vg, vi, vd = T.axis.remap("SSSSSS", [s, b, hk, g, i, d])
-                dQacc[vs, vb, vhk, vg, vi, vd] = T.float32(0)
+                dQacc[vs, vb, vhk, vg, vi, vd] = to_acc(T.float32(0))
         for b, hk, s in T.grid(B, Hk, n_split):
             with T.sblock("kv_split"):
                 vb, vhk, vs = T.axis.remap("SSS", [b, hk, s])
@@ -330,9 +439,9 @@ def fused_backward(spec: KernelSpec) -> tirx.PrimFunc:
                 Kt = T.sblock_alloc_buffer((Bc, D), F32)  # k tile (for dQ += dS K)
                 KT = T.sblock_alloc_buffer((D, Bc), F32)  # k tile transposed (for S)
                 VT = T.sblock_alloc_buffer((D, Bc), F32)  # v tile transposed (for dP)
-                dKacc = T.sblock_alloc_buffer((Bc, D), F32)  # over all query tiles and GQA heads
+                dKacc = T.sblock_alloc_buffer((Bc, D), acc)  # over all query tiles and GQA heads
                 dKtile = T.sblock_alloc_buffer((Bc, D), F32)  # one query tile's share
-                dVacc = T.sblock_alloc_buffer((Bc, D), F32)
+                dVacc = T.sblock_alloc_buffer((Bc, D), acc)
                 dVtile = T.sblock_alloc_buffer((Bc, D), F32)
                 S = T.sblock_alloc_buffer((Br, Bc), F32)
                 P = T.sblock_alloc_buffer((Br, Bc), F32)
@@ -370,103 +479,37 @@ def fused_backward(spec: KernelSpec) -> tirx.PrimFunc:
                                 for j, d in T.grid(Bc, D):
                                     with T.sblock("init_dkv"):
                                         vj, vd = T.axis.remap("SS", [j, d])
-                                        dKacc[vj, vd] = T.float32(0)
-                                        dVacc[vj, vd] = T.float32(0)
+                                        dKacc[vj, vd] = to_acc(T.float32(0))
+                                        dVacc[vj, vd] = to_acc(T.float32(0))
                         for g in T.serial(group):
                             member: T.let[T.int64] = g
-                            for qt in T.serial(_first_query_tile_for_key_tile(k0, spec, Nq, Nk), _ceildiv(Nq, Br)):
-                                q0: T.let[T.int64] = qt * Br
-                                for r, i in T.grid(3, Br):
-                                    with T.sblock("load_row_stats"):
-                                        vr, vi = T.axis.remap("SS", [r, i])
-                                        row_stats[vr, vi] = RowStats[vb, vhk, member, vr, q0 + vi]
-                                for unit in range(1):
-                                    with T.sblock("scores_tile"):
-                                        for i, j, d in T.grid(Br, Bc, D):
-                                            with T.sblock("scores"):
-                                                vi, vj, vd = T.axis.remap("SSR", [i, j, d])
-                                                with T.init():
-                                                    S[vi, vj] = T.float32(0)
-                                                S[vi, vj] = S[vi, vj] + Qp[vb, vhk, member, q0 + vi, vd] * KT[vd, vj]
-                                for unit in range(1):
-                                    with T.sblock("probs_tile"):
-                                        for i, j in T.grid(Br, Bc):
-                                            with T.sblock("probs"):
-                                                vi, vj = T.axis.remap("SS", [i, j])
-                                                P[vi, vj] = T.Select(visible(q0 + vi, k0 + vj, Nq, Nk, causal),
-                                                                     exp2_(log2_exponent(
-                                                                         S[vi, vj], scale_log2_parts(softmax_scale),
-                                                                         (row_stats[0, vi], row_stats[1, vi]))),
-                                                                     T.float32(0))
-                                for unit in range(1):
-                                    with T.sblock("dv_tile"):
-                                        for j, d, i in T.grid(Bc, D, Br):
-                                            with T.sblock("dv"):
-                                                vj, vd, vi = T.axis.remap("SSR", [j, d, i])
-                                                with T.init():
-                                                    dVtile[vj, vd] = T.float32(0)
-                                                dVtile[vj, vd] = dVtile[vj, vd] + P[vi, vj] * dOp[vb, vhk, member, q0 + vi, vd]
-                                for unit in range(1):
-                                    with T.sblock("update_dv_tile"):
-                                        for j, d in T.grid(Bc, D):
-                                            with T.sblock("update_dv"):
-                                                vj, vd = T.axis.remap("SS", [j, d])
-                                                dVacc[vj, vd] = dVacc[vj, vd] + dVtile[vj, vd]
-                                for unit in range(1):
-                                    with T.sblock("dprobs_tile"):
-                                        for i, j, d in T.grid(Br, Bc, D):
-                                            with T.sblock("dprobs"):
-                                                vi, vj, vd = T.axis.remap("SSR", [i, j, d])
-                                                with T.init():
-                                                    dP[vi, vj] = T.float32(0)
-                                                dP[vi, vj] = dP[vi, vj] + dOp[vb, vhk, member, q0 + vi, vd] * VT[vd, vj]
-                                for unit in range(1):
-                                    with T.sblock("dscores_tile"):
-                                        for i, j in T.grid(Br, Bc):
-                                            with T.sblock("dscores"):
-                                                vi, vj = T.axis.remap("SS", [i, j])
-                                                dS[vi, vj] = grad_scores(P[vi, vj], dP[vi, vj], row_stats[2, vi])
-                                for unit in range(1):
-                                    with T.sblock("dk_tile"):
-                                        for j, d, i in T.grid(Bc, D, Br):
-                                            with T.sblock("dk"):
-                                                vj, vd, vi = T.axis.remap("SSR", [j, d, i])
-                                                with T.init():
-                                                    dKtile[vj, vd] = T.float32(0)
-                                                dKtile[vj, vd] = dKtile[vj, vd] + dS[vi, vj] * Qp[vb, vhk, member, q0 + vi, vd]
-                                for unit in range(1):
-                                    with T.sblock("update_dk_tile"):
-                                        for j, d in T.grid(Bc, D):
-                                            with T.sblock("update_dk"):
-                                                vj, vd = T.axis.remap("SS", [j, d])
-                                                dKacc[vj, vd] = dKacc[vj, vd] + dKtile[vj, vd]
-                                for unit in range(1):
-                                    with T.sblock("dq_tile"):
-                                        for i, d, j in T.grid(Br, D, Bc):
-                                            with T.sblock("dq"):
-                                                vi, vd, vj = T.axis.remap("SSR", [i, d, j])
-                                                with T.init():
-                                                    dQtile[vi, vd] = T.float32(0)
-                                                dQtile[vi, vd] = dQtile[vi, vd] + dS[vi, vj] * Kt[vj, vd]
-                                for unit in range(1):
-                                    with T.sblock("update_dq_tile"):
-                                        for i, d in T.grid(Br, D):
-                                            with T.sblock("update_dq"):
-                                                vi, vd = T.axis.remap("SS", [i, d])
-                                                dQacc[vs, vb, vhk, member, q0 + vi, vd] = (
-                                                    dQacc[vs, vb, vhk, member, q0 + vi, vd] + dQtile[vi, vd])
+                            if spec.recompute == "once":
+                                for qt in T.serial(_first_query_tile_for_key_tile(k0, spec, Nq, Nk), _ceildiv(Nq, Br)):
+                                    q0: T.let[T.int64] = qt * Br
+                                    recompute_probs()
+                                    accumulate_dv()
+                                    accumulate_dk_dq()
+                            else:  # the naive structure (experiment only): a second pass recomputes P
+                                for qt in T.serial(_first_query_tile_for_key_tile(k0, spec, Nq, Nk), _ceildiv(Nq, Br)):
+                                    q0: T.let[T.int64] = qt * Br
+                                    recompute_probs()
+                                    accumulate_dv()
+                                for qt in T.serial(_first_query_tile_for_key_tile(k0, spec, Nq, Nk), _ceildiv(Nq, Br)):
+                                    q0: T.let[T.int64] = qt * Br
+                                    recompute_probs()
+                                    accumulate_dk_dq()
                         for j, d in T.grid(Bc, D):
                             with T.sblock("store_dkv"):
                                 vj, vd = T.axis.remap("SS", [j, d])
                                 if k0 + vj < Nk:
-                                    dK[vb, k0 + vj, vhk, vd] = T.Cast(dtype, dKacc[vj, vd] * T.Cast(F32, softmax_scale))
-                                    dV[vb, k0 + vj, vhk, vd] = T.Cast(dtype, dVacc[vj, vd])
+                                    dK[vb, k0 + vj, vhk, vd] = T.Cast(dtype, from_acc(dKacc[vj, vd]) * T.Cast(F32, softmax_scale))
+                                    dV[vb, k0 + vj, vhk, vd] = T.Cast(dtype, from_acc(dVacc[vj, vd]))
         for b, hk, g, i, s, d in T.grid(B, Hk, H // Hk, _ceildiv(Nq, Br) * Br, n_split, D):
             with T.sblock("sum_dq"):
                 vb, vhk, vg, vi, vs, vd = T.axis.remap("SSSSRS", [b, hk, g, i, s, d])
                 with T.init():
                     dQsum[vb, vhk, vg, vi, vd] = T.float32(0)
-                dQsum[vb, vhk, vg, vi, vd] = dQsum[vb, vhk, vg, vi, vd] + dQacc[vs, vb, vhk, vg, vi, vd]
+                dQsum[vb, vhk, vg, vi, vd] = dQsum[vb, vhk, vg, vi, vd] + from_acc(dQacc[vs, vb, vhk, vg, vi, vd])
         for b, i, hk, g, d in T.grid(B, Nq, Hk, H // Hk, D):
             with T.sblock("store_dq"):
                 vb, vi, vhk, vg, vd = T.axis.remap("SSSSS", [b, i, hk, g, d])
