@@ -94,3 +94,35 @@ def random_inputs(gen: torch.Generator, batch, seqlen_q, seqlen_k, heads, heads_
 
     return (draw(batch, seqlen_q, heads, head_dim), draw(batch, seqlen_k, heads_k, head_dim),
             draw(batch, seqlen_k, heads_k, head_dim))
+
+
+def assert_matches_reference(tag: str, inputs, results, causal: bool, seed: int, scale=None):
+    """out, lse, dq, dk, dv of (q, k, v, dout) vs float64, by the flash-attn rule (each tensor)."""
+    q, k, v, dout = (t.detach() for t in inputs)
+    dtype = q.dtype
+    ref = {}
+    for name, dt in (("f64", torch.float64), ("same", dtype)):
+        leaves = [t.to(dt, copy=True).requires_grad_() for t in (q, k, v)]
+        o, lse_ref = reference_attention(*leaves, causal, scale, dtype=dt)
+        ref[name] = (o, lse_ref, *torch.autograd.grad(o, leaves, dout.to(dt)))
+    # Size of the terms summed or cancelled on the way to each result: out averages rows of v, dv
+    # sums P-weighted rows of dO; dS = P (dP - Delta) subtracts two dot products dO . v and dO . o
+    # whose rounding scales with sum_d |dO_d v_d|, which dq and dk then scale by |k| and |q|.
+    group = q.shape[2] // k.shape[2]
+    head_dim = q.shape[-1]
+    dp = torch.einsum("bihd,bjhd->bhij", dout.double().abs(), v.double().abs().repeat_interleave(group, 2)).max()
+    sm_scale = scale or head_dim**-0.5
+    magnitude = {"out": v.abs().max(), "dv": dout.abs().max(), "dq": sm_scale * dp * k.abs().max(),
+                 "dk": sm_scale * dp * q.abs().max()}
+    for i, (name, ours) in enumerate(zip(("out", "lse", "dq", "dk", "dv"), results)):
+        f64, same = ref["f64"][i].detach(), ref["same"][i].detach()
+        if name == "lse":  # -inf rows (no visible key) must match exactly; compare the rest
+            finite = torch.isfinite(f64)
+            assert torch.equal(torch.isfinite(ours), finite), f"{tag}: lse -inf pattern differs (seed {seed})"
+            ours, f64, same = ours[finite], f64[finite], same[finite]
+            if ours.numel() == 0:
+                continue
+            assert_flash_rule(f"{tag} lse", ours, f64, same, torch.float32, seed)
+            continue
+        assert ours.dtype == dtype and ours.shape == f64.shape
+        assert_flash_rule(f"{tag} {name}", ours, f64, same, dtype, seed, magnitude=float(magnitude.get(name, 1.0)))

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import DTYPES, assert_flash_rule, random_inputs, reference_attention
+from conftest import assert_matches_reference, random_inputs
 from tvmflash import flash_attn_func
 
 # (dtype, head_dim, causal): every dtype with and without mask at the common head dim, and head
@@ -48,37 +48,8 @@ def check_against_reference(shape: dict, dtype: str, head_dim: int, causal: bool
 
     out, lse = flash_attn_func(q, k, v, softmax_scale=scale, causal=causal, return_lse=True)
     dq, dk, dv = torch.autograd.grad(out, (q, k, v), dout)
-
-    ref = {}
-    for name, dt in (("f64", torch.float64), ("same", DTYPES[dtype])):
-        o, lse_ref = reference_attention(q, k, v, causal, scale, dtype=dt)
-        ref[name] = (o, lse_ref, *torch.autograd.grad(o, (q, k, v), dout.to(dt)))
-
-    tag = f"{shape} {dtype} d={head_dim} causal={causal}"
-    torch_dtype = DTYPES[dtype]
-    # Size of the terms summed or cancelled on the way to each result: out averages rows of v, dv
-    # sums P-weighted rows of dO; dS = P (dP - Delta) subtracts two dot products dO . v and dO . o
-    # whose rounding scales with sum_d |dO_d v_d|, which dq and dk then scale by |k| and |q|.
-    group = q.shape[2] // k.shape[2]
-    with torch.no_grad():
-        dp = torch.einsum("bihd,bjhd->bhij", dout.double().abs(),
-                          v.double().abs().repeat_interleave(group, 2)).max()
-        sm_scale = scale or head_dim**-0.5
-        magnitude = {"out": v.abs().max(), "dv": dout.abs().max(), "dq": sm_scale * dp * k.abs().max(),
-                     "dk": sm_scale * dp * q.abs().max()}
-    for i, (name, ours) in enumerate((("out", out), ("lse", lse), ("dq", dq), ("dk", dk), ("dv", dv))):
-        f64, same = ref["f64"][i], ref["same"][i]
-        if name == "lse":  # -inf rows (no visible key) must match exactly; compare the rest
-            finite = torch.isfinite(f64)
-            assert torch.equal(torch.isfinite(ours), finite), f"{tag}: lse -inf pattern differs (seed {seed})"
-            ours, f64, same = ours[finite], f64[finite], same[finite]
-            if ours.numel() == 0:
-                continue
-            assert_flash_rule(f"{tag} lse", ours, f64, same, torch.float32, seed)
-            continue
-        assert ours.dtype == torch_dtype and ours.shape == f64.shape
-        assert_flash_rule(f"{tag} {name}", ours, f64, same, torch_dtype, seed,
-                          magnitude=float(magnitude.get(name, 1.0)))
+    assert_matches_reference(f"{shape} {dtype} d={head_dim} causal={causal}", (q, k, v, dout),
+                             (out, lse, dq, dk, dv), causal, seed, scale)
 
 
 @pytest.mark.parametrize("dtype,head_dim,causal", VARIANTS)

@@ -86,7 +86,8 @@ def test_source_is_vectorized_llvm_ir(kernels):
     lanes = kernels.config.lanes
     assert f"fmul <{lanes} x float>" in src or f"<{lanes} x float>" in src
     assert "call float @expf" not in src and "@llvm.exp" not in src  # the polynomial exp2 is inlined
-    assert kernels.tuning_record is None
+    # the shipped records (tune_logs/) apply where this CPU has some, else the hand-written schedule
+    assert kernels.tuning_record is None or all("tune_logs" in r for r in kernels.tuning_record.values())
 
 
 def test_second_process_loads_from_disk_cache(tmp_path, monkeypatch):

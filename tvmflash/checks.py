@@ -21,19 +21,21 @@ class TensorInfo:
     dtype: str
     device: str
     strides: tuple
+    data_ptr: int = 0
 
 
 def info(x) -> TensorInfo:
     torch_dtype = getattr(x, "dtype", None)
     if hasattr(x, "stride") and hasattr(x, "device") and str(torch_dtype).startswith("torch."):
-        return TensorInfo(tuple(x.shape), str(torch_dtype)[len("torch."):], str(x.device), tuple(x.stride()))
+        return TensorInfo(tuple(x.shape), str(torch_dtype)[len("torch."):], str(x.device), tuple(x.stride()),
+                          x.data_ptr())
     try:
         t = x if isinstance(x, tvm_ffi.Tensor) else tvm_ffi.from_dlpack(x)
     except Exception as err:  # noqa: BLE001 - any failure means "not a tensor we can read"
         raise TypeError(f"expected a DLPack tensor (torch, numpy, ...), got {type(x).__name__}") from err
     device = str(t.device)
     return TensorInfo(tuple(t.shape), str(t.dtype), "cpu" if device.startswith("cpu") else device,
-                      tuple(t.strides))
+                      tuple(t.strides), t.data_ptr())
 
 
 def check_kernel_params(head_dim, dtype) -> None:
@@ -41,6 +43,34 @@ def check_kernel_params(head_dim, dtype) -> None:
         raise ValueError(f"head_dim {head_dim!r} is not supported: use a multiple of 8 from 8 to {MAX_HEAD_DIM}")
     if str(dtype) not in SUPPORTED_DTYPES:
         raise TypeError(f"dtype {dtype!r} is not supported: use one of {', '.join(SUPPORTED_DTYPES)}")
+
+
+CUDA_DTYPES = ("float16", "bfloat16")
+CUDA_MAX_HEAD_DIM = 128
+CUDA_VECTOR_ELEMENTS = 8  # 16-byte copies of fp16/bf16
+
+
+def check_cuda_params(head_dim, dtype) -> None:
+    """The CUDA kernels run on tensor cores: 16-bit inputs, 16 x 16 fragments along head_dim."""
+    if str(dtype) not in CUDA_DTYPES:
+        raise TypeError(f"dtype {dtype!r} is not supported on CUDA: the kernels use tensor cores, "
+                        f"use float16 or bfloat16 (float32 runs on the CPU target)")
+    if head_dim % 16 or head_dim > CUDA_MAX_HEAD_DIM:
+        raise ValueError(f"head_dim {head_dim} is not supported on CUDA: use a multiple of 16 up to "
+                         f"{CUDA_MAX_HEAD_DIM} (64 and 128 are the tested ones)")
+
+
+def check_cuda_layout(**tensors) -> None:
+    """Inputs the CUDA kernels read with 16-byte vector loads: aligned start, strides of 8 elements."""
+    for name, x in tensors.items():
+        t = info(x)
+        if t.data_ptr % 16:
+            raise ValueError(f"{name} must start at a 16-byte aligned address for the CUDA kernels "
+                             f"(it is offset by {t.data_ptr % 16} bytes); pass a .contiguous() copy")
+        if any(stride % CUDA_VECTOR_ELEMENTS for stride in t.strides[:-1]):
+            raise ValueError(f"the batch/seqlen/head strides of {name} must be multiples of "
+                             f"{CUDA_VECTOR_ELEMENTS} elements for the CUDA kernels, got {t.strides}; "
+                             "pass a .contiguous() copy")
 
 
 def _device_kind(device: str) -> str:

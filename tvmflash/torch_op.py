@@ -21,8 +21,11 @@ def _dtype_name(t: torch.Tensor) -> str:
     return str(t.dtype).removeprefix("torch.")
 
 
-def kernels_for(q: torch.Tensor, causal: bool) -> compiler.FlashKernels:
-    """The compiled kernels for q's device, head dim, dtype and mask (cached)."""
+def kernels_for(q: torch.Tensor, causal: bool, deterministic: bool = False) -> compiler.FlashKernels:
+    """The compiled kernels for q's device, head dim, dtype and mask (cached).
+
+    CUDA kernels run on torch's current stream: tvm-ffi reads it from the tensors it is given.
+    """
     if q.device.type == "cpu":
         target = "llvm"
     elif q.device.type == "cuda":
@@ -30,7 +33,8 @@ def kernels_for(q: torch.Tensor, causal: bool) -> compiler.FlashKernels:
         target = {"kind": "cuda", "arch": f"sm_{major}{minor}"}
     else:
         raise ValueError(f"tvmflash runs on cpu and cuda tensors, got {q.device}")
-    return compiler.compile(target, head_dim=q.shape[-1], dtype=_dtype_name(q), causal=causal)
+    return compiler.compile(target, head_dim=q.shape[-1], dtype=_dtype_name(q), causal=causal,
+                            deterministic=deterministic)
 
 
 def _lse_like(q: torch.Tensor) -> torch.Tensor:
@@ -44,63 +48,73 @@ def _empty_problem(q: torch.Tensor, k: torch.Tensor) -> bool:
 
 @torch.library.custom_op("tvmflash::flash_attn_forward", mutates_args=())
 def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float,
-             causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+             causal: bool, deterministic: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     if _empty_problem(q, k):  # no keys: out = 0, lse = -inf (no kernel call)
         return torch.zeros_like(q), _lse_like(q).fill_(float("-inf"))
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     lse = _lse_like(q)
-    kernels_for(q, causal).forward(q, k, v, out, lse, softmax_scale)
+    kernels_for(q, causal, deterministic).forward(q, k, v, out, lse, softmax_scale)
     return out, lse
 
 
 @_forward.register_fake
-def _(q, k, v, softmax_scale, causal):
+def _(q, k, v, softmax_scale, causal, deterministic=False):
     return torch.empty_like(q, memory_format=torch.contiguous_format), _lse_like(q)
 
 
 @torch.library.custom_op("tvmflash::flash_attn_backward", mutates_args=())
 def _backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-              lse: torch.Tensor, softmax_scale: float, causal: bool
+              lse: torch.Tensor, softmax_scale: float, causal: bool, deterministic: bool = False
               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     fresh = [torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v)]
     if _empty_problem(q, k):
         return tuple(t.zero_() for t in fresh)
     dq, dk, dv = fresh
-    kernels_for(q, causal).backward(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale)
+    kernels_for(q, causal, deterministic).backward(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale)
     return dq, dk, dv
 
 
 @_backward.register_fake
-def _(dout, q, k, v, out, lse, softmax_scale, causal):
+def _(dout, q, k, v, out, lse, softmax_scale, causal, deterministic=False):
     return tuple(torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, softmax_scale, causal = inputs
+    q, k, v, softmax_scale, causal, deterministic = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse)
     ctx.softmax_scale = softmax_scale
     ctx.causal = causal
+    ctx.deterministic = deterministic
     ctx.mark_non_differentiable(lse)
 
 
 def _autograd_backward(ctx, dout, _dlse):
     q, k, v, out, lse = ctx.saved_tensors
-    dq, dk, dv = _backward(_head_dim_contiguous(dout), q, k, v, out, lse, ctx.softmax_scale, ctx.causal)
-    return dq, dk, dv, None, None
+    dq, dk, dv = _backward(_kernel_layout(dout), q, k, v, out, lse, ctx.softmax_scale, ctx.causal,
+                           ctx.deterministic)
+    return dq, dk, dv, None, None, None
 
 
 _forward.register_autograd(_autograd_backward, setup_context=_setup_context)
 
 
-def _head_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
-    """The kernels read any batch/seq/head strides in place; only head_dim must be unit-stride."""
-    return t if t.stride(-1) == 1 or t.shape[-1] == 1 else t.contiguous()
+def _kernel_layout(t: torch.Tensor) -> torch.Tensor:
+    """The tensor itself if the kernels can read it in place, else a contiguous copy.
+
+    CPU kernels read any batch/seq/head strides; only head_dim must be unit-stride. CUDA kernels
+    copy tiles with 16-byte vector loads: 16-byte aligned data and strides of 8 elements too.
+    """
+    if t.stride(-1) != 1 and t.shape[-1] != 1:
+        return t.contiguous()
+    if t.device.type == "cuda" and (t.data_ptr() % 16 or any(s % 8 for s in t.stride()[:-1])):
+        return t.contiguous()
+    return t
 
 
 def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0,
-                    softmax_scale: float | None = None, causal: bool = False, *,
-                    return_lse: bool = False):
+                    softmax_scale: float | None = None, causal: bool = False,
+                    deterministic: bool = False, *, return_lse: bool = False):
     """Exact attention ``softmax(q k^T * scale [+ causal mask]) v``, FlashAttention style.
 
     Same calling convention as flash-attn's ``flash_attn_func``: q ``(batch, seqlen_q, heads,
@@ -109,7 +123,10 @@ def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p
     aligned to the bottom-right corner. ``softmax_scale`` defaults to ``1/sqrt(head_dim)``.
     Returns ``out`` (like q), or ``(out, lse)`` with ``lse`` of shape ``(batch, heads,
     seqlen_q)`` in float32 (natural log; not differentiable) when ``return_lse=True``.
-    Dropout is not supported (``dropout_p`` must be 0).
+    Dropout is not supported (``dropout_p`` must be 0). CUDA tensors (float16/bfloat16, head_dim
+    a multiple of 16 up to 128) run the tensor-core kernels on the current stream;
+    ``deterministic=True`` makes their backward reproducible bit for bit (no atomic adds). The
+    CPU kernels are always deterministic.
     """
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
@@ -123,6 +140,6 @@ def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p
         softmax_scale = 1.0 / math.sqrt(q.shape[-1])
     elif not math.isfinite(float(softmax_scale)):
         raise ValueError(f"softmax_scale must be a finite number, got {softmax_scale}")
-    q, k, v = (_head_dim_contiguous(t) for t in (q, k, v))
-    out, lse = _forward(q, k, v, float(softmax_scale), bool(causal))
+    q, k, v = (_kernel_layout(t) for t in (q, k, v))
+    out, lse = _forward(q, k, v, float(softmax_scale), bool(causal), bool(deterministic))
     return (out, lse) if return_lse else out

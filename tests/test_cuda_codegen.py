@@ -1,0 +1,162 @@
+"""The CUDA kernels without a GPU: generated code, nvcc/ptxas, and their math run on the CPU.
+
+* Every variant (fp16/bf16, head dim 64/128, causal or not, sm_80/sm_90) compiles with
+  ``tvmflash.compile`` here, and its CUDA C assembles with nvcc + ptxas into code whose every
+  matrix product is a tensor-core ``mma`` (the exact count is asserted). Skipped without nvcc.
+* The unscheduled CUDA kernels are ordinary TIR: compiled for this CPU (warps and lanes become
+  plain loops), they run against the float64 reference. This checks the fragment layouts, the
+  masks, the online softmax and the backward's index arithmetic without a GPU; the schedule
+  then only binds loops and swaps in ldmatrix/mma (whose descriptions TVM matches exactly).
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+import tvm
+
+import tvmflash
+from conftest import assert_matches_reference, random_inputs
+from tvmflash import compiler, kernels, kernels_cuda
+from tvmflash.checks import check_cuda_layout
+from tvmflash.target import host_target
+
+
+def _find(tool: str) -> str | None:
+    found = shutil.which(tool)
+    if found is None and Path(f"/usr/local/cuda/bin/{tool}").exists():
+        found = f"/usr/local/cuda/bin/{tool}"
+    return found
+
+
+NVCC, PTXAS = _find("nvcc"), _find("ptxas")
+needs_nvcc = pytest.mark.skipif(NVCC is None or PTXAS is None, reason="nvcc/ptxas not installed")
+VARIANTS = [(dtype, head_dim, causal) for dtype in ("float16", "bfloat16") for head_dim in (64, 128)
+            for causal in (False, True)]
+SHORT = {"float16": "f16", "bfloat16": "bf16"}
+
+
+def assemble(source: str, arch: str, tmp_path: Path) -> tuple[dict[str, str], str]:
+    """nvcc -> PTX -> ptxas. Returns the PTX of each kernel entry and ptxas's resource report."""
+    cu, ptx, cubin = tmp_path / "kernels.cu", tmp_path / "kernels.ptx", tmp_path / "kernels.cubin"
+    cu.write_text(source)
+    run = subprocess.run([NVCC, f"-arch={arch}", "-ptx", "-o", str(ptx), str(cu)], capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr[-4000:]
+    run = subprocess.run([PTXAS, f"-arch={arch}", "-v", "-o", str(cubin), str(ptx)], capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr[-4000:]
+    entries = {}
+    for chunk in ptx.read_text().split(".entry ")[1:]:
+        entries[chunk.split("(")[0].strip()] = chunk
+    return entries, run.stderr
+
+
+def spill_bytes(report: str, kernel: str) -> int:
+    block = report.split(f"Function properties for {kernel}\n")[1]
+    return int(re.search(r"(\d+) bytes spill stores", block).group(1))
+
+
+@needs_nvcc
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+@pytest.mark.parametrize("dtype,head_dim,causal", VARIANTS)
+def test_cuda_kernels_assemble_with_tensor_cores(arch, dtype, head_dim, causal, tmp_path):
+    kern = tvmflash.compile({"kind": "cuda", "arch": arch}, head_dim=head_dim, dtype=dtype, causal=causal)
+    assert kern.is_cuda and "flash_bwd_kernel" in kern.source()
+    entries, report = assemble(kern.source(), arch, tmp_path)
+    mma = f"mma.sync.aligned.m16n8k16.row.col.f32.{SHORT[dtype]}.{SHORT[dtype]}.f32"
+    tiles_d, tiles_64 = head_dim // 16, 64 // 16
+    # Every product of a (64 x 64) tile step runs on tensor cores, two m16n8k16 per 16 x 16 x 16:
+    # forward S = Q K^T and O += P V; backward S^T, dV, dP^T, dK and dQ.
+    assert entries["flash_fwd_kernel"].count(mma) == 2 * 2 * tiles_d * tiles_64
+    assert entries["flash_bwd_kernel"].count(mma) == 2 * 5 * tiles_d * tiles_64
+    for name in ("flash_fwd_kernel", "flash_bwd_kernel"):
+        assert "ldmatrix.sync.aligned.m8n8.x4" in entries[name]
+        assert "ex2.approx" in entries[name]  # exp2 with log2(e) folded into the scale
+    assert re.search(r"(red|atom)\.global\.add\.f32", entries["flash_bwd_kernel"])  # dQ, FA2-style
+    assert spill_bytes(report, "flash_fwd_kernel") == 0
+
+
+@needs_nvcc
+def test_deterministic_backward_has_no_atomics(tmp_path):
+    kern = tvmflash.compile("cuda", head_dim=128, dtype="bfloat16", causal=True, deterministic=True)
+    assert kern.deterministic and "deterministic" in repr(kern)
+    entries, _ = assemble(kern.source(), "sm_90", tmp_path)
+    assert not re.search(r"(red|atom)\.global", entries["flash_bwd_kernel"])
+    assert entries["flash_bwd_kernel"].count("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32") == 2 * 5 * 8 * 4
+
+
+def test_cuda_parameter_errors():
+    with pytest.raises(TypeError, match="float16 or bfloat16"):
+        tvmflash.compile("cuda", head_dim=64, dtype="float32")
+    for head_dim in (72, 256):
+        with pytest.raises(ValueError, match="multiple of 16 up to 128"):
+            tvmflash.compile("cuda", head_dim=head_dim, dtype="float16")
+
+
+def test_cuda_kernels_reject_cpu_tensors_and_unaligned_inputs(gen):
+    kern = tvmflash.compile("cuda", head_dim=64, dtype="float16")
+    q, k, v = random_inputs(gen, 1, 8, 8, 2, 2, 64, "float16")
+    with pytest.raises(ValueError, match="run on cuda tensors"):
+        kern.forward(q, k, v, torch.empty_like(q), torch.empty(1, 2, 8))
+    base = torch.zeros(1 + 8 * 2 * 64, dtype=torch.float16)
+    with pytest.raises(ValueError, match="16-byte aligned"):
+        check_cuda_layout(q=base[1:].view(1, 8, 2, 64))
+    with pytest.raises(ValueError, match="multiples of 8"):
+        check_cuda_layout(k=torch.zeros(1, 8, 2, 68, dtype=torch.float16)[..., :64])
+    check_cuda_layout(q=q, k=k, v=v)  # contiguous tensors pass
+
+
+def test_deterministic_splits_bound_the_workspace():
+    for batch, heads_k, key_tiles in ((1, 1, 8192), (1, 1, 3), (64, 32, 100), (2, 8, 1)):
+        splits = compiler.deterministic_splits(batch, heads_k, key_tiles)
+        assert 1 <= splits <= min(8, key_tiles)
+    assert compiler.deterministic_splits(1, 1, 8192) == 8  # few heads: as many blocks as allowed
+    assert compiler.deterministic_splits(64, 32, 100) == 1  # many heads fill the GPU already
+
+
+# --- the kernels' math, emulated on the CPU ---------------------------------------------------
+def emulated(head_dim: int, dtype: str, causal: bool):
+    """The unscheduled CUDA kernels compiled for this CPU (dQ partials without atomics)."""
+    spec = kernels.KernelSpec(head_dim, dtype, causal, 64, 64, exp2="intrinsic")
+    mod = tvm.IRModule({
+        "flash_fwd": kernels_cuda.cuda_forward(spec),
+        "flash_bwd_prep": kernels_cuda.cuda_backward_prep(head_dim, dtype),
+        "flash_bwd": kernels_cuda.cuda_backward(spec, atomic_dq=False),
+        "flash_bwd_dq": kernels_cuda.cuda_backward_dq(head_dim, dtype),
+    })
+    return tvm.compile(mod, target=host_target())
+
+
+def run_emulated(lib, q, k, v, dout, splits: int, scale: float):
+    """What FlashKernels.forward/backward launch on a GPU, with poisoned outputs and workspaces."""
+    batch, seqlen_q, heads, head_dim = q.shape
+    nan = float("nan")
+    out, lse = torch.full_like(q, nan), torch.full((batch, heads, seqlen_q), nan)
+    lib["flash_fwd"](q, k, v, out, lse, scale)
+    stats = torch.full((batch, heads, 3, kernels_cuda.stats_rows(seqlen_q)), nan)
+    dq_acc = torch.full((splits, batch, seqlen_q, heads, head_dim), nan)
+    dq, dk, dv = (torch.full_like(t, nan) for t in (q, k, v))
+    lib["flash_bwd_prep"](dout, out, lse, stats, dq_acc)
+    lib["flash_bwd"](dout, q, k, v, stats, dq_acc, dk, dv, scale, splits)
+    lib["flash_bwd_dq"](dq_acc, dq, scale)
+    return out, lse, dq, dk, dv
+
+
+@pytest.mark.parametrize("dtype,head_dim,causal,splits", [
+    ("float16", 64, True, 2), ("bfloat16", 64, False, 3), ("float16", 128, False, 1), ("bfloat16", 32, True, 2)])
+def test_cuda_kernel_math_on_the_cpu(dtype, head_dim, causal, splits, gen, seed):
+    lib = emulated(head_dim, dtype, causal)
+    shapes = [dict(batch=2, seqlen_q=70, seqlen_k=133, heads=4, heads_k=2),  # GQA, odd lengths
+              dict(batch=1, seqlen_q=150, seqlen_k=37, heads=3, heads_k=1),  # causal: rows without keys
+              dict(batch=1, seqlen_q=1, seqlen_k=65, heads=2, heads_k=2)]  # one query, one key past a tile
+    for shape in shapes:
+        q, k, v = random_inputs(gen, head_dim=head_dim, dtype=dtype, **shape)
+        dout = torch.randn(q.shape, generator=gen).to(q.dtype)
+        scale = head_dim**-0.5
+        results = run_emulated(lib, q, k, v, dout, splits, scale)
+        assert_matches_reference(f"emulated {shape} {dtype} d={head_dim} causal={causal}", (q, k, v, dout),
+                                 results, causal, seed, scale)

@@ -1,0 +1,598 @@
+"""Fused FlashAttention kernels for NVIDIA GPUs: warp-level loop skeletons in TensorIR.
+
+Same math as the CPU kernels (``attention_te``: mask, exp2, LSE, dS), arranged the way
+FlashAttention-2 runs on tensor cores. A thread block owns ``block_q = 16 * warps`` query rows
+and walks the key tiles; each warp owns 16 rows. Every per-warp tile lives in the register
+layout of the ``mma.m16n8k16`` instruction, written here as buffers ``[warp, tile, lane, slot]``
+indexed through ``frag(row, col) -> (lane, slot)`` (TVM's ``shared_16x16_to_ldmatrix_32x8``):
+
+* S = Q K^T accumulates in that layout; the softmax works on it in place (each lane knows the
+  row and column of each of its 8 slots); P, cast to fp16/bf16, *is* the A operand of the
+  P V product (the accumulator and A layouts coincide), so P never goes through memory;
+* the products are blocks of 16 x 16 x 16 multiply-adds in exactly the form of TVM's ``mma``
+  tensor intrinsics, and the fragment loads have the form of its ``ldmatrix`` intrinsics:
+  ``schedules/cuda.py`` tensorizes them (and binds warps and lanes to threads);
+* row max and row sum combine the 4 lanes that share a row through a small shared buffer;
+* tile loads clamp the row index instead of testing it: rows past the end repeat the last
+  row, whose scores are masked (keys) or whose results are never stored (queries), so the
+  copies stay plain 16-byte vector loads.
+
+Unscheduled, the skeleton is ordinary TIR: the tests run it on the CPU (warps and lanes as
+plain loops) against float64 PyTorch, which checks the layouts and the math without a GPU.
+"""
+
+from __future__ import annotations
+
+from tvm import tirx
+from tvm.runtime import DataType
+from tvm.script import tirx as T
+
+from .attention_te import (
+    NEG_INF,
+    grad_scores,
+    log2_exponent,
+    lse_from_stats,
+    lse_log2_parts,
+    scale_log2_parts,
+    visible,
+)
+from .kernels import F32, KernelSpec, _ceildiv, _first_query_tile_for_key_tile, _key_tiles_for_query_tile
+
+WARPS = 4
+ROWS_PER_WARP = 16
+VEC = 8  # elements per 16-byte copy
+
+
+def aligned_strides(strides):
+    return (*(T.truncdiv(s, VEC) * VEC for s in strides), 1)
+
+
+def frag(row, col):
+    """(lane, slot) of element (row, col) of a 16 x 16 tile in the mma register layout."""
+    return 4 * (row % 8) + (col % 8) // 2, 4 * (col // 8) + (row // 8) * 2 + col % 2
+
+
+def frag_row(lane, slot):
+    return 8 * (slot % 4 // 2) + lane // 4
+
+
+def frag_col(lane, slot):
+    return 8 * (slot // 4) + (lane % 4) * 2 + slot % 2
+
+
+def half_slot(half, q):
+    """The q-th (of 4) slot holding row ``lane // 4 + 8 * half`` of a tile."""
+    return (q // 2) * 4 + half * 2 + q % 2
+
+
+def cuda_forward(spec: KernelSpec) -> tirx.PrimFunc:
+    """flash_fwd(q, k, v, out, lse, softmax_scale) for tensor cores (fp16/bf16 inputs)."""
+    D, Bc, dtype, causal = spec.head_dim, spec.block_k, spec.dtype, spec.causal
+    Br = WARPS * ROWS_PER_WARP
+    if spec.block_q != Br or D % 16 or Bc % 16:
+        raise ValueError(f"CUDA kernels need block_q = {Br} and multiples of 16 (got {spec})")
+    TD, TC = D // 16, Bc // 16  # 16-wide tiles along the head dim and along the keys
+    exp2_ = spec.exp2_fn()
+    elem = DataType(dtype).bits // 8
+
+    @T.prim_func(s_tir=True)
+    def flash_fwd(q_h: T.handle, k_h: T.handle, v_h: T.handle, o_h: T.handle, lse_h: T.handle,
+                  softmax_scale: T.float64):
+        T.func_attr({"global_symbol": "flash_fwd", "tirx.noalias": True})
+        B = T.int64()
+        Nq = T.int64()
+        Nk = T.int64()
+        H = T.int64()
+        Hk = T.int64()
+        sq = (T.int64(), T.int64(), T.int64())
+        sk = (T.int64(), T.int64(), T.int64())
+        sv = (T.int64(), T.int64(), T.int64())
+        so = (T.int64(), T.int64(), T.int64())
+        Q = T.match_buffer(q_h, (B, Nq, H, D), dtype, strides=(*sq, 1), align=elem)
+        K = T.match_buffer(k_h, (B, Nk, Hk, D), dtype, strides=(*sk, 1), align=elem)
+        V = T.match_buffer(v_h, (B, Nk, Hk, D), dtype, strides=(*sv, 1), align=elem)
+        O = T.match_buffer(o_h, (B, Nq, H, D), dtype, strides=(*so, 1), align=elem)
+        LSE = T.match_buffer(lse_h, (B, H, Nq), F32, align=4)
+        # The same inputs with strides written as multiples of VEC (the Python side checks that
+        # they are): the tile copies become 16-byte vector loads only if TVM's codegen can see
+        # the alignment in the index expression (otherwise it emits element-wise int64 index
+        # vectors, which CUDA codegen rejects).
+        Qa = T.decl_buffer((B, Nq, H, D), dtype, data=Q.data, strides=aligned_strides(sq))
+        Ka = T.decl_buffer((B, Nk, Hk, D), dtype, data=K.data, strides=aligned_strides(sk))
+        Va = T.decl_buffer((B, Nk, Hk, D), dtype, data=V.data, strides=aligned_strides(sv))
+        for bh, qt in T.grid(B * H, _ceildiv(Nq, Br)):
+            with T.sblock("q_tile"):
+                vbh, vqt = T.axis.remap("SS", [bh, qt])
+                T.reads()
+                T.writes()
+                Qs = T.sblock_alloc_buffer((Br, D), dtype)  # shared memory tiles
+                Ks = T.sblock_alloc_buffer((Bc, D), dtype)
+                Vs = T.sblock_alloc_buffer((Bc, D), dtype)
+                Red = T.sblock_alloc_buffer((WARPS, 32, 2), F32)  # per-lane partial row max / sum
+                Qw = T.sblock_alloc_buffer((WARPS, TD, 32, 8), dtype)  # register fragments
+                Kw = T.sblock_alloc_buffer((WARPS, TC, TD, 32, 8), dtype)
+                Vw = T.sblock_alloc_buffer((WARPS, TC, TD, 32, 8), dtype)
+                Sw = T.sblock_alloc_buffer((WARPS, TC, 32, 8), F32)
+                Pw = T.sblock_alloc_buffer((WARPS, TC, 32, 8), dtype)
+                Ow = T.sblock_alloc_buffer((WARPS, TD, 32, 8), F32)
+                m = T.sblock_alloc_buffer((WARPS, 32, 2), F32)  # per lane: its two rows
+                m_new = T.sblock_alloc_buffer((WARPS, 32, 2), F32)
+                l = T.sblock_alloc_buffer((WARPS, 32, 2), F32)
+                alpha = T.sblock_alloc_buffer((WARPS, 32, 2), F32)
+                # truncdiv: operands are non-negative, and C division needs no sign fix-ups
+                b: T.let[T.int64] = T.truncdiv(vbh, H)
+                h: T.let[T.int64] = T.truncmod(vbh, H)
+                hk: T.let[T.int64] = T.truncdiv(h, T.truncdiv(H, Hk))
+                q0: T.let[T.int64] = vqt * Br
+                for r, c in T.grid(T.int64(Br), T.int64(D)):  # int64: the vectorized copy stays a ramp
+                    with T.sblock("load_q"):
+                        vr, vc = T.axis.remap("SS", [r, c])
+                        Qs[vr, vc] = Qa[b, T.min(q0 + vr, Nq - 1), h, vc]
+                for w, tk, i, kk in T.grid(WARPS, TD, 16, 16):
+                    with T.sblock("ldmatrix_q"):
+                        vw, vtk, vi, vk = T.axis.remap("SSSS", [w, tk, i, kk])
+                        lane, slot = T.meta_var(frag(vi, vk))
+                        Qw[vw, vtk, lane, slot] = Qs[vw * 16 + vi, vtk * 16 + vk]
+                for w, tx, td, s in T.grid(WARPS, 32, TD, 8):
+                    with T.sblock("init_o"):
+                        vw, vtd, vtx, vs = T.axis.remap("SSSS", [w, td, tx, s])
+                        Ow[vw, vtd, vtx, vs] = T.float32(0)
+                for w, tx, hf in T.grid(WARPS, 32, 2):
+                    with T.sblock("init_stats"):
+                        vw, vtx, vhf = T.axis.remap("SSS", [w, tx, hf])
+                        m[vw, vtx, vhf] = T.float32(NEG_INF)
+                        l[vw, vtx, vhf] = T.float32(0)
+                for kt in T.serial(_key_tiles_for_query_tile(q0, spec, Nq, Nk)):
+                    k0: T.let[T.int64] = kt * Bc
+                    for r, c in T.grid(T.int64(Bc), T.int64(D)):
+                        with T.sblock("load_k"):
+                            vr, vc = T.axis.remap("SS", [r, c])
+                            Ks[vr, vc] = Ka[b, T.min(k0 + vr, Nk - 1), hk, vc]
+                    for r, c in T.grid(T.int64(Bc), T.int64(D)):
+                        with T.sblock("load_v"):
+                            vr, vc = T.axis.remap("SS", [r, c])
+                            Vs[vr, vc] = Va[b, T.min(k0 + vr, Nk - 1), hk, vc]
+                    for w, tj, tk, j, kk in T.grid(WARPS, TC, TD, 16, 16):
+                        with T.sblock("ldmatrix_k"):  # B operand of Q K^T: K rows as columns
+                            vw, vtj, vtk, vj, vk = T.axis.remap("SSSSS", [w, tj, tk, j, kk])
+                            lane, slot = T.meta_var(frag(vj, vk))
+                            Kw[vw, vtj, vtk, lane, slot] = Ks[vtj * 16 + vj, vtk * 16 + vk]
+                    for w, tx, tj, s in T.grid(WARPS, 32, TC, 8):
+                        with T.sblock("init_s"):
+                            vw, vtj, vtx, vs = T.axis.remap("SSSS", [w, tj, tx, s])
+                            Sw[vw, vtj, vtx, vs] = T.float32(0)
+                    for w, tj, tk, i, j, kk in T.grid(WARPS, TC, TD, 16, 16, 16):
+                        with T.sblock("scores"):  # S += Q K^T: one 16 x 16 x 16 mma step per (tj, tk)
+                            vw, vtj, vtk, vi, vj, vk = T.axis.remap("SSRSSR", [w, tj, tk, i, j, kk])
+                            c_lane, c_slot = T.meta_var(frag(vi, vj))
+                            a_lane, a_slot = T.meta_var(frag(vi, vk))
+                            b_lane, b_slot = T.meta_var(frag(vj, vk))
+                            Sw[vw, vtj, c_lane, c_slot] = Sw[vw, vtj, c_lane, c_slot] + T.Cast(
+                                F32, Qw[vw, vtk, a_lane, a_slot]) * T.Cast(F32, Kw[vw, vtj, vtk, b_lane, b_slot])
+                    for w, tx, hf, tj, qq in T.grid(WARPS, 32, 2, TC, 4):
+                        with T.sblock("row_max_lane"):
+                            vw, vtx, vhf, vtj, vq = T.axis.remap("SSSRR", [w, tx, hf, tj, qq])
+                            with T.init():
+                                Red[vw, vtx, vhf] = T.float32(NEG_INF)
+                            Red[vw, vtx, vhf] = T.max(Red[vw, vtx, vhf], T.Select(
+                                visible(q0 + vw * 16 + frag_row(vtx, half_slot(vhf, vq)),
+                                        k0 + vtj * 16 + frag_col(vtx, half_slot(vhf, vq)), Nq, Nk, causal),
+                                Sw[vw, vtj, vtx, half_slot(vhf, vq)] * scale_log2_parts(softmax_scale)[0],
+                                T.float32(NEG_INF)))
+                    for w, tx, hf, qq in T.grid(WARPS, 32, 2, 4):
+                        with T.sblock("row_max"):  # the 4 lanes sharing a row: 4 * (lane // 4) + qq
+                            vw, vtx, vhf, vq = T.axis.remap("SSSR", [w, tx, hf, qq])
+                            with T.init():
+                                m_new[vw, vtx, vhf] = m[vw, vtx, vhf]
+                            m_new[vw, vtx, vhf] = T.max(m_new[vw, vtx, vhf], Red[vw, vtx // 4 * 4 + vq, vhf])
+                    for w, tx, hf in T.grid(WARPS, 32, 2):
+                        with T.sblock("rescale"):
+                            vw, vtx, vhf = T.axis.remap("SSS", [w, tx, hf])
+                            alpha[vw, vtx, vhf] = T.Select(m[vw, vtx, vhf] == m_new[vw, vtx, vhf], T.float32(1),
+                                                           exp2_(m[vw, vtx, vhf] - m_new[vw, vtx, vhf]))
+                    for w, tx, tj, s in T.grid(WARPS, 32, TC, 8):
+                        with T.sblock("probs"):  # in place: S becomes P (fp32)
+                            vw, vtj, vtx, vs = T.axis.remap("SSSS", [w, tj, tx, s])
+                            Sw[vw, vtj, vtx, vs] = T.Select(
+                                visible(q0 + vw * 16 + frag_row(vtx, vs), k0 + vtj * 16 + frag_col(vtx, vs),
+                                        Nq, Nk, causal),
+                                exp2_(log2_exponent(Sw[vw, vtj, vtx, vs], scale_log2_parts(softmax_scale),
+                                                    (m_new[vw, vtx, vs % 4 // 2], T.float32(0)))),
+                                T.float32(0))
+                    for w, tx, tj, s in T.grid(WARPS, 32, TC, 8):
+                        with T.sblock("cast_p"):  # P in the accumulator layout = A operand layout
+                            vw, vtj, vtx, vs = T.axis.remap("SSSS", [w, tj, tx, s])
+                            Pw[vw, vtj, vtx, vs] = T.Cast(dtype, Sw[vw, vtj, vtx, vs])
+                    for w, tx, hf, tj, qq in T.grid(WARPS, 32, 2, TC, 4):
+                        with T.sblock("row_sum_lane"):
+                            vw, vtx, vhf, vtj, vq = T.axis.remap("SSSRR", [w, tx, hf, tj, qq])
+                            with T.init():
+                                Red[vw, vtx, vhf] = T.float32(0)
+                            Red[vw, vtx, vhf] = Red[vw, vtx, vhf] + Sw[vw, vtj, vtx, half_slot(vhf, vq)]
+                    for w, tx, hf, qq in T.grid(WARPS, 32, 2, 4):
+                        with T.sblock("row_sum"):
+                            vw, vtx, vhf, vq = T.axis.remap("SSSR", [w, tx, hf, qq])
+                            with T.init():
+                                l[vw, vtx, vhf] = l[vw, vtx, vhf] * alpha[vw, vtx, vhf]
+                            l[vw, vtx, vhf] = l[vw, vtx, vhf] + Red[vw, vtx // 4 * 4 + vq, vhf]
+                    for w, tx, td, s in T.grid(WARPS, 32, TD, 8):
+                        with T.sblock("rescale_o"):
+                            vw, vtd, vtx, vs = T.axis.remap("SSSS", [w, td, tx, s])
+                            Ow[vw, vtd, vtx, vs] = Ow[vw, vtd, vtx, vs] * alpha[vw, vtx, vs % 4 // 2]
+                    for w, tj, td, kk, n in T.grid(WARPS, TC, TD, 16, 16):
+                        with T.sblock("ldmatrix_v"):  # B operand of P V, not transposed
+                            vw, vtj, vtd, vk, vn = T.axis.remap("SSSSS", [w, tj, td, kk, n])
+                            lane, slot = T.meta_var(frag(vk, vn))
+                            Vw[vw, vtj, vtd, lane, slot] = Vs[vtj * 16 + vk, vtd * 16 + vn]
+                    for w, td, tj, i, n, kk in T.grid(WARPS, TD, TC, 16, 16, 16):
+                        with T.sblock("pv"):
+                            vw, vtd, vtj, vi, vn, vk = T.axis.remap("SSRSSR", [w, td, tj, i, n, kk])
+                            c_lane, c_slot = T.meta_var(frag(vi, vn))
+                            a_lane, a_slot = T.meta_var(frag(vi, vk))
+                            b_lane, b_slot = T.meta_var(frag(vk, vn))
+                            Ow[vw, vtd, c_lane, c_slot] = Ow[vw, vtd, c_lane, c_slot] + T.Cast(
+                                F32, Pw[vw, vtj, a_lane, a_slot]) * T.Cast(F32, Vw[vw, vtj, vtd, b_lane, b_slot])
+                    for w, tx, hf in T.grid(WARPS, 32, 2):
+                        with T.sblock("keep_max"):
+                            vw, vtx, vhf = T.axis.remap("SSS", [w, tx, hf])
+                            m[vw, vtx, vhf] = m_new[vw, vtx, vhf]
+                for w, tx, td, s in T.grid(WARPS, 32, TD, 8):
+                    with T.sblock("store_o"):
+                        vw, vtd, vtx, vs = T.axis.remap("SSSS", [w, td, tx, s])
+                        if q0 + vw * 16 + frag_row(vtx, vs) < Nq:
+                            O[b, q0 + vw * 16 + frag_row(vtx, vs), h, vtd * 16 + frag_col(vtx, vs)] = T.Cast(
+                                dtype, Ow[vw, vtd, vtx, vs] * T.Select(
+                                    l[vw, vtx, vs % 4 // 2] > T.float32(0),
+                                    T.float32(1) / l[vw, vtx, vs % 4 // 2], T.float32(0)))
+                for w, tx, hf in T.grid(WARPS, 32, 2):
+                    with T.sblock("store_lse"):  # lane 4 r holds rows r and r + 8
+                        vw, vtx, vhf = T.axis.remap("SSS", [w, tx, hf])
+                        if vtx % 4 == 0 and q0 + vw * 16 + vtx // 4 + 8 * vhf < Nq:
+                            LSE[b, h, q0 + vw * 16 + vtx // 4 + 8 * vhf] = lse_from_stats(
+                                m[vw, vtx, vhf], l[vw, vtx, vhf])
+
+    return flash_fwd
+
+
+# --- backward -----------------------------------------------------------------------------
+# Three kernels, as FlashAttention-2:
+#   flash_bwd_prep: per query row the LSE in log2 units (a float32 hi + lo pair) and
+#       Delta = rowsum(dO * O), padded to whole query tiles; zeroes the fp32 dQ accumulator;
+#   flash_bwd: a thread block per (key tile or split, batch * kv head); each warp owns 16 key
+#       rows. For every query tile (and every query head of the GQA group) it recomputes the
+#       tile of S^T = K Q^T once and from it accumulates dV, dK (registers) and dQ (fp32, global);
+#   flash_bwd_dq: dQ = scale * (sum of the dQ partials), cast to the storage dtype once.
+# Transposed scores (keys as rows) put the key rows, whose dK and dV a warp owns, in the rows
+# of every mma, so P^T and dS^T in the accumulator layout are directly the A operands of
+# dV += P^T dO and dK += dS^T Q. dQ += dS K needs dS by query rows: dS^T goes through shared
+# memory once and comes back transposed by ldmatrix.
+
+
+def stats_rows(seqlen_q):
+    """Query rows of the row-statistics workspace: padded to whole query tiles."""
+    return _ceildiv(seqlen_q, WARPS * ROWS_PER_WARP) * WARPS * ROWS_PER_WARP
+
+
+def cuda_backward_prep(head_dim: int, dtype: str) -> tirx.PrimFunc:
+    """flash_bwd_prep(dout, out, lse, stats, dq_acc): stats = (lse2_hi, lse2_lo, delta)."""
+    D = head_dim
+
+    @T.prim_func(s_tir=True)
+    def flash_bwd_prep(do_h: T.handle, o_h: T.handle, lse_h: T.handle, stats_h: T.handle, acc_h: T.handle):
+        T.func_attr({"global_symbol": "flash_bwd_prep", "tirx.noalias": True})
+        B = T.int64()
+        Nq = T.int64()
+        H = T.int64()
+        NqP = T.int64()
+        P = T.int64()
+        sdo = (T.int64(), T.int64(), T.int64())
+        so = (T.int64(), T.int64(), T.int64())
+        dO = T.match_buffer(do_h, (B, Nq, H, D), dtype, strides=(*sdo, 1))
+        O = T.match_buffer(o_h, (B, Nq, H, D), dtype, strides=(*so, 1))
+        LSE = T.match_buffer(lse_h, (B, H, Nq), F32)
+        Stats = T.match_buffer(stats_h, (B, H, 3, NqP), F32)
+        dQacc = T.match_buffer(acc_h, (P, B, Nq, H, D), F32)
+        for b, h, i, d in T.grid(B, H, NqP, D):
+            with T.sblock("delta"):
+                vb, vh, vi, vd = T.axis.remap("SSSR", [b, h, i, d])
+                with T.init():
+                    Stats[vb, vh, 2, vi] = T.float32(0)
+                Stats[vb, vh, 2, vi] = Stats[vb, vh, 2, vi] + T.if_then_else(
+                    vi < Nq, T.Cast(F32, dO[vb, T.min(vi, Nq - 1), vh, vd]) * T.Cast(
+                        F32, O[vb, T.min(vi, Nq - 1), vh, vd]), T.float32(0))
+        for b, h, i in T.grid(B, H, NqP):
+            with T.sblock("lse_log2"):
+                vb, vh, vi = T.axis.remap("SSS", [b, h, i])
+                Stats[vb, vh, 0, vi] = T.if_then_else(
+                    vi < Nq, lse_log2_parts(LSE[vb, vh, T.min(vi, Nq - 1)])[0], T.float32(0))
+                Stats[vb, vh, 1, vi] = T.if_then_else(
+                    vi < Nq, lse_log2_parts(LSE[vb, vh, T.min(vi, Nq - 1)])[1], T.float32(0))
+        for p, b, i, h, d in T.grid(P, B, Nq, H, D):
+            with T.sblock("zero_dq"):
+                vp, vb, vi, vh, vd = T.axis.remap("SSSSS", [p, b, i, h, d])
+                dQacc[vp, vb, vi, vh, vd] = T.float32(0)
+
+    return flash_bwd_prep
+
+
+def cuda_backward_dq(head_dim: int, dtype: str) -> tirx.PrimFunc:
+    """flash_bwd_dq(dq_acc, dq, softmax_scale): dQ = scale * sum over the partials."""
+    D = head_dim
+    elem = DataType(dtype).bits // 8
+
+    @T.prim_func(s_tir=True)
+    def flash_bwd_dq(acc_h: T.handle, dq_h: T.handle, softmax_scale: T.float64):
+        T.func_attr({"global_symbol": "flash_bwd_dq", "tirx.noalias": True})
+        B = T.int64()
+        Nq = T.int64()
+        H = T.int64()
+        P = T.int64()
+        sdq = (T.int64(), T.int64(), T.int64())
+        dQacc = T.match_buffer(acc_h, (P, B, Nq, H, D), F32)
+        dQ = T.match_buffer(dq_h, (B, Nq, H, D), dtype, strides=(*sdq, 1), align=elem)
+        for b, i, h, d in T.grid(B, Nq, H, D):
+            with T.sblock("store_dq"):
+                vb, vi, vh, vd = T.axis.remap("SSSS", [b, i, h, d])
+                T.reads(dQacc[0:P, vb, vi, vh, vd])
+                T.writes(dQ[vb, vi, vh, vd])
+                total = T.sblock_alloc_buffer((1,), F32, scope="local")
+                total[0] = T.float32(0)
+                for p in range(P):  # P > 1 only in deterministic mode: fixed summation order
+                    total[0] = total[0] + dQacc[p, vb, vi, vh, vd]
+                dQ[vb, vi, vh, vd] = T.Cast(dtype, total[0] * T.Cast(F32, softmax_scale))
+
+    return flash_bwd_dq
+
+
+def cuda_backward(spec: KernelSpec, atomic_dq: bool = True) -> tirx.PrimFunc:
+    """flash_bwd(dout, q, k, v, stats, dq_acc, dk, dv, softmax_scale, n_split).
+
+    ``atomic_dq``: blocks add their dQ tiles into one fp32 accumulator with ``atomicAdd``
+    (``n_split`` = number of key tiles, one per block). Otherwise (deterministic mode) block
+    ``s`` walks key tiles s, s + n_split, ... and owns partial ``s`` of ``dq_acc``: plain adds,
+    fixed order, and ``flash_bwd_dq`` sums the partials in a fixed order too.
+    """
+    D, Bc, dtype, causal = spec.head_dim, spec.block_k, spec.dtype, spec.causal
+    Br = WARPS * ROWS_PER_WARP
+    if spec.block_q != Br or Bc != Br or D % 16:
+        raise ValueError(f"the CUDA backward needs 64 x 64 tiles and a multiple of 16 as head dim (got {spec})")
+    TD, TI, TC = D // 16, Br // 16, Bc // 16
+    exp2_ = spec.exp2_fn()
+    elem = DataType(dtype).bits // 8
+
+    @T.prim_func(s_tir=True)
+    def flash_bwd(do_h: T.handle, q_h: T.handle, k_h: T.handle, v_h: T.handle, stats_h: T.handle,
+                  acc_h: T.handle, dk_h: T.handle, dv_h: T.handle, softmax_scale: T.float64, n_split: T.int64):
+        T.func_attr({"global_symbol": "flash_bwd", "tirx.noalias": True})
+        B = T.int64()
+        Nq = T.int64()
+        Nk = T.int64()
+        H = T.int64()
+        Hk = T.int64()
+        NqP = T.int64()
+        P = T.int64()
+        sdo = (T.int64(), T.int64(), T.int64())
+        sq = (T.int64(), T.int64(), T.int64())
+        sk = (T.int64(), T.int64(), T.int64())
+        sv = (T.int64(), T.int64(), T.int64())
+        sdk = (T.int64(), T.int64(), T.int64())
+        sdv = (T.int64(), T.int64(), T.int64())
+        dO = T.match_buffer(do_h, (B, Nq, H, D), dtype, strides=(*sdo, 1), align=elem)
+        Q = T.match_buffer(q_h, (B, Nq, H, D), dtype, strides=(*sq, 1), align=elem)
+        K = T.match_buffer(k_h, (B, Nk, Hk, D), dtype, strides=(*sk, 1), align=elem)
+        V = T.match_buffer(v_h, (B, Nk, Hk, D), dtype, strides=(*sv, 1), align=elem)
+        Stats = T.match_buffer(stats_h, (B, H, 3, NqP), F32)
+        dQacc = T.match_buffer(acc_h, (P, B, Nq, H, D), F32)
+        dK = T.match_buffer(dk_h, (B, Nk, Hk, D), dtype, strides=(*sdk, 1), align=elem)
+        dV = T.match_buffer(dv_h, (B, Nk, Hk, D), dtype, strides=(*sdv, 1), align=elem)
+        dOa = T.decl_buffer((B, Nq, H, D), dtype, data=dO.data, strides=aligned_strides(sdo))
+        Qa = T.decl_buffer((B, Nq, H, D), dtype, data=Q.data, strides=aligned_strides(sq))
+        Ka = T.decl_buffer((B, Nk, Hk, D), dtype, data=K.data, strides=aligned_strides(sk))
+        Va = T.decl_buffer((B, Nk, Hk, D), dtype, data=V.data, strides=aligned_strides(sv))
+        for s, bh in T.grid(n_split, B * Hk):
+            with T.sblock("kv_tile"):
+                vs, vbh = T.axis.remap("SS", [s, bh])
+                T.reads()
+                T.writes()
+                Qs = T.sblock_alloc_buffer((Br, D), dtype)  # shared memory tiles
+                dOs = T.sblock_alloc_buffer((Br, D), dtype)
+                Ks = T.sblock_alloc_buffer((Bc, D), dtype)
+                Vs = T.sblock_alloc_buffer((Bc, D), dtype)
+                Ls = T.sblock_alloc_buffer((3, Br), F32)  # lse2 hi, lo and Delta of the query tile
+                dSs = T.sblock_alloc_buffer((Bc, Br), dtype)  # dS^T, for dQ
+                # register fragments; suffix: a = A operand, b = B (k x n), bt = B given as n x k
+                Ka_f = T.sblock_alloc_buffer((WARPS, TD, 32, 8), dtype)
+                Qbt = T.sblock_alloc_buffer((WARPS, TI, TD, 32, 8), dtype)
+                St = T.sblock_alloc_buffer((WARPS, TI, 32, 8), F32)  # S^T, then P^T (fp32)
+                Ph = T.sblock_alloc_buffer((WARPS, TI, 32, 8), dtype)
+                dOb = T.sblock_alloc_buffer((WARPS, TI, TD, 32, 8), dtype)
+                Va_f = T.sblock_alloc_buffer((WARPS, TD, 32, 8), dtype)
+                dObt = T.sblock_alloc_buffer((WARPS, TI, TD, 32, 8), dtype)
+                dPt = T.sblock_alloc_buffer((WARPS, TI, 32, 8), F32)
+                dSh = T.sblock_alloc_buffer((WARPS, TI, 32, 8), dtype)
+                Qb = T.sblock_alloc_buffer((WARPS, TI, TD, 32, 8), dtype)
+                dSa = T.sblock_alloc_buffer((WARPS, TC, 32, 8), dtype)
+                Kb = T.sblock_alloc_buffer((WARPS, TC, TD, 32, 8), dtype)
+                dQw = T.sblock_alloc_buffer((WARPS, TD, 32, 8), F32)
+                dKw = T.sblock_alloc_buffer((WARPS, TD, 32, 8), F32)  # over all query tiles and heads
+                dVw = T.sblock_alloc_buffer((WARPS, TD, 32, 8), F32)
+                b: T.let[T.int64] = T.truncdiv(vbh, Hk)
+                hk: T.let[T.int64] = T.truncmod(vbh, Hk)
+                group: T.let[T.int64] = T.truncdiv(H, Hk)
+                part: T.let[T.int64] = T.int64(0) if atomic_dq else vs
+                # Key tiles vs, vs + n_split, ...: a trip count, not a condition, keeps this block-
+                # uniform for TVM's barrier insertion (which refuses barriers under an `if`).
+                for t in T.serial(_ceildiv(_ceildiv(Nk, Bc) - vs, n_split)):
+                    if True:
+                        k0: T.let[T.int64] = (vs + t * n_split) * Bc
+                        for r, c in T.grid(T.int64(Bc), T.int64(D)):
+                            with T.sblock("load_k"):
+                                vr, vc = T.axis.remap("SS", [r, c])
+                                Ks[vr, vc] = Ka[b, T.min(k0 + vr, Nk - 1), hk, vc]
+                        for r, c in T.grid(T.int64(Bc), T.int64(D)):
+                            with T.sblock("load_v"):
+                                vr, vc = T.axis.remap("SS", [r, c])
+                                Vs[vr, vc] = Va[b, T.min(k0 + vr, Nk - 1), hk, vc]
+                        for w, tx, td, s8 in T.grid(WARPS, 32, TD, 8):
+                            with T.sblock("init_dkv"):
+                                vw, vtd, vtx, vs8 = T.axis.remap("SSSS", [w, td, tx, s8])
+                                dKw[vw, vtd, vtx, vs8] = T.float32(0)
+                                dVw[vw, vtd, vtx, vs8] = T.float32(0)
+                        for g in T.serial(group):
+                            h: T.let[T.int64] = hk * group + g
+                            for qt in T.serial(_first_query_tile_for_key_tile(k0, spec, Nq, Nk), _ceildiv(Nq, Br)):
+                                q0: T.let[T.int64] = qt * Br
+                                for r, c in T.grid(T.int64(Br), T.int64(D)):
+                                    with T.sblock("load_q"):
+                                        vr, vc = T.axis.remap("SS", [r, c])
+                                        Qs[vr, vc] = Qa[b, T.min(q0 + vr, Nq - 1), h, vc]
+                                for r, c in T.grid(T.int64(Br), T.int64(D)):
+                                    with T.sblock("load_do"):
+                                        vr, vc = T.axis.remap("SS", [r, c])
+                                        dOs[vr, vc] = dOa[b, T.min(q0 + vr, Nq - 1), h, vc]
+                                for r, i in T.grid(3, Br):
+                                    with T.sblock("load_stats"):
+                                        vr, vi = T.axis.remap("SS", [r, i])
+                                        Ls[vr, vi] = Stats[b, h, vr, q0 + vi]
+                                for w, tk, j, kk in T.grid(WARPS, TD, 16, 16):
+                                    with T.sblock("ldmatrix_k"):
+                                        vw, vtk, vj, vk = T.axis.remap("SSSS", [w, tk, j, kk])
+                                        lane, slot = T.meta_var(frag(vj, vk))
+                                        Ka_f[vw, vtk, lane, slot] = Ks[vw * 16 + vj, vtk * 16 + vk]
+                                for w, ti, tk, i, kk in T.grid(WARPS, TI, TD, 16, 16):
+                                    with T.sblock("ldmatrix_qt"):
+                                        vw, vti, vtk, vi, vk = T.axis.remap("SSSSS", [w, ti, tk, i, kk])
+                                        lane, slot = T.meta_var(frag(vi, vk))
+                                        Qbt[vw, vti, vtk, lane, slot] = Qs[vti * 16 + vi, vtk * 16 + vk]
+                                for w, tx, ti, s8 in T.grid(WARPS, 32, TI, 8):
+                                    with T.sblock("init_s"):
+                                        vw, vti, vtx, vs8 = T.axis.remap("SSSS", [w, ti, tx, s8])
+                                        St[vw, vti, vtx, vs8] = T.float32(0)
+                                for w, tk, ti, j, i, kk in T.grid(WARPS, TD, TI, 16, 16, 16):
+                                    with T.sblock("scores"):  # S^T += K Q^T
+                                        vw, vtk, vti, vj, vi, vk = T.axis.remap("SRSSSR", [w, tk, ti, j, i, kk])
+                                        c_lane, c_slot = T.meta_var(frag(vj, vi))
+                                        a_lane, a_slot = T.meta_var(frag(vj, vk))
+                                        b_lane, b_slot = T.meta_var(frag(vi, vk))
+                                        St[vw, vti, c_lane, c_slot] = St[vw, vti, c_lane, c_slot] + T.Cast(
+                                            F32, Ka_f[vw, vtk, a_lane, a_slot]) * T.Cast(F32, Qbt[vw, vti, vtk, b_lane, b_slot])
+                                for w, tx, ti, s8 in T.grid(WARPS, 32, TI, 8):
+                                    with T.sblock("probs"):  # P^T = 2^(S^T * scale2 - lse2), masked; in place
+                                        vw, vti, vtx, vs8 = T.axis.remap("SSSS", [w, ti, tx, s8])
+                                        col: T.let[T.int32] = vti * 16 + frag_col(vtx, vs8)
+                                        St[vw, vti, vtx, vs8] = T.Select(
+                                            tirx.all(q0 + col < Nq, visible(q0 + col, k0 + vw * 16 + frag_row(vtx, vs8),
+                                                                            Nq, Nk, causal)),
+                                            exp2_(log2_exponent(St[vw, vti, vtx, vs8], scale_log2_parts(softmax_scale),
+                                                                (Ls[0, col], Ls[1, col]))),
+                                            T.float32(0))
+                                for w, tx, ti, s8 in T.grid(WARPS, 32, TI, 8):
+                                    with T.sblock("cast_p"):
+                                        vw, vti, vtx, vs8 = T.axis.remap("SSSS", [w, ti, tx, s8])
+                                        Ph[vw, vti, vtx, vs8] = T.Cast(dtype, St[vw, vti, vtx, vs8])
+                                for w, ti, td, kk, n in T.grid(WARPS, TI, TD, 16, 16):
+                                    with T.sblock("ldmatrix_do"):
+                                        vw, vti, vtd, vk, vn = T.axis.remap("SSSSS", [w, ti, td, kk, n])
+                                        lane, slot = T.meta_var(frag(vk, vn))
+                                        dOb[vw, vti, vtd, lane, slot] = dOs[vti * 16 + vk, vtd * 16 + vn]
+                                for w, td, ti, j, n, kk in T.grid(WARPS, TD, TI, 16, 16, 16):
+                                    with T.sblock("dv"):  # dV += P^T dO
+                                        vw, vtd, vti, vj, vn, vk = T.axis.remap("SSRSSR", [w, td, ti, j, n, kk])
+                                        c_lane, c_slot = T.meta_var(frag(vj, vn))
+                                        a_lane, a_slot = T.meta_var(frag(vj, vk))
+                                        b_lane, b_slot = T.meta_var(frag(vk, vn))
+                                        dVw[vw, vtd, c_lane, c_slot] = dVw[vw, vtd, c_lane, c_slot] + T.Cast(
+                                            F32, Ph[vw, vti, a_lane, a_slot]) * T.Cast(F32, dOb[vw, vti, vtd, b_lane, b_slot])
+                                for w, td, j, kk in T.grid(WARPS, TD, 16, 16):
+                                    with T.sblock("ldmatrix_v"):
+                                        vw, vtd, vj, vk = T.axis.remap("SSSS", [w, td, j, kk])
+                                        lane, slot = T.meta_var(frag(vj, vk))
+                                        Va_f[vw, vtd, lane, slot] = Vs[vw * 16 + vj, vtd * 16 + vk]
+                                for w, ti, td, i, kk in T.grid(WARPS, TI, TD, 16, 16):
+                                    with T.sblock("ldmatrix_dot"):
+                                        vw, vti, vtd, vi, vk = T.axis.remap("SSSSS", [w, ti, td, i, kk])
+                                        lane, slot = T.meta_var(frag(vi, vk))
+                                        dObt[vw, vti, vtd, lane, slot] = dOs[vti * 16 + vi, vtd * 16 + vk]
+                                for w, tx, ti, s8 in T.grid(WARPS, 32, TI, 8):
+                                    with T.sblock("init_dp"):
+                                        vw, vti, vtx, vs8 = T.axis.remap("SSSS", [w, ti, tx, s8])
+                                        dPt[vw, vti, vtx, vs8] = T.float32(0)
+                                for w, td, ti, j, i, kk in T.grid(WARPS, TD, TI, 16, 16, 16):
+                                    with T.sblock("dprobs"):  # dP^T += V dO^T
+                                        vw, vtd, vti, vj, vi, vk = T.axis.remap("SRSSSR", [w, td, ti, j, i, kk])
+                                        c_lane, c_slot = T.meta_var(frag(vj, vi))
+                                        a_lane, a_slot = T.meta_var(frag(vj, vk))
+                                        b_lane, b_slot = T.meta_var(frag(vi, vk))
+                                        dPt[vw, vti, c_lane, c_slot] = dPt[vw, vti, c_lane, c_slot] + T.Cast(
+                                            F32, Va_f[vw, vtd, a_lane, a_slot]) * T.Cast(F32, dObt[vw, vti, vtd, b_lane, b_slot])
+                                for w, tx, ti, s8 in T.grid(WARPS, 32, TI, 8):
+                                    with T.sblock("dscores"):  # dS^T = P^T (dP^T - Delta), cast once for the mma
+                                        vw, vti, vtx, vs8 = T.axis.remap("SSSS", [w, ti, tx, s8])
+                                        dSh[vw, vti, vtx, vs8] = T.Cast(dtype, grad_scores(
+                                            St[vw, vti, vtx, vs8], dPt[vw, vti, vtx, vs8],
+                                            Ls[2, vti * 16 + frag_col(vtx, vs8)]))
+                                for w, ti, td, kk, n in T.grid(WARPS, TI, TD, 16, 16):
+                                    with T.sblock("ldmatrix_q"):
+                                        vw, vti, vtd, vk, vn = T.axis.remap("SSSSS", [w, ti, td, kk, n])
+                                        lane, slot = T.meta_var(frag(vk, vn))
+                                        Qb[vw, vti, vtd, lane, slot] = Qs[vti * 16 + vk, vtd * 16 + vn]
+                                for w, td, ti, j, n, kk in T.grid(WARPS, TD, TI, 16, 16, 16):
+                                    with T.sblock("dk"):  # dK += dS^T Q (scaled at the end)
+                                        vw, vtd, vti, vj, vn, vk = T.axis.remap("SSRSSR", [w, td, ti, j, n, kk])
+                                        c_lane, c_slot = T.meta_var(frag(vj, vn))
+                                        a_lane, a_slot = T.meta_var(frag(vj, vk))
+                                        b_lane, b_slot = T.meta_var(frag(vk, vn))
+                                        dKw[vw, vtd, c_lane, c_slot] = dKw[vw, vtd, c_lane, c_slot] + T.Cast(
+                                            F32, dSh[vw, vti, a_lane, a_slot]) * T.Cast(F32, Qb[vw, vti, vtd, b_lane, b_slot])
+                                for w, tx, ti, s8 in T.grid(WARPS, 32, TI, 8):
+                                    with T.sblock("store_ds"):
+                                        vw, vti, vtx, vs8 = T.axis.remap("SSSS", [w, ti, tx, s8])
+                                        dSs[vw * 16 + frag_row(vtx, vs8), vti * 16 + frag_col(vtx, vs8)] = dSh[
+                                            vw, vti, vtx, vs8]
+                                for w, tj, kk, i in T.grid(WARPS, TC, 16, 16):
+                                    with T.sblock("ldmatrix_ds"):  # dS by query rows: A operand, transposed load
+                                        vw, vtj, vk, vi = T.axis.remap("SSSS", [w, tj, kk, i])
+                                        lane, slot = T.meta_var(frag(vi, vk))
+                                        dSa[vw, vtj, lane, slot] = dSs[vtj * 16 + vk, vw * 16 + vi]
+                                for w, tj, td, kk, n in T.grid(WARPS, TC, TD, 16, 16):
+                                    with T.sblock("ldmatrix_kb"):
+                                        vw, vtj, vtd, vk, vn = T.axis.remap("SSSSS", [w, tj, td, kk, n])
+                                        lane, slot = T.meta_var(frag(vk, vn))
+                                        Kb[vw, vtj, vtd, lane, slot] = Ks[vtj * 16 + vk, vtd * 16 + vn]
+                                for w, tx, td, s8 in T.grid(WARPS, 32, TD, 8):
+                                    with T.sblock("init_dq"):
+                                        vw, vtd, vtx, vs8 = T.axis.remap("SSSS", [w, td, tx, s8])
+                                        dQw[vw, vtd, vtx, vs8] = T.float32(0)
+                                for w, tj, td, i, n, kk in T.grid(WARPS, TC, TD, 16, 16, 16):
+                                    with T.sblock("dq"):  # this tile's dQ (warp w: query rows 16 w ...) = dS K
+                                        vw, vtj, vtd, vi, vn, vk = T.axis.remap("SRSSSR", [w, tj, td, i, n, kk])
+                                        c_lane, c_slot = T.meta_var(frag(vi, vn))
+                                        a_lane, a_slot = T.meta_var(frag(vi, vk))
+                                        b_lane, b_slot = T.meta_var(frag(vk, vn))
+                                        dQw[vw, vtd, c_lane, c_slot] = dQw[vw, vtd, c_lane, c_slot] + T.Cast(
+                                            F32, dSa[vw, vtj, a_lane, a_slot]) * T.Cast(F32, Kb[vw, vtj, vtd, b_lane, b_slot])
+                                for w, tx, td, s8 in T.grid(WARPS, 32, TD, 8):
+                                    with T.sblock("add_dq"):
+                                        vw, vtd, vtx, vs8 = T.axis.remap("SSSS", [w, td, tx, s8])
+                                        row = T.meta_var(q0 + vw * 16 + frag_row(vtx, vs8))
+                                        colq = T.meta_var(vtd * 16 + frag_col(vtx, vs8))
+                                        T.reads(dQw[vw, vtd, vtx, vs8], dQacc[part, b, row, h, colq])
+                                        T.writes(dQacc[part, b, row, h, colq])
+                                        if row < Nq:
+                                            if atomic_dq:
+                                                T.evaluate(T.call_extern("float32", "atomicAdd",
+                                                                         T.address_of(dQacc[part, b, row, h, colq]),
+                                                                         dQw[vw, vtd, vtx, vs8]))
+                                            else:
+                                                dQacc[part, b, row, h, colq] = dQacc[part, b, row, h, colq] + dQw[
+                                                    vw, vtd, vtx, vs8]
+                        for w, tx, td, s8 in T.grid(WARPS, 32, TD, 8):
+                            with T.sblock("store_dkv"):
+                                vw, vtd, vtx, vs8 = T.axis.remap("SSSS", [w, td, tx, s8])
+                                if k0 + vw * 16 + frag_row(vtx, vs8) < Nk:
+                                    dK[b, k0 + vw * 16 + frag_row(vtx, vs8), hk, vtd * 16 + frag_col(vtx, vs8)] = T.Cast(
+                                        dtype, dKw[vw, vtd, vtx, vs8] * T.Cast(F32, softmax_scale))
+                                    dV[b, k0 + vw * 16 + frag_row(vtx, vs8), hk, vtd * 16 + frag_col(vtx, vs8)] = T.Cast(
+                                        dtype, dVw[vw, vtd, vtx, vs8])
+
+    return flash_bwd
