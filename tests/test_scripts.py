@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -29,3 +32,82 @@ def test_speed_benchmark_quick(tmp_path):
     out = _run("benchmarks/speed.py", "--quick", "--no-math", "--markdown", str(md))
     assert "fp32 fwd vs SDPA flash" in out
     assert "| B1 N512 H2 D64 float32 |" in md.read_text()
+
+
+def test_float64_reference_of_the_experiments_matches_autograd(gen):
+    """benchmarks/common.reference_f64 (chunked formulas) == autograd through plain attention."""
+    import torch
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        from common import reference_f64
+    finally:
+        sys.path.pop(0)
+    from conftest import random_inputs, reference_attention
+
+    for causal in (False, True):
+        q, k, v = random_inputs(gen, 2, 70, 50, 4, 2, 32, "float32")
+        dout = torch.randn(q.shape, generator=gen)
+        out, lse, dq, dk, dv = reference_f64(q, k, v, dout, causal, chunk=16)
+        leaves = [t.double().requires_grad_() for t in (q, k, v)]
+        ref_out, ref_lse = reference_attention(*leaves, causal)
+        ref_grads = torch.autograd.grad(ref_out, leaves, dout.double())
+        torch.testing.assert_close(out, ref_out.detach())
+        torch.testing.assert_close(lse, ref_lse.detach())
+        for ours, ref in zip((dq, dk, dv), ref_grads):
+            torch.testing.assert_close(ours, ref)
+
+
+def _check_memory_scaling(data):
+    """Standard attention's memory grows ~4x per doubling and exceeds tvmflash's; tvmflash's ~2x."""
+    flash, standard = data["results"]["tvmflash/64"]["mb"], data["results"]["standard/64"]["mb"]
+    assert data["results"]["tvmflash/64"]["seqlen"] == [512, 1024]
+    assert 1.5 < flash[1] / flash[0] < 2.8, flash
+    assert standard[1] / standard[0] > 3.0, standard
+    assert standard[1] > 2 * flash[1], (standard, flash)
+    assert data["results"]["sdpa_math/64"]["mb"][1] > 2 * flash[1]
+
+
+def _check_rule1(data):
+    """An fp16 LSE costs >= 10x the gradient accuracy of the fp32 one at every point."""
+    fp32 = {(n, s): e for n, s, e in data["errors"]["fp32 LSE (tvmflash)"]}
+    fp16 = {(n, s): e for n, s, e in data["errors"]["fp16 LSE (experiment)"]}
+    assert fp32.keys() == fp16.keys() and len(fp32) == 2
+    for key in fp32:
+        assert fp32[key] < 1e-4, (key, fp32[key])
+        assert fp16[key] > 10 * fp32[key], (key, fp16[key], fp32[key])
+
+
+def _check_rule2(data):
+    """The naive backward does ~0.5 forward more work (one more S and P), same gradients."""
+    once, twice = data["flops_over_forward"]["once"], data["flops_over_forward"]["twice"]
+    assert 2.3 <= once <= 2.6, once
+    assert 0.3 <= twice - once <= 0.7, (once, twice)
+    assert data["max_difference"] < 1e-5
+    assert all(t > 0 for t in data["seconds"].values())
+
+
+def _check_rule3(data):
+    """fp16 accumulators lose accuracy as N grows; fp32 ones stay within 2x of PyTorch MATH."""
+    errs = data["errors"]["float16"]
+    ours, low = errs["tvmflash, fp32 accumulators"], errs["fp16 accumulators (experiment)"]
+    assert not any(data["identical"]["float16"])
+    assert low[-1] > 2 * ours[-1], (low, ours)
+    assert low[-1] > 1.5 * low[0], low
+    assert all(e <= 2 * m + 1e-4 for e, m in zip(ours, errs["PyTorch SDPA MATH"])), (ours, errs)
+
+
+EXPERIMENTS = {"memory_scaling": _check_memory_scaling, "rule1_fp32_stats": _check_rule1,
+               "rule2_one_recompute": _check_rule2, "rule3_fp32_accumulators": _check_rule3}
+
+
+@pytest.mark.parametrize("name", list(EXPERIMENTS))
+def test_experiment_quick(name, tmp_path):
+    """Each experiment's --quick mode runs, writes its report (and plot), and shows its effect."""
+    out = _run(f"benchmarks/{name}.py", "--quick", "--out-dir", str(tmp_path))
+    assert "**Conclusion:**" in out
+    report = (tmp_path / f"{name}.md").read_text()
+    assert "command:" in report and "machine:" in report and "|---|" in report
+    if name != "rule2_one_recompute":
+        assert (tmp_path / f"{name}.png").stat().st_size > 10_000
+    EXPERIMENTS[name](json.loads((tmp_path / f"{name}.json").read_text()))

@@ -59,6 +59,14 @@ def test_tiny_tuning_is_used_by_compile(tmp_path, monkeypatch, gen):
     assert kernels.config.forward_blocks == (64, 128)
     _check_correct(kernels, gen)
 
+    # The same-run default-vs-tuned check overrules MetaSchedule: a record it found slower is unused.
+    verified = {"forward": {"speedup": 0.8, "config": tune._kernel_knobs(best["forward"], "forward")}}
+    (directory / tune.VERIFIED).write_text(json.dumps(verified))
+    base = llvm_schedules.default_config(resolve("llvm"), 32, "float32", False)
+    config, used = tune.tuned_config(resolve("llvm"), PARAMS, base, SHAPE["seqlen"])
+    assert set(used) == {"backward"} and config.forward_tiles == base.forward_tiles
+    assert config.backward_tiles == best["backward"].backward_tiles
+
     untuned = tvmflash.compile("llvm", head_dim=32, dtype="float32", causal=False, tuned=False)
     assert untuned.tuning_record is None
     assert untuned.config == llvm_schedules.default_config(resolve("llvm"), 32, "float32", False)

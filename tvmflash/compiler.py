@@ -153,6 +153,9 @@ class FlashKernels:
     def export_library(self, path: str | os.PathLike) -> None:
         """Write the compiled module (a shared library) and its metadata (``path + '.json'``)."""
         path = Path(path)
+        if not _can_run(self.target):
+            raise RuntimeError("CUDA kernels built on a machine without a GPU driver (libcuda) are CUDA source "
+                               "only: source() has the code; export them on a machine with a GPU")
         if self._library is not None:  # loaded from a library: its code is that file
             shutil.copyfile(self._library, path)
         else:

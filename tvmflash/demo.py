@@ -12,6 +12,7 @@ Exits with status 1 if the correctness check fails.
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 import time
 
@@ -70,13 +71,27 @@ def show_speed(rounds: int) -> None:
 
 
 def show_memory(lengths) -> None:
-    print(f"  {'seqlen':>7s} {'tvmflash (measured)':>20s} {'standard attention (allocates)':>31s}")
+    """Short version of benchmarks/memory_scaling.py: tvmflash measured, standard attention analysed."""
+    print(f"  {'seqlen':>7s} {'tvmflash (measured)':>20s} {'standard attention (allocates, static)':>39s}")
     fwd, bwd = analysis.standard_kernels()
+    measured, standard = [], []
     for n in lengths:
-        measured = memory.peak_added_mb("tvmflash", n)
+        measured.append(memory.peak_added_mb("tvmflash", n))
         sizes = dict(batch=1, heads=1, heads_k=1, seqlen_q=n, seqlen_k=n)
-        standard = max(analysis.allocated_bytes(analysis.specialize(f, **sizes)) for f in (fwd, bwd)) / 2**20
-        print(f"  {n:7d} {measured:17.1f} MB {standard:28.0f} MB", flush=True)
+        standard.append(max(analysis.allocated_bytes(analysis.specialize(f, **sizes)) for f in (fwd, bwd)) / 2**20)
+        print(f"  {n:7d} {measured[-1]:17.1f} MB {standard[-1]:36.0f} MB", flush=True)
+    if len(lengths) >= 2 and lengths[-1] > lengths[0] and min(measured) > 0:
+        def slope(mb):
+            return math.log(mb[-1] / mb[0]) / math.log(lengths[-1] / lengths[0])
+
+        def size(mb):
+            return f"{mb / 1024:,.1f} GB" if mb >= 1024 else f"{mb:,.0f} MB"
+
+        n512k = 512 * 1024
+        print(f"  log-log slope {lengths[0]}..{lengths[-1]}: tvmflash {slope(measured):.2f} (linear = 1), standard "
+              f"{slope(standard):.2f} (quadratic = 2); at 512K tokens: tvmflash ~{size(measured[-1] * n512k / lengths[-1])}"
+              f", standard ~{size(standard[-1] * (n512k / lengths[-1]) ** 2)} (benchmarks/memory_scaling.py: the "
+              f"full experiment)")
 
 
 def main(argv=None) -> int:

@@ -75,7 +75,7 @@ class KernelSpec:
     # "polynomial": attention_te.exp2, which vectorizes on CPUs; "intrinsic": T.exp2, a single
     # op (GPUs have it in hardware; FLOP analyses can only read this form).
     exp2: str = "polynomial"
-    # Experiment knobs (benchmarks/rules.py), each breaking one of the three rules; the defaults
+    # Experiment knobs (benchmarks/rule*.py), each breaking one of the three rules; the defaults
     # are the real kernels. lse_dtype: precision of the stored LSE (rule 1: fp32 row statistics).
     # recompute: "once" or "twice" (a second pass recomputes P for dK, dQ; rule 2).
     # grad_acc_dtype: dtype of the running dQ/dK/dV sums (rule 3: fp32 accumulators).
@@ -86,12 +86,35 @@ class KernelSpec:
     def exp2_fn(self):
         return exp2 if self.exp2 == "polynomial" else tirx.exp2
 
+    @property
+    def acc_storage(self) -> str:
+        """dtype of the gradient accumulator buffers (bf16 ones are emulated in fp32 storage)."""
+        return F32 if self.grad_acc_dtype == "bfloat16" else self.grad_acc_dtype
+
     def to_acc(self, x):
-        """fp32 value -> the dtype of the running gradient sums."""
-        return x if self.grad_acc_dtype == F32 else tirx.Cast(self.grad_acc_dtype, x)
+        """fp32 value -> the precision of the running gradient sums."""
+        return round_to_precision(x, self.grad_acc_dtype, self.acc_storage)
 
     def from_acc(self, x):
-        return x if self.grad_acc_dtype == F32 else tirx.Cast(F32, x)
+        return x if self.acc_storage == F32 else tirx.Cast(F32, x)
+
+
+def round_to_precision(x, precision: str, storage: str = F32):
+    """An fp32 value rounded to ``precision``, as ``storage`` (experiment variants only).
+
+    TVM legalizes bfloat16 scratch buffers and arithmetic to float32 on CPUs, which silently
+    undoes a bf16 accumulator; bf16 rounding is therefore done on the bits (round half to even,
+    keep the high 16), and the value stays in fp32 storage.
+    """
+    if precision == F32:
+        return x
+    if precision != "bfloat16":
+        rounded = tirx.Cast(precision, x)
+        return rounded if storage == precision else tirx.Cast(storage, rounded)
+    bits = tirx.reinterpret("uint32", x)
+    lsb = tirx.bitwise_and(tirx.shift_right(bits, tirx.const(16, "uint32")), tirx.const(1, "uint32"))
+    bits = tirx.bitwise_and(bits + tirx.const(0x7FFF, "uint32") + lsb, tirx.const(0xFFFF0000, "uint32"))
+    return tirx.reinterpret(F32, bits)
 
 
 def _ceildiv(a, b):
@@ -122,7 +145,7 @@ def fused_forward(spec: KernelSpec) -> tirx.PrimFunc:
     elem = DataType(dtype).bits // 8
 
     def stored_lse(x):  # rounded through a lower precision in the rule-1 experiment only
-        return x if spec.lse_dtype == F32 else tirx.Cast(F32, tirx.Cast(spec.lse_dtype, x))
+        return round_to_precision(x, spec.lse_dtype)
 
     @T.prim_func(s_tir=True)
     def flash_fwd(q_h: T.handle, k_h: T.handle, v_h: T.handle, o_h: T.handle, lse_h: T.handle,
@@ -278,7 +301,7 @@ def fused_backward(spec: KernelSpec) -> tirx.PrimFunc:
     D, Br, Bc, dtype = spec.head_dim, spec.block_q, spec.block_k, spec.dtype
     causal, exp2_ = spec.causal, spec.exp2_fn()
     elem = DataType(dtype).bits // 8
-    acc = spec.grad_acc_dtype  # of the running dQ, dK, dV sums: float32 except in the rule-3 experiment
+    acc = spec.acc_storage  # of the running dQ, dK, dV sums: float32 except in the rule-3 experiment
     to_acc, from_acc = spec.to_acc, spec.from_acc
 
     # Stages of one (key tile, query tile) step, as macros: the naive two-pass variant of the

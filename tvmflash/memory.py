@@ -1,9 +1,12 @@
 """Peak memory of one forward+backward, measured in a fresh process.
 
 ``peak_added_mb(impl, seqlen)`` starts ``python -m tvmflash.memory``, which allocates the inputs
-and outputs (batch = heads = 1), warms the implementation up on a small slice, then reads the
-process's high-water mark (``VmHWM``) before and after one forward+backward at ``seqlen``. The
-difference is what the implementation itself needs on top of its inputs and outputs.
+and outputs (batch = heads = 1), warms the implementation up on a small slice, returns the free
+heap to the OS (``malloc_trim``), resets the process's high-water mark (``VmHWM``, by writing 5
+to ``/proc/self/clear_refs``) and reads it after one forward+backward at ``seqlen``. Its growth
+over the resident size before the call is what the implementation itself needs on top of its
+inputs and outputs. Without the reset, the peak left by compiling (hundreds of MB) would hide
+everything smaller.
 
 Implementations: ``tvmflash`` (fused kernels), ``standard`` (the unfused TE definitions, which
 store the N x N score/probability matrices) and ``sdpa_math`` (PyTorch's materializing backend).
@@ -18,9 +21,24 @@ import sys
 IMPLEMENTATIONS = ("tvmflash", "standard", "sdpa_math")
 
 
-def _high_water_mb() -> float:
+def _status_mb(field: str) -> float:
     with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith("VmHWM")) / 1024
+        return next(int(line.split()[1]) for line in f if line.startswith(field + ":")) / 1024
+
+
+def _reset_high_water() -> float:
+    """Give free heap pages back to the OS, reset VmHWM to VmRSS; returns that resident size."""
+    import ctypes
+    import gc
+
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: freed pages may stay resident (measures low)
+        pass
+    with open("/proc/self/clear_refs", "w") as f:  # Linux >= 4.0: "5" resets the peak RSS
+        f.write("5")
+    return _status_mb("VmRSS")
 
 
 def _run(impl: str, seqlen: int, head_dim: int, dtype: str, causal: bool) -> float:
@@ -53,9 +71,9 @@ def _run(impl: str, seqlen: int, head_dim: int, dtype: str, causal: bool) -> flo
         raise ValueError(f"unknown implementation {impl!r}: one of {IMPLEMENTATIONS}")
 
     step(min(seqlen, 128))  # compile/load, start thread pools
-    before = _high_water_mb()
+    before = _reset_high_water()
     step(seqlen)
-    return _high_water_mb() - before
+    return _status_mb("VmHWM") - before
 
 
 def peak_added_mb(impl: str, seqlen: int, head_dim: int = 64, dtype: str = "float32", causal: bool = False,

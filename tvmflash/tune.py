@@ -228,11 +228,12 @@ def load_index(directory: Path, base: llvm_schedules.LLVMConfig) -> list[dict]:
 
 
 def tuned_config(target: tvm.target.Target, params: compiler.KernelParams,
-                 base: llvm_schedules.LLVMConfig, seqlen: int = 2048):
+                 base: llvm_schedules.LLVMConfig, seqlen: int = 2048, verified_only: bool = True):
     """Best tuned config for these kernels (user logs first, then shipped), or None.
 
-    Per kernel: records of the nearest tuned sequence length (log scale), fastest first.
-    Returns (config, description of the records used).
+    Per kernel: records of the nearest tuned sequence length (log scale), fastest first; with
+    ``verified_only``, a record that the same-run comparison found no faster than the
+    hand-written schedule is skipped. Returns (config, description of the records used).
     """
     entries = []
     for root in (user_logs(), shipped_logs()):
@@ -254,6 +255,8 @@ def tuned_config(target: tvm.target.Target, params: compiler.KernelParams,
         if hand_written and entry["seconds"] > (1 - MIN_GAIN) * min(hand_written):
             continue  # not faster than the hand-written schedule beyond noise: keep it
         tuned = llvm_schedules.LLVMConfig.from_json(entry["config"])
+        if verified_only and not _confirmed(directory, kernel, tuned):
+            continue  # slower or no faster in the same-run check: keep the hand-written one
         config = replace(config, **{f"{kernel}_blocks": tuned.blocks(kernel),
                                     f"{kernel}_tiles": getattr(tuned, f"{kernel}_tiles")})
         used[kernel] = (f"{directory}: {kernel} blocks {entry['blocks'][0]}x{entry['blocks'][1]}, tuned at "
@@ -437,15 +440,25 @@ def tune(target, params: compiler.KernelParams, *, seqlen: int, batch: int, head
     return directory
 
 
-def compare_default_and_tuned(target, params, *, seqlen, batch, heads, heads_k, rounds=7) -> list[str]:
-    """Same-process, interleaved timing of the default and the tuned kernels on the workload."""
+VERIFIED = "verified.json"
+
+
+def compare_default_and_tuned(target, params, *, seqlen, batch, heads, heads_k, rounds=7,
+                              record_in: Path | None = None) -> list[str]:
+    """Same-process, interleaved timing of the default and the tuned kernels on the workload.
+
+    MetaSchedule measures each candidate once, in its own process, and on a noisy machine a
+    lucky measurement can win. This comparison is the arbiter: with ``record_in`` (a variant
+    directory) the speedups are written to ``verified.json`` there, and ``tuned_config`` only
+    uses a kernel's record where it was confirmed faster.
+    """
     import torch
 
     from .bench import median_times
 
     target = targets.resolve(target)
     base = llvm_schedules.default_config(target, params.head_dim, params.dtype, params.causal)
-    found = tuned_config(target, params, base, seqlen)
+    found = tuned_config(target, params, base, seqlen, verified_only=False)
     if found is None:
         return ["no tuned records found"]
     dtype = getattr(torch, params.dtype)
@@ -462,11 +475,36 @@ def compare_default_and_tuned(target, params, *, seqlen, batch, heads, heads_k, 
     times = median_times(calls, rounds)
     flops = Workload("forward", params, (64, 64), batch, heads, heads_k, seqlen).flops()
     lines = ["| kernel | default ms (GFLOP/s) | tuned ms (GFLOP/s) | speedup |", "|---|---|---|---|"]
+    speedups = {}
     for kernel, mult in (("forward", 1.0), ("backward", 2.5)):
         d, t = times[f"default/{kernel}"], times[f"tuned/{kernel}"]
+        speedups[kernel] = {"speedup": d / t, "seqlen": seqlen, "batch": batch, "heads": heads,
+                            "config": _kernel_knobs(found[0], kernel)}
         lines.append(f"| {kernel} | {d * 1e3:.2f} ({mult * flops / d / 1e9:.0f}) | "
                      f"{t * 1e3:.2f} ({mult * flops / t / 1e9:.0f}) | {d / t:.2f}x |")
+    if record_in is not None:
+        (record_in / VERIFIED).write_text(json.dumps(speedups, indent=1))
+        lines.append(f"(written to {record_in / VERIFIED}: compile() uses a tuned kernel only if >= "
+                     f"{1 + MIN_GAIN:.2f}x here)")
     return lines
+
+
+def _confirmed(directory: Path, kernel: str, config: llvm_schedules.LLVMConfig) -> bool:
+    """Whether the same-run comparison of ``compare_default_and_tuned`` confirmed this config."""
+    path = directory / VERIFIED
+    if not path.exists():
+        return True  # never verified (e.g. a user's fresh records): trust MetaSchedule
+    entry = json.loads(path.read_text()).get(kernel)
+    if entry is None:
+        return True
+    same = _kernel_knobs(config, kernel) == entry["config"]
+    return not same or entry["speedup"] >= 1 + MIN_GAIN
+
+
+def _kernel_knobs(config: llvm_schedules.LLVMConfig, kernel: str) -> dict:
+    """One kernel's tile sizes and register tiles, as plain JSON values."""
+    knobs = config.to_json()
+    return json.loads(json.dumps({f"{kernel}_{k}": knobs[f"{kernel}_{k}"] for k in ("blocks", "tiles")}))
 
 
 def main(argv=None) -> int:
@@ -490,6 +528,8 @@ def main(argv=None) -> int:
     parser.add_argument("--rpc-key", default=None, help="device key registered at the tracker")
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--verbose", action="store_true", help="MetaSchedule's own logs too")
+    parser.add_argument("--verify-only", action="store_true",
+                        help="no tuning: only the same-run default-vs-tuned comparison (writes verified.json)")
     args = parser.parse_args(argv)
     if args.target == "cuda":
         parser.error("tuning the CUDA kernels is not supported yet")
@@ -503,10 +543,12 @@ def main(argv=None) -> int:
           f"head_dim={args.head_dim} {args.dtype}{' causal' if args.causal else ''}, "
           f"B{args.batch} N{args.seqlen} H{args.heads}/{heads_k}: {args.trials} trials, log dir {log_dir}", flush=True)
     blocks = tuple(tuple(int(x) for x in b.split("x")) for b in args.blocks)
-    directory = tune(args.target, params, trials=args.trials, log_dir=log_dir, kernels_to_tune=args.kernels,
-                     blocks=blocks,
-                     rpc_tracker=args.rpc_tracker, rpc_key=args.rpc_key, seed=args.seed, verbose=args.verbose,
-                     **shape)
+    if args.verify_only:
+        directory = variant_dir(log_dir, targets.resolve(args.target), params)
+    else:
+        directory = tune(args.target, params, trials=args.trials, log_dir=log_dir, kernels_to_tune=args.kernels,
+                         blocks=blocks, rpc_tracker=args.rpc_tracker, rpc_key=args.rpc_key, seed=args.seed,
+                         verbose=args.verbose, **shape)
     print(f"records: {directory}")
     for entry in load_index(directory, llvm_schedules.default_config(
             targets.resolve(args.target), args.head_dim, args.dtype, args.causal)):
@@ -518,7 +560,7 @@ def main(argv=None) -> int:
                   f"(rows, vectors) {tiles}")
     if log_dir.resolve() not in (user_logs().resolve(), shipped_logs().resolve()):
         os.environ["TVMFLASH_TUNE_LOGS"] = str(log_dir)  # so that the comparison finds them
-    print("\n".join(compare_default_and_tuned(args.target, params, **shape)))
+    print("\n".join(compare_default_and_tuned(args.target, params, record_in=directory, **shape)))
     return 0
 
 
