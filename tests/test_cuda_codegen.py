@@ -23,7 +23,7 @@ import tvm
 import tvmflash
 from conftest import assert_matches_reference, random_inputs
 from tvmflash import compiler, kernels, kernels_cuda
-from tvmflash.checks import check_cuda_layout
+from tvmflash.checks import check_cuda_grid, check_cuda_layout
 from tvmflash.target import host_target
 
 
@@ -115,6 +115,9 @@ def test_cuda_kernels_reject_cpu_tensors_and_unaligned_inputs(gen):
     with pytest.raises(ValueError, match="multiples of 8"):
         check_cuda_layout(k=torch.zeros(1, 8, 2, 68, dtype=torch.float16)[..., :64])
     check_cuda_layout(q=q, k=k, v=v)  # contiguous tensors pass
+    check_cuda_grid(65535)
+    with pytest.raises(ValueError, match="split the batch"):
+        check_cuda_grid(65536)
 
 
 def test_deterministic_splits_bound_the_workspace():

@@ -60,6 +60,16 @@ def check_cuda_params(head_dim, dtype) -> None:
                          f"{CUDA_MAX_HEAD_DIM} (64 and 128 are the tested ones)")
 
 
+CUDA_MAX_GRID_Y = 65535
+
+
+def check_cuda_grid(batch_heads: int) -> None:
+    """The CUDA kernels put batch x heads on gridDim.y, which CUDA limits to 65535."""
+    if batch_heads > CUDA_MAX_GRID_Y:
+        raise ValueError(f"batch x heads = {batch_heads} is more than the CUDA kernels launch at once "
+                         f"({CUDA_MAX_GRID_Y}); split the batch")
+
+
 def check_cuda_layout(**tensors) -> None:
     """Inputs the CUDA kernels read with 16-byte vector loads: aligned start, strides of 8 elements."""
     for name, x in tensors.items():

@@ -30,7 +30,14 @@ from tvm import s_tir
 
 from . import __version__, attention_te, kernels, kernels_cuda
 from . import target as targets
-from .checks import check_backward_args, check_cuda_layout, check_cuda_params, check_forward_args, check_kernel_params
+from .checks import (
+    check_backward_args,
+    check_cuda_grid,
+    check_cuda_layout,
+    check_cuda_params,
+    check_forward_args,
+    check_kernel_params,
+)
 from .schedules import cuda as cuda_schedules
 from .schedules import llvm as llvm_schedules
 
@@ -124,9 +131,10 @@ class FlashKernels:
         return f"FlashKernels({targets.key(self.target)}, head_dim={self.head_dim}, {self.dtype}, {mask}{extra})"
 
     def forward(self, q, k, v, out, lse, softmax_scale: float | None = None) -> None:
-        check_forward_args(self, q, k, v, out, lse)
+        batch, _, heads, _ = check_forward_args(self, q, k, v, out, lse)
         if self.is_cuda:
             check_cuda_layout(q=q, k=k, v=v)
+            check_cuda_grid(batch * heads)
         self._fwd(q, k, v, out, lse, _scale(softmax_scale, self.head_dim))
 
     def backward(self, dout, q, k, v, out, lse, dq, dk, dv, softmax_scale: float | None = None) -> None:
@@ -137,6 +145,7 @@ class FlashKernels:
             self._bwd(dout, q, k, v, out, lse, dq, dk, dv, scale, splits)
             return
         check_cuda_layout(dout=dout, q=q, k=k, v=v)
+        check_cuda_grid(batch * heads_k)
         # FlashAttention-2's three launches (kernels_cuda.py): row statistics + zeroed fp32 dQ
         # accumulator, the fused backward, the dQ conversion. Workspace: O(N) fp32.
         key_tiles = -(-k.shape[1] // kernels_cuda.WARPS // kernels_cuda.ROWS_PER_WARP)
