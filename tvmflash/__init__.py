@@ -27,7 +27,7 @@ def _configure_tvm_threads() -> None:
 
 _configure_tvm_threads()
 
-from .compiler import FlashKernels, cache_dir, compile, load  # noqa: E402
+from .compiler import FlashKernels, cache_dir, compile, load, prebuild  # noqa: E402
 from .target import host_target  # noqa: E402
 
 
@@ -40,4 +40,4 @@ def __getattr__(name):
     raise AttributeError(name)
 
 
-__all__ = ["FlashKernels", "cache_dir", "compile", "flash_attn_func", "host_target", "load", "__version__"]
+__all__ = ["FlashKernels", "cache_dir", "compile", "flash_attn_func", "host_target", "load", "prebuild", "__version__"]

@@ -131,7 +131,7 @@ def _check_kernel_fit(kernels, q: TensorInfo, tensors: dict) -> None:
         raise TypeError(f"inputs are {q.dtype} but these kernels were compiled for {kernels.dtype}")
     if q.shape[3] != kernels.head_dim:
         raise ValueError(f"inputs have head_dim {q.shape[3]} but these kernels were compiled for {kernels.head_dim}")
-    wanted = "cpu" if kernels.target.kind.name == "llvm" else "cuda"
+    wanted = "cpu" if kernels.target_kind == "llvm" else "cuda"
     if _device_kind(q.device) != wanted:
         raise ValueError(f"these kernels run on {wanted} tensors, got tensors on {q.device}")
     for name, t in tensors.items():

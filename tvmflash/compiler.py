@@ -26,9 +26,9 @@ from pathlib import Path
 
 import tvm
 import tvm_ffi
-from tvm import s_tir
 
-from . import __version__, attention_te, kernels, kernels_cuda
+from . import __version__
+from . import schedules as _schedules_package
 from . import target as targets
 from .checks import (
     check_backward_args,
@@ -38,15 +38,17 @@ from .checks import (
     check_forward_args,
     check_kernel_params,
 )
-from .schedules import cuda as cuda_schedules
-from .schedules import llvm as llvm_schedules
 
 # The code that decides what gets compiled, per target kind: a change to any of it invalidates
-# the disk cache of that kind (editing the CUDA kernels does not rebuild the CPU ones).
-_SHARED_SOURCES = (Path(__file__), Path(kernels.__file__), Path(attention_te.__file__), Path(targets.__file__))
+# the disk cache of that kind (editing the CUDA kernels does not rebuild the CPU ones). Paths, not
+# imports: the code generators are only imported on a cache miss (build.py).
+_PACKAGE = Path(__file__).parent
+_SCHEDULES = Path(_schedules_package.__file__).parent
+_SHARED_SOURCES = tuple(_PACKAGE / name for name in ("compiler.py", "build.py", "kernels.py", "attention_te.py",
+                                                      "target.py"))
 _CODEGEN_SOURCES = {
-    "llvm": (*_SHARED_SOURCES, Path(llvm_schedules.__file__)),
-    "cuda": (*_SHARED_SOURCES, Path(kernels_cuda.__file__), Path(cuda_schedules.__file__)),
+    "llvm": (*_SHARED_SOURCES, _SCHEDULES / "llvm.py"),
+    "cuda": (*_SHARED_SOURCES, _PACKAGE / "kernels_cuda.py", _SCHEDULES / "cuda.py"),
 }
 _memory_cache: dict[tuple, FlashKernels] = {}
 _lock = threading.Lock()
@@ -112,23 +114,35 @@ class FlashKernels:
         self._module = module
         self._library = library  # the shared library this module was loaded from, if any
         self.meta = meta
-        self.target = tvm.target.Target(meta["target"])
+        self.target_kind = meta["target"]["kind"]
         self.head_dim = meta["head_dim"]
         self.dtype = meta["dtype"]
         self.causal = meta["causal"]
         self.deterministic = meta.get("deterministic", False)
-        self.is_cuda = self.target.kind.name == "cuda"
-        config_type = cuda_schedules.CUDAConfig if self.is_cuda else llvm_schedules.LLVMConfig
-        self.config = config_type.from_json(meta["config"])
+        self.is_cuda = self.target_kind == "cuda"
         self.tuning_record = meta.get("tuning_record")
         self._source = source_text
         self._fwd = module["flash_fwd"]
         self._bwd = module["flash_bwd"]
 
+    # target and config are parsed on demand: both need TVM's compiler library (or the schedule
+    # modules), and loading prebuilt kernels must work with TVM's runtime alone.
+    @property
+    def target(self) -> tvm.target.Target:
+        return tvm.target.Target(self.meta["target"])
+
+    @property
+    def config(self):
+        if self.is_cuda:
+            from .schedules.cuda import CUDAConfig as config_type
+        else:
+            from .schedules.llvm import LLVMConfig as config_type
+        return config_type.from_json(self.meta["config"])
+
     def __repr__(self):
         mask = "causal" if self.causal else "full"
         extra = ", deterministic" if self.deterministic else ""
-        return f"FlashKernels({targets.key(self.target)}, head_dim={self.head_dim}, {self.dtype}, {mask}{extra})"
+        return f"FlashKernels({targets.key(self.meta['target'])}, head_dim={self.head_dim}, {self.dtype}, {mask}{extra})"
 
     def forward(self, q, k, v, out, lse, softmax_scale: float | None = None) -> None:
         batch, _, heads, _ = check_forward_args(self, q, k, v, out, lse)
@@ -141,19 +155,19 @@ class FlashKernels:
         batch, seqlen_q, heads, heads_k = check_backward_args(self, dout, q, k, v, out, lse, dq, dk, dv)
         scale = _scale(softmax_scale, self.head_dim)
         if not self.is_cuda:
-            splits = backward_splits(batch, heads_k, k.shape[1], self.config.backward_blocks[1])
+            splits = backward_splits(batch, heads_k, k.shape[1], self.meta["config"]["backward_blocks"][1])
             self._bwd(dout, q, k, v, out, lse, dq, dk, dv, scale, splits)
             return
         check_cuda_layout(dout=dout, q=q, k=k, v=v)
         check_cuda_grid(batch * heads_k)
         # FlashAttention-2's three launches (kernels_cuda.py): row statistics + zeroed fp32 dQ
         # accumulator, the fused backward, the dQ conversion. Workspace: O(N) fp32.
-        key_tiles = -(-k.shape[1] // kernels_cuda.WARPS // kernels_cuda.ROWS_PER_WARP)
+        key_tiles = -(-k.shape[1] // CUDA_TILE)
         if self.deterministic:
             splits = partials = deterministic_splits(batch, heads_k, key_tiles)
         else:
             splits, partials = key_tiles, 1
-        stats = _workspace(dq, (batch, heads, 3, kernels_cuda.stats_rows(seqlen_q)))
+        stats = _workspace(dq, (batch, heads, 3, -(-seqlen_q // CUDA_TILE) * CUDA_TILE))
         dq_acc = _workspace(dq, (partials, batch, seqlen_q, heads, self.head_dim))
         self._module["flash_bwd_prep"](dout, out, lse, stats, dq_acc)
         self._bwd(dout, q, k, v, stats, dq_acc, dk, dv, scale, splits)
@@ -162,9 +176,6 @@ class FlashKernels:
     def export_library(self, path: str | os.PathLike) -> None:
         """Write the compiled module (a shared library) and its metadata (``path + '.json'``)."""
         path = Path(path)
-        if not _can_run(self.target):
-            raise RuntimeError("CUDA kernels built on a machine without a GPU driver (libcuda) are CUDA source "
-                               "only: source() has the code; export them on a machine with a GPU")
         if self._library is not None:  # loaded from a library: its code is that file
             shutil.copyfile(self._library, path)
         else:
@@ -181,6 +192,11 @@ class FlashKernels:
 
 def _scale(softmax_scale, head_dim: int) -> float:
     return 1.0 / math.sqrt(head_dim) if softmax_scale is None else float(softmax_scale)
+
+
+# Query and key rows per thread block of the CUDA kernels (kernels_cuda: WARPS x ROWS_PER_WARP;
+# build.py checks that they agree).
+CUDA_TILE = 64
 
 
 def deterministic_splits(batch: int, heads_k: int, key_tiles: int) -> int:
@@ -218,106 +234,30 @@ def load(path: str | os.PathLike) -> FlashKernels:
     if not meta_path.exists():
         raise FileNotFoundError(f"{meta_path} (written by export_library next to the library) is missing")
     meta = json.loads(meta_path.read_text())
+    if meta["target"]["kind"] == "cuda":
+        _load_cuda_runtime()
     return FlashKernels(tvm.runtime.load_module(str(path)), meta, library=path)
 
 
-def kernel_spec(params: KernelParams, config, kernel: str, **variant) -> kernels.KernelSpec:
-    return kernels.KernelSpec(params.head_dim, params.dtype, params.causal, *config.blocks(kernel), **variant)
+def _load_cuda_runtime() -> None:
+    """TVM loads its CUDA runtime library while registering its CUDA backend, which in runtime-only
+    mode can fail before it gets there; loading a CUDA module needs the library's loader."""
+    if tvm_ffi.get_global_func("ffi.Module.load_from_bytes.cuda", allow_missing=True) is not None:
+        return
+    import ctypes
 
-
-def scheduled_kernel(params: KernelParams, config, kernel: str, **variant) -> tvm.tirx.PrimFunc:
-    """One fused CPU kernel ("forward" or "backward") with the hand-written schedule applied."""
-    build = kernels.fused_forward if kernel == "forward" else kernels.fused_backward
-    sch = s_tir.Schedule(build(kernel_spec(params, config, kernel, **variant)))
-    return llvm_schedules.SCHEDULES[kernel](sch, config).mod["main"]
-
-
-def build_module(target: tvm.target.Target, params: KernelParams, config, **variant) -> tvm.runtime.Module:
-    """Schedule and compile both fused kernels into one module (no caching).
-
-    ``variant``: the experiment knobs of ``kernels.KernelSpec`` (lse_dtype, recompute,
-    grad_acc_dtype); empty for the real kernels.
-    """
-    if target.kind.name == "cuda":
-        return build_cuda_module(target, params, config)
-    mod = tvm.IRModule({
-        "flash_fwd": scheduled_kernel(params, config, "forward", **variant),
-        "flash_bwd": scheduled_kernel(params, config, "backward", **variant),
-    })
-    return tvm.compile(mod, target=target)
-
-
-# --- CUDA ---------------------------------------------------------------------------------
-@tvm.transform.module_pass(opt_level=0, name="tvmflash.LowerAllWarpMemory")
-def _lower_all_warp_memory(mod, _ctx):
-    """TVM 0.27's LowerWarpMemory lowers only the first warp buffer of each statement list
-    (DEVELOPING.md); the fragments of our kernels are many. Repeat it to a fixed point."""
-    for _ in range(256):
-        lowered = tvm.tirx.transform.LowerWarpMemory()(mod)
-        if tvm_ffi.structural_equal(lowered, mod):
-            return lowered
-        mod = lowered
-    raise RuntimeError("LowerWarpMemory did not reach a fixed point")
-
-
-def _cuda_pipeline():
-    """TVM's default s_tir pipeline with the repeated warp-memory lowering on the device side."""
-    from tvm.s_tir import pipeline as s_tir_pipeline
-
-    main, host, _ = s_tir_pipeline.default_s_tir_pipeline()
-
-    def device():
-        return tvm.ir.transform.Sequential([
-            _lower_all_warp_memory, tvm.tirx.transform.StmtSimplify(), tvm.tirx.transform.LowerIntrin()])
-
-    return main, host, device
-
-
-_CUDA_PIPELINE = "tvmflash_cuda"
-# CSE would hoist parts of the fragment index arithmetic into lets, and TVM's explicit unrolling
-# leaves index expressions (truncdiv with constant offsets) that LowerWarpMemory cannot map to a
-# lane; "#pragma unroll" loops keep both intact, and nvcc unrolls them all the same.
-_CUDA_PASS_CONFIG = {"tirx.disable_cse_tir": True, "tirx.UnrollLoop": {"explicit_unroll": False}}
-
-
-def cuda_kernels(params: KernelParams, config) -> tvm.IRModule:
-    """The four CUDA kernels (forward; backward pre-pass, main, dQ conversion), scheduled."""
-    spec = kernels.KernelSpec(params.head_dim, params.dtype, params.causal, kernels_cuda.WARPS * 16,
-                              config.block_k, exp2="intrinsic")
-    mod = tvm.IRModule({
-        "flash_fwd": kernels_cuda.cuda_forward(spec),
-        "flash_bwd_prep": kernels_cuda.cuda_backward_prep(params.head_dim, params.dtype),
-        "flash_bwd": kernels_cuda.cuda_backward(spec, atomic_dq=not params.deterministic),
-        "flash_bwd_dq": kernels_cuda.cuda_backward_dq(params.head_dim, params.dtype),
-    })
-    sch = s_tir.Schedule(mod, enable_check=False)  # the tensorized fragments defeat TVM's checks
-    for name, apply in (("flash_fwd", lambda: cuda_schedules.schedule_forward(sch, config, params.dtype,
-                                                                              kernels_cuda.WARPS)),
-                        ("flash_bwd", lambda: cuda_schedules.schedule_backward(sch, config, params.dtype,
-                                                                               kernels_cuda.WARPS)),
-                        ("flash_bwd_prep", lambda: cuda_schedules.schedule_backward_prep(sch)),
-                        ("flash_bwd_dq", lambda: cuda_schedules.schedule_backward_dq(sch))):
-        sch.work_on(name)
-        apply()
-    return sch.mod
-
-
-def build_cuda_module(target: tvm.target.Target, params: KernelParams, config) -> tvm.runtime.Module:
-    from tvm.tirx import compilation_pipeline
-
-    compilation_pipeline.PIPELINE_MAP.setdefault(_CUDA_PIPELINE, _cuda_pipeline)
-    with tvm.transform.PassContext(config=_CUDA_PASS_CONFIG):
-        return tvm.compile(cuda_kernels(params, config), target=target, tir_pipeline=_CUDA_PIPELINE)
-
-
-def _module_source(target: tvm.target.Target, lib: tvm.runtime.Module) -> str:
-    if target.kind.name == "cuda":
-        return lib.mod.imports[0].inspect_source()
-    return lib.mod.inspect_source("ll")
+    library = Path(tvm.__file__).parent / "lib" / "libtvm_runtime_cuda.so"
+    try:
+        ctypes.CDLL(str(library), mode=ctypes.RTLD_GLOBAL)
+    except OSError as err:
+        raise RuntimeError(f"cannot load TVM's CUDA runtime ({library}): {err}; a GPU driver (libcuda) and "
+                           "libcudart.so.13 must be loadable") from err
 
 
 def _can_run(target: tvm.target.Target) -> bool:
-    """CUDA modules are only real (exportable, runnable) where a GPU driver is present."""
+    """CUDA modules load back only where a GPU driver is present (elsewhere TVM builds a module
+    that holds the CUDA source: it exports, for a GPU machine to compile at load, but the disk
+    cache could not load it here)."""
     return target.kind.name != "cuda" or tvm.cuda(0).exist
 
 
@@ -326,14 +266,16 @@ def compile_variant(head_dim: int = 64, dtype: str = "float32", causal: bool = F
 
     Built for this CPU with the default schedule, in this process only (never cached on disk).
     """
+    from . import build
+
     target = targets.host_target()
     params = KernelParams(head_dim, dtype, causal)
-    config = llvm_schedules.default_config(target, head_dim, dtype, causal)
+    config = build.default_config(target, params)
     meta = {"target": json.loads(str(target)), **params.__dict__, "config": config.to_json(),
             "tuning_record": None, "variant": variant}
     _progress(f"compiling an experiment variant {variant} ...")
-    lib = build_module(target, params, config, **variant)
-    return FlashKernels(lib, meta, lib.mod.inspect_source("ll"))
+    lib = build.build_module(target, params, config, **variant)
+    return FlashKernels(lib, meta, build.module_source(target, lib))
 
 
 def compile(  # noqa: A001 - the public name the API promises
@@ -362,6 +304,9 @@ def compile(  # noqa: A001 - the public name the API promises
     ``deterministic``: CUDA backward without atomic adds (bitwise reproducible dQ, somewhat
     slower); the CPU kernels are always deterministic, so it changes nothing there.
     """
+    prebuilt = _find_prebuilt(target, head_dim, dtype, causal, deterministic)
+    if prebuilt is not None:
+        return prebuilt
     target = targets.resolve(target)
     check_kernel_params(head_dim, dtype)
     is_cuda = target.kind.name == "cuda"
@@ -369,11 +314,11 @@ def compile(  # noqa: A001 - the public name the API promises
         check_cuda_params(head_dim, dtype)
     params = KernelParams(int(head_dim), str(dtype), bool(causal), bool(deterministic) and is_cuda)
     record = None
-    if config is None and is_cuda:
-        config = cuda_schedules.default_config()
-    elif config is None:
-        config = llvm_schedules.default_config(target, params.head_dim, params.dtype, params.causal)
-        if tuned:
+    if config is None:
+        from . import build
+
+        config = build.default_config(target, params)
+        if tuned and not is_cuda:
             from . import tune
 
             found = tune.tuned_config(target, params, config, seqlen or 2048)
@@ -389,7 +334,7 @@ def compile(  # noqa: A001 - the public name the API promises
     }
     if not cache:
         return _build(target, params, config, meta)
-    if not _can_run(target):  # a CUDA source module (no GPU here): cannot be exported, memo only
+    if not _can_run(target):  # a CUDA source module (no GPU here): memo only
         with _lock:
             found = _memory_cache.get((key, None))
         if found is None:
@@ -409,13 +354,70 @@ def compile(  # noqa: A001 - the public name the API promises
     return kernels_obj
 
 
+# --- prebuilt kernels: built on one machine, loaded on another with TVM's runtime alone ---------
+def prebuild(directory, target="cuda", head_dims=(64, 128), dtypes=("float16", "bfloat16"),
+             causal=(False, True), deterministic=(False,)) -> list[Path]:
+    """Compile and export every combination into ``directory`` (``<target>-d<D>-<dtype>...so``).
+
+    Point ``$TVMFLASH_PREBUILT`` at the directory and ``compile()`` (hence the torch op) loads
+    matching kernels from it before trying to compile: a machine without TVM's compiler library
+    (``TVM_USE_RUNTIME_LIB=1``, or a runtime-only TVM) can then run them. CUDA kernels built on a
+    machine without a GPU hold their CUDA source; TVM compiles it (NVRTC or nvcc) when they load.
+    """
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    written = []
+    for head_dim in head_dims:
+        for dtype in dtypes:
+            for mask in causal:
+                for det in deterministic:
+                    kern = compile(target, head_dim=head_dim, dtype=dtype, causal=mask, deterministic=det)
+                    name = (f"{targets.key(kern.meta['target'])}-d{head_dim}-{dtype}" + ("-causal" if mask else "")
+                            + ("-deterministic" if kern.deterministic else "") + ".so")
+                    kern.export_library(directory / name)
+                    written.append(directory / name)
+    return written
+
+
+_prebuilt_cache: dict[tuple, FlashKernels] = {}
+
+
+def _find_prebuilt(target, head_dim, dtype, causal, deterministic) -> FlashKernels | None:
+    """Kernels from ``$TVMFLASH_PREBUILT`` matching the target kind (and CUDA arch, if given)."""
+    directory = os.environ.get("TVMFLASH_PREBUILT")
+    if not directory:
+        return None
+    if isinstance(target, str):
+        kind, arch = ("llvm" if target == "cpu" else target), None
+    elif isinstance(target, dict):
+        kind, arch = target.get("kind"), target.get("arch")
+    else:
+        kind, arch = target.kind.name, target.attrs.get("arch")
+    wanted = (kind, arch, int(head_dim), str(dtype), bool(causal), bool(deterministic) and kind == "cuda")
+    with _lock:
+        if wanted in _prebuilt_cache:
+            return _prebuilt_cache[wanted]
+    for meta_path in sorted(Path(directory).glob("*.so.json")):
+        meta = json.loads(meta_path.read_text())
+        have = (meta["target"]["kind"], arch and meta["target"].get("arch"), meta["head_dim"], meta["dtype"],
+                meta["causal"], meta.get("deterministic", False))
+        if have == wanted:
+            found = load(meta_path.with_suffix(""))
+            with _lock:
+                _prebuilt_cache[wanted] = found
+            return found
+    return None
+
+
 def _build(target, params: KernelParams, config, meta: dict) -> FlashKernels:
     desc = f"{targets.key(target)}, head_dim={params.head_dim}, {params.dtype}" + (
         ", causal" if params.causal else "") + (", deterministic" if params.deterministic else "")
     _progress(f"compiling flash attention forward+backward ({desc}) ...")
     start = time.perf_counter()
-    lib = build_module(target, params, config)
-    source_text = _module_source(target, lib)
+    from . import build
+
+    lib = build.build_module(target, params, config)
+    source_text = build.module_source(target, lib)
     _progress(f"compiled in {time.perf_counter() - start:.1f} s")
     return FlashKernels(lib, meta, source_text)
 
@@ -471,6 +473,8 @@ class StandardAttention:
         check_backward_args(self, dout, q, k, v, out, lse, dq, dk, dv)
         self._module["standard_bwd"](dout, q, k, v, out, lse, dq, dk, dv, _scale(softmax_scale, self.head_dim))
 
+    target_kind = "llvm"
+
     @property
     def target(self):
         return targets.host_target()
@@ -484,11 +488,7 @@ def compile_standard(head_dim: int = 64, dtype: str = "float32", causal: bool = 
     check_kernel_params(head_dim, dtype)
     key = (int(head_dim), str(dtype), bool(causal))
     if key not in _standard_cache:
-        fwd = attention_te.standard_forward(*key)
-        bwd = attention_te.standard_backward(*key)
-        mod = tvm.IRModule({
-            "standard_fwd": llvm_schedules.schedule_standard(s_tir.Schedule(fwd)).mod["main"],
-            "standard_bwd": llvm_schedules.schedule_standard(s_tir.Schedule(bwd)).mod["main"],
-        })
-        _standard_cache[key] = StandardAttention(tvm.compile(mod, target=targets.host_target()), *key)
+        from . import build
+
+        _standard_cache[key] = StandardAttention(build.build_standard(*key), *key)
     return _standard_cache[key]

@@ -57,8 +57,10 @@ def resolve(target) -> tvm.target.Target:
     raise ValueError(f"unsupported target kind {kind!r}: tvmflash compiles for 'llvm' and 'cuda'")
 
 
-def key(target: tvm.target.Target) -> str:
-    """Short, file-name-safe name of a target: 'llvm-emeraldrapids', 'cuda-sm_90'."""
-    if target.kind.name == "llvm":
-        return f"llvm-{target.attrs.get('mcpu', 'generic')}"
-    return f"{target.kind.name}-{target.attrs.get('arch', 'unknown')}"
+def key(target) -> str:
+    """Short, file-name-safe name of a target (a Target or its JSON dict): 'llvm-emeraldrapids',
+    'cuda-sm_90'."""
+    kind, attrs = (target["kind"], target) if isinstance(target, dict) else (target.kind.name, target.attrs)
+    if kind == "llvm":
+        return f"llvm-{attrs.get('mcpu', 'generic')}"
+    return f"{kind}-{attrs.get('arch', 'unknown')}"

@@ -1,0 +1,98 @@
+"""Prepare everything `benchmarks/gpu_check.py` needs on a GPU machine that has no TVM.
+
+    python benchmarks/gpu_bundle.py [--out .gpu_bundle] [--arch sm_90]
+
+The project's GPU machines carry PyTorch and CUDA but neither TVM nor network access, and TVM's
+wheel (100 MB, mostly its LLVM-based compiler library) is larger than what may travel with the
+working tree (64 MiB). The kernels do not need the compiler to run: this script
+
+1. compiles and exports the CUDA kernels gpu_check uses (fp16/bf16, head dim 64/128, causal or
+   not, atomic and deterministic backward) with ``tvmflash.prebuild``; without a GPU here they
+   hold their CUDA source, which TVM compiles (nvcc or NVRTC) when they load there;
+2. packs TVM's Python package without ``libtvm_compiler.so`` (TVM then runs in its runtime-only
+   mode) and downloads the tvm-ffi wheel for the GPU machine's Python (3.12);
+3. writes ``run.sh``, which unpacks both into /tmp, installs tvmflash beside them and runs
+   gpu_check with ``TVMFLASH_PREBUILT`` pointing at the kernels:
+
+    device run: bash .gpu_bundle/run.sh --out-dir $OUT        (carry: [".gpu_bundle"])
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+import tvm
+import tvm_ffi
+
+import tvmflash
+
+ROOT = Path(__file__).resolve().parents[1]
+RUN_SH = """#!/usr/bin/env bash
+# Runs benchmarks/gpu_check.py on a machine with a GPU, python3 + torch, and no TVM. From the repo root.
+set -euo pipefail
+bundle=$(cd "$(dirname "$0")" && pwd)
+site=/tmp/tvmflash_site
+rm -rf "$site" && mkdir -p "$site"
+tar -xJf "$bundle/tvm_runtime.tar.xz" -C "$site"
+python3 -m pip install -q --no-index --no-deps --no-compile --target "$site" "$bundle"/wheels/*.whl
+cp -r tvmflash "$site/" && cp -r schedules "$site/tvmflash/schedules" && cp -r tune_logs "$site/tvmflash/tune_logs"
+export PYTHONPATH="$site" TVM_USE_RUNTIME_LIB=1 TVMFLASH_PREBUILT="$bundle/kernels" PYTHONUNBUFFERED=1
+export TVM_CUDA_COMPILE_MODE="${TVM_CUDA_COMPILE_MODE:-nvcc}"  # nvcc 13 is what was seen working there
+# TVM's CUDA runtime library links libcudart.so.13: the toolkit's, or the one PyTorch's wheels carry.
+cuda_libs=$(python3 -c 'import glob, site; print(":".join(glob.glob(site.getsitepackages()[0] + "/nvidia/*/lib")))')
+export LD_LIBRARY_PATH="/usr/local/cuda/lib64:${cuda_libs}:${LD_LIBRARY_PATH:-}"
+python3 -c 'import tvm, tvm_ffi
+assert tvm_ffi.get_global_func("ffi.Module.load_from_bytes.cuda", allow_missing=True), "TVM CUDA runtime not loaded"
+print("tvm", tvm.__version__, "runtime only:", tvm.base._RUNTIME_ONLY, "cuda device:", tvm.cuda(0).exist)'
+exec python3 benchmarks/gpu_check.py "$@"
+"""
+
+
+def pack_tvm_runtime(path: Path) -> None:
+    """TVM's Python package minus its compiler library (and bytecode caches)."""
+    package = Path(tvm.__file__).parent
+
+    def keep(info: tarfile.TarInfo):
+        name = info.name
+        return None if name.endswith("libtvm_compiler.so") or "__pycache__" in name else info
+
+    with tarfile.open(path, "w:xz", preset=6) as tar:
+        tar.add(package, arcname="tvm", filter=keep)
+
+
+def download_tvm_ffi(directory: Path, python_version: str) -> None:
+    directory.mkdir(parents=True, exist_ok=True)
+    platforms = [f"--platform=manylinux_2_{n}_x86_64" for n in (17, 24, 27, 28)] + ["--platform=manylinux2014_x86_64"]
+    subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
+                    f"--python-version={python_version}", "--implementation=cp", *platforms, "-d", str(directory),
+                    f"apache-tvm-ffi=={tvm_ffi.__version__}"], check=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, default=ROOT / ".gpu_bundle")
+    parser.add_argument("--arch", default="sm_90")
+    parser.add_argument("--python-version", default="3.12", help="of the GPU machine's python3")
+    args = parser.parse_args()
+    out = args.out
+    out.mkdir(parents=True, exist_ok=True)
+    print(f"exporting the CUDA kernels for {args.arch} ...", flush=True)
+    target = {"kind": "cuda", "arch": args.arch}
+    kernels = tvmflash.prebuild(out / "kernels", target, deterministic=(False,))
+    kernels += tvmflash.prebuild(out / "kernels", target, dtypes=("bfloat16",), causal=(False,), deterministic=(True,))
+    print(f"packing TVM's runtime ({tvm.__version__}, without the compiler library) ...", flush=True)
+    pack_tvm_runtime(out / "tvm_runtime.tar.xz")
+    print(f"downloading apache-tvm-ffi {tvm_ffi.__version__} for Python {args.python_version} ...", flush=True)
+    download_tvm_ffi(out / "wheels", args.python_version)
+    (out / "run.sh").write_text(RUN_SH)
+    size = sum(p.stat().st_size for p in out.rglob("*") if p.is_file())
+    print(f"{out}: {len(kernels)} kernel libraries, {size / 2**20:.1f} MiB in all (the limit is 64 MiB)")
+    print(f"on the GPU machine: bash {out.relative_to(ROOT) if out.is_relative_to(ROOT) else out}/run.sh --out-dir $OUT")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,55 @@
+"""Prebuilt kernels: compiled and exported here, loaded by a process that has TVM's runtime only."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import tvmflash
+
+RUNTIME_ONLY_CHECK = r"""
+import sys, torch, tvm
+from tvm import base
+assert base._RUNTIME_ONLY, "TVM's compiler library was loaded"
+sys.path.insert(0, sys.argv[1])
+from conftest import reference_attention
+from tvmflash import flash_attn_func
+g = torch.Generator().manual_seed(int(sys.argv[2]))
+q, k, v = (torch.randn(1, n, h, 32, generator=g).requires_grad_() for n, h in ((70, 4), (90, 2), (90, 2)))
+out = flash_attn_func(q, k, v, causal=True)
+dout = torch.randn(out.shape, generator=g)
+grads = torch.autograd.grad(out, (q, k, v), dout)
+leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
+ref, _ = reference_attention(*leaves, True)
+ref_grads = torch.autograd.grad(ref, leaves, dout.double())
+errors = [(out.double() - ref).abs().max().item()] + [(a.double() - b).abs().max().item()
+                                                      for a, b in zip(grads, ref_grads)]
+assert max(errors) < 1e-5, errors
+assert not {"tvmflash.build", "tvmflash.kernels", "tvmflash.kernels_cuda"} & set(sys.modules)
+print("ok", errors)
+"""
+
+
+def test_prebuilt_cpu_kernels_run_with_the_tvm_runtime_alone(tmp_path, seed):
+    written = tvmflash.prebuild(tmp_path, "llvm", head_dims=(32,), dtypes=("float32",), causal=(True,))
+    assert [p.name for p in written] == [f"{written[0].name.split('-d32')[0]}-d32-float32-causal.so"]
+    env = dict(os.environ, TVM_USE_RUNTIME_LIB="1", TVMFLASH_PREBUILT=str(tmp_path))
+    run = subprocess.run([sys.executable, "-c", RUNTIME_ONLY_CHECK, str(Path(__file__).parent), str(seed)],
+                         env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout + run.stderr[-3000:]
+    assert "ok" in run.stdout
+
+
+def test_cuda_kernels_export_for_a_gpu_machine(tmp_path):
+    """Without a GPU TVM keeps the CUDA source in the module; it exports (and compiles at load)."""
+    written = tvmflash.prebuild(tmp_path, {"kind": "cuda", "arch": "sm_90"}, head_dims=(64,), dtypes=("float16",),
+                                causal=(False,), deterministic=(False, True))
+    assert [p.name for p in written] == ["cuda-sm_90-d64-float16.so", "cuda-sm_90-d64-float16-deterministic.so"]
+    for path in written:
+        meta = json.loads(Path(str(path) + ".json").read_text())
+        assert meta["target"]["kind"] == "cuda" and meta["target"]["arch"] == "sm_90" and meta["head_dim"] == 64
+        assert path.stat().st_size > 10_000
+    assert json.loads(Path(str(written[1]) + ".json").read_text())["deterministic"] is True

@@ -1,0 +1,133 @@
+"""Code generation: the kernels of ``kernels.py`` / ``kernels_cuda.py`` with the schedules of
+``schedules/`` lowered into TVM modules. The only part of tvmflash that needs TVM's compiler
+(TVMScript, TE, schedules, LLVM, CUDA codegen); ``compiler.py`` imports it on a cache miss, so
+cached, exported or prebuilt kernels load with TVM's runtime alone.
+"""
+
+from __future__ import annotations
+
+import tvm
+import tvm_ffi
+from tvm import s_tir
+
+from . import attention_te, kernels, kernels_cuda
+from . import target as targets
+from .schedules import cuda as cuda_schedules
+from .schedules import llvm as llvm_schedules
+
+
+def default_config(target: tvm.target.Target, params):
+    if target.kind.name == "cuda":
+        return cuda_schedules.default_config()
+    return llvm_schedules.default_config(target, params.head_dim, params.dtype, params.causal)
+
+
+def kernel_spec(params, config, kernel: str, **variant) -> kernels.KernelSpec:
+    return kernels.KernelSpec(params.head_dim, params.dtype, params.causal, *config.blocks(kernel), **variant)
+
+
+def scheduled_kernel(params, config, kernel: str, **variant) -> tvm.tirx.PrimFunc:
+    """One fused CPU kernel ("forward" or "backward") with the hand-written schedule applied."""
+    build = kernels.fused_forward if kernel == "forward" else kernels.fused_backward
+    sch = s_tir.Schedule(build(kernel_spec(params, config, kernel, **variant)))
+    return llvm_schedules.SCHEDULES[kernel](sch, config).mod["main"]
+
+
+def build_module(target: tvm.target.Target, params, config, **variant) -> tvm.runtime.Module:
+    """Schedule and compile both fused kernels into one module (no caching).
+
+    ``variant``: the experiment knobs of ``kernels.KernelSpec`` (lse_dtype, recompute,
+    grad_acc_dtype); empty for the real kernels.
+    """
+    if target.kind.name == "cuda":
+        return build_cuda_module(target, params, config)
+    mod = tvm.IRModule({
+        "flash_fwd": scheduled_kernel(params, config, "forward", **variant),
+        "flash_bwd": scheduled_kernel(params, config, "backward", **variant),
+    })
+    return tvm.compile(mod, target=target)
+
+
+# --- CUDA ---------------------------------------------------------------------------------
+@tvm.transform.module_pass(opt_level=0, name="tvmflash.LowerAllWarpMemory")
+def _lower_all_warp_memory(mod, _ctx):
+    """TVM 0.27's LowerWarpMemory lowers only the first warp buffer of each statement list
+    (DEVELOPING.md); the fragments of our kernels are many. Repeat it to a fixed point."""
+    for _ in range(256):
+        lowered = tvm.tirx.transform.LowerWarpMemory()(mod)
+        if tvm_ffi.structural_equal(lowered, mod):
+            return lowered
+        mod = lowered
+    raise RuntimeError("LowerWarpMemory did not reach a fixed point")
+
+
+def _cuda_pipeline():
+    """TVM's default s_tir pipeline with the repeated warp-memory lowering on the device side."""
+    from tvm.s_tir import pipeline as s_tir_pipeline
+
+    main, host, _ = s_tir_pipeline.default_s_tir_pipeline()
+
+    def device():
+        return tvm.ir.transform.Sequential([
+            _lower_all_warp_memory, tvm.tirx.transform.StmtSimplify(), tvm.tirx.transform.LowerIntrin()])
+
+    return main, host, device
+
+
+_CUDA_PIPELINE = "tvmflash_cuda"
+# CSE would hoist parts of the fragment index arithmetic into lets, and TVM's explicit unrolling
+# leaves index expressions (truncdiv with constant offsets) that LowerWarpMemory cannot map to a
+# lane; "#pragma unroll" loops keep both intact, and nvcc unrolls them all the same.
+_CUDA_PASS_CONFIG = {"tirx.disable_cse_tir": True, "tirx.UnrollLoop": {"explicit_unroll": False}}
+
+
+def cuda_kernels(params, config) -> tvm.IRModule:
+    """The four CUDA kernels (forward; backward pre-pass, main, dQ conversion), scheduled."""
+    from .compiler import CUDA_TILE
+
+    assert kernels_cuda.WARPS * kernels_cuda.ROWS_PER_WARP == CUDA_TILE == config.block_k
+    spec = kernels.KernelSpec(params.head_dim, params.dtype, params.causal, kernels_cuda.WARPS * 16,
+                              config.block_k, exp2="intrinsic")
+    mod = tvm.IRModule({
+        "flash_fwd": kernels_cuda.cuda_forward(spec),
+        "flash_bwd_prep": kernels_cuda.cuda_backward_prep(params.head_dim, params.dtype),
+        "flash_bwd": kernels_cuda.cuda_backward(spec, atomic_dq=not params.deterministic),
+        "flash_bwd_dq": kernels_cuda.cuda_backward_dq(params.head_dim, params.dtype),
+    })
+    sch = s_tir.Schedule(mod, enable_check=False)  # the tensorized fragments defeat TVM's checks
+    for name, apply in (("flash_fwd", lambda: cuda_schedules.schedule_forward(sch, config, params.dtype,
+                                                                              kernels_cuda.WARPS)),
+                        ("flash_bwd", lambda: cuda_schedules.schedule_backward(sch, config, params.dtype,
+                                                                               kernels_cuda.WARPS)),
+                        ("flash_bwd_prep", lambda: cuda_schedules.schedule_backward_prep(sch)),
+                        ("flash_bwd_dq", lambda: cuda_schedules.schedule_backward_dq(sch))):
+        sch.work_on(name)
+        apply()
+    return sch.mod
+
+
+def build_cuda_module(target: tvm.target.Target, params, config) -> tvm.runtime.Module:
+    from tvm.tirx import compilation_pipeline
+
+    compilation_pipeline.PIPELINE_MAP.setdefault(_CUDA_PIPELINE, _cuda_pipeline)
+    with tvm.transform.PassContext(config=_CUDA_PASS_CONFIG):
+        return tvm.compile(cuda_kernels(params, config), target=target, tir_pipeline=_CUDA_PIPELINE)
+
+
+def module_source(target: tvm.target.Target, lib: tvm.runtime.Module) -> str:
+    if target.kind.name == "cuda":
+        return lib.mod.imports[0].inspect_source()
+    return lib.mod.inspect_source("ll")
+
+
+
+
+def build_standard(head_dim: int, dtype: str, causal: bool) -> tvm.runtime.Module:
+    """The unfused TE forward and backward, compiled as they are for this CPU."""
+    fwd = attention_te.standard_forward(head_dim, dtype, causal)
+    bwd = attention_te.standard_backward(head_dim, dtype, causal)
+    mod = tvm.IRModule({
+        "standard_fwd": llvm_schedules.schedule_standard(s_tir.Schedule(fwd)).mod["main"],
+        "standard_bwd": llvm_schedules.schedule_standard(s_tir.Schedule(bwd)).mod["main"],
+    })
+    return tvm.compile(mod, target=targets.host_target())
