@@ -95,6 +95,8 @@ def test_cuda_parameter_errors():
     for head_dim in (72, 256):
         with pytest.raises(ValueError, match="multiple of 16 up to 128"):
             tvmflash.compile("cuda", head_dim=head_dim, dtype="float16")
+    with pytest.raises(ValueError, match="sm_80 or newer"):
+        tvmflash.compile({"kind": "cuda", "arch": "sm_75"}, head_dim=64, dtype="float16")
 
 
 def test_cuda_kernels_reject_cpu_tensors_and_unaligned_inputs(gen):

@@ -50,8 +50,13 @@ CUDA_MAX_HEAD_DIM = 128
 CUDA_VECTOR_ELEMENTS = 8  # 16-byte copies of fp16/bf16
 
 
-def check_cuda_params(head_dim, dtype) -> None:
-    """The CUDA kernels run on tensor cores: 16-bit inputs, 16 x 16 fragments along head_dim."""
+def check_cuda_params(head_dim, dtype, arch: str = "sm_90") -> None:
+    """The CUDA kernels run on tensor cores: 16-bit inputs, 16 x 16 fragments along head_dim, and
+    the mma.m16n8k16 / ldmatrix instructions of sm_80 and newer."""
+    digits = "".join(ch for ch in str(arch) if ch.isdigit())
+    if not digits or int(digits) < 80:
+        raise ValueError(f"CUDA arch {arch!r} is not supported: the kernels need sm_80 or newer "
+                         "(Ampere, Ada, Hopper tensor cores)")
     if str(dtype) not in CUDA_DTYPES:
         raise TypeError(f"dtype {dtype!r} is not supported on CUDA: the kernels use tensor cores, "
                         f"use float16 or bfloat16 (float32 runs on the CPU target)")

@@ -311,7 +311,7 @@ def compile(  # noqa: A001 - the public name the API promises
     check_kernel_params(head_dim, dtype)
     is_cuda = target.kind.name == "cuda"
     if is_cuda:
-        check_cuda_params(head_dim, dtype)
+        check_cuda_params(head_dim, dtype, target.attrs.get("arch", "sm_90"))
     params = KernelParams(int(head_dim), str(dtype), bool(causal), bool(deterministic) and is_cuda)
     record = None
     if config is None:

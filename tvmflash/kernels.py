@@ -299,7 +299,6 @@ def fused_backward(spec: KernelSpec) -> tirx.PrimFunc:
     that run in parallel; each split owns an fp32 dQ partial (rule 3, no races).
     """
     D, Br, Bc, dtype = spec.head_dim, spec.block_q, spec.block_k, spec.dtype
-    causal, exp2_ = spec.causal, spec.exp2_fn()
     elem = DataType(dtype).bits // 8
     acc = spec.acc_storage  # of the running dQ, dK, dV sums: float32 except in the rule-3 experiment
     to_acc, from_acc = spec.to_acc, spec.from_acc
