@@ -441,6 +441,9 @@ def tune(target, params: compiler.KernelParams, *, seqlen: int, batch: int, head
 
 
 VERIFIED = "verified.json"
+# ... and, in the same-run check, at least this much: the hand-written config measured against
+# itself there came out up to 1.06x on this machine (BENCHMARKS.md), so smaller gains are noise.
+VERIFIED_MIN_GAIN = 0.10
 
 
 def compare_default_and_tuned(target, params, *, seqlen, batch, heads, heads_k, rounds=7,
@@ -485,7 +488,7 @@ def compare_default_and_tuned(target, params, *, seqlen, batch, heads, heads_k, 
     if record_in is not None:
         (record_in / VERIFIED).write_text(json.dumps(speedups, indent=1))
         lines.append(f"(written to {record_in / VERIFIED}: compile() uses a tuned kernel only if >= "
-                     f"{1 + MIN_GAIN:.2f}x here)")
+                     f"{1 + VERIFIED_MIN_GAIN:.2f}x here)")
     return lines
 
 
@@ -498,7 +501,7 @@ def _confirmed(directory: Path, kernel: str, config: llvm_schedules.LLVMConfig) 
     if entry is None:
         return True
     same = _kernel_knobs(config, kernel) == entry["config"]
-    return not same or entry["speedup"] >= 1 + MIN_GAIN
+    return not same or entry["speedup"] >= 1 + VERIFIED_MIN_GAIN
 
 
 def _kernel_knobs(config: llvm_schedules.LLVMConfig, kernel: str) -> dict:
