@@ -20,8 +20,7 @@ from tvmflash import analysis, bench, compiler, kernels
 
 def flops(kernel: str, n: int, recompute: str) -> float:
     spec = kernels.KernelSpec(64, "float32", False, 64, 64, exp2="intrinsic", recompute=recompute)
-    func = kernels.fused_forward(spec) if kernel == "forward" else kernels.fused_backward(spec)
-    return analysis.flops(analysis.specialize(func, batch=1, heads=1, heads_k=1, seqlen_q=n, seqlen_k=n,
+    return analysis.flops(analysis.specialize(kernels.fused_kernel(kernel, spec), batch=1, heads=1, heads_k=1, seqlen_q=n, seqlen_k=n,
                                               n_split=1))
 
 
@@ -42,11 +41,11 @@ def main() -> int:
     rounds = 3 if args.quick else 9
     times = bench.median_times(calls, rounds=rounds)
     same = max(float((a - b).abs().max()) for a, b in zip(grads["once"], grads["twice"]))
-    fwd_model = 4.0 * batch * heads * n * n * 64
+    backward_model = analysis.model_flops("backward", batch, heads, n, n, 64, False)
     rows = []
     for r, label in (("once", "one recompute (tvmflash)"), ("twice", "two recomputes (naive, experiment)")):
         rows.append((label, f"{ratios[r]:.2f}", f"{times[r] * 1e3:.1f}",
-                     f"{2.5 * fwd_model / times[r] / 1e9:.0f}", f"{times['twice'] / times[r]:.2f}x"))
+                     f"{backward_model / times[r] / 1e9:.0f}", f"{times['twice'] / times[r]:.2f}x"))
     speedup = times["twice"] / times["once"]
     verdict = (f"the fused one runs {speedup:.2f}x as fast" if speedup >= 1.05 else
                f"yet the fused one is {1 / speedup:.2f}x as slow as the naive one on this CPU" if speedup <= 0.95 else

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import re
 import shutil
-import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -25,6 +25,12 @@ from conftest import assert_matches_reference, random_inputs
 from tvmflash import compiler, kernels, kernels_cuda
 from tvmflash.checks import check_cuda_grid, check_cuda_layout
 from tvmflash.target import host_target
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+try:
+    import cuda_resources  # benchmarks/ is no package: the nvcc + ptxas steps live there
+finally:
+    sys.path.pop(0)
 
 
 def _find(tool: str) -> str | None:
@@ -41,32 +47,18 @@ VARIANTS = [(dtype, head_dim, causal) for dtype in ("float16", "bfloat16") for h
 SHORT = {"float16": "f16", "bfloat16": "bf16"}
 
 
-def assemble(source: str, arch: str, tmp_path: Path) -> tuple[dict[str, str], str]:
-    """nvcc -> PTX -> ptxas. Returns the PTX of each kernel entry and ptxas's resource report."""
-    cu, ptx, cubin = tmp_path / "kernels.cu", tmp_path / "kernels.ptx", tmp_path / "kernels.cubin"
-    cu.write_text(source)
-    run = subprocess.run([NVCC, f"-arch={arch}", "-ptx", "-o", str(ptx), str(cu)], capture_output=True, text=True)
-    assert run.returncode == 0, run.stderr[-4000:]
-    run = subprocess.run([PTXAS, f"-arch={arch}", "-v", "-o", str(cubin), str(ptx)], capture_output=True, text=True)
-    assert run.returncode == 0, run.stderr[-4000:]
-    entries = {}
-    for chunk in ptx.read_text().split(".entry ")[1:]:
-        entries[chunk.split("(")[0].strip()] = chunk
-    return entries, run.stderr
-
-
-def spill_bytes(report: str, kernel: str) -> int:
-    block = report.split(f"Function properties for {kernel}\n")[1]
-    return int(re.search(r"(\d+) bytes spill stores", block).group(1))
+def assemble(source: str, arch: str) -> tuple[dict[str, str], str]:
+    """nvcc -> PTX -> ptxas: the PTX of each kernel entry and ptxas's resource report."""
+    return cuda_resources.assemble(source, arch, NVCC, PTXAS)
 
 
 @needs_nvcc
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
 @pytest.mark.parametrize("dtype,head_dim,causal", VARIANTS)
-def test_cuda_kernels_assemble_with_tensor_cores(arch, dtype, head_dim, causal, tmp_path):
+def test_cuda_kernels_assemble_with_tensor_cores(arch, dtype, head_dim, causal):
     kern = tvmflash.compile({"kind": "cuda", "arch": arch}, head_dim=head_dim, dtype=dtype, causal=causal)
     assert kern.is_cuda and "flash_bwd_kernel" in kern.source()
-    entries, report = assemble(kern.source(), arch, tmp_path)
+    entries, report = assemble(kern.source(), arch)
     mma = f"mma.sync.aligned.m16n8k16.row.col.f32.{SHORT[dtype]}.{SHORT[dtype]}.f32"
     tiles_d, tiles_64 = head_dim // 16, 64 // 16
     # Every product of a (64 x 64) tile step runs on tensor cores, two m16n8k16 per 16 x 16 x 16:
@@ -77,14 +69,14 @@ def test_cuda_kernels_assemble_with_tensor_cores(arch, dtype, head_dim, causal, 
         assert "ldmatrix.sync.aligned.m8n8.x4" in entries[name]
         assert "ex2.approx" in entries[name]  # exp2 with log2(e) folded into the scale
     assert re.search(r"(red|atom)\.global\.add\.f32", entries["flash_bwd_kernel"])  # dQ, FA2-style
-    assert spill_bytes(report, "flash_fwd_kernel") == 0
+    assert cuda_resources.kernel_resources(entries, report, "flash_fwd_kernel")["spill_bytes"] == 0
 
 
 @needs_nvcc
-def test_deterministic_backward_has_no_atomics(tmp_path):
+def test_deterministic_backward_has_no_atomics():
     kern = tvmflash.compile("cuda", head_dim=128, dtype="bfloat16", causal=True, deterministic=True)
     assert kern.deterministic and "deterministic" in repr(kern)
-    entries, _ = assemble(kern.source(), "sm_90", tmp_path)
+    entries, _ = assemble(kern.source(), "sm_90")
     assert not re.search(r"(red|atom)\.global", entries["flash_bwd_kernel"])
     assert entries["flash_bwd_kernel"].count("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32") == 2 * 5 * 8 * 4
 
@@ -142,7 +134,7 @@ def run_emulated(lib, q, k, v, dout, splits: int, scale: float):
     nan = float("nan")
     out, lse = torch.full_like(q, nan), torch.full((batch, heads, seqlen_q), nan)
     lib["flash_fwd"](q, k, v, out, lse, scale)
-    stats = torch.full((batch, heads, 3, kernels_cuda.stats_rows(seqlen_q)), nan)
+    stats = torch.full((batch, heads, 3, compiler.cuda_stats_rows(seqlen_q)), nan)
     dq_acc = torch.full((splits, batch, seqlen_q, heads, head_dim), nan)
     dq, dk, dv = (torch.full_like(t, nan) for t in (q, k, v))
     lib["flash_bwd_prep"](dout, out, lse, stats, dq_acc)

@@ -60,6 +60,20 @@ def _bind(dim, values):
     return dim
 
 
+# FlashAttention's FLOP model, the one every benchmark reports against: the forward's two matrix
+# products (4 * B * H * Nq * Nk * D), halved when causal; the backward does 2.5x that (five
+# products; the recompute of S is counted in the 0.5).
+BACKWARD_FLOPS_RATIO = 2.5
+PASS_FLOPS_RATIO = {"forward": 1.0, "backward": BACKWARD_FLOPS_RATIO, "forward+backward": 1.0 + BACKWARD_FLOPS_RATIO}
+
+
+def model_flops(kernel: str, batch: int, heads: int, seqlen_q: int, seqlen_k: int, head_dim: int,
+                causal: bool) -> float:
+    """Model FLOPs of "forward", "backward" or "forward+backward"."""
+    forward = 4.0 * batch * heads * seqlen_q * seqlen_k * head_dim
+    return PASS_FLOPS_RATIO[kernel] * (forward / 2 if causal else forward)
+
+
 def flops(func: tirx.PrimFunc) -> float:
     return float(s_tir.analysis.estimate_tir_flops(tvm.IRModule({"main": func})))
 

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from .analysis import model_flops
 from .torch_op import flash_attn_func, kernels_for
 
 PAUSE_S = 0.02
@@ -37,9 +38,10 @@ class Case:
         mask = " causal" if self.causal else ""
         return f"B{self.batch} N{self.seqlen} H{self.heads} D{self.head_dim} {self.dtype}{mask}"
 
-    def forward_flops(self) -> float:
-        f = 4.0 * self.batch * self.heads * self.seqlen**2 * self.head_dim
-        return f / 2 if self.causal else f
+    def flops(self, phase: str) -> float:
+        """Model FLOPs of "fwd", "bwd" or "fwd+bwd"."""
+        kernel = {"fwd": "forward", "bwd": "backward", "fwd+bwd": "forward+backward"}[phase]
+        return model_flops(kernel, self.batch, self.heads, self.seqlen, self.seqlen, self.head_dim, self.causal)
 
 
 # The shapes the core issue asks for.
@@ -120,11 +122,7 @@ def run_case(case: Case, rounds: int = 7, implementations=("tvmflash", "sdpa_fla
         calls[f"{name}/fwd"], calls[f"{name}/bwd"], calls[f"{name}/fwd+bwd"] = fwd, bwd, fwd_bwd
     times = median_times(calls, rounds)
     result = {"case": case, "times": times}
-    fl = case.forward_flops()
-    result["gflops"] = {
-        key: (fl if key.endswith("/fwd") else 2.5 * fl if key.endswith("/bwd") else 3.5 * fl) / t / 1e9
-        for key, t in times.items()
-    }
+    result["gflops"] = {key: case.flops(key.split("/")[1]) / t / 1e9 for key, t in times.items()}
     return result
 
 

@@ -28,8 +28,7 @@ def kernel_spec(params, config, kernel: str, **variant) -> kernels.KernelSpec:
 
 def scheduled_kernel(params, config, kernel: str, **variant) -> tvm.tirx.PrimFunc:
     """One fused CPU kernel ("forward" or "backward") with the hand-written schedule applied."""
-    build = kernels.fused_forward if kernel == "forward" else kernels.fused_backward
-    sch = s_tir.Schedule(build(kernel_spec(params, config, kernel, **variant)))
+    sch = s_tir.Schedule(kernels.fused_kernel(kernel, kernel_spec(params, config, kernel, **variant)))
     return llvm_schedules.SCHEDULES[kernel](sch, config).mod["main"]
 
 
@@ -86,8 +85,8 @@ def cuda_kernels(params, config) -> tvm.IRModule:
     from .compiler import CUDA_TILE
 
     assert kernels_cuda.WARPS * kernels_cuda.ROWS_PER_WARP == CUDA_TILE == config.block_k
-    spec = kernels.KernelSpec(params.head_dim, params.dtype, params.causal, kernels_cuda.WARPS * 16,
-                              config.block_k, exp2="intrinsic")
+    spec = kernels.KernelSpec(params.head_dim, params.dtype, params.causal, CUDA_TILE, config.block_k,
+                              exp2="intrinsic")
     mod = tvm.IRModule({
         "flash_fwd": kernels_cuda.cuda_forward(spec),
         "flash_bwd_prep": kernels_cuda.cuda_backward_prep(params.head_dim, params.dtype),

@@ -75,17 +75,22 @@ def check_cuda_grid(batch_heads: int) -> None:
                          f"({CUDA_MAX_GRID_Y}); split the batch")
 
 
+def cuda_layout_problem(t: TensorInfo) -> str | None:
+    """Why the CUDA kernels cannot read ``t`` in place (16-byte vector loads need an aligned start
+    and strides of 8 elements), or None. The torch op copies such inputs; the kernels reject them."""
+    if t.data_ptr % 16:
+        return f"must start at a 16-byte aligned address (it is offset by {t.data_ptr % 16} bytes)"
+    if any(stride % CUDA_VECTOR_ELEMENTS for stride in t.strides[:-1]):
+        return f"must have batch/seqlen/head strides that are multiples of {CUDA_VECTOR_ELEMENTS} elements, got {t.strides}"
+    return None
+
+
 def check_cuda_layout(**tensors) -> None:
-    """Inputs the CUDA kernels read with 16-byte vector loads: aligned start, strides of 8 elements."""
+    """Inputs the CUDA kernels read with 16-byte vector loads (tensors or their TensorInfo)."""
     for name, x in tensors.items():
-        t = info(x)
-        if t.data_ptr % 16:
-            raise ValueError(f"{name} must start at a 16-byte aligned address for the CUDA kernels "
-                             f"(it is offset by {t.data_ptr % 16} bytes); pass a .contiguous() copy")
-        if any(stride % CUDA_VECTOR_ELEMENTS for stride in t.strides[:-1]):
-            raise ValueError(f"the batch/seqlen/head strides of {name} must be multiples of "
-                             f"{CUDA_VECTOR_ELEMENTS} elements for the CUDA kernels, got {t.strides}; "
-                             "pass a .contiguous() copy")
+        problem = cuda_layout_problem(x if isinstance(x, TensorInfo) else info(x))
+        if problem:
+            raise ValueError(f"{name} {problem} for the CUDA kernels; pass a .contiguous() copy")
 
 
 def _device_kind(device: str) -> str:
@@ -153,6 +158,9 @@ def check_forward_args(kernels, q, k, v, out, lse) -> tuple[int, int, int, int]:
     _check_like("out", oi, qi.shape, qi.dtype, qi.device)
     _check_like("lse", li, (batch, heads, seqlen_q), "float32", qi.device)
     _check_kernel_fit(kernels, qi, {"q": qi, "k": ki, "v": vi, "out": oi, "lse": li})
+    if kernels.target_kind == "cuda":
+        check_cuda_layout(q=qi, k=ki, v=vi)
+        check_cuda_grid(batch * heads)
     return dims
 
 
@@ -167,4 +175,7 @@ def check_backward_args(kernels, dout, q, k, v, out, lse, dq, dk, dv) -> tuple[i
     _check_like("lse", li, (batch, heads, seqlen_q), "float32", qi.device)
     _check_kernel_fit(kernels, qi, {"dout": di, "q": qi, "k": ki, "v": vi, "out": oi, "lse": li,
                                     "dq": dqi, "dk": dki, "dv": dvi})
+    if kernels.target_kind == "cuda":
+        check_cuda_layout(dout=di, q=qi, k=ki, v=vi)
+        check_cuda_grid(batch * dims[3])
     return dims

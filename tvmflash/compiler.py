@@ -30,14 +30,7 @@ import tvm_ffi
 from . import __version__
 from . import schedules as _schedules_package
 from . import target as targets
-from .checks import (
-    check_backward_args,
-    check_cuda_grid,
-    check_cuda_layout,
-    check_cuda_params,
-    check_forward_args,
-    check_kernel_params,
-)
+from .checks import check_backward_args, check_cuda_params, check_forward_args, check_kernel_params
 
 # The code that decides what gets compiled, per target kind: a change to any of it invalidates
 # the disk cache of that kind (editing the CUDA kernels does not rebuild the CPU ones). Paths, not
@@ -145,10 +138,7 @@ class FlashKernels:
         return f"FlashKernels({targets.key(self.meta['target'])}, head_dim={self.head_dim}, {self.dtype}, {mask}{extra})"
 
     def forward(self, q, k, v, out, lse, softmax_scale: float | None = None) -> None:
-        batch, _, heads, _ = check_forward_args(self, q, k, v, out, lse)
-        if self.is_cuda:
-            check_cuda_layout(q=q, k=k, v=v)
-            check_cuda_grid(batch * heads)
+        check_forward_args(self, q, k, v, out, lse)
         self._fwd(q, k, v, out, lse, _scale(softmax_scale, self.head_dim))
 
     def backward(self, dout, q, k, v, out, lse, dq, dk, dv, softmax_scale: float | None = None) -> None:
@@ -158,8 +148,6 @@ class FlashKernels:
             splits = backward_splits(batch, heads_k, k.shape[1], self.meta["config"]["backward_blocks"][1])
             self._bwd(dout, q, k, v, out, lse, dq, dk, dv, scale, splits)
             return
-        check_cuda_layout(dout=dout, q=q, k=k, v=v)
-        check_cuda_grid(batch * heads_k)
         # FlashAttention-2's three launches (kernels_cuda.py): row statistics + zeroed fp32 dQ
         # accumulator, the fused backward, the dQ conversion. Workspace: O(N) fp32.
         key_tiles = -(-k.shape[1] // CUDA_TILE)
@@ -167,7 +155,7 @@ class FlashKernels:
             splits = partials = deterministic_splits(batch, heads_k, key_tiles)
         else:
             splits, partials = key_tiles, 1
-        stats = _workspace(dq, (batch, heads, 3, -(-seqlen_q // CUDA_TILE) * CUDA_TILE))
+        stats = _workspace(dq, (batch, heads, 3, cuda_stats_rows(seqlen_q)))
         dq_acc = _workspace(dq, (partials, batch, seqlen_q, heads, self.head_dim))
         self._module["flash_bwd_prep"](dout, out, lse, stats, dq_acc)
         self._bwd(dout, q, k, v, stats, dq_acc, dk, dv, scale, splits)
@@ -197,6 +185,11 @@ def _scale(softmax_scale, head_dim: int) -> float:
 # Query and key rows per thread block of the CUDA kernels (kernels_cuda: WARPS x ROWS_PER_WARP;
 # build.py checks that they agree).
 CUDA_TILE = 64
+
+
+def cuda_stats_rows(seqlen_q: int) -> int:
+    """Rows of the CUDA backward's row-statistics workspace: padded to whole query tiles."""
+    return -(-seqlen_q // CUDA_TILE) * CUDA_TILE
 
 
 def deterministic_splits(batch: int, heads_k: int, key_tiles: int) -> int:
@@ -334,21 +327,14 @@ def compile(  # noqa: A001 - the public name the API promises
     }
     if not cache:
         return _build(target, params, config, meta)
-    if not _can_run(target):  # a CUDA source module (no GPU here): memo only
-        with _lock:
-            found = _memory_cache.get((key, None))
-        if found is None:
-            found = _build(target, params, config, meta)
-            with _lock:
-                _memory_cache[(key, None)] = found
-        return found
     memo_key = (key, json.dumps(record, sort_keys=True))
     with _lock:
         if memo_key in _memory_cache:
             return _memory_cache[memo_key]
-    kernels_obj = _load_from_disk(key, meta)
-    if kernels_obj is None:
-        kernels_obj = _compile_and_store(target, params, config, meta, key)
+    if _can_run(target):
+        kernels_obj = _load_from_disk(key, meta) or _compile_and_store(target, params, config, meta, key)
+    else:  # a CUDA source module (no GPU here) cannot be loaded back: memory cache only
+        kernels_obj = _build(target, params, config, meta)
     with _lock:
         _memory_cache[memo_key] = kernels_obj
     return kernels_obj
@@ -474,10 +460,6 @@ class StandardAttention:
         self._module["standard_bwd"](dout, q, k, v, out, lse, dq, dk, dv, _scale(softmax_scale, self.head_dim))
 
     target_kind = "llvm"
-
-    @property
-    def target(self):
-        return targets.host_target()
 
 
 _standard_cache: dict[tuple, StandardAttention] = {}

@@ -539,3 +539,8 @@ def fused_backward(spec: KernelSpec) -> tirx.PrimFunc:
                     dtype, dQsum[vb, vhk, vg, vi, vd] * T.Cast(F32, softmax_scale))
 
     return flash_bwd
+
+
+def fused_kernel(kernel: str, spec: KernelSpec) -> tirx.PrimFunc:
+    """The fused "forward" or "backward" kernel."""
+    return (fused_forward if kernel == "forward" else fused_backward)(spec)

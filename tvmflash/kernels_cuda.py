@@ -268,11 +268,6 @@ def cuda_forward(spec: KernelSpec) -> tirx.PrimFunc:
 # memory once and comes back transposed by ldmatrix.
 
 
-def stats_rows(seqlen_q):
-    """Query rows of the row-statistics workspace: padded to whole query tiles."""
-    return _ceildiv(seqlen_q, WARPS * ROWS_PER_WARP) * WARPS * ROWS_PER_WARP
-
-
 def cuda_backward_prep(head_dim: int, dtype: str) -> tirx.PrimFunc:
     """flash_bwd_prep(dout, out, lse, stats, dq_acc): stats = (lse2_hi, lse2_lo, delta)."""
     D = head_dim

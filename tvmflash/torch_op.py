@@ -14,7 +14,7 @@ import math
 import torch
 
 from . import compiler
-from .checks import SUPPORTED_DTYPES, check_qkv, info
+from .checks import SUPPORTED_DTYPES, check_qkv, cuda_layout_problem, info
 
 
 def _dtype_name(t: torch.Tensor) -> str:
@@ -107,7 +107,7 @@ def _kernel_layout(t: torch.Tensor) -> torch.Tensor:
     """
     if t.stride(-1) != 1 and t.shape[-1] != 1:
         return t.contiguous()
-    if t.device.type == "cuda" and (t.data_ptr() % 16 or any(s % 8 for s in t.stride()[:-1])):
+    if t.device.type == "cuda" and cuda_layout_problem(info(t)):
         return t.contiguous()
     return t
 
