@@ -10,6 +10,7 @@ copy; outputs are allocated by PyTorch and written in place by the kernels.
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 
@@ -21,20 +22,32 @@ def _dtype_name(t: torch.Tensor) -> str:
     return str(t.dtype).removeprefix("torch.")
 
 
+# compile() resolves the target, the schedule config and the tuning records on every call
+# (~2 ms); the op asks on every forward and backward, so it remembers the answer per request.
+# The environment that steers compile() is part of the request.
+_STEERING_ENV = ("TVMFLASH_CACHE_DIR", "TVMFLASH_TUNE_LOGS", "TVMFLASH_PREBUILT")
+_kernels_by_request: dict[tuple, compiler.FlashKernels] = {}
+
+
 def kernels_for(q: torch.Tensor, causal: bool, deterministic: bool = False) -> compiler.FlashKernels:
     """The compiled kernels for q's device, head dim, dtype and mask (cached).
 
     CUDA kernels run on torch's current stream: tvm-ffi reads it from the tensors it is given.
     """
     if q.device.type == "cpu":
-        target = "llvm"
+        target = {"kind": "llvm"}
     elif q.device.type == "cuda":
         major, minor = torch.cuda.get_device_capability(q.device)
         target = {"kind": "cuda", "arch": f"sm_{major}{minor}"}
     else:
         raise ValueError(f"tvmflash runs on cpu and cuda tensors, got {q.device}")
-    return compiler.compile(target, head_dim=q.shape[-1], dtype=_dtype_name(q), causal=causal,
-                            deterministic=deterministic)
+    request = (*target.values(), q.shape[-1], _dtype_name(q), causal, deterministic,
+               *(os.environ.get(name) for name in _STEERING_ENV))
+    found = _kernels_by_request.get(request)
+    if found is None:
+        found = _kernels_by_request[request] = compiler.compile(
+            target, head_dim=q.shape[-1], dtype=_dtype_name(q), causal=causal, deterministic=deterministic)
+    return found
 
 
 def _lse_like(q: torch.Tensor) -> torch.Tensor:
