@@ -1,28 +1,88 @@
-"""Registers, spills and tensor-core instructions of the CUDA kernels, from nvcc + ptxas (no GPU).
+"""Registers, spills, barriers and memory instructions of the CUDA kernels, compiled the way TVM
+compiles them when a GPU machine loads the module (no GPU needed).
 
-    python benchmarks/cuda_resources.py [--arch sm_90]
+    python benchmarks/cuda_resources.py [--arch sm_90] [--no-fast-math]
 
 Compiles every variant with ``tvmflash.compile`` (fp16/bf16, head dim 64/128, causal or not,
-and the deterministic backward for bf16), assembles its CUDA source with ``nvcc -ptx`` and
-``ptxas -v``, and prints one markdown row per variant and kernel.
+atomic or deterministic dQ) and hands its CUDA source to TVM's own ``compile_cuda`` (the nvcc
+path of ``tvm_callback_cuda_compile``: ``--use_fast_math``, ``-O3``, ptxas
+``--register-usage-level=10``, ``-gencode`` for the target's arch), then prints one markdown row
+per variant and kernel from ptxas's report and the PTX.
+
+A plain ``nvcc -ptx`` + ``ptxas -v`` is *not* what runs: without TVM's flags the D=128 backward
+spilled 8-20 bytes, with them 72-216.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
+import os
 import re
 import subprocess
 import tempfile
+from collections import Counter
 from pathlib import Path
-
-import tvmflash
+from unittest import mock
 
 KERNELS = ("flash_fwd_kernel", "flash_bwd_kernel")
 
 
+class _RecordingSubprocess:
+    """Stands in for the ``subprocess`` module inside ``tvm.support.nvcc``: runs the command TVM
+    builds, unchanged, and keeps its output (ptxas's ``-v`` report), which TVM drops on success."""
+
+    PIPE, STDOUT = subprocess.PIPE, subprocess.STDOUT
+
+    def __init__(self):
+        self.commands: list[list[str]] = []
+        self.outputs: list[str] = []
+
+    def Popen(self, command, **kwargs):  # noqa: N802 - the name TVM calls
+        self.commands.append(list(command))
+        process = subprocess.Popen(command, **kwargs)
+        recorder = self
+
+        class Finished:
+            returncode = None
+
+            def communicate(self):
+                out, err = process.communicate()
+                self.returncode = process.returncode
+                recorder.outputs.append((out or b"").decode(errors="replace"))
+                return out, err
+
+        return Finished()
+
+
+def compile_like_tvm(source: str, arch: str, fast_math: bool = True) -> tuple[dict[str, str], str, list[str]]:
+    """CUDA C -> cubin through TVM's ``compile_cuda`` with TVM's flags (nvcc mode).
+
+    Returns the PTX of each kernel entry (nvcc keeps its intermediates: ``--keep`` changes no
+    code), ptxas's resource report, and the nvcc command. ``fast_math=False`` uses TVM's own
+    switch ``TVM_CUDA_NVCC_NO_FAST_MATH``. TVM's default at load time is NVRTC (needs
+    ``cuda-bindings`` and libnvrtc), which gets the same ``--use_fast_math`` and ptxas options.
+    """
+    import tvm
+    from tvm.support import nvcc
+
+    recorder = _RecordingSubprocess()
+    switch = {} if fast_math else {"TVM_CUDA_NVCC_NO_FAST_MATH": "1"}
+    with tempfile.TemporaryDirectory() as keep, mock.patch.object(nvcc, "subprocess", recorder), \
+            mock.patch.dict(os.environ, switch), tvm.target.Target({"kind": "cuda", "arch": arch}):
+        if fast_math:
+            os.environ.pop("TVM_CUDA_NVCC_NO_FAST_MATH", None)
+        nvcc.compile_cuda(source, target_format="cubin", compiler="nvcc",
+                          options=["--keep", f"--keep-dir={keep}"])
+        ptx = (Path(keep) / "tvm_kernels.ptx").read_text()
+    if not recorder.outputs or "Function properties" not in recorder.outputs[0]:
+        raise RuntimeError("TVM's nvcc call did not report ptxas resources (did tvm.support.nvcc change?)")
+    return _entries(ptx), recorder.outputs[0], recorder.commands[0]
+
+
 def assemble(source: str, arch: str, nvcc: str = "nvcc", ptxas: str = "ptxas") -> tuple[dict[str, str], str]:
-    """CUDA C -> PTX (nvcc) -> cubin (ptxas -v). Returns the PTX of each kernel entry and ptxas's
-    resource report; raises RuntimeError with the tool's messages if either step fails."""
+    """Plain CUDA C -> PTX (nvcc) -> cubin (ptxas -v), without TVM's flags (for comparison)."""
     with tempfile.TemporaryDirectory() as tmp:
         cu, ptx = Path(tmp) / "k.cu", Path(tmp) / "k.ptx"
         cu.write_text(source)
@@ -33,36 +93,67 @@ def assemble(source: str, arch: str, nvcc: str = "nvcc", ptxas: str = "ptxas") -
             if run.returncode:
                 raise RuntimeError(f"{Path(command[0]).name} failed:\n{run.stderr[-4000:]}")
             report = run.stderr
-        entries = {c.split("(")[0].strip(): c for c in ptx.read_text().split(".entry ")[1:]}
-    return entries, report
+        return _entries(ptx.read_text()), report
+
+
+def _entries(ptx: str) -> dict[str, str]:
+    return {c.split("(")[0].strip(): c for c in ptx.split(".entry ")[1:]}
+
+
+def global_stores(ptx: str) -> Counter:
+    """Bytes per global store instruction -> number of such instructions (``st.global.v4.b32``: 16)."""
+    widths = Counter()
+    for vector, bits in re.findall(r"\bst\.global(?:\.\w+)*?(?:\.v(\d))?\.[bfsu](\d+)\s", ptx):
+        widths[int(vector or 1) * int(bits) // 8] += 1
+    return widths
 
 
 def kernel_resources(entries: dict[str, str], report: str, kernel: str) -> dict:
-    """Registers and spill bytes (ptxas) and tensor-core instructions (PTX) of one kernel."""
-    block = report.split(f"Function properties for {kernel}\n")[1]
+    """One kernel: registers and spill bytes (ptxas), and instruction counts from its PTX.
+
+    ``barriers`` counts block-wide barrier instructions (``bar.sync`` / ``barrier.sync``) in the
+    PTX: nvcc unrolls every loop but the key-tile loop (and the backward's query-tile loop), so
+    in the forward that is 1 (after the Q tile) + the barriers per key tile.
+    """
+    block = report.split(f"Function properties for {kernel}\n")[1].split("Compile time")[0]
+    ptx = entries[kernel]
     return {"registers": int(re.search(r"Used (\d+) registers", block).group(1)),
             "spill_bytes": int(re.search(r"(\d+) bytes spill stores", block).group(1)),
-            "mma": entries[kernel].count("mma.sync"), "ldmatrix": entries[kernel].count("ldmatrix")}
+            "spill_loads": int(re.search(r"(\d+) bytes spill loads", block).group(1)),
+            "mma": ptx.count("mma.sync"), "ldmatrix": ptx.count("ldmatrix"),
+            "barriers": len(re.findall(r"\b(?:bar|barrier)\.sync\b", ptx)),
+            "shuffles": len(re.findall(r"\bshfl\.sync\b", ptx)),
+            "stores": dict(sorted(global_stores(ptx).items()))}
+
+
+VARIANTS = [(dtype, head_dim, causal, deterministic) for dtype in ("float16", "bfloat16") for head_dim in (64, 128)
+            for causal in (False, True) for deterministic in (False, True)]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--arch", default="sm_90")
-    arch = parser.parse_args().arch
-    print("| dtype | D | mask | dQ | kernel | registers | spill bytes | mma.sync | ldmatrix |")
-    print("|---|---|---|---|---|---|---|---|---|")
-    for dtype in ("float16", "bfloat16"):
-        for head_dim in (64, 128):
-            for causal in (False, True):
-                for deterministic in ((False, True) if dtype == "bfloat16" and not causal else (False,)):
-                    kern = tvmflash.compile({"kind": "cuda", "arch": arch}, head_dim=head_dim, dtype=dtype,
-                                            causal=causal, deterministic=deterministic)
-                    entries, report = assemble(kern.source(), arch)
-                    for kernel in KERNELS:
-                        r = kernel_resources(entries, report, kernel)
-                        print(f"| {dtype} | {head_dim} | {'causal' if causal else 'full'} | "
-                              f"{'deterministic' if deterministic else 'atomic'} | {kernel} | {r['registers']} | "
-                              f"{r['spill_bytes']} | {r['mma']} | {r['ldmatrix']} |", flush=True)
+    parser.add_argument("--no-fast-math", action="store_true", help="TVM's flags without --use_fast_math")
+    args = parser.parse_args()
+    import tvmflash
+
+    print("| dtype | D | mask | dQ | kernel | registers | spill bytes | barriers | shfl | mma.sync | ldmatrix | "
+          "global stores (bytes: count) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for dtype, head_dim, causal, deterministic in VARIANTS:
+        with contextlib.redirect_stderr(io.StringIO()):
+            kern = tvmflash.compile({"kind": "cuda", "arch": args.arch}, head_dim=head_dim, dtype=dtype,
+                                    causal=causal, deterministic=deterministic)
+        entries, report, _ = compile_like_tvm(kern.source(), args.arch, fast_math=not args.no_fast_math)
+        for kernel in sorted(entries):
+            if kernel == "flash_fwd_kernel" and deterministic:
+                continue  # the same forward as the atomic variant
+            r = kernel_resources(entries, report, kernel)
+            stores = ", ".join(f"{width}: {n}" for width, n in r["stores"].items())
+            print(f"| {dtype} | {head_dim} | {'causal' if causal else 'full'} | "
+                  f"{'deterministic' if deterministic else 'atomic'} | {kernel} | {r['registers']} | "
+                  f"{r['spill_bytes']} | {r['barriers']} | {r['shuffles']} | {r['mma']} | {r['ldmatrix']} | "
+                  f"{stores} |", flush=True)
 
 
 if __name__ == "__main__":

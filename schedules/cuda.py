@@ -7,8 +7,8 @@ a warp per 16 query rows, tiles in the ``mma.m16n8k16`` register layout), so sch
   ``threadIdx.x``; every other per-lane loop is unrolled so its fragments live in registers;
 * memory scopes: Q/K/V tiles in dynamic shared memory (rows padded by 16 bytes so the eight
   row addresses of one ``ldmatrix`` hit different banks), fragments and per-row statistics in
-  ``warp`` scope (TVM lowers a ``[32, n]`` warp buffer to ``n`` registers per lane), the
-  row max/sum exchange buffer in shared memory (TVM inserts the barriers);
+  ``warp`` scope (TVM lowers a ``[32, n]`` warp buffer to ``n`` registers per lane, and a read
+  of another lane's element to a ``__shfl_sync``: the row max/sum exchange needs no barrier);
 * tile loads: fused, vectorized 16-byte copies spread over all threads of the block;
 * tensor cores: the 16 x 16 fragment loads become ``ldmatrix`` and the 16 x 16 x 16 products
   two ``mma.sync.m16n8k16`` each (fp32 accumulators), by tensorization with the intrinsics
@@ -166,10 +166,10 @@ _REGISTERED: set = set()
 SHARED_TILES = {"load_q": 0, "load_k": 0, "load_v": 0}
 FORWARD_FRAGMENTS = (("ldmatrix_q", 0), ("ldmatrix_k", 0), ("ldmatrix_v", 0), ("init_s", 0),
                      ("cast_p", 0), ("init_o", 0), ("init_stats", 0), ("init_stats", 1),
-                     ("row_max", 0), ("rescale", 0))
-FORWARD_EXCHANGE = ("row_max_lane", 0)
-FORWARD_LANE_STAGES = ("init_o", "init_stats", "init_s", "row_max_lane", "row_max", "rescale", "probs",
-                       "cast_p", "row_sum_lane", "row_sum", "rescale_o", "keep_max", "store_o", "store_lse")
+                     ("row_max", 0), ("rescale", 0), ("row_max_lane", 0), ("row_max_pair", 0))
+FORWARD_LANE_STAGES = ("init_o", "init_stats", "init_s", "row_max_lane", "row_max_pair", "row_max", "rescale",
+                       "probs", "cast_p", "row_sum_lane", "row_sum_pair", "row_sum", "rescale_o", "keep_max",
+                       "store_o", "store_lse")
 # (product, fragment loads it consumes at which of its loops, mma B operand transposed?)
 FORWARD_PRODUCTS = (("scores", (("ldmatrix_k", "tk", "B_trans"),), True),
                     ("pv", (("ldmatrix_v", "tj", "B"),), False))
@@ -237,17 +237,16 @@ def _schedule_product(sch, name: str, loads, b_transposed: bool, dtype: str) -> 
         sch.tensorize(sch.get_loops(sch.get_sblock(load))[-2], intrinsic("ldmatrix", dtype, operand, "shared.dyn"))
 
 
-def _set_scopes(sch, fragments, exchange) -> None:
+def _set_scopes(sch, fragments) -> None:
     for name, index in SHARED_TILES.items():
         sch.set_scope(sch.get_sblock(name), index, "shared.dyn")
     for name, index in fragments:
         sch.set_scope(sch.get_sblock(name), index, "warp")
-    sch.set_scope(sch.get_sblock(exchange[0]), exchange[1], "shared")
 
 
 def schedule_forward(sch: s_tir.Schedule, cfg: CUDAConfig, dtype: str, warps: int) -> None:
     dtype_bytes = tvm.runtime.DataType(dtype).bits // 8
-    _set_scopes(sch, FORWARD_FRAGMENTS, FORWARD_EXCHANGE)
+    _set_scopes(sch, FORWARD_FRAGMENTS)
     _bind_grid(sch, "q_tile")
     for name in ("load_q", "load_k", "load_v"):
         _schedule_tile_load(sch, name, cfg, dtype_bytes, warps)

@@ -12,7 +12,8 @@ indexed through ``frag(row, col) -> (lane, slot)`` (TVM's ``shared_16x16_to_ldma
 * the products are blocks of 16 x 16 x 16 multiply-adds in exactly the form of TVM's ``mma``
   tensor intrinsics, and the fragment loads have the form of its ``ldmatrix`` intrinsics:
   ``schedules/cuda.py`` tensorizes them (and binds warps and lanes to threads);
-* row max and row sum combine the 4 lanes that share a row through a small shared buffer;
+* row max and row sum combine the 4 lanes that share a row by reading each other's partials
+  (lane ^ 1, then lane ^ 2), which TVM lowers to warp shuffles: no block-wide barrier;
 * tile loads clamp the row index instead of testing it: rows past the end repeat the last
   row, whose scores are masked (keys) or whose results are never stored (queries), so the
   copies stay plain 16-byte vector loads.
@@ -58,6 +59,13 @@ def frag_row(lane, slot):
 
 def frag_col(lane, slot):
     return 8 * (slot // 4) + (lane % 4) * 2 + slot % 2
+
+
+def quad_partner(lane, bit: int):
+    """``lane ^ bit`` (bit 1 or 2): the lanes ``4 r ... 4 r + 3`` hold the 16 columns of rows r
+    and r + 8, so two exchanges (bit 1, then bit 2) combine a row (FlashAttention-2's quad
+    allreduce). Written with + and %, which TVM's index analysis bounds (it does not bound xor)."""
+    return lane + bit - 2 * bit * (lane // bit % 2)
 
 
 def half_slot(half, q):
@@ -108,7 +116,8 @@ def cuda_forward(spec: KernelSpec) -> tirx.PrimFunc:
                 Qs = T.sblock_alloc_buffer((Br, D), dtype)  # shared memory tiles
                 Ks = T.sblock_alloc_buffer((Bc, D), dtype)
                 Vs = T.sblock_alloc_buffer((Bc, D), dtype)
-                Red = T.sblock_alloc_buffer((WARPS, 32, 2), F32)  # per-lane partial row max / sum
+                Red = T.sblock_alloc_buffer((WARPS, 32, 2), F32)  # per lane: partial max / sum of its 2 rows
+                Pair = T.sblock_alloc_buffer((WARPS, 32, 2), F32)  # ... combined with the lane next to it
                 Qw = T.sblock_alloc_buffer((WARPS, TD, 32, 8), dtype)  # register fragments
                 Kw = T.sblock_alloc_buffer((WARPS, TC, TD, 32, 8), dtype)
                 Vw = T.sblock_alloc_buffer((WARPS, TC, TD, 32, 8), dtype)
@@ -179,12 +188,15 @@ def cuda_forward(spec: KernelSpec) -> tirx.PrimFunc:
                                         k0 + vtj * 16 + frag_col(vtx, half_slot(vhf, vq)), Nq, Nk, causal),
                                 Sw[vw, vtj, vtx, half_slot(vhf, vq)] * scale_log2_parts(softmax_scale)[0],
                                 T.float32(NEG_INF)))
-                    for w, tx, hf, qq in T.grid(WARPS, 32, 2, 4):
-                        with T.sblock("row_max"):  # the 4 lanes sharing a row: 4 * (lane // 4) + qq
-                            vw, vtx, vhf, vq = T.axis.remap("SSSR", [w, tx, hf, qq])
-                            with T.init():
-                                m_new[vw, vtx, vhf] = m[vw, vtx, vhf]
-                            m_new[vw, vtx, vhf] = T.max(m_new[vw, vtx, vhf], Red[vw, vtx // 4 * 4 + vq, vhf])
+                    for w, tx, hf in T.grid(WARPS, 32, 2):
+                        with T.sblock("row_max_pair"):  # the 4 lanes sharing a row: a butterfly
+                            vw, vtx, vhf = T.axis.remap("SSS", [w, tx, hf])
+                            Pair[vw, vtx, vhf] = T.max(Red[vw, vtx, vhf], Red[vw, quad_partner(vtx, 1), vhf])
+                    for w, tx, hf in T.grid(WARPS, 32, 2):
+                        with T.sblock("row_max"):
+                            vw, vtx, vhf = T.axis.remap("SSS", [w, tx, hf])
+                            m_new[vw, vtx, vhf] = T.max(m[vw, vtx, vhf], T.max(
+                                Pair[vw, vtx, vhf], Pair[vw, quad_partner(vtx, 2), vhf]))
                     for w, tx, hf in T.grid(WARPS, 32, 2):
                         with T.sblock("rescale"):
                             vw, vtx, vhf = T.axis.remap("SSS", [w, tx, hf])
@@ -209,12 +221,15 @@ def cuda_forward(spec: KernelSpec) -> tirx.PrimFunc:
                             with T.init():
                                 Red[vw, vtx, vhf] = T.float32(0)
                             Red[vw, vtx, vhf] = Red[vw, vtx, vhf] + Sw[vw, vtj, vtx, half_slot(vhf, vq)]
-                    for w, tx, hf, qq in T.grid(WARPS, 32, 2, 4):
+                    for w, tx, hf in T.grid(WARPS, 32, 2):
+                        with T.sblock("row_sum_pair"):
+                            vw, vtx, vhf = T.axis.remap("SSS", [w, tx, hf])
+                            Pair[vw, vtx, vhf] = Red[vw, vtx, vhf] + Red[vw, quad_partner(vtx, 1), vhf]
+                    for w, tx, hf in T.grid(WARPS, 32, 2):
                         with T.sblock("row_sum"):
-                            vw, vtx, vhf, vq = T.axis.remap("SSSR", [w, tx, hf, qq])
-                            with T.init():
-                                l[vw, vtx, vhf] = l[vw, vtx, vhf] * alpha[vw, vtx, vhf]
-                            l[vw, vtx, vhf] = l[vw, vtx, vhf] + Red[vw, vtx // 4 * 4 + vq, vhf]
+                            vw, vtx, vhf = T.axis.remap("SSS", [w, tx, hf])
+                            l[vw, vtx, vhf] = l[vw, vtx, vhf] * alpha[vw, vtx, vhf] + (
+                                Pair[vw, vtx, vhf] + Pair[vw, quad_partner(vtx, 2), vhf])
                     for w, tx, td, s in T.grid(WARPS, 32, TD, 8):
                         with T.sblock("rescale_o"):
                             vw, vtd, vtx, vs = T.axis.remap("SSSS", [w, td, tx, s])
