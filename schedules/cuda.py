@@ -261,19 +261,30 @@ def schedule_forward(sch: s_tir.Schedule, cfg: CUDAConfig, dtype: str, warps: in
         _schedule_lane_stage(sch, name)
 
 
-BACKWARD_SHARED = (("load_q", 0), ("load_do", 0), ("load_k", 0), ("load_v", 0), ("store_ds", 0))
+BACKWARD_SHARED = (("load_q", 0), ("load_do", 0), ("load_k", 0), ("load_v", 0))
 BACKWARD_FRAGMENTS = (("ldmatrix_k", 0), ("ldmatrix_qt", 0), ("init_s", 0), ("cast_p", 0), ("ldmatrix_do", 0),
                       ("ldmatrix_v", 0), ("ldmatrix_dot", 0), ("init_dp", 0), ("dscores", 0), ("ldmatrix_q", 0),
                       ("ldmatrix_ds", 0), ("ldmatrix_kb", 0), ("init_dq", 0), ("init_dkv", 0), ("init_dkv", 1))
 BACKWARD_LANE_STAGES = ("init_dkv", "init_s", "probs", "cast_p", "init_dp", "dscores", "store_ds", "init_dq",
                         "add_dq", "store_dkv")
+# Fragment loads that are a stage of their own (each tile loaded once, used by a later loop).
+BACKWARD_FRAGMENT_STAGES = (("ldmatrix_ds", "A_trans", "shared"),)
 # Fragment loads sit at the loop where their tile changes: A operands reused across the inner
 # loop (K and V rows of the warp, dS) are loaded once per outer step.
-BACKWARD_PRODUCTS = (("scores", (("ldmatrix_k", "tk", "A"), ("ldmatrix_qt", "ti", "B_trans")), True),
-                     ("dv", (("ldmatrix_do", "ti", "B"),), False),
-                     ("dprobs", (("ldmatrix_v", "td", "A"), ("ldmatrix_dot", "ti", "B_trans")), True),
-                     ("dk", (("ldmatrix_q", "ti", "B"),), False),
-                     ("dq", (("ldmatrix_ds", "tj", "A_trans"), ("ldmatrix_kb", "td", "B")), False))
+BACKWARD_PRODUCTS = (("scores", (("ldmatrix_k", "tk", "A"), ("ldmatrix_qt", "tk", "B_trans")), True),
+                     ("dv", (("ldmatrix_do", "td", "B"),), False),
+                     ("dprobs", (("ldmatrix_v", "td", "A"), ("ldmatrix_dot", "td", "B_trans")), True),
+                     ("dk", (("ldmatrix_q", "td", "B"),), False),
+                     ("dq", (("ldmatrix_kb", "tj", "B"),), False))
+
+
+def _schedule_fragment_stage(sch, name: str, operand: str, scope: str, dtype: str) -> None:
+    """Fragment loads of all tiles of a warp at once: warp -> threadIdx.y, one ldmatrix per tile."""
+    loops = _own_loops(sch, sch.get_sblock(name))
+    sch.bind(loops[0], "threadIdx.y")
+    for loop in loops[1:-2]:
+        sch.unroll(loop)
+    sch.tensorize(loops[-2], intrinsic("ldmatrix", dtype, operand, scope))
 
 
 def _schedule_row_load(sch, name: str, warps: int) -> None:
@@ -289,6 +300,10 @@ def schedule_backward(sch: s_tir.Schedule, cfg: CUDAConfig, dtype: str, warps: i
     for name, index in BACKWARD_SHARED:
         sch.set_scope(sch.get_sblock(name), index, "shared.dyn")
     sch.set_scope(sch.get_sblock("load_stats"), 0, "shared")
+    # dS^T in a buffer of its own (not merged into the dynamic tile buffer): TVM's barrier
+    # insertion then sees that the per-sub-tile stores cannot conflict with the tile reads in
+    # the same loop (in the merged buffer it syncs twice per sub-tile).
+    sch.set_scope(sch.get_sblock("store_ds"), 0, "shared")
     for name, index in BACKWARD_FRAGMENTS:
         sch.set_scope(sch.get_sblock(name), index, "warp")
     _bind_grid(sch, "kv_tile", names=("s", "bh"))
@@ -299,8 +314,13 @@ def schedule_backward(sch: s_tir.Schedule, cfg: CUDAConfig, dtype: str, warps: i
     store_ds = sch.get_sblock("store_ds")
     row_length = int(sch.get(store_ds).writes[0].source.shape[1])
     sch.storage_align(store_ds, 0, axis=0, factor=row_length, offset=cfg.pad_bytes // dtype_bytes)
+    # one 16-query sub-tile after the other (S^T ... dK), one dQ tile after the other
+    sch.unroll(_loop(sch, sch.get_sblock("scores"), "ti"))
+    sch.unroll(_loop(sch, sch.get_sblock("dq"), "td"))
     for name, loads, b_transposed in BACKWARD_PRODUCTS:
         _schedule_product(sch, name, loads, b_transposed, dtype)
+    for name, operand, scope in BACKWARD_FRAGMENT_STAGES:
+        _schedule_fragment_stage(sch, name, operand, scope, dtype)
     for name in BACKWARD_LANE_STAGES:
         _schedule_lane_stage(sch, name)
 

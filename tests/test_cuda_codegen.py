@@ -72,15 +72,30 @@ def test_cuda_kernels_assemble_with_tensor_cores(arch, dtype, head_dim, causal):
     # a lane: 8), so the only block-wide barriers are one after the Q tile and two per key tile
     # (K/V tile written, K/V tile read before the next one overwrites it). Was 1 + 20.
     assert fwd["barriers"] == 1 + 2 and fwd["shuffles"] == 8
+    bwd = cuda_resources.kernel_resources(entries, report, "flash_bwd_kernel")
+    # The backward works through each query tile one 16-query sub-tile at a time (S^T, P^T, dP^T,
+    # dS^T and one dQ tile of 8 registers each besides dK and dV): its query-tile loop no longer
+    # spills. What ptxas still spills at TVM's --register-usage-level=10 are a few loop-invariant
+    # values of the outer (key tile, GQA head) loops, reloaded once per outer step (nvdisasm:
+    # no local memory access in the query-tile loop); it was 72-216 bytes, mostly in the loop.
+    assert bwd["spill_bytes"] <= 64
+    # one barrier per key tile, then per query tile: Q/dO/stats tile free, written, dS^T written
+    assert bwd["barriers"] == 4
 
 
 @needs_nvcc
-def test_deterministic_backward_has_no_atomics():
-    kern = tvmflash.compile("cuda", head_dim=128, dtype="bfloat16", causal=True, deterministic=True)
-    assert kern.deterministic and "deterministic" in repr(kern)
-    entries, _ = compile_like_tvm(kern.source(), "sm_90")
-    assert not re.search(r"(red|atom)\.global", entries["flash_bwd_kernel"])
-    assert entries["flash_bwd_kernel"].count("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32") == 2 * 5 * 8 * 4
+def test_deterministic_backward_adds_into_its_own_partial():
+    """Deterministic mode: block s adds its dQ tiles into partial s (one thread per element, so
+    in program order); the atomic mode: every block into partial 0."""
+    def dq_add_targets(deterministic):
+        kern = tvmflash.compile("cuda", head_dim=128, dtype="bfloat16", causal=True, deterministic=deterministic)
+        targets = re.findall(r"atomicAdd\(\(&\(dQacc_ptr\[(.*?)\]\)\)", kern.source())
+        assert len(targets) == 1  # in the loop over the 8 values a lane holds of one dQ tile
+        return targets
+
+    partial_of_block = re.compile(r"\(\(int64_t\)blockIdx\.x\) \* B\)")
+    assert all(partial_of_block.search(t) for t in dq_add_targets(True))
+    assert not any(partial_of_block.search(t) for t in dq_add_targets(False))
 
 
 def test_cuda_parameter_errors():
@@ -124,10 +139,14 @@ def emulated(head_dim: int, dtype: str, causal: bool):
     mod = tvm.IRModule({
         "flash_fwd": kernels_cuda.cuda_forward(spec),
         "flash_bwd_prep": kernels_cuda.cuda_backward_prep(head_dim, dtype),
-        "flash_bwd": kernels_cuda.cuda_backward(spec, atomic_dq=False),
+        "flash_bwd": kernels_cuda.cuda_backward(spec, atomic_dq=False, on_cpu=True),
         "flash_bwd_dq": kernels_cuda.cuda_backward_dq(head_dim, dtype),
     })
-    return tvm.compile(mod, target=host_target())
+    # LLVM's -O2 and above miscompile the backward's 16-query sub-tile loop here (the Delta
+    # values read back from the row-statistics buffer come out as garbage; -O0/-O1 are right,
+    # and so is the generated CUDA run by the CUDA emulator): compile this test vehicle at -O1.
+    target = tvm.target.Target({**dict(host_target().export()), "opt-level": 1})
+    return tvm.compile(mod, target=target)
 
 
 def run_emulated(lib, q, k, v, dout, splits: int, scale: float):
