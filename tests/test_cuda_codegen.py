@@ -164,6 +164,24 @@ def run_emulated(lib, q, k, v, dout, splits: int, scale: float):
     return out, lse, dq, dk, dv
 
 
+def test_backward_prep_writes_no_nan_for_rows_without_keys(gen):
+    """Causal with more queries than keys: the first rows see no key (LSE = -inf). The pre-pass
+    must give them lse2 = (-inf, 0), not a NaN lo part ((-inf) - (-inf))."""
+    lib = emulated(64, "float16", True)
+    batch, seqlen_q, seqlen_k, heads = 1, 83, 29, 2
+    q, k, v = random_inputs(gen, batch, seqlen_q, seqlen_k, heads, heads, 64, "float16")
+    out, lse = torch.empty_like(q), torch.empty(batch, heads, seqlen_q)
+    lib["flash_fwd"](q, k, v, out, lse, 0.125)
+    blind = seqlen_q - seqlen_k  # rows 0 .. blind - 1 see no key
+    assert torch.isinf(lse[..., :blind]).all() and torch.isfinite(lse[..., blind:]).all()
+    stats = torch.full((batch, heads, 3, compiler.cuda_stats_rows(seqlen_q)), float("nan"))
+    dout = torch.randn(q.shape, generator=gen).to(q.dtype)
+    lib["flash_bwd_prep"](dout, out, lse, stats, torch.empty(1, batch, seqlen_q, heads, 64))
+    assert not torch.isnan(stats).any()
+    assert torch.equal(stats[:, :, 1, :blind], torch.zeros(batch, heads, blind))
+    assert (stats[:, :, 0, :blind] == float("-inf")).all()
+
+
 @pytest.mark.parametrize("dtype,head_dim,causal,splits", [
     ("float16", 64, True, 2), ("bfloat16", 64, False, 3), ("float16", 128, False, 1), ("bfloat16", 32, True, 2)])
 def test_cuda_kernel_math_on_the_cpu(dtype, head_dim, causal, splits, gen, seed):

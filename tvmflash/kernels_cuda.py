@@ -315,8 +315,10 @@ def cuda_backward_prep(head_dim: int, dtype: str) -> tirx.PrimFunc:
                 vb, vh, vi = T.axis.remap("SSS", [b, h, i])
                 Stats[vb, vh, 0, vi] = T.if_then_else(
                     vi < Nq, lse_log2_parts(LSE[vb, vh, T.min(vi, Nq - 1)])[0], T.float32(0))
+                # A row that sees no key has LSE = -inf: its lo part would be (-inf) - (-inf) = NaN
                 Stats[vb, vh, 1, vi] = T.if_then_else(
-                    vi < Nq, lse_log2_parts(LSE[vb, vh, T.min(vi, Nq - 1)])[1], T.float32(0))
+                    tirx.all(vi < Nq, LSE[vb, vh, T.min(vi, Nq - 1)] > T.float32(NEG_INF)),
+                    lse_log2_parts(LSE[vb, vh, T.min(vi, Nq - 1)])[1], T.float32(0))
         for p, b, i, h, d in T.grid(P, B, Nq, H, D):
             with T.sblock("zero_dq"):
                 vp, vb, vi, vh, vd = T.axis.remap("SSSSS", [p, b, i, h, d])
