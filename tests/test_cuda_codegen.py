@@ -26,7 +26,8 @@ import tvm
 import tvmflash
 from conftest import assert_matches_reference, random_inputs
 from tvmflash import compiler, kernels, kernels_cuda
-from tvmflash.checks import check_cuda_grid, check_cuda_layout
+from tvmflash import torch_op
+from tvmflash.checks import check_cuda_grid, check_cuda_layout, cuda_layout_problem, info
 from tvmflash.target import host_target
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
@@ -122,6 +123,29 @@ def test_cuda_kernels_reject_cpu_tensors_and_unaligned_inputs(gen):
     check_cuda_grid(65535)
     with pytest.raises(ValueError, match="split the batch"):
         check_cuda_grid(65536)
+
+
+def test_layout_fix_copies_what_torch_calls_contiguous():
+    """A view at a 2-byte storage offset is contiguous to torch (``contiguous()`` would return it
+    unchanged) but not 16-byte aligned: the torch op must copy it into a fresh allocation."""
+    base = torch.randn(1 + 1 * 5 * 3 * 64, generator=torch.Generator().manual_seed(0)).to(torch.float16)
+    shifted = base[1:].view(1, 5, 3, 64)
+    assert shifted.is_contiguous() and cuda_layout_problem(info(shifted)) is not None
+    fixed = torch_op._cuda_readable(shifted)
+    assert fixed.data_ptr() != shifted.data_ptr() and torch.equal(fixed, shifted)
+    assert cuda_layout_problem(info(fixed)) is None
+    aligned = torch.randn(2, 5, 3, 64).to(torch.float16)
+    assert torch_op._cuda_readable(aligned) is aligned  # no copy when the kernels can read it
+
+
+def test_layout_check_ignores_strides_of_size_one_dims():
+    """torch gives size-1 dims arbitrary strides (and still calls the tensor contiguous); the
+    kernels never multiply them by a nonzero index, so they must not be rejected."""
+    t = torch.zeros(1, 5, 1, 64, dtype=torch.float16).as_strided((1, 5, 1, 64), (7, 64, 3, 1))
+    assert t.is_contiguous()
+    assert cuda_layout_problem(info(t)) is None and torch_op._cuda_readable(t) is t
+    odd = torch.zeros(2, 5, 2, 68, dtype=torch.float16)[..., :64]  # a real odd stride (68) still fails
+    assert "multiples of 8" in cuda_layout_problem(info(odd))
 
 
 def test_deterministic_splits_bound_the_workspace():

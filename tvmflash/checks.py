@@ -80,7 +80,8 @@ def cuda_layout_problem(t: TensorInfo) -> str | None:
     and strides of 8 elements), or None. The torch op copies such inputs; the kernels reject them."""
     if t.data_ptr % 16:
         return f"must start at a 16-byte aligned address (it is offset by {t.data_ptr % 16} bytes)"
-    if any(stride % CUDA_VECTOR_ELEMENTS for stride in t.strides[:-1]):
+    # the stride of a size-1 dim never multiplies a nonzero index (torch gives them any value)
+    if any(stride % CUDA_VECTOR_ELEMENTS for stride, size in zip(t.strides[:-1], t.shape[:-1]) if size != 1):
         return f"must have batch/seqlen/head strides that are multiples of {CUDA_VECTOR_ELEMENTS} elements, got {t.strides}"
     return None
 

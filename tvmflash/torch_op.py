@@ -120,9 +120,20 @@ def _kernel_layout(t: torch.Tensor) -> torch.Tensor:
     """
     if t.stride(-1) != 1 and t.shape[-1] != 1:
         return t.contiguous()
-    if t.device.type == "cuda" and cuda_layout_problem(info(t)):
-        return t.contiguous()
+    if t.device.type == "cuda":
+        return _cuda_readable(t)
     return t
+
+
+def _cuda_readable(t: torch.Tensor) -> torch.Tensor:
+    """``t`` if the CUDA kernels can read it in place, else a copy in a fresh allocation.
+
+    Not ``contiguous()``: it returns ``t`` itself whenever torch calls it contiguous, which a
+    tensor with a storage offset that is not 16-byte aligned still is.
+    """
+    if cuda_layout_problem(info(t)) is None:
+        return t
+    return t.clone(memory_format=torch.contiguous_format)
 
 
 def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0,
