@@ -166,10 +166,10 @@ _REGISTERED: set = set()
 SHARED_TILES = {"load_q": 0, "load_k": 0, "load_v": 0}
 FORWARD_FRAGMENTS = (("ldmatrix_q", 0), ("ldmatrix_k", 0), ("ldmatrix_v", 0), ("init_s", 0),
                      ("cast_p", 0), ("init_o", 0), ("init_stats", 0), ("init_stats", 1),
-                     ("row_max", 0), ("rescale", 0), ("row_max_lane", 0), ("row_max_pair", 0))
+                     ("row_max", 0), ("rescale", 0), ("row_max_lane", 0), ("row_max_pair", 0), ("inverse_sum", 0))
 FORWARD_LANE_STAGES = ("init_o", "init_stats", "init_s", "row_max_lane", "row_max_pair", "row_max", "rescale",
                        "probs", "cast_p", "row_sum_lane", "row_sum_pair", "row_sum", "rescale_o", "keep_max",
-                       "store_o", "store_lse")
+                       "inverse_sum", "stage_o", "store_lse")
 # (product, fragment loads it consumes at which of its loops, mma B operand transposed?)
 FORWARD_PRODUCTS = (("scores", (("ldmatrix_k", "tk", "B_trans"),), True),
                     ("pv", (("ldmatrix_v", "tj", "B"),), False))
@@ -223,6 +223,18 @@ def _schedule_tile_load(sch, name: str, cfg: CUDAConfig, dtype_bytes: int, warps
     sch.unroll(outer)
 
 
+def _schedule_tile_store(sch, name: str, warps: int) -> None:
+    """Shared -> global copy of whole rows (loops row, 16-byte chunk, element) by the block:
+    one 16-byte store per thread and step; the row test sits outside the vector."""
+    block = sch.get_sblock(name)
+    rows, chunks, vec = sch.get_loops(block)[-3:]
+    outer, warp, lane = sch.split(sch.fuse(rows, chunks), [None, warps, WARP])
+    sch.bind(warp, "threadIdx.y")
+    sch.bind(lane, "threadIdx.x")
+    sch.vectorize(vec)
+    sch.unroll(outer)
+
+
 def _schedule_product(sch, name: str, loads, b_transposed: bool, dtype: str) -> None:
     """One warp-level product: fragment loads at the right loop, then ldmatrix + mma."""
     block = sch.get_sblock(name)
@@ -259,6 +271,7 @@ def schedule_forward(sch: s_tir.Schedule, cfg: CUDAConfig, dtype: str, warps: in
         _schedule_product(sch, name, loads, b_transposed, dtype)
     for name in FORWARD_LANE_STAGES:
         _schedule_lane_stage(sch, name)
+    _schedule_tile_store(sch, "store_o", warps)
 
 
 BACKWARD_SHARED = (("load_q", 0), ("load_do", 0), ("load_k", 0), ("load_v", 0))
@@ -266,7 +279,7 @@ BACKWARD_FRAGMENTS = (("ldmatrix_k", 0), ("ldmatrix_qt", 0), ("init_s", 0), ("ca
                       ("ldmatrix_v", 0), ("ldmatrix_dot", 0), ("init_dp", 0), ("dscores", 0), ("ldmatrix_q", 0),
                       ("ldmatrix_ds", 0), ("ldmatrix_kb", 0), ("init_dq", 0), ("init_dkv", 0), ("init_dkv", 1))
 BACKWARD_LANE_STAGES = ("init_dkv", "init_s", "probs", "cast_p", "init_dp", "dscores", "store_ds", "init_dq",
-                        "add_dq", "store_dkv")
+                        "add_dq", "stage_dkv")
 # Fragment loads that are a stage of their own (each tile loaded once, used by a later loop).
 BACKWARD_FRAGMENT_STAGES = (("ldmatrix_ds", "A_trans", "shared"),)
 # Fragment loads sit at the loop where their tile changes: A operands reused across the inner
@@ -323,6 +336,7 @@ def schedule_backward(sch: s_tir.Schedule, cfg: CUDAConfig, dtype: str, warps: i
         _schedule_fragment_stage(sch, name, operand, scope, dtype)
     for name in BACKWARD_LANE_STAGES:
         _schedule_lane_stage(sch, name)
+    _schedule_tile_store(sch, "store_dkv", warps)
 
 
 def _schedule_elementwise(sch, name: str, threads: int = 256) -> None:

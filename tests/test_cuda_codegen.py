@@ -161,7 +161,7 @@ def emulated(head_dim: int, dtype: str, causal: bool):
     """The unscheduled CUDA kernels compiled for this CPU (dQ partials without atomics)."""
     spec = kernels.KernelSpec(head_dim, dtype, causal, 64, 64, exp2="intrinsic")
     mod = tvm.IRModule({
-        "flash_fwd": kernels_cuda.cuda_forward(spec),
+        "flash_fwd": kernels_cuda.cuda_forward(spec, on_cpu=True),
         "flash_bwd_prep": kernels_cuda.cuda_backward_prep(head_dim, dtype),
         "flash_bwd": kernels_cuda.cuda_backward(spec, atomic_dq=False, on_cpu=True),
         "flash_bwd_dq": kernels_cuda.cuda_backward_dq(head_dim, dtype),

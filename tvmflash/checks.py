@@ -160,7 +160,7 @@ def check_forward_args(kernels, q, k, v, out, lse) -> tuple[int, int, int, int]:
     _check_like("lse", li, (batch, heads, seqlen_q), "float32", qi.device)
     _check_kernel_fit(kernels, qi, {"q": qi, "k": ki, "v": vi, "out": oi, "lse": li})
     if kernels.target_kind == "cuda":
-        check_cuda_layout(q=qi, k=ki, v=vi)
+        check_cuda_layout(q=qi, k=ki, v=vi, out=oi)  # out: written with 16-byte stores
         check_cuda_grid(batch * heads)
     return dims
 
@@ -177,6 +177,6 @@ def check_backward_args(kernels, dout, q, k, v, out, lse, dq, dk, dv) -> tuple[i
     _check_kernel_fit(kernels, qi, {"dout": di, "q": qi, "k": ki, "v": vi, "out": oi, "lse": li,
                                     "dq": dqi, "dk": dki, "dv": dvi})
     if kernels.target_kind == "cuda":
-        check_cuda_layout(dout=di, q=qi, k=ki, v=vi)
+        check_cuda_layout(dout=di, q=qi, k=ki, v=vi, out=oi, dq=dqi, dk=dki, dv=dvi)  # 16-byte loads and stores
         check_cuda_grid(batch * dims[3])
     return dims

@@ -73,8 +73,17 @@ def half_slot(half, q):
     return (q // 2) * 4 + half * 2 + q % 2
 
 
-def cuda_forward(spec: KernelSpec) -> tirx.PrimFunc:
-    """flash_fwd(q, k, v, out, lse, softmax_scale) for tensor cores (fp16/bf16 inputs)."""
+def reciprocal(x, on_cpu: bool):
+    """1 / x correctly rounded, also under ``nvcc --use_fast_math`` (TVM's flag at load time),
+    which turns a plain ``1 / x`` into the approximate ``rcp.approx``: ``__frcp_rn`` is
+    ``rcp.rn`` whatever the flags. ``on_cpu``: the same IEEE division for the CPU test build."""
+    return T.float32(1) / x if on_cpu else T.call_pure_extern(F32, "__frcp_rn", x)
+
+
+def cuda_forward(spec: KernelSpec, on_cpu: bool = False) -> tirx.PrimFunc:
+    """flash_fwd(q, k, v, out, lse, softmax_scale) for tensor cores (fp16/bf16 inputs).
+
+    ``on_cpu``: the unscheduled kernel for the CPU tests (no CUDA-only intrinsics)."""
     D, Bc, dtype, causal = spec.head_dim, spec.block_k, spec.dtype, spec.causal
     Br = WARPS * ROWS_PER_WARP
     if spec.block_q != Br or D % 16 or Bc % 16:
@@ -108,6 +117,7 @@ def cuda_forward(spec: KernelSpec) -> tirx.PrimFunc:
         Qa = T.decl_buffer((B, Nq, H, D), dtype, data=Q.data, strides=aligned_strides(sq))
         Ka = T.decl_buffer((B, Nk, Hk, D), dtype, data=K.data, strides=aligned_strides(sk))
         Va = T.decl_buffer((B, Nk, Hk, D), dtype, data=V.data, strides=aligned_strides(sv))
+        Oa = T.decl_buffer((B, Nq, H, D), dtype, data=O.data, strides=aligned_strides(so))
         for bh, qt in T.grid(B * H, _ceildiv(Nq, Br)):
             with T.sblock("q_tile"):
                 vbh, vqt = T.axis.remap("SS", [bh, qt])
@@ -128,6 +138,7 @@ def cuda_forward(spec: KernelSpec) -> tirx.PrimFunc:
                 m_new = T.sblock_alloc_buffer((WARPS, 32, 2), F32)
                 l = T.sblock_alloc_buffer((WARPS, 32, 2), F32)
                 alpha = T.sblock_alloc_buffer((WARPS, 32, 2), F32)
+                inv_l = T.sblock_alloc_buffer((WARPS, 32, 2), F32)
                 # truncdiv: operands are non-negative, and C division needs no sign fix-ups
                 b: T.let[T.int64] = T.truncdiv(vbh, H)
                 h: T.let[T.int64] = T.truncmod(vbh, H)
@@ -251,14 +262,21 @@ def cuda_forward(spec: KernelSpec) -> tirx.PrimFunc:
                         with T.sblock("keep_max"):
                             vw, vtx, vhf = T.axis.remap("SSS", [w, tx, hf])
                             m[vw, vtx, vhf] = m_new[vw, vtx, vhf]
+                for w, tx, hf in T.grid(WARPS, 32, 2):
+                    with T.sblock("inverse_sum"):  # 1 / l once per row
+                        vw, vtx, vhf = T.axis.remap("SSS", [w, tx, hf])
+                        inv_l[vw, vtx, vhf] = T.Select(l[vw, vtx, vhf] > T.float32(0),
+                                                       reciprocal(l[vw, vtx, vhf], on_cpu), T.float32(0))
                 for w, tx, td, s in T.grid(WARPS, 32, TD, 8):
-                    with T.sblock("store_o"):
+                    with T.sblock("stage_o"):  # O by rows into the Q tile (free since ldmatrix_q)
                         vw, vtd, vtx, vs = T.axis.remap("SSSS", [w, td, tx, s])
-                        if q0 + vw * 16 + frag_row(vtx, vs) < Nq:
-                            O[b, q0 + vw * 16 + frag_row(vtx, vs), h, vtd * 16 + frag_col(vtx, vs)] = T.Cast(
-                                dtype, Ow[vw, vtd, vtx, vs] * T.Select(
-                                    l[vw, vtx, vs % 4 // 2] > T.float32(0),
-                                    T.float32(1) / l[vw, vtx, vs % 4 // 2], T.float32(0)))
+                        Qs[vw * 16 + frag_row(vtx, vs), vtd * 16 + frag_col(vtx, vs)] = T.Cast(
+                            dtype, Ow[vw, vtd, vtx, vs] * inv_l[vw, vtx, vs % 4 // 2])
+                for r, c, e in T.grid(T.int64(Br), T.int64(D // VEC), T.int64(VEC)):
+                    with T.sblock("store_o"):  # whole rows, 16 bytes per thread and step
+                        vr, vc, ve = T.axis.remap("SSS", [r, c, e])
+                        if q0 + vr < Nq:
+                            Oa[b, q0 + vr, h, vc * VEC + ve] = Qs[vr, vc * VEC + ve]
                 for w, tx, hf in T.grid(WARPS, 32, 2):
                     with T.sblock("store_lse"):  # lane 4 r holds rows r and r + 8
                         vw, vtx, vhf = T.axis.remap("SSS", [w, tx, hf])
@@ -406,6 +424,8 @@ def cuda_backward(spec: KernelSpec, atomic_dq: bool = True, on_cpu: bool = False
         Qa = T.decl_buffer((B, Nq, H, D), dtype, data=Q.data, strides=aligned_strides(sq))
         Ka = T.decl_buffer((B, Nk, Hk, D), dtype, data=K.data, strides=aligned_strides(sk))
         Va = T.decl_buffer((B, Nk, Hk, D), dtype, data=V.data, strides=aligned_strides(sv))
+        dKa = T.decl_buffer((B, Nk, Hk, D), dtype, data=dK.data, strides=aligned_strides(sdk))
+        dVa = T.decl_buffer((B, Nk, Hk, D), dtype, data=dV.data, strides=aligned_strides(sdv))
         for s, bh in T.grid(n_split, B * Hk):
             with T.sblock("kv_tile"):
                 vs, vbh = T.axis.remap("SS", [s, bh])
@@ -624,12 +644,17 @@ def cuda_backward(spec: KernelSpec, atomic_dq: bool = True, on_cpu: bool = False
                                                     dQacc[part, b, row, h, colq] = dQacc[part, b, row, h, colq] + dQw[
                                                         vw, vtx, vs8]
                         for w, tx, td, s8 in T.grid(WARPS, 32, TD, 8):
-                            with T.sblock("store_dkv"):
+                            with T.sblock("stage_dkv"):  # dK, dV by rows into the K, V tiles (done with)
                                 vw, vtd, vtx, vs8 = T.axis.remap("SSSS", [w, td, tx, s8])
-                                if k0 + vw * 16 + frag_row(vtx, vs8) < Nk:
-                                    dK[b, k0 + vw * 16 + frag_row(vtx, vs8), hk, vtd * 16 + frag_col(vtx, vs8)] = T.Cast(
-                                        dtype, dKw[vw, vtd, vtx, vs8] * T.Cast(F32, softmax_scale))
-                                    dV[b, k0 + vw * 16 + frag_row(vtx, vs8), hk, vtd * 16 + frag_col(vtx, vs8)] = T.Cast(
-                                        dtype, dVw[vw, vtd, vtx, vs8])
+                                Ks[vw * 16 + frag_row(vtx, vs8), vtd * 16 + frag_col(vtx, vs8)] = T.Cast(
+                                    dtype, dKw[vw, vtd, vtx, vs8] * T.Cast(F32, softmax_scale))
+                                Vs[vw * 16 + frag_row(vtx, vs8), vtd * 16 + frag_col(vtx, vs8)] = T.Cast(
+                                    dtype, dVw[vw, vtd, vtx, vs8])
+                        for r, c, e in T.grid(T.int64(Bc), T.int64(D // VEC), T.int64(VEC)):
+                            with T.sblock("store_dkv"):  # whole rows, 16 bytes per thread and step
+                                vr, vc, ve = T.axis.remap("SSS", [r, c, e])
+                                if k0 + vr < Nk:
+                                    dKa[b, k0 + vr, hk, vc * VEC + ve] = Ks[vr, vc * VEC + ve]
+                                    dVa[b, k0 + vr, hk, vc * VEC + ve] = Vs[vr, vc * VEC + ve]
 
     return flash_bwd
