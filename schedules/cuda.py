@@ -339,20 +339,53 @@ def schedule_backward(sch: s_tir.Schedule, cfg: CUDAConfig, dtype: str, warps: i
     _schedule_tile_store(sch, "store_dkv", warps)
 
 
-def _schedule_elementwise(sch, name: str, threads: int = 256) -> None:
-    """One thread per output element (the small pre- and post-passes of the backward)."""
+def _schedule_threads(sch, name: str, threads: int = 256) -> None:
+    """The outer loops of a block (all but its last, the vector) over blocks of ``threads``
+    threads; the last loop becomes one vector access (16 bytes)."""
     block = sch.get_sblock(name)
-    loops = sch.get_loops(block)
-    spatial = [loop for loop, kind in zip(loops, sch.get(block).iter_vars) if kind.iter_type == 0]
-    _, thread = sch.split(sch.fuse(*spatial), [None, threads])
+    *outer, vec = sch.get_loops(block)
+    _, thread = sch.split(sch.fuse(*outer), [None, threads])
     sch.bind(sch.get_loops(block)[0], "blockIdx.x")
     sch.bind(thread, "threadIdx.x")
+    sch.vectorize(vec)
+
+
+def _schedule_row_group(sch, name: str, vector: bool) -> None:
+    """A stage of the pre-pass's row groups: warp -> threadIdx.y, lane -> threadIdx.x, the
+    rest unrolled (``vector``: the last loop is one 16-byte load)."""
+    loops = sch.get_loops(sch.get_sblock(name))
+    names = [sch.get(loop).loop_var.name for loop in loops]
+    own = loops[names.index("w"):]
+    sch.bind(own[0], "threadIdx.y")
+    sch.bind(own[1], "threadIdx.x")
+    for loop in own[2:-1] if vector else own[2:]:
+        sch.unroll(loop)
+    if vector:
+        sch.vectorize(own[-1])
 
 
 def schedule_backward_prep(sch: s_tir.Schedule) -> None:
-    for name in ("delta", "lse_log2", "zero_dq"):
-        _schedule_elementwise(sch, name)
+    sch.bind(sch.get_loops(sch.get_sblock("row_group"))[0], "blockIdx.x")
+    for name in ("load_do_row", "load_o_row"):
+        sch.set_scope(sch.get_sblock(name), 0, "local")
+        _schedule_row_group(sch, name, vector=True)
+    sch.set_scope(sch.get_sblock("dot"), 0, "warp")
+    sch.set_scope(sch.get_sblock("dot_pair"), 0, "warp")
+    for name in ("dot", "dot_pair", "row_stats"):
+        _schedule_row_group(sch, name, vector=False)
+    _schedule_threads(sch, "zero_dq")
 
 
 def schedule_backward_dq(sch: s_tir.Schedule) -> None:
-    _schedule_elementwise(sch, "store_dq")
+    chunk = sch.get_sblock("dq_chunk")
+    _, thread = sch.split(sch.fuse(*sch.get_loops(chunk)), [None, 256])
+    sch.bind(sch.get_loops(chunk)[0], "blockIdx.x")
+    sch.bind(thread, "threadIdx.x")
+    sch.unroll(sch.get_loops(sch.get_sblock("dq_init"))[-1])  # registers (TVM mis-prints a float32x8 fill)
+    # fp32 arithmetic 4 wide (TVM prints float32x8 constants wrongly); the 8 rounded values leave as
+    # one 16-byte copy in the source, which nvcc nevertheless splits (3 x 4 bytes + 2 x 2 bytes)
+    for name in ("dq_sum", "dq_scale"):
+        _, four = sch.split(sch.get_loops(sch.get_sblock(name))[-1], [None, 4])
+        sch.vectorize(four)
+    sch.unroll(sch.get_loops(sch.get_sblock("dq_cast"))[-1])
+    sch.vectorize(sch.get_loops(sch.get_sblock("dq_store"))[-1])

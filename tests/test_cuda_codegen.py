@@ -70,18 +70,36 @@ def test_cuda_kernels_assemble_with_tensor_cores(arch, dtype, head_dim, causal):
     fwd = cuda_resources.kernel_resources(entries, report, "flash_fwd_kernel")
     assert fwd["spill_bytes"] == 0
     # Row max and row sum combine the 4 lanes that share a row with 2 shuffles each (both rows of
-    # a lane: 8), so the only block-wide barriers are one after the Q tile and two per key tile
-    # (K/V tile written, K/V tile read before the next one overwrites it). Was 1 + 20.
-    assert fwd["barriers"] == 1 + 2 and fwd["shuffles"] == 8
+    # a lane: 8), so the only block-wide barriers are one after the Q tile, two per key tile
+    # (K/V tile written, K/V tile read before the next one overwrites it; was 20) and two
+    # around the O tile staged for the 16-byte stores.
+    assert fwd["barriers"] == 1 + 2 + 2 and fwd["shuffles"] == 8
     bwd = cuda_resources.kernel_resources(entries, report, "flash_bwd_kernel")
     # The backward works through each query tile one 16-query sub-tile at a time (S^T, P^T, dP^T,
     # dS^T and one dQ tile of 8 registers each besides dK and dV): its query-tile loop no longer
     # spills. What ptxas still spills at TVM's --register-usage-level=10 are a few loop-invariant
-    # values of the outer (key tile, GQA head) loops, reloaded once per outer step (nvdisasm:
-    # no local memory access in the query-tile loop); it was 72-216 bytes, mostly in the loop.
-    assert bwd["spill_bytes"] <= 64
-    # one barrier per key tile, then per query tile: Q/dO/stats tile free, written, dS^T written
-    assert bwd["barriers"] == 4
+    # values of the outer (key tile, GQA head) loops, reloaded once per outer step
+    # (`cuda_resources.py --nvdisasm`: no local memory access in the query-tile loop); it was
+    # 72-216 bytes at D = 128, up to 29 local loads/stores inside the loop.
+    assert bwd["spill_bytes"] <= 96
+    # per key tile: tiles free, then per query tile: Q/dO/stats tile free, written, dS^T written;
+    # at the end of a key tile: dK/dV staged, read back
+    assert bwd["barriers"] == 4 + 2
+    # Outputs leave as whole rows, 16 bytes per thread and step (were 2-byte stores from the
+    # fragment layout): O (the forward also writes 2 LSE floats per lane), dK and dV.
+    row_chunks_per_thread = 64 * head_dim * 2 // 16 // 128
+    assert fwd["stores"] == {4: 2, 16: row_chunks_per_thread}
+    assert bwd["stores"] == {16: 2 * row_chunks_per_thread}
+    # The pre-pass: two threads per row of dO and O, 16-byte loads, one shuffle, 3 statistics
+    # stored by one thread (was one thread per row, 2-byte loads, a global add per element).
+    prep = entries["flash_bwd_prep_kernel"]
+    assert prep.count("ld.global.nc.v4.u32") == 2 * head_dim // 16
+    assert cuda_resources.kernel_resources(entries, report, "flash_bwd_prep_kernel")["stores"] == {4: 3}
+    assert cuda_resources.kernel_resources(entries, report, "flash_bwd_prep_kernel_1")["stores"] == {16: 1}
+    # dQ conversion: one thread per 8 elements, 16-byte loads of each fp32 partial. The source
+    # stores the 8 rounded values as one 16-byte copy; nvcc splits it into 4 stores.
+    assert "ld.global.nc.v4.f32" in entries["flash_bwd_dq_kernel"]
+    assert sum(cuda_resources.kernel_resources(entries, report, "flash_bwd_dq_kernel")["stores"].values()) == 4
 
 
 @needs_nvcc

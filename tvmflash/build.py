@@ -6,6 +6,10 @@ cached, exported or prebuilt kernels load with TVM's runtime alone.
 
 from __future__ import annotations
 
+import contextlib
+import re
+import threading
+
 import tvm
 import tvm_ffi
 from tvm import s_tir
@@ -105,11 +109,41 @@ def cuda_kernels(params, config) -> tvm.IRModule:
     return sch.mod
 
 
+# ptxas, at the --register-usage-level=10 TVM passes when it compiles the module on the GPU
+# machine, otherwise trades registers for occupancy on its own: with __launch_bounds__(128)
+# alone it capped the D=64 forward at 128 registers and spilled. The main kernels are built for
+# one or two blocks per SM (64 x 64 tiles, 128 threads); saying so (minBlocksPerSM = 1) lets
+# ptxas keep everything in registers. TVM 0.27's CUDA codegen has no attribute for it in this
+# pipeline, only the source post-processing hook.
+_MAIN_KERNELS = re.compile(r"__launch_bounds__\((\d+)\) (flash_fwd_kernel|flash_bwd_kernel)\(")
+_POSTPROC = "tvm_callback_cuda_postproc"
+_postproc_lock = threading.Lock()
+
+
+def _one_block_per_sm_suffices(code: str, _target=None) -> str:
+    return _MAIN_KERNELS.sub(r"__launch_bounds__(\1, 1) \2(", code)
+
+
+@contextlib.contextmanager
+def _cuda_source_postproc(fn):
+    """Register TVM's CUDA source hook for the duration of one build (restoring any other)."""
+    with _postproc_lock:
+        previous = tvm_ffi.get_global_func(_POSTPROC, allow_missing=True)
+        tvm_ffi.register_global_func(_POSTPROC, fn, override=True)
+        try:
+            yield
+        finally:
+            if previous is None:
+                tvm_ffi.remove_global_func(_POSTPROC)
+            else:
+                tvm_ffi.register_global_func(_POSTPROC, previous, override=True)
+
+
 def build_cuda_module(target: tvm.target.Target, params, config) -> tvm.runtime.Module:
     from tvm.tirx import compilation_pipeline
 
     compilation_pipeline.PIPELINE_MAP.setdefault(_CUDA_PIPELINE, _cuda_pipeline)
-    with tvm.transform.PassContext(config=_CUDA_PASS_CONFIG):
+    with tvm.transform.PassContext(config=_CUDA_PASS_CONFIG), _cuda_source_postproc(_one_block_per_sm_suffices):
         return tvm.compile(cuda_kernels(params, config), target=target, tir_pipeline=_CUDA_PIPELINE)
 
 

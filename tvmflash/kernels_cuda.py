@@ -301,9 +301,20 @@ def cuda_forward(spec: KernelSpec, on_cpu: bool = False) -> tirx.PrimFunc:
 # memory once and comes back transposed by ldmatrix.
 
 
+PREP_ROWS = WARPS * 16  # query rows per block of the pre-pass: 2 threads per row
+
+
 def cuda_backward_prep(head_dim: int, dtype: str) -> tirx.PrimFunc:
-    """flash_bwd_prep(dout, out, lse, stats, dq_acc): stats = (lse2_hi, lse2_lo, delta)."""
+    """flash_bwd_prep(dout, out, lse, stats, dq_acc): stats = (lse2_hi, lse2_lo, delta), dq_acc = 0.
+
+    Delta = rowsum(dO * O) with two threads per row (lanes 2 r and 2 r + 1), each reading every
+    other 16-byte chunk of the row (a warp reads 16 rows x 32 contiguous bytes per step: whole
+    32-byte sectors), summing in registers and combining with one shuffle (lane ^ 1). The
+    rows are padded to whole query tiles (stats rows = NqP, a multiple of 64 = PREP_ROWS).
+    """
     D = head_dim
+    elem = DataType(dtype).bits // 8
+    CH = D // (2 * VEC)  # 16-byte chunks per thread
 
     @T.prim_func(s_tir=True)
     def flash_bwd_prep(do_h: T.handle, o_h: T.handle, lse_h: T.handle, stats_h: T.handle, acc_h: T.handle):
@@ -315,38 +326,73 @@ def cuda_backward_prep(head_dim: int, dtype: str) -> tirx.PrimFunc:
         P = T.int64()
         sdo = (T.int64(), T.int64(), T.int64())
         so = (T.int64(), T.int64(), T.int64())
-        dO = T.match_buffer(do_h, (B, Nq, H, D), dtype, strides=(*sdo, 1))
-        O = T.match_buffer(o_h, (B, Nq, H, D), dtype, strides=(*so, 1))
+        dO = T.match_buffer(do_h, (B, Nq, H, D), dtype, strides=(*sdo, 1), align=elem)
+        O = T.match_buffer(o_h, (B, Nq, H, D), dtype, strides=(*so, 1), align=elem)
         LSE = T.match_buffer(lse_h, (B, H, Nq), F32)
         Stats = T.match_buffer(stats_h, (B, H, 3, NqP), F32)
         dQacc = T.match_buffer(acc_h, (P, B, Nq, H, D), F32)
-        for b, h, i, d in T.grid(B, H, NqP, D):
-            with T.sblock("delta"):
-                vb, vh, vi, vd = T.axis.remap("SSSR", [b, h, i, d])
-                with T.init():
-                    Stats[vb, vh, 2, vi] = T.float32(0)
-                Stats[vb, vh, 2, vi] = Stats[vb, vh, 2, vi] + T.if_then_else(
-                    vi < Nq, T.Cast(F32, dO[vb, T.min(vi, Nq - 1), vh, vd]) * T.Cast(
-                        F32, O[vb, T.min(vi, Nq - 1), vh, vd]), T.float32(0))
-        for b, h, i in T.grid(B, H, NqP):
-            with T.sblock("lse_log2"):
-                vb, vh, vi = T.axis.remap("SSS", [b, h, i])
-                Stats[vb, vh, 0, vi] = T.if_then_else(
-                    vi < Nq, lse_log2_parts(LSE[vb, vh, T.min(vi, Nq - 1)])[0], T.float32(0))
-                # A row that sees no key has LSE = -inf: its lo part would be (-inf) - (-inf) = NaN
-                Stats[vb, vh, 1, vi] = T.if_then_else(
-                    tirx.all(vi < Nq, LSE[vb, vh, T.min(vi, Nq - 1)] > T.float32(NEG_INF)),
-                    lse_log2_parts(LSE[vb, vh, T.min(vi, Nq - 1)])[1], T.float32(0))
-        for p, b, i, h, d in T.grid(P, B, Nq, H, D):
-            with T.sblock("zero_dq"):
-                vp, vb, vi, vh, vd = T.axis.remap("SSSSS", [p, b, i, h, d])
-                dQacc[vp, vb, vi, vh, vd] = T.float32(0)
+        dOa = T.decl_buffer((B, Nq, H, D), dtype, data=dO.data, strides=aligned_strides(sdo))
+        Oa = T.decl_buffer((B, Nq, H, D), dtype, data=O.data, strides=aligned_strides(so))
+        for g in T.serial(T.truncdiv(B * H * NqP, PREP_ROWS)):
+            with T.sblock("row_group"):
+                vg = T.axis.remap("S", [g])
+                T.reads()
+                T.writes()
+                dOl = T.sblock_alloc_buffer((WARPS, 32, CH * VEC), dtype)  # per lane: its chunks
+                Ol = T.sblock_alloc_buffer((WARPS, 32, CH * VEC), dtype)
+                part = T.sblock_alloc_buffer((WARPS, 32, 1), F32)  # per lane: its half of the dot product
+                pair = T.sblock_alloc_buffer((WARPS, 32, 1), F32)
+                for w, lane, c, e in T.grid(WARPS, 32, CH, VEC):
+                    with T.sblock("load_do_row"):
+                        vw, vl, vc, ve = T.axis.remap("SSSS", [w, lane, c, e])
+                        row = T.meta_var(vg * PREP_ROWS + vw * 16 + vl // 2)  # over B * H * NqP
+                        dOl[vw, vl, vc * VEC + ve] = dOa[T.truncdiv(T.truncdiv(row, NqP), H), T.min(
+                            T.truncmod(row, NqP), Nq - 1), T.truncmod(T.truncdiv(row, NqP), H),
+                            (vc * 2 + vl % 2) * VEC + ve]
+                for w, lane, c, e in T.grid(WARPS, 32, CH, VEC):
+                    with T.sblock("load_o_row"):
+                        vw, vl, vc, ve = T.axis.remap("SSSS", [w, lane, c, e])
+                        row = T.meta_var(vg * PREP_ROWS + vw * 16 + vl // 2)
+                        Ol[vw, vl, vc * VEC + ve] = Oa[T.truncdiv(T.truncdiv(row, NqP), H), T.min(
+                            T.truncmod(row, NqP), Nq - 1), T.truncmod(T.truncdiv(row, NqP), H),
+                            (vc * 2 + vl % 2) * VEC + ve]
+                for w, lane, c, e in T.grid(WARPS, 32, CH, VEC):
+                    with T.sblock("dot"):
+                        vw, vl, vc, ve = T.axis.remap("SSRR", [w, lane, c, e])
+                        with T.init():
+                            part[vw, vl, 0] = T.float32(0)
+                        part[vw, vl, 0] = part[vw, vl, 0] + T.Cast(F32, dOl[vw, vl, vc * VEC + ve]) * T.Cast(
+                            F32, Ol[vw, vl, vc * VEC + ve])
+                for w, lane in T.grid(WARPS, 32):
+                    with T.sblock("dot_pair"):
+                        vw, vl = T.axis.remap("SS", [w, lane])
+                        pair[vw, vl, 0] = part[vw, vl, 0] + part[vw, quad_partner(vl, 1), 0]
+                for w, lane in T.grid(WARPS, 32):
+                    with T.sblock("row_stats"):  # even lanes write their row's three statistics
+                        vw, vl = T.axis.remap("SS", [w, lane])
+                        row = T.meta_var(vg * PREP_ROWS + vw * 16 + vl // 2)
+                        b = T.meta_var(T.truncdiv(T.truncdiv(row, NqP), H))
+                        h = T.meta_var(T.truncmod(T.truncdiv(row, NqP), H))
+                        i = T.meta_var(T.truncmod(row, NqP))
+                        lse = T.meta_var(LSE[b, h, T.min(i, Nq - 1)])
+                        if vl % 2 == 0:
+                            Stats[b, h, 0, i] = T.if_then_else(i < Nq, lse_log2_parts(lse)[0], T.float32(0))
+                            # A row that sees no key has LSE = -inf: its lo part would be (-inf) - (-inf) = NaN
+                            Stats[b, h, 1, i] = T.if_then_else(tirx.all(i < Nq, lse > T.float32(NEG_INF)),
+                                                               lse_log2_parts(lse)[1], T.float32(0))
+                            Stats[b, h, 2, i] = T.if_then_else(i < Nq, pair[vw, vl, 0], T.float32(0))
+        for p, b, i, h, c, e in T.grid(P, B, Nq, H, D // 4, 4):
+            with T.sblock("zero_dq"):  # 16-byte stores
+                vp, vb, vi, vh, vc, ve = T.axis.remap("SSSSSS", [p, b, i, h, c, e])
+                dQacc[vp, vb, vi, vh, vc * 4 + ve] = T.float32(0)
 
     return flash_bwd_prep
 
 
 def cuda_backward_dq(head_dim: int, dtype: str) -> tirx.PrimFunc:
-    """flash_bwd_dq(dq_acc, dq, softmax_scale): dQ = scale * sum over the partials."""
+    """flash_bwd_dq(dq_acc, dq, softmax_scale): dQ = scale * sum over the partials.
+
+    One thread per 8 consecutive elements: 16-byte fp32 loads of each partial, one 16-byte store."""
     D = head_dim
     elem = DataType(dtype).bits // 8
 
@@ -360,16 +406,34 @@ def cuda_backward_dq(head_dim: int, dtype: str) -> tirx.PrimFunc:
         sdq = (T.int64(), T.int64(), T.int64())
         dQacc = T.match_buffer(acc_h, (P, B, Nq, H, D), F32)
         dQ = T.match_buffer(dq_h, (B, Nq, H, D), dtype, strides=(*sdq, 1), align=elem)
-        for b, i, h, d in T.grid(B, Nq, H, D):
-            with T.sblock("store_dq"):
-                vb, vi, vh, vd = T.axis.remap("SSSS", [b, i, h, d])
-                T.reads(dQacc[0:P, vb, vi, vh, vd])
-                T.writes(dQ[vb, vi, vh, vd])
-                total = T.sblock_alloc_buffer((1,), F32, scope="local")
-                total[0] = T.float32(0)
-                for p in range(P):  # P > 1 only in deterministic mode: fixed summation order
-                    total[0] = total[0] + dQacc[p, vb, vi, vh, vd]
-                dQ[vb, vi, vh, vd] = T.Cast(dtype, total[0] * T.Cast(F32, softmax_scale))
+        dQa = T.decl_buffer((B, Nq, H, D), dtype, data=dQ.data, strides=aligned_strides(sdq))
+        for b, i, h, c in T.grid(B, Nq, H, D // VEC):
+            with T.sblock("dq_chunk"):
+                vb, vi, vh, vc = T.axis.remap("SSSS", [b, i, h, c])
+                T.reads(dQacc[0:P, vb, vi, vh, vc * VEC:vc * VEC + VEC])
+                T.writes(dQa[vb, vi, vh, vc * VEC:vc * VEC + VEC])
+                total = T.sblock_alloc_buffer((VEC,), F32, scope="local")
+                rounded = T.sblock_alloc_buffer((VEC,), dtype, scope="local")
+                for e in range(VEC):
+                    with T.sblock("dq_init"):
+                        ve = T.axis.remap("S", [e])
+                        total[ve] = T.float32(0)
+                for p, e in T.grid(P, VEC):  # P > 1 only in deterministic mode: fixed summation order
+                    with T.sblock("dq_sum"):
+                        vp, ve = T.axis.remap("RS", [p, e])
+                        total[ve] = total[ve] + dQacc[vp, vb, vi, vh, vc * VEC + ve]
+                for e in range(VEC):
+                    with T.sblock("dq_scale"):
+                        ve = T.axis.remap("S", [e])
+                        total[ve] = total[ve] * T.Cast(F32, softmax_scale)
+                for e in range(VEC):
+                    with T.sblock("dq_cast"):
+                        ve = T.axis.remap("S", [e])
+                        rounded[ve] = T.Cast(dtype, total[ve])
+                for e in range(VEC):
+                    with T.sblock("dq_store"):  # one 16-byte store
+                        ve = T.axis.remap("S", [e])
+                        dQa[vb, vi, vh, vc * VEC + ve] = rounded[ve]
 
     return flash_bwd_dq
 
