@@ -24,7 +24,7 @@ import torch
 import tvm
 
 import tvmflash
-from conftest import assert_matches_reference, random_inputs
+from conftest import assert_matches_reference, causal_mask, random_inputs
 from tvmflash import compiler, kernels, kernels_cuda
 from tvmflash import torch_op
 from tvmflash.checks import check_cuda_grid, check_cuda_layout, cuda_layout_problem, info
@@ -115,6 +115,60 @@ def test_deterministic_backward_adds_into_its_own_partial():
     partial_of_block = re.compile(r"\(\(int64_t\)blockIdx\.x\) \* B\)")
     assert all(partial_of_block.search(t) for t in dq_add_targets(True))
     assert not any(partial_of_block.search(t) for t in dq_add_targets(False))
+
+
+# --- --use_fast_math ----------------------------------------------------------------------------
+# TVM compiles the CUDA source with --use_fast_math when a GPU machine loads the module
+# (-ftz=true -prec-div=false -prec-sqrt=false -fmad=true, and fast variants of the math
+# functions). The kernels are written so that of all this only the subnormal flush remains
+# (exp2 is ex2.approx either way, 1/l is __frcp_rn, the LSE is float64, mma has no .ftz), and
+# the flush cannot change a result: the two tests below.
+@needs_nvcc
+@pytest.mark.parametrize("dtype,head_dim,causal,deterministic", [("float16", 64, True, False),
+                                                                 ("bfloat16", 128, False, True)])
+def test_fast_math_changes_only_subnormal_flushing(dtype, head_dim, causal, deterministic):
+    """The PTX with TVM's flags equals the PTX without --use_fast_math (TVM's own switch,
+    TVM_CUDA_NVCC_NO_FAST_MATH) up to the .ftz suffix: no approximate division, reciprocal,
+    square root or math function is left to the flag (a plain 1 / l became rcp.approx)."""
+    kern = tvmflash.compile({"kind": "cuda", "arch": "sm_90"}, head_dim=head_dim, dtype=dtype, causal=causal,
+                            deterministic=deterministic)
+    fast, _ = compile_like_tvm(kern.source(), "sm_90")
+    precise, _ = compile_like_tvm(kern.source(), "sm_90", fast_math=False)
+    assert sorted(fast) == sorted(precise)
+    for name in fast:
+        assert fast[name].replace(".ftz", "") == precise[name].replace(".ftz", ""), name
+    assert "rcp.rn.ftz.f32" in fast["flash_fwd_kernel"] and "rcp.approx.ftz.f32" not in fast["flash_fwd_kernel"]
+
+
+def test_flushing_subnormals_changes_no_result(gen, seed):
+    """-ftz=true flushes fp32 subnormals (|x| < 2^-126) to zero. The kernels' math run on the CPU
+    with its flush-to-zero and denormals-are-zero modes (the same flush, on inputs and results
+    of every float op) gives bit-identical outputs, on inputs where hundreds of probabilities
+    P = 2^(s - lse) fall into the subnormal range: such a P only ever meets terms more than
+    2^24 times larger (the row's largest P is 1), or is rounded to fp16/bf16 next to them."""
+    tiny = 2.0**-126
+    for dtype in ("float16", "bfloat16"):
+        lib = emulated(64, dtype, True)
+        q, k, v = random_inputs(gen, 1, 61, 97, 2, 1, 64, dtype)
+        dout = torch.randn(q.shape, generator=gen).to(q.dtype)
+        scale = 3.0  # logits of spread ~150: many probabilities between 2^-149 and 2^-126
+        probs = torch.softmax(torch.einsum("bihd,bjhd->bhij", q.double(), k.double().repeat_interleave(2, 2))
+                              * scale + torch.where(causal_mask(61, 97), 0.0, float("-inf")), -1)
+        assert ((probs >= 2.0**-149) & (probs < tiny)).sum() > 100
+        plain = run_emulated(lib, q, k, v, dout, 2, scale)
+        assert torch.set_flush_denormal(True), "this CPU cannot flush subnormals"
+        try:
+            flushed = run_emulated(lib, q, k, v, dout, 2, scale)
+            # control: the mode reaches the kernels (a subnormal Delta = dO . O is flushed)
+            stats = torch.zeros(1, 2, 3, compiler.cuda_stats_rows(61))
+            small_dout = torch.full_like(dout, 2.0**-70)
+            lib["flash_bwd_prep"](small_dout, torch.full_like(q, 2.0**-70), plain[1], stats,
+                                  torch.empty(1, 1, 61, 2, 64))
+            assert (stats[:, :, 2, :61] == 0).all()
+        finally:
+            torch.set_flush_denormal(False)
+        for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), plain, flushed):
+            assert torch.equal(a, b), f"{dtype} {name}: flushing subnormals changed the result (seed {seed})"
 
 
 def test_cuda_parameter_errors():
