@@ -1,7 +1,7 @@
 """Registers, spills, barriers and memory instructions of the CUDA kernels, compiled the way TVM
 compiles them when a GPU machine loads the module (no GPU needed).
 
-    python benchmarks/cuda_resources.py [--arch sm_90] [--no-fast-math]
+    python benchmarks/cuda_resources.py [--arch sm_90] [--no-fast-math] [--nvdisasm PATH]
 
 Compiles every variant with ``tvmflash.compile`` (fp16/bf16, head dim 64/128, causal or not,
 atomic or deterministic dQ) and hands its CUDA source to TVM's own ``compile_cuda`` (the nvcc
@@ -11,6 +11,10 @@ per variant and kernel from ptxas's report and the PTX.
 
 A plain ``nvcc -ptx`` + ``ptxas -v`` is *not* what runs: without TVM's flags the D=128 backward
 spilled 8-20 bytes, with them 72-216.
+
+``--nvdisasm`` (a CUDA nvdisasm, e.g. from the ``nvidia-cuda-nvdisasm`` wheel; not needed
+otherwise) adds where the spills are: local-memory instructions in all, and inside the
+innermost loops that run mma (the forward's key-tile loop, the backward's query-tile loop).
 """
 
 from __future__ import annotations
@@ -56,11 +60,12 @@ class _RecordingSubprocess:
         return Finished()
 
 
-def compile_like_tvm(source: str, arch: str, fast_math: bool = True) -> tuple[dict[str, str], str, list[str]]:
+def compile_like_tvm(source: str, arch: str, fast_math: bool = True,
+                     cubin: Path | None = None) -> tuple[dict[str, str], str, list[str]]:
     """CUDA C -> cubin through TVM's ``compile_cuda`` with TVM's flags (nvcc mode).
 
     Returns the PTX of each kernel entry (nvcc keeps its intermediates: ``--keep`` changes no
-    code), ptxas's resource report, and the nvcc command. ``fast_math=False`` uses TVM's own
+    code), ptxas's resource report, and the nvcc command; ``cubin``: also write the binary there. ``fast_math=False`` uses TVM's own
     switch ``TVM_CUDA_NVCC_NO_FAST_MATH``. TVM's default at load time is NVRTC (needs
     ``cuda-bindings`` and libnvrtc), which gets the same ``--use_fast_math`` and ptxas options.
     """
@@ -74,7 +79,7 @@ def compile_like_tvm(source: str, arch: str, fast_math: bool = True) -> tuple[di
         if fast_math:
             os.environ.pop("TVM_CUDA_NVCC_NO_FAST_MATH", None)
         nvcc.compile_cuda(source, target_format="cubin", compiler="nvcc",
-                          options=["--keep", f"--keep-dir={keep}"])
+                          options=["--keep", f"--keep-dir={keep}"], path_target=str(cubin) if cubin else None)
         ptx = (Path(keep) / "tvm_kernels.ptx").read_text()
     if not recorder.outputs or "Function properties" not in recorder.outputs[0]:
         raise RuntimeError("TVM's nvcc call did not report ptxas resources (did tvm.support.nvcc change?)")
@@ -126,6 +131,34 @@ def kernel_resources(entries: dict[str, str], report: str, kernel: str) -> dict:
             "stores": dict(sorted(global_stores(ptx).items()))}
 
 
+def local_memory_in_mma_loops(cubin: Path, nvdisasm: str) -> dict[str, tuple[int, int]]:
+    """kernel -> (local-memory instructions, of them inside an innermost loop that runs mma),
+    from the SASS: a loop is a backward branch; an innermost mma loop contains HMMA and no
+    other such loop."""
+    sass = subprocess.run([nvdisasm, "-c", str(cubin)], capture_output=True, text=True, check=True).stdout
+    found = {}
+    for function in re.split(r"\n//-+ \.text\.", sass)[1:]:
+        labels, instructions = {}, []
+        for line in function.splitlines():
+            label = re.match(r"^(\.L_x_\d+):", line)
+            if label:
+                labels[label.group(1)] = len(instructions)
+                continue
+            instruction = re.match(r"\s*/\*[0-9a-f]{4,}\*/\s+(.*?);", line)
+            if instruction:
+                instructions.append(instruction.group(1))
+        loops = []
+        for end, text in enumerate(instructions):
+            target = re.search(r"BRA\s+`?\(?(\.L_x_\d+)", text)
+            if target and labels.get(target.group(1), end + 1) <= end:
+                loops.append((labels[target.group(1)], end))
+        mma = [(a, b) for a, b in loops if any("HMMA" in instructions[i] for i in range(a, b + 1))]
+        hot = [(a, b) for a, b in mma if not any((c, d) != (a, b) and a <= c and d <= b for c, d in mma)]
+        local = [i for i, text in enumerate(instructions) if re.search(r"\b(LDL|STL)\b", text)]
+        found[function.split()[0]] = (len(local), sum(any(a <= i <= b for a, b in hot) for i in local))
+    return found
+
+
 VARIANTS = [(dtype, head_dim, causal, deterministic) for dtype in ("float16", "bfloat16") for head_dim in (64, 128)
             for causal in (False, True) for deterministic in (False, True)]
 
@@ -134,17 +167,23 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--arch", default="sm_90")
     parser.add_argument("--no-fast-math", action="store_true", help="TVM's flags without --use_fast_math")
+    parser.add_argument("--nvdisasm", help="nvdisasm executable: also count local-memory instructions in mma loops")
     args = parser.parse_args()
     import tvmflash
 
+    local_column = " local mem instr. (in mma loop) |" if args.nvdisasm else ""
     print("| dtype | D | mask | dQ | kernel | registers | spill bytes | barriers | shfl | mma.sync | ldmatrix | "
-          "global stores (bytes: count) |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+          f"global stores (bytes: count) |{local_column}")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if args.nvdisasm else ""))
     for dtype, head_dim, causal, deterministic in VARIANTS:
         with contextlib.redirect_stderr(io.StringIO()):
             kern = tvmflash.compile({"kind": "cuda", "arch": args.arch}, head_dim=head_dim, dtype=dtype,
                                     causal=causal, deterministic=deterministic)
-        entries, report, _ = compile_like_tvm(kern.source(), args.arch, fast_math=not args.no_fast_math)
+        with tempfile.TemporaryDirectory() as tmp:
+            cubin = Path(tmp) / "k.cubin"
+            entries, report, _ = compile_like_tvm(kern.source(), args.arch, fast_math=not args.no_fast_math,
+                                                  cubin=cubin)
+            local = local_memory_in_mma_loops(cubin, args.nvdisasm) if args.nvdisasm else {}
         for kernel in sorted(entries):
             if kernel == "flash_fwd_kernel" and deterministic:
                 continue  # the same forward as the atomic variant
@@ -153,7 +192,7 @@ def main() -> None:
             print(f"| {dtype} | {head_dim} | {'causal' if causal else 'full'} | "
                   f"{'deterministic' if deterministic else 'atomic'} | {kernel} | {r['registers']} | "
                   f"{r['spill_bytes']} | {r['barriers']} | {r['shuffles']} | {r['mma']} | {r['ldmatrix']} | "
-                  f"{stores} |", flush=True)
+                  f"{stores} |" + (" {} ({}) |".format(*local[kernel]) if args.nvdisasm else ""), flush=True)
 
 
 if __name__ == "__main__":
