@@ -399,8 +399,12 @@ _LIBRARY_DIRS = tuple(os.path.dirname(os.path.abspath(m.__file__)) + os.sep for 
 
 
 def _is_library_file(path: str) -> bool:
+    """torch, this module and the standard library; user code may also live in site-packages
+    or in a notebook cell ('<ipython-input-...>')."""
     path = os.path.abspath(path)
-    return path.startswith(_LIBRARY_DIRS) or path == os.path.abspath(__file__) or path.startswith("<")
+    if path == os.path.abspath(__file__) or path.startswith(_LIBRARY_DIRS[0]):
+        return True
+    return path.startswith(_LIBRARY_DIRS[1]) and "site-packages" not in path and "dist-packages" not in path
 
 
 def _evaluate(gm: fx.GraphModule, inputs: Sequence, outputs: Sequence[int], ctx: _Ctx) -> list:
@@ -584,13 +588,14 @@ def _as_acc(ctx: _Ctx, x) -> _Acc:
     ctx.fail("a gradient mixes a scatter-add with a large dense tensor")
 
 
-def _acc_add(ctx: _Ctx, a, b, sign: float) -> _Acc:
+def _acc_add(ctx: _Ctx, a, b, alpha) -> _Acc:
+    """a + alpha * b where either is a gradient scatter-add: the terms of both."""
     a, b = _as_acc(ctx, a), _as_acc(ctx, b)
     out = _tvm_dtype(ctx.out_dtype)
     terms = [(i, _cast(v, out)) for i, v in a.terms]
     for i, v in b.terms:
         v = _cast(v, out)
-        terms.append((i, v if sign == 1 else v * _const(sign, out)))
+        terms.append((i, v if alpha == 1 else v * _const(alpha, out)))
     return _Acc(ctx.out_shape, ctx.out_dtype, terms)
 
 
@@ -600,9 +605,7 @@ def _acc_add(ctx: _Ctx, a, b, sign: float) -> _Acc:
 @_handles("aten.add")
 def _add(ctx, a, b, *, alpha=1):
     if _any_acc(a, b):
-        if alpha != 1:
-            b = _acc_scale(ctx, b, alpha, lambda x, y: x * y) if isinstance(b, _Acc) else b
-        return _acc_add(ctx, a, b, 1)
+        return _acc_add(ctx, a, b, alpha)
     if alpha != 1:
         return _map(ctx, [a, b], lambda x, y: x + y * _const(alpha, _dtype_of(y)))
     if isinstance(b, _T) and b.const == 0 and b.shape == ctx.out_shape == () and isinstance(a, _T):
@@ -613,9 +616,7 @@ def _add(ctx, a, b, *, alpha=1):
 @_handles("aten.sub")
 def _sub(ctx, a, b, *, alpha=1):
     if _any_acc(a, b):
-        if alpha != 1:
-            b = _acc_scale(ctx, b, alpha, lambda x, y: x * y) if isinstance(b, _Acc) else b
-        return _acc_add(ctx, a, b, -1)
+        return _acc_add(ctx, a, b, -alpha)
     return _map(ctx, [a, b], lambda x, y: x - (y * _const(alpha, _dtype_of(y)) if alpha != 1 else y))
 
 
@@ -651,12 +652,24 @@ def _guard_zero(num, den, op):
     return tirx.Select(tirx.EQ(den, zero), _const(0, _dtype_of(num)), op(num, tirx.Select(tirx.EQ(den, zero), _const(1, _dtype_of(den)), den)))
 
 
-def _float_floor_div(x, y):
-    return tirx.floor(x / y)
+def _float_floor_div(x, y, fmod):
+    """torch's floor division of floats (div_floor_floating): exact where floor(x / y) is not,
+    e.g. 1.0 // 0.1 is 9 (the quotient rounds up to 10.0 before the floor)."""
+    dt = _dtype_of(x)
+    zero = _const(0, dt)
+    mod = fmod(x, y)
+    div = (x - mod) / y
+    div = tirx.Select(tirx.And(tirx.NE(mod, zero), _bool_xor(y < zero, mod < zero)), div - _const(1, dt), div)
+    floored = tirx.floor(div)
+    floored = tirx.Select(div - floored > _const(0.5, dt), floored + _const(1, dt), floored)
+    result = tirx.Select(tirx.NE(div, zero), floored, tirx.copysign(zero, x / y))
+    return tirx.Select(tirx.EQ(y, zero), x / y, result)
 
 
 @_handles("aten.div", "aten.true_divide")
 def _div(ctx, a, b, *, rounding_mode=None):
+    if isinstance(b, _Acc):
+        ctx.fail("division by a gradient")
     if isinstance(a, _Acc):
         if rounding_mode is not None:
             ctx.fail("rounded division of a gradient")
@@ -667,8 +680,9 @@ def _div(ctx, a, b, *, rounding_mode=None):
             return _map(ctx, [a], lambda x: x)
         return _map(ctx, [a, b], lambda x, y: x / y)
     if _is_float(out):
-        fn = ctx.fn("trunc") if rounding_mode == "trunc" else ctx.fn("floor")
-        return _map(ctx, [a, b], lambda x, y: fn(x / y))
+        if rounding_mode == "trunc":
+            return _map(ctx, [a, b], lambda x, y: ctx.fn("trunc")(x / y))
+        return _map(ctx, [a, b], lambda x, y: _float_floor_div(x, y, ctx.fn("fmod")))
     op = tirx.truncdiv if rounding_mode == "trunc" else tirx.floordiv
     return _map(ctx, [a, b], lambda x, y: _guard_zero(x, y, op))
 
@@ -743,7 +757,7 @@ def _pow_scalar_exponent(ctx, base, e):
     """x ** e for a constant e: x*x etc. for small integers (as torch's pow kernel), sqrt/rsqrt."""
     out = _tvm_dtype(ctx.out_dtype)
     compute = _opmath(out)
-    if float(e) == int(e) and abs(e) <= 4 and (_is_float(out) or e >= 0):
+    if math.isfinite(e) and float(e) == int(e) and abs(e) <= 4 and (_is_float(out) or e >= 0):
         n = int(abs(e))
 
         def ipow(x):
@@ -880,7 +894,7 @@ def _bool_xor(x, y):
     return tirx.NE(tirx.Cast("int8", x), tirx.Cast("int8", y))  # not NE on bools: see _compare
 
 
-def _compare(op, ordered: bool):
+def _compare(op):
     def handler(ctx, a, b):
         compute = _result_type(a, b)
         if compute == "bool":  # TVM's LLVM codegen emits fcmp for == / != on bools: compare as int8
@@ -892,12 +906,12 @@ def _compare(op, ordered: bool):
     return handler
 
 
-_handles("aten.eq")(_compare(tirx.EQ, False))
-_handles("aten.ne")(_compare(tirx.NE, False))
-_handles("aten.lt")(_compare(lambda x, y: x < y, True))
-_handles("aten.le")(_compare(lambda x, y: x <= y, True))
-_handles("aten.gt")(_compare(lambda x, y: x > y, True))
-_handles("aten.ge")(_compare(lambda x, y: x >= y, True))
+_handles("aten.eq")(_compare(tirx.EQ))
+_handles("aten.ne")(_compare(tirx.NE))
+_handles("aten.lt")(_compare(lambda x, y: x < y))
+_handles("aten.le")(_compare(lambda x, y: x <= y))
+_handles("aten.gt")(_compare(lambda x, y: x > y))
+_handles("aten.ge")(_compare(lambda x, y: x >= y))
 
 
 def _float_test(fn):
@@ -1009,6 +1023,11 @@ def _convert(ctx, a, *args, **kwargs):
     if a.const is not None:
         return _T.full(a.shape, dtype, _cast(_const(a.const, a.tvm_dtype), out).value)
     return _T(a.shape, dtype, lambda idx: _cast(a.at(idx), out)) if a.shape else _T.scalar(_cast(a.expr, out), dtype)
+
+
+@_handles("aten.copy")
+def _copy(ctx, dest, src, *args):
+    return _map(ctx, [src], lambda x: x)
 
 
 @_handles("aten.clone", "aten.detach", "aten.alias", "aten.lift_fresh_copy", "aten.lift_fresh", "aten.contiguous",
@@ -1209,6 +1228,12 @@ def _index(ctx, a, indices):
         return tuple(src)
 
     return _view_of(ctx, a, mapper, shape)
+
+
+# The *_copy forms of the view ops (functionalization may emit them) mean the same here.
+for _name in ("view", "_unsafe_view", "squeeze", "unsqueeze", "expand", "permute", "transpose", "t", "select", "slice",
+              "alias", "detach"):
+    _HANDLERS[f"aten.{_name}_copy"] = _HANDLERS[f"aten.{_name}"]
 
 
 # --- reductions (small static tensors, or gradients) -------------------------------------------
@@ -1548,7 +1573,7 @@ def _make_fx(fn, args, functional: bool = False):
     from torch.fx.experimental.proxy_tensor import make_fx
 
     if functional:
-        fn = torch.func.functionalize(fn, remove="mutations_and_views")
+        fn = torch.func.functionalize(fn, remove="mutations")
     with TransformGetItemToIndex():
         return make_fx(fn, tracing_mode="fake", _allow_non_fake_inputs=True)(*args)
 
@@ -1567,7 +1592,7 @@ def _check_ops(gm: fx.GraphModule, what: str, fn, example):
 
 
 def _trace(fn, example, what: str, device: str):
-    """make_fx the function; lift its captured tensors into inputs. -> (gm, captured, constants)."""
+    """make_fx the function; lift its captured tensors into trailing inputs. -> (gm, captured)."""
     try:
         gm = _make_fx(fn, example)
     except FlexTraceError:
