@@ -100,6 +100,12 @@ def score_gallery(t):
             torch.pow(1.5, s / 4) + s.abs() ** 1.3 + 2 ** (s / 8) + torch.round(s * 2.5) + torch.trunc(s)
             + torch.ceil(s) + torch.frac(s) + torch.sign(s)
         ),
+        "activations": lambda s, b, h, q, kv: (
+            torch.nn.functional.gelu(s) + torch.nn.functional.gelu(s / 2, approximate="tanh")
+            + torch.nn.functional.silu(s) + torch.nn.functional.softplus(s, beta=2, threshold=5)
+            + torch.nn.functional.leaky_relu(s, 0.1) + torch.logaddexp(s, s / 2)
+            + torch.nan_to_num(torch.log(s), nan=-3.0, neginf=-7.0) * 0.25
+        ),
         "floor_division": lambda s, b, h, q, kv: (
             torch.div(s, 0.1, rounding_mode="floor") + torch.floor_divide(q - kv, -3) + torch.remainder(q - kv, -4)
         ),

@@ -887,6 +887,121 @@ def _copysign(ctx, a, b):
     return _map(ctx, [a, b], tirx.copysign, compute=_float_compute(ctx))
 
 
+# --- activations (and the backward ops the vjp graph gives for them) --------------------------
+
+_SQRT1_2 = math.sqrt(0.5)
+_GELU_BETA = math.sqrt(2.0 / math.pi)
+_GELU_KAPPA = 0.044715
+
+
+def _gelu_parts(ctx, x, approximate: str):
+    dt = _dtype_of(x)
+    c = lambda v: _const(v, dt)  # noqa: E731
+    if approximate == "tanh":
+        t = ctx.fn("tanh")(c(_GELU_BETA) * (x + c(_GELU_KAPPA) * x * x * x))
+        return t
+    return ctx.fn("erf")(x * c(_SQRT1_2))
+
+
+@_handles("aten.gelu")
+def _gelu(ctx, a, approximate="none"):
+    def gelu(x):
+        return _const(0.5, _dtype_of(x)) * x * (_const(1, _dtype_of(x)) + _gelu_parts(ctx, x, approximate))
+
+    return _map(ctx, [a], gelu, compute=_float_compute(ctx))
+
+
+@_handles("aten.gelu_backward")
+def _gelu_backward(ctx, g, a, approximate="none"):
+    def grad(gg, x):
+        dt = _dtype_of(x)
+        c = lambda v: _const(v, dt)  # noqa: E731
+        if approximate == "tanh":  # torch's GeluBackward (tanh) formula
+            t = _gelu_parts(ctx, x, "tanh")
+            right = c(0.5) * x * (c(1) - t * t) * c(_GELU_BETA) * (c(1) + c(3 * _GELU_KAPPA) * x * x)
+            return gg * (c(0.5) * (c(1) + t) + right)
+        cdf = c(0.5) * (c(1) + _gelu_parts(ctx, x, "none"))
+        pdf = ctx.fn("exp")(c(-0.5) * x * x) * c(1 / math.sqrt(2 * math.pi))
+        return gg * (cdf + x * pdf)
+
+    return _map(ctx, [g, a], grad, compute=_float_compute(ctx))
+
+
+@_handles("aten.silu")
+def _silu(ctx, a):
+    return _map(ctx, [a], lambda x: x * ctx.fn("sigmoid")(x), compute=_float_compute(ctx))
+
+
+@_handles("aten.silu_backward")
+def _silu_backward(ctx, g, a):
+    def grad(gg, x):
+        sig = ctx.fn("sigmoid")(x)
+        one = _const(1, _dtype_of(x))
+        return gg * sig * (one + x * (one - sig))
+
+    return _map(ctx, [g, a], grad, compute=_float_compute(ctx))
+
+
+@_handles("aten.softplus")
+def _softplus(ctx, a, beta=1, threshold=20):
+    def softplus(x):
+        dt = _dtype_of(x)
+        xb = x * _const(beta, dt)
+        soft = ctx.fn("log1p")(ctx.fn("exp")(xb)) / _const(beta, dt)
+        return tirx.Select(xb > _const(threshold, dt), x, soft)
+
+    return _map(ctx, [a], softplus, compute=_float_compute(ctx))
+
+
+@_handles("aten.softplus_backward")
+def _softplus_backward(ctx, g, a, beta=1, threshold=20):
+    def grad(gg, x):
+        dt = _dtype_of(x)
+        xb = x * _const(beta, dt)
+        z = ctx.fn("exp")(xb)
+        return tirx.Select(xb > _const(threshold, dt), gg, gg * z / (z + _const(1, dt)))
+
+    return _map(ctx, [g, a], grad, compute=_float_compute(ctx))
+
+
+@_handles("aten.leaky_relu")
+def _leaky_relu(ctx, a, slope=0.01):
+    return _map(ctx, [a], lambda x: tirx.Select(x > _const(0, _dtype_of(x)), x, x * _const(slope, _dtype_of(x))))
+
+
+@_handles("aten.leaky_relu_backward")
+def _leaky_relu_backward(ctx, g, a, slope, self_is_result=False):
+    return _map(ctx, [g, a], lambda gg, x: tirx.Select(x > _const(0, _dtype_of(x)), gg, gg * _const(slope, _dtype_of(x))))
+
+
+@_handles("aten.logaddexp")
+def _logaddexp(ctx, a, b):
+    def lae(x, y):
+        same_inf = tirx.And(tirx.isinf(x), tirx.EQ(x, y))  # torch: inf + inf -> inf, -inf + -inf -> -inf
+        soft = tirx.max(x, y) + ctx.fn("log1p")(ctx.fn("exp")(-tirx.abs(x - y)))
+        return tirx.Select(same_inf, x, soft)
+
+    return _map(ctx, [a, b], lae, compute=_float_compute(ctx))
+
+
+@_handles("aten.nan_to_num")
+def _nan_to_num(ctx, a, nan=None, posinf=None, neginf=None):
+    out = _tvm_dtype(ctx.out_dtype)
+    if not _is_float(out):
+        return _map(ctx, [a], lambda x: x)
+    finfo = torch.finfo(ctx.out_dtype)
+    hi = finfo.max if posinf is None else posinf
+    lo = finfo.min if neginf is None else neginf
+
+    def fix(x):
+        dt = _dtype_of(x)
+        x = tirx.Select(tirx.isnan(x), _const(0.0 if nan is None else nan, dt), x)
+        x = tirx.Select(tirx.EQ(x, _const(math.inf, dt)), _const(hi, dt), x)
+        return tirx.Select(tirx.EQ(x, _const(-math.inf, dt)), _const(lo, dt), x)
+
+    return _map(ctx, [a], fix, compute=out)
+
+
 # --- comparisons and logic --------------------------------------------------------------------
 
 
