@@ -100,6 +100,12 @@ def score_gallery(t):
             torch.pow(1.5, s / 4) + s.abs() ** 1.3 + 2 ** (s / 8) + torch.round(s * 2.5) + torch.trunc(s)
             + torch.ceil(s) + torch.frac(s) + torch.sign(s)
         ),
+        "more_float_ops": lambda s, b, h, q, kv: (
+            torch.expm1(s / 10) + torch.expm1(s / 1000) * 100 + torch.sinh(s / 4) + torch.sinh(s / 100) * 10
+            + torch.cosh(s / 4) + torch.tan(s / 16) + torch.asin(torch.tanh(s) * 0.9) + torch.acos(torch.tanh(s / 2) * 0.9)
+            + torch.atan2(s, s * s + 1) + torch.log10(s * s + 1) + torch.exp(s / 5) + torch.reciprocal(s * s + 2)
+            + torch.square(s) / 30 + torch.lerp(s, s * s, 0.25) / 20
+        ),
         "activations": lambda s, b, h, q, kv: (
             torch.nn.functional.gelu(s) + torch.nn.functional.gelu(s / 2, approximate="tanh")
             + torch.nn.functional.silu(s) + torch.nn.functional.softplus(s, beta=2, threshold=5)

@@ -51,6 +51,31 @@ to any ``emit*`` method (or edit the table) to substitute vectorizable versions.
 ``apply_score_mod_dense`` / ``dense_mask`` evaluate the user functions with plain torch over
 all ``(b, h, q_idx, kv_idx)`` (``torch.vmap``, float64 capable, differentiable): the dense
 reference for tests.
+
+Ops translated (``supported_ops()`` lists them; overloads and ``*_copy`` / in-place forms too):
+
+* arithmetic: add sub rsub mul div (true, ``rounding_mode`` trunc/floor) floor_divide remainder
+  fmod neg abs sign/sgn reciprocal square pow (x*x... for small integer exponents, sqrt/rsqrt
+  for +-1/2) lerp copysign; min/max: maximum minimum fmax fmin clamp clamp_min clamp_max relu
+* float functions (via ``INTRINSICS``): exp exp2 expm1 log log2 log10 log1p sqrt rsqrt tanh
+  sigmoid erf sin cos tan asin acos atan atan2 sinh cosh floor ceil trunc round frac;
+  gelu (erf/tanh) silu softplus leaky_relu logaddexp nan_to_num
+* comparisons and logic: eq ne lt le gt ge isnan isinf isfinite isposinf isneginf,
+  logical_and/or/xor/not, bitwise_and/or/xor/not (logical on bools), where masked_fill
+* conversions and constants: _to_copy to convert_element_type type_as clone detach copy;
+  full full_like fill zeros(_like) ones(_like) new_zeros/ones/full/empty scalar_tensor arange,
+  Python numbers and 0-d tensor constants
+* views and indexing: index.Tensor (integer tensor indices, any advanced-indexing layout),
+  select slice view reshape squeeze unsqueeze flatten expand permute transpose; sum mean amax
+  amin over small static tensors (unrolled)
+* from the vjp graphs: tanh_backward sigmoid_backward threshold_backward gelu_backward
+  silu_backward softplus_backward leaky_relu_backward, index_put (accumulate), select_backward,
+  slice_backward, and sums of those
+
+Where the TIR differs from torch on purpose: out-of-range indices clamp (torch raises), integer
+division/remainder by zero gives 0 (torch raises), float -> int casts saturate and map NaN to 0
+(undefined in C; x86 torch gives INT_MIN), and min/max/clamp follow TVM's ``Max``/``Min`` for
+NaN operands (torch propagates NaN).
 """
 
 from __future__ import annotations
@@ -198,10 +223,32 @@ def _cast(expr, dtype: str) -> tirx.PrimExpr:
 # The intrinsic table (substitute fast vectorizable versions here or per emit call)
 
 
+def _taylor(x, coeffs):
+    """sum_k coeffs[k] * x**k by Horner's rule."""
+    dt = _dtype_of(x)
+    acc = _const(coeffs[-1], dt)
+    for c in reversed(coeffs[:-1]):
+        acc = acc * x + _const(c, dt)
+    return acc
+
+
 def _expm1(x):
-    # exp(x) - 1 loses digits near 0; TIR has no expm1. Small |x|: the Taylor polynomial.
-    small = x * (_const(1.0, _dtype_of(x)) + x * (_const(0.5, _dtype_of(x)) + x * _const(1.0 / 6, _dtype_of(x))))
-    return tirx.Select(tirx.abs(x) < _const(1e-3, _dtype_of(x)), small, tirx.exp(x) - _const(1.0, _dtype_of(x)))
+    """exp(x) - 1 (TIR has no expm1): Taylor polynomial for |x| < 1/2, where exp(x) - 1 cancels."""
+    dt = _dtype_of(x)
+    series = x * _taylor(x, [1.0 / math.factorial(k + 1) for k in range(10)])
+    return tirx.Select(tirx.abs(x) < _const(0.5, dt), series, tirx.exp(x) - _const(1.0, dt))
+
+
+def _sinh(x):
+    """tirx.sinh/cosh have no LLVM lowering inside vectorized loops: from exp (Taylor near 0)."""
+    dt = _dtype_of(x)
+    x2 = x * x
+    series = x * _taylor(x2, [1.0 / math.factorial(2 * k + 1) for k in range(6)])
+    return tirx.Select(tirx.abs(x) < _const(0.5, dt), series, (tirx.exp(x) - tirx.exp(-x)) * _const(0.5, dt))
+
+
+def _cosh(x):
+    return (tirx.exp(x) + tirx.exp(-x)) * _const(0.5, _dtype_of(x))
 
 
 INTRINSICS: dict[str, Callable[..., tirx.PrimExpr]] = {
@@ -224,8 +271,8 @@ INTRINSICS: dict[str, Callable[..., tirx.PrimExpr]] = {
     "asin": tirx.asin,
     "acos": tirx.acos,
     "atan": tirx.atan,
-    "sinh": tirx.sinh,
-    "cosh": tirx.cosh,
+    "sinh": _sinh,
+    "cosh": _cosh,
     "atan2": tirx.atan2,
     "pow": tirx.power,
     "fmod": tirx.truncmod,  # float operands: LLVM frem (tirx.fmod has no CPU lowering)
