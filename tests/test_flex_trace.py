@@ -320,6 +320,18 @@ def test_captured_tensors_found_named_and_ordered(compiled):
     traced = trace_score_mod(lambda s, b, h, q, kv: s * w[h] + a[h] + w[q])  # order of first use
     assert [c.name for c in traced.captured] == ["w", "a"]
 
+    class RelativeBias(torch.nn.Module):  # a module as score_mod: its parameters and buffers
+        def __init__(self):
+            super().__init__()
+            self.bias = torch.nn.Parameter(torch.zeros(H, 65))
+            self.register_buffer("slopes", torch.rand(H))
+
+        def forward(self, score, b, h, q_idx, kv_idx):
+            return score + self.bias[h, q_idx - kv_idx + 32] + self.slopes[h] * (kv_idx - q_idx)
+
+    traced = trace_score_mod(RelativeBias())
+    assert [(c.name, c.requires_grad) for c in traced.captured] == [("bias", True), ("slopes", False)]
+
 
 def test_gradient_terms(compiled):
     """The scatter-add terms: one per read of a learnable tensor; 0-d learnable: an empty index."""

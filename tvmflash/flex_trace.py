@@ -1677,6 +1677,9 @@ def _closure_names(fn) -> dict[int, str]:
                 if callable(v):
                     visit(v, depth + 1)
             return
+        if isinstance(f, torch.nn.Module):
+            for k, v in list(f.named_parameters()) + list(f.named_buffers()):
+                names.setdefault(id(v), k.replace(".", "_"))
         if not inspect.isfunction(f):
             call = getattr(type(f), "__call__", None)
             for k, v in vars(f).items() if hasattr(f, "__dict__") else ():
