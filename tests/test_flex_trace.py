@@ -102,7 +102,8 @@ def score_gallery(t):
         ),
         "more_float_ops": lambda s, b, h, q, kv: (
             torch.expm1(s / 10) + torch.expm1(s / 1000) * 100 + torch.sinh(s / 4) + torch.sinh(s / 100) * 10
-            + torch.cosh(s / 4) + torch.tan(s / 16) + torch.asin(torch.tanh(s) * 0.9) + torch.acos(torch.tanh(s / 2) * 0.9)
+            + torch.cosh(s / 4) + torch.tan(s / 16) + torch.asin(torch.tanh(s) * 0.9)
+            + torch.acos(torch.tanh(s / 2) * 0.9)
             + torch.atan2(s, s * s + 1) + torch.log10(s * s + 1) + torch.exp(s / 5) + torch.reciprocal(s * s + 2)
             + torch.square(s) / 30 + torch.lerp(s, s * s, 0.25) / 20
         ),

@@ -696,7 +696,9 @@ def _guard_zero(num, den, op):
             return _const(0, _dtype_of(num))
         return op(num, den)
     zero = _const(0, _dtype_of(den))
-    return tirx.Select(tirx.EQ(den, zero), _const(0, _dtype_of(num)), op(num, tirx.Select(tirx.EQ(den, zero), _const(1, _dtype_of(den)), den)))
+    is_zero = tirx.EQ(den, zero)
+    safe = tirx.Select(is_zero, _const(1, _dtype_of(den)), den)
+    return tirx.Select(is_zero, _const(0, _dtype_of(num)), op(num, safe))
 
 
 def _float_floor_div(x, y, fmod):
@@ -1018,7 +1020,10 @@ def _leaky_relu(ctx, a, slope=0.01):
 
 @_handles("aten.leaky_relu_backward")
 def _leaky_relu_backward(ctx, g, a, slope, self_is_result=False):
-    return _map(ctx, [g, a], lambda gg, x: tirx.Select(x > _const(0, _dtype_of(x)), gg, gg * _const(slope, _dtype_of(x))))
+    def grad(gg, x):
+        return tirx.Select(x > _const(0, _dtype_of(x)), gg, gg * _const(slope, _dtype_of(x)))
+
+    return _map(ctx, [g, a], grad)
 
 
 @_handles("aten.logaddexp")
@@ -1170,8 +1175,8 @@ def _masked_fill(ctx, a, mask, value):
 # --- type conversions, copies, constants -------------------------------------------------------
 
 
-@_handles("aten._to_copy", "aten.to", "prims.convert_element_type", "aten.type_as", "aten._autocast_to_reduced_precision",
-          "aten._autocast_to_full_precision")
+@_handles("aten._to_copy", "aten.to", "prims.convert_element_type", "aten.type_as",
+          "aten._autocast_to_reduced_precision", "aten._autocast_to_full_precision")
 def _convert(ctx, a, *args, **kwargs):
     dtype = ctx.out_dtype
     if isinstance(a, _Acc):
@@ -1257,8 +1262,9 @@ def _arange(ctx, *args, **kwargs):
     else:
         start, end, step = nums[:3]
     out = _tvm_dtype(ctx.out_dtype)
+    c = _opmath(out)
     return _T(ctx.out_shape, ctx.out_dtype,
-              lambda idx: _cast(_const(start, _opmath(out)) + _cast(idx[0], _opmath(out)) * _const(step, _opmath(out)), out))
+              lambda idx: _cast(_const(start, c) + _cast(idx[0], c) * _const(step, c), out))
 
 
 # --- views and indexing ------------------------------------------------------------------------
@@ -1500,7 +1506,8 @@ def _index_put(ctx, dest, indices, values, accumulate=False, *args):
     indices = list(indices)
     if any(ix is None for ix in indices) or any(isinstance(ix, _T) and ix.shape != () for ix in indices):
         ctx.fail("index_put with slices or non-scalar index tensors")
-    fixed = tuple(_normalize_index(ctx, ix.expr if isinstance(ix, _T) else ix, dest.shape[k]) for k, ix in enumerate(indices))
+    fixed = tuple(_normalize_index(ctx, ix.expr if isinstance(ix, _T) else ix, dest.shape[k])
+                  for k, ix in enumerate(indices))
     out = _tvm_dtype(ctx.out_dtype)
     rest_shape = dest.shape[len(fixed):]
     terms = list(dest.terms)
@@ -1646,7 +1653,8 @@ def _trace_error(exc: BaseException, fn, what: str) -> FlexTraceError:
         location = f" at {os.path.basename(code.co_filename)}:{tb.tb_lineno}: `{line}`"
     if tb is not None and line:
         found = _non_tensor_data(tb.tb_frame, line)
-        if found is not None and (_is_data_dependent(exc) or isinstance(exc, (TypeError, NotImplementedError, IndexError))):
+        plausible = _is_data_dependent(exc) or isinstance(exc, (TypeError, NotImplementedError, IndexError))
+        if found is not None and plausible:
             name, value = found
             return FlexTraceError(
                 f"{what} indexes `{name}`, a Python {type(value).__name__}, with a tensor{location}: captured data "
@@ -1703,8 +1711,9 @@ def _closure_names(fn) -> dict[int, str]:
                     for item in v:
                         if callable(item) and not isinstance(item, type):
                             visit(item, depth + 1)
-                elif callable(v) and not isinstance(v, type) and not str(getattr(v, "__module__", "") or "").startswith("torch"):
-                    visit(v, depth + 1)
+                elif callable(v) and not isinstance(v, type):
+                    if not str(getattr(v, "__module__", "") or "").startswith("torch"):
+                        visit(v, depth + 1)
 
     visit(fn, 0)
     return names
@@ -1900,7 +1909,8 @@ def _buffer_tensor(buf, c: Captured) -> _T:
     torch_dtype = _TORCH_DTYPES[c.dtype]
 
     def at(idx):
-        return tirx.BufferLoad(buf, [_cast(i, dt) if not isinstance(i, int) else _const(i, dt) for i, dt in zip(idx, dtypes)])
+        return tirx.BufferLoad(buf, [_cast(i, dt) if not isinstance(i, int) else _const(i, dt)
+                                     for i, dt in zip(idx, dtypes)])
 
     if c.shape == ():
         return _T.scalar(at(()), torch_dtype)
@@ -2067,7 +2077,8 @@ def trace_score_mod(score_mod: Callable | None, *, device: str = "cpu") -> Trace
     except Exception as exc:  # noqa: BLE001
         raise FlexTraceError(f"tracing the gradient of score_mod with torch.func.vjp failed: "
                              f"{type(exc).__name__}: {exc}") from exc
-    key = _graph_key([TRANSLATOR_VERSION, "score_mod", _graph_text(graph), _graph_text(joint_gm), _captured_text(captured)])
+    key = _graph_key([TRANSLATOR_VERSION, "score_mod", _graph_text(graph), _graph_text(joint_gm),
+                      _captured_text(captured)])
     traced = TracedScoreMod(graph, joint_gm, captured, key, out_val.dtype, name)
     # Translate once now, symbolically: unsupported ops etc. fail here, not in the kernel builder.
     score, idx, buffers = _symbolic_inputs(captured)
