@@ -230,6 +230,7 @@ def _check_case(index: int, case, seed: int, rank: int) -> None:
     out, lse, _ = attn(q, k, v, causal=causal, return_attn_probs=True)
     assert out.dtype == q.dtype and lse.dtype == torch.float32 and out.shape == q.shape
     out.backward(shard(dout, 1))
+    _check_traffic(layout, causal, q, k, rank, world)
     got = [unshard(out, 1), unshard(lse, 2), unshard(q.grad, 1), unshard(k.grad, 1), unshard(v.grad, 1)]
     if rank != 0:
         return
@@ -245,6 +246,19 @@ def _check_case(index: int, case, seed: int, rank: int) -> None:
     for name, ours, theirs, truth in zip(("out", "lse", "dq", "dk", "dv"), got, single, ref):
         assert_flash_rule(f"{tag} {name} vs single-process", ours, truth.detach(), theirs.detach(),
                           torch.float32 if name == "lse" else q.dtype, seed)
+
+
+def _check_traffic(layout: str, causal: bool, q, k, rank: int, world: int) -> None:
+    """Bytes sent per call = the formula; causal skips exactly the fully masked blocks."""
+    from tvmflash.distributed.ring import last_call_stats
+
+    fwd, bwd = last_call_stats["forward"], last_call_stats["backward"]
+    kv_bytes = 2 * k.numel() * k.element_size()  # one K/V block
+    dkv_bytes = 2 * k.numel() * 4  # one fp32 dK/dV block
+    assert fwd["bytes_sent"] == (world - 1) * kv_bytes, fwd
+    assert bwd["bytes_sent"] == (world - 1) * kv_bytes + world * dkv_bytes, bwd
+    blocks = rank + 1 if (causal and layout == "ring") else world
+    assert fwd["blocks"] == bwd["blocks"] == blocks, (fwd, bwd)
 
 
 def _expect_error(fn, kind, text: str):

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 import struct
+import time
 
 import torch
 import torch.distributed as dist
@@ -53,7 +54,9 @@ class Ring:
         self._recv_from = dist.get_global_rank(group, self.prev_rank)
         self.device = device
         self.phase = phase
-        self.bytes_sent = 0  # per call, for the benchmarks
+        self.bytes_sent = 0  # per call, for the benchmarks and tests
+        self.messages = 0
+        self.wait_s = 0.0  # time blocked in wait(): transfers the compute did not hide
 
     def start(self, send: torch.Tensor, recv: torch.Tensor, what: str, step: int, tag: int = 0):
         """Post send(``send`` -> next) and recv(``recv`` <- previous); returns a handle for ``wait``.
@@ -68,15 +71,18 @@ class Ring:
         except Exception as err:  # noqa: BLE001 - re-raised with the context
             raise self._error(what, step, err) from err
         self.bytes_sent += send.numel() * send.element_size()
+        self.messages += 1
         return works, what, step
 
     def wait(self, handle) -> None:
         works, what, step = handle
+        start = time.perf_counter()
         try:
             for work in works:
                 work.wait()
         except Exception as err:  # noqa: BLE001 - re-raised with the context
             raise self._error(what, step, err) from err
+        self.wait_s += time.perf_counter() - start
 
     def _error(self, what: str, step: int, err: Exception) -> RingError:
         return RingError(

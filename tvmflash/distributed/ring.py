@@ -38,6 +38,9 @@ Causal masks, with the block of rank s seen from rank r:
 
 from __future__ import annotations
 
+import contextlib
+import time
+
 import torch
 
 from . import _blocks
@@ -102,19 +105,43 @@ def _ring_forward(q, k, v, scale: float, causal: bool, layout: int, deterministi
     lse = torch.full((batch, heads, n), float("-inf"), dtype=torch.float32, device=q.device)
     kv = torch.stack((k, v))  # one buffer, one message per step
     spare = torch.empty_like(kv) if world > 1 else None
+    stats = _Stats(ring)
     for step in range(world):
         pending = ring.start(kv, spare, "K/V blocks", step, _TAG_KV) if step + 1 < world else None
         plan = block_plan(layout, causal, rank, (rank - step) % world, n)
         if plan is not None:
             rows, keys, block_causal = plan
-            block_out, block_lse = _blocks.block_forward(q[:, rows], kv[0, :, keys], kv[1, :, keys], scale,
-                                                         block_causal, deterministic)
-            merge_block(out[:, rows], lse[:, :, rows], block_out, block_lse)
-            del block_out, block_lse
+            with stats.compute():
+                block_out, block_lse = _blocks.block_forward(q[:, rows], kv[0, :, keys], kv[1, :, keys], scale,
+                                                             block_causal, deterministic)
+                merge_block(out[:, rows], lse[:, :, rows], block_out, block_lse)
+                del block_out, block_lse
         if pending is not None:
             ring.wait(pending)
             kv, spare = spare, kv
-    return out.to(q.dtype), lse, ring.bytes_sent
+    return out.to(q.dtype), lse, stats.done()
+
+
+class _Stats:
+    """What one ring call did on this rank (for the benchmarks): bytes and messages sent, time
+    blocked waiting for transfers, blocks computed and the time spent on them (meaningful for CPU
+    tensors; CUDA kernels run asynchronously)."""
+
+    def __init__(self, ring: Ring):
+        self.ring = ring
+        self.blocks = 0
+        self.compute_s = 0.0
+
+    @contextlib.contextmanager
+    def compute(self, new_block: bool = True):
+        start = time.perf_counter()
+        yield
+        self.compute_s += time.perf_counter() - start
+        self.blocks += new_block
+
+    def done(self) -> dict:
+        return {"bytes_sent": self.ring.bytes_sent, "messages": self.ring.messages, "wait_s": self.ring.wait_s,
+                "blocks": self.blocks, "compute_s": self.compute_s, "world": self.ring.world}
 
 
 def _flat_view(buffer: torch.Tensor, offset: int, shape) -> torch.Tensor:
@@ -137,6 +164,7 @@ def _ring_backward(dout, q, k, v, out, lse, scale: float, causal: bool, layout: 
     # The kernel writes a block's gradients into contiguous fp32 scratch; they are then added.
     scratch_q = torch.empty(q.numel(), **f32)
     scratch_kv = torch.empty(2 * k.numel(), **f32)
+    stats = _Stats(ring)
     dkv_pending = None
     for step in range(world):
         kv_pending = ring.start(kv, kv_spare, "K/V blocks", step, _TAG_KV) if step + 1 < world else None
@@ -147,15 +175,17 @@ def _ring_backward(dout, q, k, v, out, lse, scale: float, causal: bool, layout: 
             dq_b = _flat_view(scratch_q, 0, qb.shape)
             dk_b = _flat_view(scratch_kv, 0, kb.shape)
             dv_b = _flat_view(scratch_kv, kb.numel(), kb.shape)
-            _blocks.block_backward(dout[:, rows], qb, kb, vb, out[:, rows], lse[:, :, rows], scale, block_causal,
-                                   dq_b, dk_b, dv_b, deterministic)
+            with stats.compute():
+                _blocks.block_backward(dout[:, rows], qb, kb, vb, out[:, rows], lse[:, :, rows], scale,
+                                       block_causal, dq_b, dk_b, dv_b, deterministic)
         if dkv_pending is not None:  # the sums for the block we now hold, from the previous rank
             ring.wait(dkv_pending)
             dkv, dkv_spare = dkv_spare, dkv
         if plan is not None:
-            dq[:, rows] += dq_b
-            dkv[0, :, keys] += dk_b
-            dkv[1, :, keys] += dv_b
+            with stats.compute(new_block=False):  # the sums of the block computed above
+                dq[:, rows] += dq_b
+                dkv[0, :, keys] += dk_b
+                dkv[1, :, keys] += dv_b
         if kv_pending is not None:
             ring.wait(kv_pending)
             kv, kv_spare = kv_spare, kv
@@ -164,7 +194,7 @@ def _ring_backward(dout, q, k, v, out, lse, scale: float, causal: bool, layout: 
     if dkv_pending is not None:
         ring.wait(dkv_pending)
         dkv = dkv_spare  # our own block's sums, back from their trip around the ring
-    return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), ring.bytes_sent
+    return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), stats.done()
 
 
 def _unit_stride(t: torch.Tensor) -> torch.Tensor:
@@ -174,23 +204,23 @@ def _unit_stride(t: torch.Tensor) -> torch.Tensor:
 class _RingFlashAttn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, scale, causal, layout, deterministic, group):
-        out, lse, sent = _ring_forward(q, k, v, scale, causal, layout, deterministic, group)
+        out, lse, stats = _ring_forward(q, k, v, scale, causal, layout, deterministic, group)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.args = (scale, causal, layout, deterministic, group)
         ctx.mark_non_differentiable(lse)
-        last_call_bytes["forward"] = sent
+        last_call_stats["forward"] = stats
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, _dlse):
         q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv, sent = _ring_backward(_unit_stride(dout), q, k, v, out, lse, *ctx.args)
-        last_call_bytes["backward"] = sent
+        dq, dk, dv, stats = _ring_backward(_unit_stride(dout), q, k, v, out, lse, *ctx.args)
+        last_call_stats["backward"] = stats
         return dq, dk, dv, None, None, None, None, None
 
 
-# Bytes this process sent in its last ring forward and backward (for the benchmarks).
-last_call_bytes = {"forward": 0, "backward": 0}
+# What this process's last ring forward and backward did (``_Stats.done()``; benchmarks, tests).
+last_call_stats: dict[str, dict] = {}
 
 
 def _validate(q, k, v, dropout_p, window_size, alibi_slopes, layout: int) -> None:
