@@ -97,13 +97,17 @@ def merge_block(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, b
     out.add_(delta)
 
 
+def _kv_buffer(k, v, world: int):
+    """K and V in one buffer (one message per step); a world of one sends nothing: no copy."""
+    return torch.stack((k, v)) if world > 1 else (k, v)
+
+
 def _ring_forward(q, k, v, scale: float, causal: bool, layout: int, deterministic: bool, group):
     ring = Ring(group, q.device, "forward")
     rank, world = ring.rank, ring.world
-    batch, n, heads, _ = q.shape
-    out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-    lse = torch.full((batch, heads, n), float("-inf"), dtype=torch.float32, device=q.device)
-    kv = torch.stack((k, v))  # one buffer, one message per step
+    n = q.shape[1]
+    out = lse = None  # fp32 running output and LSE: step 0's block (always all rows), then merged
+    kv = _kv_buffer(k, v, world)
     spare = torch.empty_like(kv) if world > 1 else None
     stats = _Stats(ring)
     for step in range(world):
@@ -112,9 +116,12 @@ def _ring_forward(q, k, v, scale: float, causal: bool, layout: int, deterministi
         if plan is not None:
             rows, keys, block_causal = plan
             with stats.compute():
-                block_out, block_lse = _blocks.block_forward(q[:, rows], kv[0, :, keys], kv[1, :, keys], scale,
+                block_out, block_lse = _blocks.block_forward(q[:, rows], kv[0][:, keys], kv[1][:, keys], scale,
                                                              block_causal, deterministic)
-                merge_block(out[:, rows], lse[:, :, rows], block_out, block_lse)
+                if out is None:
+                    out, lse = block_out.to(torch.float32), block_lse
+                else:
+                    merge_block(out[:, rows], lse[:, :, rows], block_out, block_lse)
                 del block_out, block_lse
         if pending is not None:
             ring.wait(pending)
@@ -156,14 +163,14 @@ def _ring_backward(dout, q, k, v, out, lse, scale: float, causal: bool, layout: 
     rank, world = ring.rank, ring.world
     n = q.shape[1]
     f32 = dict(dtype=torch.float32, device=q.device)
-    dq = torch.zeros(q.shape, **f32)
-    dkv = torch.zeros((2, *k.shape), **f32)  # fp32 sums for the block held now (first: our own)
+    # fp32 sums: dq, and dk/dv of the block held now (first our own). Step 0 (always all rows and
+    # keys) writes them; later blocks' gradients go to scratch and are added.
+    dq = torch.empty(q.shape, **f32)
+    dkv = torch.empty((2, *k.shape), **f32)
     dkv_spare = torch.empty_like(dkv) if world > 1 else None
-    kv = torch.stack((k, v))
+    kv = _kv_buffer(k, v, world)
     kv_spare = torch.empty_like(kv) if world > 1 else None
-    # The kernel writes a block's gradients into contiguous fp32 scratch; they are then added.
-    scratch_q = torch.empty(q.numel(), **f32)
-    scratch_kv = torch.empty(2 * k.numel(), **f32)
+    scratch_q = scratch_kv = None
     stats = _Stats(ring)
     dkv_pending = None
     for step in range(world):
@@ -171,17 +178,22 @@ def _ring_backward(dout, q, k, v, out, lse, scale: float, causal: bool, layout: 
         plan = block_plan(layout, causal, rank, (rank - step) % world, n)
         if plan is not None:
             rows, keys, block_causal = plan
-            qb, kb, vb = q[:, rows], kv[0, :, keys], kv[1, :, keys]
-            dq_b = _flat_view(scratch_q, 0, qb.shape)
-            dk_b = _flat_view(scratch_kv, 0, kb.shape)
-            dv_b = _flat_view(scratch_kv, kb.numel(), kb.shape)
+            qb, kb, vb = q[:, rows], kv[0][:, keys], kv[1][:, keys]
+            if step == 0:
+                dq_b, dk_b, dv_b = dq, dkv[0], dkv[1]
+            else:
+                if scratch_q is None:
+                    scratch_q, scratch_kv = torch.empty(q.numel(), **f32), torch.empty(2 * k.numel(), **f32)
+                dq_b = _flat_view(scratch_q, 0, qb.shape)
+                dk_b = _flat_view(scratch_kv, 0, kb.shape)
+                dv_b = _flat_view(scratch_kv, kb.numel(), kb.shape)
             with stats.compute():
                 _blocks.block_backward(dout[:, rows], qb, kb, vb, out[:, rows], lse[:, :, rows], scale,
                                        block_causal, dq_b, dk_b, dv_b, deterministic)
         if dkv_pending is not None:  # the sums for the block we now hold, from the previous rank
             ring.wait(dkv_pending)
             dkv, dkv_spare = dkv_spare, dkv
-        if plan is not None:
+        if plan is not None and step > 0:
             with stats.compute(new_block=False):  # the sums of the block computed above
                 dq[:, rows] += dq_b
                 dkv[0, :, keys] += dk_b
