@@ -103,23 +103,46 @@ def main() -> int:
     p.add_argument("--budget-gb", type=float, default=20.0)
     p.add_argument("--validate", type=int, nargs=2, metavar=("N", "WORLD"), default=None,
                    help="also measure one large point to check the extrapolation (e.g. 65536 4)")
+    p.add_argument("--gpu-tflops", type=float, default=400.0,
+                   help="paper column: attention TFLOP/s of one GPU rank (bf16), for the bandwidth that hides transfers")
     p.add_argument("--timeout", type=float, default=1800)
+    p.add_argument("--from-json", type=Path, default=None,
+                   help="re-render the report from a ring_scaling.json written before (no measuring)")
     args = p.parse_args()
-    seqlens = args.seqlens or ([1024] if args.quick else [8192, 16384])
-    worlds = args.worlds or ([1, 2] if args.quick else [1, 2, 4])
-    bytes_el = {"float32": 4, "float16": 2, "bfloat16": 2}[args.dtype]
-    token_bytes = args.heads * args.head_dim * bytes_el  # one token of q (= of k with H_k = H)
+    args.seqlens = args.seqlens or ([1024] if args.quick else [8192, 16384])
+    args.worlds = args.worlds or ([1, 2] if args.quick else [1, 2, 4])
+    if args.from_json:
+        saved = json.loads(args.from_json.read_text())
+        for key, value in saved.get("config", {}).items():
+            setattr(args, key, value)
+        runs = [(d["impl"], d["world"], d["seqlen"], {"ranks": d["ranks"]}) for d in saved["runs"]]
+    else:
+        runs = measure(args)
+    body, data = render(args, runs)
+    config = {key: getattr(args, key) for key in ("seqlens", "worlds", "heads", "head_dim", "dtype", "layout", "causal",
+                                                   "budget_gb", "validate")}
+    write_report(out_dir(args), "ring_scaling", "Ring attention: memory, traffic and time per rank", body,
+                 data={"config": config, "runs": data})
+    return 0
 
-    runs = []  # (label, world, N, report)
-    for n_total in seqlens:
+
+def measure(args) -> list:
+    runs = []  # (label, world, N, rank 0's report)
+    for n_total in args.seqlens:
         started = time.time()
         runs.append(("single", 1, n_total, launch(1, demo_args(n_total, args, "single"), args.timeout)))
-        for world in worlds:
+        for world in args.worlds:
             runs.append(("ring", world, n_total, launch(world, demo_args(n_total, args), args.timeout)))
         print(f"N={n_total}: {time.time() - started:.0f} s", file=sys.stderr, flush=True)
     if args.validate:
         n_total, world = args.validate
         runs.append(("ring", world, n_total, launch(world, demo_args(n_total, args), args.timeout)))
+    return runs
+
+
+def render(args, runs) -> tuple[str, list]:
+    seqlens, worlds = args.seqlens, args.worlds
+    bytes_el = {"float32": 4, "float16": 2, "bfloat16": 2}[args.dtype]
 
     # ---- memory and time table
     rows, data = [], []
@@ -178,8 +201,9 @@ def main() -> int:
     for (impl, world), d in sorted(fit.items(), key=lambda kv: (kv[0][0] != "single", kv[0][1])):
         c = d["bytes_per_token"]
         base = d["baseline_mb"] * MB
+        # c is per local token: rank memory = base + c N / world; all ranks together = world base + c N.
         per_rank_budget = world * (budget - base) / c  # every rank has its own 20 GB (a GPU each)
-        machine_budget = (budget - world * base) / c * world  # all ranks share one 20 GB machine
+        machine_budget = (budget - world * base) / c  # all ranks share one 20 GB machine
         fit_rows.append(("flash_attn_func (1 process)" if impl == "single" else f"{args.layout} ring", world,
                          f"{c:,.0f}", f"{base / MB:,.0f}", f"{per_rank_budget / 1e3:,.0f}K",
                          f"{machine_budget / 1e3:,.0f}K"))
@@ -205,13 +229,17 @@ def main() -> int:
                 # A zigzag causal step is a half block (the diagonal step too, about): fwd+bwd FLOPs.
                 step_flops = 3.5 * 4 * n * n * args.heads * args.head_dim * (0.5 if args.causal else 1)
                 step_s = step_flops / core_rate
+                gpu_s = step_flops / (args.gpu_tflops * 1e12)
+                kv16 = kv * 2 // bytes_el  # bf16 K/V on a GPU; dK/dV stay fp32
                 paper_rows.append((f"{n_total // 1024}K", world, f"{n:,}", f"{(base + c * n) / GB:.1f}",
                                    f"{kv / MB:.0f}", f"{(kv + dkv) / MB:.0f}", f"{step_flops / 1e12:.2f}",
-                                   f"{step_s:,.0f}", f"{world * step_s / 3600:,.1f}", f"{(2 * kv + dkv) / step_s / MB:,.1f}"))
+                                   f"{step_s:,.0f}", f"{world * step_s / 3600:,.1f}", f"{(2 * kv + dkv) / step_s / MB:,.1f}",
+                                   f"{gpu_s * 1e3:.1f}", f"{(2 * kv16 + dkv) / gpu_s / GB:,.0f}"))
     paper = markdown_table(("N", "ranks", "tokens / rank", "GB / rank (measured bytes/token x tokens + baseline)",
                             "fwd step: K/V MB", "bwd step: K/V + fp32 dK/dV MB", "TFLOP / rank / step (fwd+bwd)",
                             "s / step on one core here", "h per fwd+bwd (world steps)",
-                            "MB/s per link to hide the transfers"), paper_rows)
+                            "MB/s per link to hide the transfers", f"GPU at {args.gpu_tflops:g} TFLOP/s: ms / step",
+                            "GPU: GB/s per link to hide the transfers (bf16 K/V)"), paper_rows)
     if core_rate:
         paper += f"\n\n(per-core rate measured here: {core_rate / 1e9:.0f} GFLOP/s, from the single-process call at N={largest})"
 
@@ -224,9 +252,7 @@ def main() -> int:
             f"#### Longest sequence in {args.budget_gb:g} GB (extrapolated from N = {largest} with the per-rank bytes/token "
             f"and baseline above)\n\n{fits}\n\n"
             f"#### On paper: 512K and 1M tokens\n\n{paper}\n")
-    write_report(out_dir(args), "ring_scaling", "Ring attention: memory, traffic and time per rank", body,
-                 data={"runs": data})
-    return 0
+    return body, data
 
 
 if __name__ == "__main__":

@@ -137,6 +137,20 @@ def test_rank_that_raises_and_exits_fails_the_others_at_once(seed, tmp_path):
     assert r["result"]["elapsed_s"] < 30, r["result"]  # far below the 60 s timeout: the socket closed
 
 
+def test_demo_checks_itself_in_a_world_of_one():
+    """The torchrun demo's code path (without torchrun: one process; the ring tests above cover
+    several ranks)."""
+    env = {**os.environ, "TVMFLASH_QUIET": "1", "TVM_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"}
+    for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(name, None)
+    proc = subprocess.run([sys.executable, "-m", "tvmflash.distributed.demo", "--seqlen", "192", "--json"],
+                          capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "PASS" in proc.stdout and "peak added MB" in proc.stdout
+    report = json.loads([line for line in proc.stdout.splitlines() if line.startswith("{")][-1])
+    assert report["check_ok"] and report["ranks"][0]["peak_added_mb"] > 0
+
+
 def test_merge_block_handles_rows_that_see_no_key():
     from tvmflash.distributed.ring import merge_block
 

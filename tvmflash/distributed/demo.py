@@ -65,7 +65,12 @@ def _parse(argv=None):
 def _init(args):
     if not dist.is_initialized():
         if "RANK" not in os.environ:  # plain `python -m`: a world of one
-            os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="29512")
+            import socket
+
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                port = s.getsockname()[1]
+            os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
         backend = "nccl" if args.device == "cuda" else "gloo"
         dist.init_process_group(backend, timeout=datetime.timedelta(seconds=args.timeout))
     if args.device == "cuda":
