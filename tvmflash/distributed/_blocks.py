@@ -1,7 +1,8 @@
 """The one seam between ring attention and tvmflash's kernels.
 
-Everything in ``tvmflash.distributed`` reaches the compiled kernels, and the package's argument
-checks, through the three functions here; nothing else imports the package's internals. When
+Everything in ``tvmflash.distributed`` reaches the compiled kernels (``block_forward``,
+``block_backward``), the package's argument checks (``check_inputs``) and its layout rules
+(``kernel_layout``) through this file; nothing else there imports the package's internals. When
 the kernels' entry point moves, only this file changes.
 
 Contract (what the ring code relies on):
@@ -24,6 +25,15 @@ import torch
 
 from ..checks import check_qkv, info
 from ..torch_op import kernels_for
+
+
+def kernel_layout(t: torch.Tensor) -> torch.Tensor:
+    """``t`` itself if the kernels read it in place, else a contiguous copy. CPU kernels read any
+    strides but a unit last one; the CUDA kernels' 16-byte vector loads need more (aligned start,
+    strides of 8 elements), which a contiguous tensor has."""
+    if t.device.type == "cuda":
+        return t.contiguous()
+    return t if t.stride(-1) == 1 or t.shape[-1] == 1 else t.contiguous()
 
 
 def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:

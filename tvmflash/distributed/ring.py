@@ -11,8 +11,9 @@ around the ring (rank r sends to r + 1, receives from r - 1):
             merge the block's (out, lse) into the fp32 (out, lse)
             wait for the transfer; the received block is held next
 
-Forward merge (exact, fp32): with w = sigmoid(lse_block - lse) = exp(lse_block - lse_new),
-``out += w * (out_block - out)``, ``lse = logaddexp(lse, lse_block)``. Rows that see no key of
+Forward merge (exact, fp32): step 0's block (always every row: the diagonal) starts the fp32
+(out, lse); each later block merges in with w = sigmoid(lse_block - lse) = exp(lse_block -
+lse_new): ``out += w * (out_block - out)``, ``lse = logaddexp(lse, lse_block)``. Rows that see no key of
 a block have lse_block = -inf and weight 0; a row that has seen nothing yet (lse = -inf) takes
 the block as it is; the undefined sigmoid(-inf - -inf) is taken as 0 (nothing seen in either).
 The output is cast to the input dtype once, at the end; the LSE stays fp32.
@@ -22,8 +23,12 @@ the *global* out and lse, so its P and Delta = rowsum(dO * O) are the global one
 gradients simply add up. dQ is summed locally in fp32. dK/dV of a block are summed in fp32 by
 the ranks it visits: the fp32 sum travels one step behind its block (received while the next
 block's kernel runs) and, after ``world`` hops, comes home to the block's owner. Per step a
-rank sends one K/V block (input dtype) and one dK/dV block (fp32). No rank holds more than two
-K/V blocks and two dK/dV blocks at once, nothing N x N.
+rank sends one K/V block (input dtype) and one dK/dV block (fp32); the last K/V transfer of
+each pass is skipped (nobody needs it). No rank holds more than two K/V blocks and two dK/dV
+blocks at once, nothing N x N. Memory per rank, in units of one fp32 shard of q (heads_k =
+heads): forward 7 (fp32 out, two K/V buffers, a block's out, the merge's difference), backward
+12 (fp32 dQ, two dK/dV, two K/V, scratch for a block's dQ/dK/dV) + the kernels' own workspace;
+a world of one allocates no ring buffers and copies nothing.
 
 Causal masks, with the block of rank s seen from rank r:
 
@@ -209,10 +214,6 @@ def _ring_backward(dout, q, k, v, out, lse, scale: float, causal: bool, layout: 
     return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), stats.done()
 
 
-def _unit_stride(t: torch.Tensor) -> torch.Tensor:
-    return t if t.stride(-1) == 1 or t.shape[-1] == 1 else t.contiguous()
-
-
 class _RingFlashAttn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, scale, causal, layout, deterministic, group):
@@ -224,9 +225,10 @@ class _RingFlashAttn(torch.autograd.Function):
         return out, lse
 
     @staticmethod
+    @torch.autograd.function.once_differentiable
     def backward(ctx, dout, _dlse):
         q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv, stats = _ring_backward(_unit_stride(dout), q, k, v, out, lse, *ctx.args)
+        dq, dk, dv, stats = _ring_backward(_blocks.kernel_layout(dout), q, k, v, out, lse, *ctx.args)
         last_call_stats["backward"] = stats
         return dq, dk, dv, None, None, None, None, None
 
@@ -263,7 +265,7 @@ def _attention(layout, q, k, v, dropout_p, softmax_scale, causal, window_size, a
         local_error = err
     device = q.device if isinstance(q, torch.Tensor) else torch.device("cpu")
     agree(group, q, k, v, scale, bool(causal), layout, bool(deterministic), local_error, device)
-    q, k, v = (_unit_stride(t) for t in (q, k, v))
+    q, k, v = (_blocks.kernel_layout(t) for t in (q, k, v))
     out, lse = _RingFlashAttn.apply(q, k, v, scale, bool(causal), layout, bool(deterministic), group)
     return (out, lse, None) if return_attn_probs else out
 
