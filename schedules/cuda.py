@@ -18,37 +18,16 @@ a warp per 16 query rows, tiles in the ``mma.m16n8k16`` register layout), so sch
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
-
 import tvm
 from tvm import s_tir
 from tvm.script import tirx as T
 from tvm.s_tir import TensorIntrin
 
+from tvmflash.config import CUDAKernelConfig
 from tvmflash.kernels_cuda import frag
 
 WARP = 32
 SHORT_NAMES = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32"}
-
-
-@dataclass(frozen=True)
-class CUDAConfig:
-    """Knobs of the CUDA schedules."""
-
-    block_k: int = 64  # key rows per tile (the query tile is fixed: 16 rows per warp, 4 warps)
-    vector_bytes: int = 16  # width of one global -> shared copy
-    pad_bytes: int = 16  # shared-memory row padding against ldmatrix bank conflicts
-
-    def to_json(self) -> dict:
-        return asdict(self)
-
-    @classmethod
-    def from_json(cls, d: dict) -> CUDAConfig:
-        return cls(**d)
-
-
-def default_config() -> CUDAConfig:
-    return CUDAConfig()
 
 
 # --- tensor-core intrinsics --------------------------------------------------------------
@@ -209,7 +188,7 @@ def _schedule_lane_stage(sch, name: str) -> None:
         sch.unroll(loop)
 
 
-def _schedule_tile_load(sch, name: str, cfg: CUDAConfig, dtype_bytes: int, warps: int) -> None:
+def _schedule_tile_load(sch, name: str, cfg: CUDAKernelConfig, dtype_bytes: int, warps: int) -> None:
     """Global -> shared copy of one tile by the whole block, 16 bytes per thread per step."""
     block = sch.get_sblock(name)
     rows, cols = sch.get_loops(block)[-2:]
@@ -256,7 +235,7 @@ def _set_scopes(sch, fragments) -> None:
         sch.set_scope(sch.get_sblock(name), index, "warp")
 
 
-def schedule_forward(sch: s_tir.Schedule, cfg: CUDAConfig, dtype: str, warps: int) -> None:
+def schedule_forward(sch: s_tir.Schedule, cfg: CUDAKernelConfig, dtype: str, warps: int) -> None:
     dtype_bytes = tvm.runtime.DataType(dtype).bits // 8
     _set_scopes(sch, FORWARD_FRAGMENTS)
     _bind_grid(sch, "q_tile")
@@ -308,7 +287,7 @@ def _schedule_row_load(sch, name: str, warps: int) -> None:
     sch.bind(lane, "threadIdx.x")
 
 
-def schedule_backward(sch: s_tir.Schedule, cfg: CUDAConfig, dtype: str, warps: int) -> None:
+def schedule_backward(sch: s_tir.Schedule, cfg: CUDAKernelConfig, dtype: str, warps: int) -> None:
     dtype_bytes = tvm.runtime.DataType(dtype).bits // 8
     for name, index in BACKWARD_SHARED:
         sch.set_scope(sch.get_sblock(name), index, "shared.dyn")

@@ -4,40 +4,45 @@
     kernels = tvmflash.compile("llvm", head_dim=64, dtype="float32", causal=False)
     kernels.forward(q, k, v, out, lse, softmax_scale)      # any DLPack tensors
 
-    from tvmflash import flash_attn_func                    # PyTorch op with autograd
+    from tvmflash import flash_attn_func                    # PyTorch ops with autograd
     out = flash_attn_func(q, k, v, causal=True)             # (batch, seqlen, heads, head_dim)
+    from tvmflash import flex_attention                     # torch's FlexAttention API, fused backward
+
+Layers (imports point down): the PyTorch functions (``torch_op``, ``varlen``, ``flex``) and
+tools (``tune``, ``bench``, ``demo``) use ``compiler`` (what to build, caches), which uses
+``runtime`` (kernel objects, launch planning, ``load``; TVM's runtime alone) and, on a cache
+miss only, ``build`` (code generation: ``kernels``, ``kernels_cuda``, ``schedules``). Below them
+all: ``spec``, ``config``, ``plan``, ``records``, ``cache``, ``checks``, ``settings``, pure
+Python or TVM's runtime.
 """
 
-import os as _os
+from . import settings as _settings
 
-__version__ = "0.1.0"
+_settings.configure_tvm_threads()  # before anything starts TVM's thread pool
 
+from .compiler import compile, compile_spec, prebuild  # noqa: E402
+from .config import CPUKernelConfig, CUDAKernelConfig, RegisterTile  # noqa: E402
+from .runtime import FlashKernels, load  # noqa: E402
+from .settings import cache_dir  # noqa: E402
+from .version import __version__  # noqa: E402
 
-def _configure_tvm_threads() -> None:
-    # TVM sizes its thread pool once, at first use, to hardware_concurrency / 2 on x86 ("ignore
-    # hyper-threading"): one thread on a 2-vCPU machine. Use every CPU we may run on instead,
-    # unless the user chose (TVM_NUM_THREADS, or OMP_NUM_THREADS which TVM also reads).
-    if "TVM_NUM_THREADS" not in _os.environ and "OMP_NUM_THREADS" not in _os.environ:
-        try:
-            n = len(_os.sched_getaffinity(0))
-        except AttributeError:
-            n = _os.cpu_count() or 1
-        _os.environ["TVM_NUM_THREADS"] = str(n)
-
-
-_configure_tvm_threads()
-
-from .compiler import FlashKernels, cache_dir, compile, load, prebuild  # noqa: E402
-from .target import host_target  # noqa: E402
+# The PyTorch functions are imported on first use: the compile API works without torch.
+_TORCH_API = {
+    "flash_attn_func": "torch_op", "flash_attn_qkvpacked_func": "torch_op", "flash_attn_kvpacked_func": "torch_op",
+    "flash_attn_varlen_func": "torch_op", "flash_attn_varlen_qkvpacked_func": "torch_op",
+    "flash_attn_varlen_kvpacked_func": "torch_op",
+    "flex_attention": "flex", "create_block_mask": "flex",
+}
 
 
 def __getattr__(name):
-    # The PyTorch op is imported lazily: the compile API works without importing torch.
-    if name == "flash_attn_func":
-        from .torch_op import flash_attn_func
+    module = _TORCH_API.get(name)
+    if module is None:
+        raise AttributeError(f"module 'tvmflash' has no attribute {name!r}")
+    import importlib
 
-        return flash_attn_func
-    raise AttributeError(name)
+    return getattr(importlib.import_module(f".{module}", __name__), name)
 
 
-__all__ = ["FlashKernels", "cache_dir", "compile", "flash_attn_func", "host_target", "load", "prebuild", "__version__"]
+__all__ = ["CPUKernelConfig", "CUDAKernelConfig", "FlashKernels", "RegisterTile", "cache_dir", "compile", "compile_spec",
+           "load", "prebuild", "__version__", *_TORCH_API]

@@ -58,8 +58,10 @@ def exp2(x: tirx.PrimExpr) -> tirx.PrimExpr:
     copies again. ``floor(x + 0.5)``, not ``nearbyint``: TVM's vectorizer scalarizes nearbyint.
     Results below 2**-125 are flushed to 0 rather than left denormal: arithmetic on denormals
     takes microcode assists (~100 cycles each) on x86 and halved the speed on extreme inputs.
+    NaN in, NaN out (a NaN score must spread to its row, as in PyTorch's attention); the clamps
+    keep the integer conversion away from NaN and infinities, whose result LLVM leaves undefined.
     """
-    clamped = tirx.max(x, _f32(-125.0))
+    clamped = tirx.min(tirx.max(x, _f32(-125.0)), _f32(128.0))
     n = tirx.floor(clamped + _f32(0.5))
     frac = clamped - n
     poly = _f32(_EXP2_COEFFS[-1])
@@ -67,7 +69,7 @@ def exp2(x: tirx.PrimExpr) -> tirx.PrimExpr:
         poly = poly * frac + _f32(c)
     biased = tirx.Cast("int32", n) + tirx.const(127, "int32")
     value = poly * tirx.reinterpret("float32", tirx.shift_left(biased, tirx.const(23, "int32")))
-    return tirx.Select(x > _f32(-125.0), value, _f32(0.0))
+    return tirx.Select(tirx.isnan(x), x, tirx.Select(x > _f32(-125.0), value, _f32(0.0)))
 
 
 def visible(i, j, seqlen_q, seqlen_k, causal: bool) -> tirx.PrimExpr:
@@ -81,6 +83,14 @@ def visible(i, j, seqlen_q, seqlen_k, causal: bool) -> tirx.PrimExpr:
     return tirx.all(j < seqlen_k, j <= i + (seqlen_k - seqlen_q))
 
 
+def in_window(q, k, seqlen_k, diagonal, window_left, window_right) -> tirx.PrimExpr:
+    """flash-attn's mask: query ``q`` sees key ``k`` iff k < seqlen_k and
+    ``q + diagonal - window_left <= k <= q + diagonal + window_right``; ``diagonal`` is
+    ``seqlen_k - seqlen_q`` for flash-attn's bottom-right alignment. Causal is ``window_right =
+    0``; no limit is ``spec.UNLIMITED_WINDOW``."""
+    return tirx.all(k < seqlen_k, k <= q + diagonal + window_right, k >= q + diagonal - window_left)
+
+
 def grad_scores(p, dp, delta) -> tirx.PrimExpr:
     """dS = P * (dP - Delta), Delta_i = sum_d dO_id * O_id (the softmax Jacobian-vector product)."""
     return p * (dp - delta)
@@ -91,10 +101,16 @@ def lse_from_stats(row_max_log2, row_sum) -> tirx.PrimExpr:
 
     Evaluated in float64 (once per row, so free) and rounded once: the backward recomputes P
     from this fp32 number, and every extra rounding here would scale a whole row of P.
+    A row that sees no key has ``row_sum == 0`` and gets -inf; a NaN anywhere stays NaN.
     """
     m64 = tirx.Cast("float64", row_max_log2)
     lse = (m64 + tirx.log2(tirx.Cast("float64", row_sum))) * tirx.const(LN2, "float64")
-    return tirx.Select(row_sum > _f32(0.0), tirx.Cast("float32", lse), _f32(NEG_INF))
+    return tirx.Select(row_sum == _f32(0.0), _f32(NEG_INF), tirx.Cast("float32", lse))
+
+
+def normalizer(row_sum) -> tirx.PrimExpr:
+    """1 / row_sum for the output, 0 for rows that see no key (NaN stays NaN)."""
+    return tirx.Select(row_sum == _f32(0.0), _f32(0.0), _f32(1.0) / row_sum)
 
 
 def _split_f32(exact) -> tuple[tirx.PrimExpr, tirx.PrimExpr]:
@@ -118,6 +134,20 @@ def log2_exponent(score, scale_parts, shift_parts) -> tirx.PrimExpr:
     """
     (c_hi, c_lo), (m_hi, m_lo) = scale_parts, shift_parts
     return (score * c_hi - m_hi) + (score * c_lo - m_lo)
+
+
+FLT_MAX = float(np.finfo(np.float32).max)
+
+
+def masked_log2_exponent(score, scale_parts, shift_parts) -> tirx.PrimExpr:
+    """``log2_exponent`` where a masked score (-inf) gives -inf, so that 2^x is exactly 0.
+
+    The lo part of the scale may be 0 or negative, and -inf times it is NaN or +inf: the lo term
+    reads the score clamped to the finite range. The shift must not be -inf (callers start the
+    running max at -FLT_MAX, and give rows without keys an LSE of +inf in the backward).
+    """
+    (c_hi, c_lo), (m_hi, m_lo) = scale_parts, shift_parts
+    return (score * c_hi - m_hi) + (tirx.max(score, _f32(-FLT_MAX)) * c_lo - m_lo)
 
 
 def lse_log2_parts(lse) -> tuple[tirx.PrimExpr, tirx.PrimExpr]:

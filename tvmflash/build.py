@@ -16,39 +16,45 @@ from tvm import s_tir
 
 from . import attention_te, kernels, kernels_cuda
 from . import target as targets
+from .config import CUDA_BLOCK_Q, CPUKernelConfig, CUDAKernelConfig, KERNELS
 from .schedules import cuda as cuda_schedules
 from .schedules import llvm as llvm_schedules
+from .spec import AttentionSpec
 
 
-def default_config(target: tvm.target.Target, params):
+def default_configs(target: tvm.target.Target) -> dict:
+    """The hand-written config of each kernel for this target."""
     if target.kind.name == "cuda":
-        return cuda_schedules.default_config()
-    return llvm_schedules.default_config(target, params.head_dim, params.dtype, params.causal)
+        return {kernel: CUDAKernelConfig(kernel) for kernel in KERNELS}
+    return {kernel: llvm_schedules.default_config(target, kernel) for kernel in KERNELS}
 
 
-def kernel_spec(params, config, kernel: str, **variant) -> kernels.KernelSpec:
-    return kernels.KernelSpec(params.head_dim, params.dtype, params.causal, *config.blocks(kernel), **variant)
-
-
-def scheduled_kernel(params, config, kernel: str, **variant) -> tvm.tirx.PrimFunc:
+def scheduled_kernel(kernel: str, spec: AttentionSpec, cfg: CPUKernelConfig) -> tvm.tirx.PrimFunc:
     """One fused CPU kernel ("forward" or "backward") with the hand-written schedule applied."""
-    sch = s_tir.Schedule(kernels.fused_kernel(kernel, kernel_spec(params, config, kernel, **variant)))
-    return llvm_schedules.SCHEDULES[kernel](sch, config).mod["main"]
+    sch = s_tir.Schedule(kernels.fused_kernel(kernel, spec, cfg))
+    return llvm_schedules.SCHEDULES[kernel](sch, cfg).mod["main"]
 
 
-def build_module(target: tvm.target.Target, params, config, **variant) -> tvm.runtime.Module:
-    """Schedule and compile both fused kernels into one module (no caching).
+def build_module(target: tvm.target.Target, spec: AttentionSpec, configs: dict, *, causal: bool = False,
+                 deterministic: bool = False, transform=None) -> tvm.runtime.Module:
+    """Schedule and compile the kernels into one module (no caching).
 
-    ``variant``: the experiment knobs of ``kernels.KernelSpec`` (lse_dtype, recompute,
-    grad_acc_dtype); empty for the real kernels.
+    CPU: ``flash_fwd`` and ``flash_bwd`` (masks are runtime arguments). CUDA: forward, backward
+    pre-pass, backward and dQ conversion, with ``causal`` and ``deterministic`` built in.
+    ``transform(kernel, prim_func)``: a rewrite applied to each scheduled CPU kernel (the
+    experiment variants in benchmarks/variants.py); None for the real kernels.
     """
     if target.kind.name == "cuda":
-        return build_cuda_module(target, params, config)
-    mod = tvm.IRModule({
-        "flash_fwd": scheduled_kernel(params, config, "forward", **variant),
-        "flash_bwd": scheduled_kernel(params, config, "backward", **variant),
-    })
-    return tvm.compile(mod, target=target)
+        return build_cuda_module(target, spec, configs, causal, deterministic)
+    funcs = {kernel: scheduled_kernel(kernel, spec, configs[kernel]) for kernel in KERNELS}
+    if transform is not None:
+        funcs = {kernel: transform(kernel, func) for kernel, func in funcs.items()}
+    # TVM's common-subexpression pass wraps the kernels' index arithmetic in let expressions
+    # that its LLVM codegen then re-simplifies for minutes; LLVM eliminates the same
+    # subexpressions itself (DEVELOPING.md).
+    with tvm.transform.PassContext(config={"tirx.disable_cse_tir": True}):
+        return tvm.compile(tvm.IRModule({"flash_fwd": funcs["forward"], "flash_bwd": funcs["backward"]}),
+                           target=target)
 
 
 # --- CUDA ---------------------------------------------------------------------------------
@@ -84,23 +90,23 @@ _CUDA_PIPELINE = "tvmflash_cuda"
 _CUDA_PASS_CONFIG = {"tirx.disable_cse_tir": True, "tirx.UnrollLoop": {"explicit_unroll": False}}
 
 
-def cuda_kernels(params, config) -> tvm.IRModule:
+def cuda_kernels(spec: AttentionSpec, configs: dict, causal: bool, deterministic: bool) -> tvm.IRModule:
     """The four CUDA kernels (forward; backward pre-pass, main, dQ conversion), scheduled."""
-    from .compiler import CUDA_TILE
-
-    assert kernels_cuda.WARPS * kernels_cuda.ROWS_PER_WARP == CUDA_TILE == config.block_k
-    spec = kernels.KernelSpec(params.head_dim, params.dtype, params.causal, CUDA_TILE, config.block_k,
-                              exp2="intrinsic")
+    fwd_cfg, bwd_cfg = configs["forward"], configs["backward"]
+    if bwd_cfg.block_k != CUDA_BLOCK_Q:
+        raise ValueError(f"the CUDA backward needs block_k = {CUDA_BLOCK_Q}, got {bwd_cfg.block_k}")
+    fwd_spec = kernels_cuda.CUDASpec(spec.head_dim, spec.dtype, causal, CUDA_BLOCK_Q, fwd_cfg.block_k)
+    bwd_spec = kernels_cuda.CUDASpec(spec.head_dim, spec.dtype, causal, CUDA_BLOCK_Q, bwd_cfg.block_k)
     mod = tvm.IRModule({
-        "flash_fwd": kernels_cuda.cuda_forward(spec),
-        "flash_bwd_prep": kernels_cuda.cuda_backward_prep(params.head_dim, params.dtype),
-        "flash_bwd": kernels_cuda.cuda_backward(spec, atomic_dq=not params.deterministic),
-        "flash_bwd_dq": kernels_cuda.cuda_backward_dq(params.head_dim, params.dtype),
+        "flash_fwd": kernels_cuda.cuda_forward(fwd_spec),
+        "flash_bwd_prep": kernels_cuda.cuda_backward_prep(spec.head_dim, spec.dtype),
+        "flash_bwd": kernels_cuda.cuda_backward(bwd_spec, atomic_dq=not deterministic),
+        "flash_bwd_dq": kernels_cuda.cuda_backward_dq(spec.head_dim, spec.dtype),
     })
     sch = s_tir.Schedule(mod, enable_check=False)  # the tensorized fragments defeat TVM's checks
-    for name, apply in (("flash_fwd", lambda: cuda_schedules.schedule_forward(sch, config, params.dtype,
+    for name, apply in (("flash_fwd", lambda: cuda_schedules.schedule_forward(sch, fwd_cfg, spec.dtype,
                                                                               kernels_cuda.WARPS)),
-                        ("flash_bwd", lambda: cuda_schedules.schedule_backward(sch, config, params.dtype,
+                        ("flash_bwd", lambda: cuda_schedules.schedule_backward(sch, bwd_cfg, spec.dtype,
                                                                                kernels_cuda.WARPS)),
                         ("flash_bwd_prep", lambda: cuda_schedules.schedule_backward_prep(sch)),
                         ("flash_bwd_dq", lambda: cuda_schedules.schedule_backward_dq(sch))):
@@ -139,20 +145,20 @@ def _cuda_source_postproc(fn):
                 tvm_ffi.register_global_func(_POSTPROC, previous, override=True)
 
 
-def build_cuda_module(target: tvm.target.Target, params, config) -> tvm.runtime.Module:
+def build_cuda_module(target: tvm.target.Target, spec: AttentionSpec, configs: dict, causal: bool,
+                      deterministic: bool) -> tvm.runtime.Module:
     from tvm.tirx import compilation_pipeline
 
     compilation_pipeline.PIPELINE_MAP.setdefault(_CUDA_PIPELINE, _cuda_pipeline)
     with tvm.transform.PassContext(config=_CUDA_PASS_CONFIG), _cuda_source_postproc(_one_block_per_sm_suffices):
-        return tvm.compile(cuda_kernels(params, config), target=target, tir_pipeline=_CUDA_PIPELINE)
+        return tvm.compile(cuda_kernels(spec, configs, causal, deterministic), target=target,
+                           tir_pipeline=_CUDA_PIPELINE)
 
 
 def module_source(target: tvm.target.Target, lib: tvm.runtime.Module) -> str:
     if target.kind.name == "cuda":
         return lib.mod.imports[0].inspect_source()
     return lib.mod.inspect_source("ll")
-
-
 
 
 def build_standard(head_dim: int, dtype: str, causal: bool) -> tvm.runtime.Module:

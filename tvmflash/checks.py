@@ -1,18 +1,21 @@
-"""Argument checks with messages that name the problem.
+"""Argument checks with messages that name the problem (TVM's runtime alone, no torch needed).
 
-TVM's own argument binder would reject most bad inputs too, but with messages about symbolic
-buffer constraints ("unsatisfied constraint: 64 == ..."); users get these instead. Tensors may be
-any DLPack-capable object; torch tensors are read directly (cheaper).
+TVM's own argument binder rejects many bad inputs too, but with messages about symbolic buffer
+constraints ("unsatisfied constraint: 64 == ..."), and it cannot see others at all (aliased
+outputs, a NaN scale). Every entry point (kernel objects, torch ops, flex) checks here first.
+Tensors may be any DLPack-capable object; torch tensors are read directly (cheaper).
 """
 
 from __future__ import annotations
 
+import math
+import numbers
+import operator
 from dataclasses import dataclass
 
 import tvm_ffi
 
-SUPPORTED_DTYPES = ("float32", "float16", "bfloat16")
-MAX_HEAD_DIM = 256
+from .spec import MAX_HEAD_DIM, SUPPORTED_DTYPES, UNLIMITED_WINDOW
 
 
 @dataclass(frozen=True)
@@ -22,27 +25,98 @@ class TensorInfo:
     device: str
     strides: tuple
     data_ptr: int = 0
+    itemsize: int = 0
+
+    def span(self) -> tuple[int, int]:
+        """[first byte, last byte + 1) of the elements (an interval: interleaved views overlap it)."""
+        if any(n == 0 for n in self.shape):
+            return self.data_ptr, self.data_ptr
+        low = sum((n - 1) * s for n, s in zip(self.shape, self.strides) if s < 0)
+        high = sum((n - 1) * s for n, s in zip(self.shape, self.strides) if s > 0)
+        return self.data_ptr + low * self.itemsize, self.data_ptr + (high + 1) * self.itemsize
+
+    def self_overlapping(self) -> bool:
+        """Two indices reach the same element (an ``expand``ed tensor, stride 0)."""
+        return any(s == 0 and n > 1 for n, s in zip(self.shape, self.strides))
 
 
-def info(x) -> TensorInfo:
+_ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8, "int32": 4, "int64": 8, "int8": 1, "bool": 1}
+
+
+def info(x, name: str = "tensor") -> TensorInfo:
     torch_dtype = getattr(x, "dtype", None)
     if hasattr(x, "stride") and hasattr(x, "device") and str(torch_dtype).startswith("torch."):
-        return TensorInfo(tuple(x.shape), str(torch_dtype)[len("torch."):], str(x.device), tuple(x.stride()),
-                          x.data_ptr())
+        if getattr(x, "is_sparse", False) or str(getattr(x, "layout", "")) != "torch.strided":
+            raise TypeError(f"{name} is a {x.layout} tensor: tvmflash reads dense (strided) tensors, "
+                            f"pass {name}.to_dense()")
+        dtype = str(torch_dtype)[len("torch."):]
+        return TensorInfo(tuple(x.shape), dtype, str(x.device), tuple(x.stride()), x.data_ptr(),
+                          x.element_size())
+    flags = getattr(x, "flags", None)  # numpy
+    if flags is not None and not flags.writeable:
+        raise ValueError(f"{name} is a read-only array, which DLPack cannot share; pass a writable one "
+                         f"(e.g. numpy.array({name}))")
     try:
         t = x if isinstance(x, tvm_ffi.Tensor) else tvm_ffi.from_dlpack(x)
     except Exception as err:  # noqa: BLE001 - any failure means "not a tensor we can read"
-        raise TypeError(f"expected a DLPack tensor (torch, numpy, ...), got {type(x).__name__}") from err
+        raise TypeError(f"{name} must be a DLPack tensor (torch, numpy, ...), got {type(x).__name__}") from err
     device = str(t.device)
-    return TensorInfo(tuple(t.shape), str(t.dtype), "cpu" if device.startswith("cpu") else device,
-                      tuple(t.strides), t.data_ptr())
+    dtype = str(t.dtype)
+    return TensorInfo(tuple(t.shape), dtype, "cpu" if device.startswith("cpu") else device, tuple(t.strides),
+                      t.data_ptr(), _ITEMSIZE.get(dtype, 1))
+
+
+def head_dim_value(head_dim) -> int:
+    """head_dim as an int: Python and numpy integers are fine, floats and bools are not."""
+    if isinstance(head_dim, bool):
+        raise TypeError(f"head_dim must be an integer, got {head_dim!r}")
+    try:
+        return operator.index(head_dim)
+    except TypeError:
+        raise TypeError(f"head_dim must be an integer, got {head_dim!r}") from None
 
 
 def check_kernel_params(head_dim, dtype) -> None:
-    if not isinstance(head_dim, int) or head_dim % 8 or not 8 <= head_dim <= MAX_HEAD_DIM:
-        raise ValueError(f"head_dim {head_dim!r} is not supported: use a multiple of 8 from 8 to {MAX_HEAD_DIM}")
+    head_dim = head_dim_value(head_dim)
+    if head_dim % 8 or not 8 <= head_dim <= MAX_HEAD_DIM:
+        raise ValueError(f"head_dim {head_dim} is not supported: use a multiple of 8 from 8 to {MAX_HEAD_DIM}")
     if str(dtype) not in SUPPORTED_DTYPES:
         raise TypeError(f"dtype {dtype!r} is not supported: use one of {', '.join(SUPPORTED_DTYPES)}")
+
+
+def require_bool(name: str, value) -> bool:
+    """``causal="False"`` would be truthy: flags must be real booleans."""
+    if isinstance(value, bool) or type(value).__name__ == "bool_":  # numpy.bool_ too
+        return bool(value)
+    raise TypeError(f"{name} must be True or False, got {value!r}")
+
+
+def softmax_scale(value, head_dim: int) -> float:
+    """The one check of ``softmax_scale`` for every entry point: None -> 1/sqrt(head_dim); any
+    finite number > 0 works (the kernels' exponents keep the scale as an fp32 hi + lo pair)."""
+    if value is None:
+        return 1.0 / math.sqrt(head_dim)
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"softmax_scale must be a real number, got {type(value).__name__} {value!r}")
+    value = float(value)
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(f"softmax_scale must be a finite number > 0, got {value}")
+    return value
+
+
+def window(window_size, causal: bool) -> tuple[int, int]:
+    """flash-attn's (left, right) window, -1 = no limit; causal means right = 0."""
+    try:
+        left, right = window_size
+        left, right = operator.index(left), operator.index(right)
+    except (TypeError, ValueError):
+        raise TypeError(f"window_size must be a pair of integers (left, right), got {window_size!r}") from None
+    if left < -1 or right < -1:
+        raise ValueError(f"window_size entries must be >= -1 (-1: no limit), got {window_size!r}")
+    if causal:
+        right = 0
+    return (UNLIMITED_WINDOW if left < 0 else min(left, UNLIMITED_WINDOW),
+            UNLIMITED_WINDOW if right < 0 else min(right, UNLIMITED_WINDOW))
 
 
 CUDA_DTYPES = ("float16", "bfloat16")
@@ -87,9 +161,9 @@ def cuda_layout_problem(t: TensorInfo) -> str | None:
 
 
 def check_cuda_layout(**tensors) -> None:
-    """Inputs the CUDA kernels read with 16-byte vector loads (tensors or their TensorInfo)."""
+    """Tensors the CUDA kernels access with 16-byte vector loads and stores."""
     for name, x in tensors.items():
-        problem = cuda_layout_problem(x if isinstance(x, TensorInfo) else info(x))
+        problem = cuda_layout_problem(x if isinstance(x, TensorInfo) else info(x, name))
         if problem:
             raise ValueError(f"{name} {problem} for the CUDA kernels; pass a .contiguous() copy")
 
@@ -128,13 +202,40 @@ def check_qkv(q: TensorInfo, k: TensorInfo, v: TensorInfo, names=("q", "k", "v")
     return batch, seqlen_q, heads, heads_k
 
 
-def _check_like(name: str, t: TensorInfo, shape: tuple, dtype: str, device: str) -> None:
+def _check_like(name: str, t: TensorInfo, shape: tuple, dtype, device: str) -> None:
     if t.shape != tuple(shape):
         raise ValueError(f"{name} must have shape {tuple(shape)}, got {t.shape}")
-    if t.dtype != dtype:
-        raise TypeError(f"{name} must be {dtype}, got {t.dtype}")
+    dtypes = (dtype,) if isinstance(dtype, str) else tuple(dtype)
+    if t.dtype not in dtypes:
+        raise TypeError(f"{name} must be {' or '.join(dtypes)}, got {t.dtype}")
     if t.device != device:
         raise ValueError(f"{name} must be on {device}, got {t.device}")
+
+
+def _check_compact(name: str, t: TensorInfo) -> None:
+    expected, size = [], 1
+    for n in reversed(t.shape):
+        expected.append(size)
+        size *= n
+    if any(s != e for s, e, n in zip(t.strides, reversed(expected), t.shape) if n != 1):
+        raise ValueError(f"{name} must be contiguous (compact row-major), got strides {t.strides} for shape {t.shape}")
+
+
+def check_no_overlap(outputs: dict, inputs: dict) -> None:
+    """Outputs are written while inputs are read, with no aliasing assumed: an output may not
+    overlap an input, another output, or itself."""
+    for name, t in outputs.items():
+        if t.self_overlapping():
+            raise ValueError(f"{name} has overlapping elements (a stride of 0, e.g. from expand): "
+                             "outputs must be writable tensors of their own")
+        first, end = t.span()
+        for other, u in (*inputs.items(), *outputs.items()):
+            if other == name:
+                continue
+            o_first, o_end = u.span()
+            if first < o_end and o_first < end:
+                raise ValueError(f"{name} overlaps {other} in memory: outputs must not alias inputs or "
+                                 "each other (in-place attention is not supported)")
 
 
 def _check_kernel_fit(kernels, q: TensorInfo, tensors: dict) -> None:
@@ -152,13 +253,20 @@ def _check_kernel_fit(kernels, q: TensorInfo, tensors: dict) -> None:
             raise ValueError(f"{name} is empty (shape {t.shape}): every size must be at least 1")
 
 
+def _result_dtypes(kernels, q: TensorInfo):
+    return (q.dtype, "float32") if kernels.target_kind == "llvm" and kernels.out_dtype == "float32" else (
+        kernels.out_dtype,)
+
+
 def check_forward_args(kernels, q, k, v, out, lse) -> tuple[int, int, int, int]:
-    qi, ki, vi, oi, li = (info(x) for x in (q, k, v, out, lse))
+    qi, ki, vi, oi, li = (info(x, n) for x, n in zip((q, k, v, out, lse), ("q", "k", "v", "out", "lse")))
+    _check_kernel_fit(kernels, qi, {"q": qi, "k": ki, "v": vi, "out": oi, "lse": li})
     dims = check_qkv(qi, ki, vi)
     batch, seqlen_q, heads, _ = dims
-    _check_like("out", oi, qi.shape, qi.dtype, qi.device)
+    _check_like("out", oi, qi.shape, kernels.out_dtype, qi.device)
     _check_like("lse", li, (batch, heads, seqlen_q), "float32", qi.device)
-    _check_kernel_fit(kernels, qi, {"q": qi, "k": ki, "v": vi, "out": oi, "lse": li})
+    _check_compact("lse", li)
+    check_no_overlap({"out": oi, "lse": li}, {"q": qi, "k": ki, "v": vi})
     if kernels.target_kind == "cuda":
         check_cuda_layout(q=qi, k=ki, v=vi, out=oi)  # out: written with 16-byte stores
         check_cuda_grid(batch * heads)
@@ -166,17 +274,44 @@ def check_forward_args(kernels, q, k, v, out, lse) -> tuple[int, int, int, int]:
 
 
 def check_backward_args(kernels, dout, q, k, v, out, lse, dq, dk, dv) -> tuple[int, int, int, int]:
-    di, qi, ki, vi, oi, li, dqi, dki, dvi = (info(x) for x in (dout, q, k, v, out, lse, dq, dk, dv))
-    dims = check_qkv(qi, ki, vi)
-    batch, seqlen_q, heads, _ = dims
-    for name, t in (("dout", di), ("out", oi), ("dq", dqi)):
-        _check_like(name, t, qi.shape, qi.dtype, qi.device)
-    for name, t in (("dk", dki), ("dv", dvi)):
-        _check_like(name, t, ki.shape, ki.dtype, ki.device)
-    _check_like("lse", li, (batch, heads, seqlen_q), "float32", qi.device)
+    names = ("dout", "q", "k", "v", "out", "lse", "dq", "dk", "dv")
+    di, qi, ki, vi, oi, li, dqi, dki, dvi = (info(x, n) for x, n in zip((dout, q, k, v, out, lse, dq, dk, dv), names))
     _check_kernel_fit(kernels, qi, {"dout": di, "q": qi, "k": ki, "v": vi, "out": oi, "lse": li,
                                     "dq": dqi, "dk": dki, "dv": dvi})
+    dims = check_qkv(qi, ki, vi)
+    batch, seqlen_q, heads, _ = dims
+    for name, t in (("dout", di), ("out", oi)):
+        _check_like(name, t, qi.shape, qi.dtype, qi.device)
+    _check_like("dq", dqi, qi.shape, kernels.out_dtype, qi.device)
+    for name, t in (("dk", dki), ("dv", dvi)):
+        _check_like(name, t, ki.shape, kernels.out_dtype, ki.device)
+    _check_like("lse", li, (batch, heads, seqlen_q), "float32", qi.device)
+    _check_compact("lse", li)
+    check_no_overlap({"dq": dqi, "dk": dki, "dv": dvi},
+                     {"dout": di, "q": qi, "k": ki, "v": vi, "out": oi, "lse": li})
     if kernels.target_kind == "cuda":
         check_cuda_layout(dout=di, q=qi, k=ki, v=vi, out=oi, dq=dqi, dk=dki, dv=dvi)  # 16-byte loads and stores
         check_cuda_grid(batch * dims[3])
     return dims
+
+
+def check_cu_seqlens(name: str, cu, total_rows: int, batch: int | None = None) -> list[int]:
+    """Cumulative sequence lengths: int32, 1-D, starting at 0, non-decreasing, ending at the
+    number of rows. Returns them as Python ints."""
+    import numpy as np
+
+    t = info(cu, name)
+    if t.dtype != "int32" or len(t.shape) != 1:
+        raise TypeError(f"{name} must be a 1-D int32 tensor, got {t.dtype} with shape {t.shape}")
+    if t.device != "cpu" and not t.device.startswith("cuda"):
+        raise ValueError(f"{name} must be on the CPU or a GPU, got {t.device}")
+    values = [int(x) for x in np.asarray(cu.cpu() if hasattr(cu, "cpu") else cu).tolist()]
+    if len(values) < 2:
+        raise ValueError(f"{name} must hold at least 2 entries (batch + 1), got {len(values)}")
+    if batch is not None and len(values) != batch + 1:
+        raise ValueError(f"{name} has {len(values)} entries, cu_seqlens_q has {batch + 1}: they must match")
+    if values[0] != 0 or any(b < a for a, b in zip(values, values[1:])):
+        raise ValueError(f"{name} must start at 0 and never decrease, got {values[:8]}{'...' if len(values) > 8 else ''}")
+    if values[-1] != total_rows:
+        raise ValueError(f"{name} ends at {values[-1]} but the packed tensor has {total_rows} rows")
+    return values

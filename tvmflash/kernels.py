@@ -1,158 +1,414 @@
-"""Fused FlashAttention kernels: the loop skeletons, in TensorIR (TVMScript).
+"""Fused FlashAttention kernels for CPUs, in TensorIR (TVMScript).
 
-The tile-level math comes from ``attention_te`` (mask, exp2, dS, LSE); this module arranges it
-into the FlashAttention loop nests and names every stage with an ``sblock`` so that the
-per-target schedules in ``schedules/`` can tile, vectorize and parallelize them. Tile sizes
-(``block_q`` x ``block_k``) are part of the loop structure and therefore come in here; every
-other choice (register tiles, vector width, unrolling, threads) is the schedule's.
+The tile-level math comes from ``attention_te`` (exp2, window mask, dS, LSE) and the score and
+mask mods from ``score_mods``; this module arranges it into the FlashAttention loop nests. Each
+stage is a named ``sblock`` (in brackets below): that is the contract with
+``schedules/llvm.py``, which tiles, vectorizes and parallelizes stages by name. Tile sizes
+(``block_q`` x ``block_k``) shape the loops and come from the kernel's config; head dim, dtypes
+and mods from its spec (``spec.py``). Everything else is a runtime argument: sizes, strides,
+the sequences (a table from ``plan.py``: batched, or packed varlen), the window (causal =
+right window 0), the thread count.
 
-Shapes are symbolic in batch, heads and both sequence lengths, so one compiled module serves
-every input size. Head dim, dtype and causality are fixed per module.
+Forward ``flash_fwd(q, k, v, out, lse, softmax_scale, window_left, window_right, n_threads,
+seq_table, q_tile_seq, k_tile_seq, *mod_inputs, [tile_state, kv_range])``::
 
-Layout conventions inside the kernels (all tile buffers fp32, rule 3):
+    [pack_kv]   Kp, Vp = K, V as fp32, each sequence zero-padded to whole key tiles
+    for slot in parallel(n_threads):                                          [slot]
+      for task (query head h, query tile) = slot, slot + n_threads, ...       (cyclic: balanced)
+        [load_q] QT = query tile, transposed, fp32   [init_o, init_stats] OT = 0, m = -inf, l = 0
+        for each key tile the window (and block mask) leaves non-empty:
+          [scores]       ST = K_tile . QT                     raw dot products
+          [score_mod]    ST = score_mods(ST * scale, ...)     if the spec has any
+          [mask]         ST = -inf where masked               only on partly masked tiles
+          [row_max]      m_next = max(m, max_j ST * c)        log2 units: c = scale * log2(e),
+          [rescale]      alpha = 2^(m - m_next)                 or log2(e) after score mods
+          [probs]        PT = 2^(ST * c - m_next)             0 where ST = -inf
+          [pv]           PVT = V_tile^T . PT
+          [update_o]     OT = OT * alpha + PVT
+          [row_sum]      l_tile = sum_j PT
+          [update_stats] m = m_next, l = l * alpha + l_tile
+        [store_o]   out = OT / l (cast once)     [store_lse]  lse = (m + log2 l) ln 2 (float64, once)
 
-* forward: tiles are kept transposed, query index innermost. Scores ``ST[j, i]`` and the output
-  accumulator ``OT[d, i]`` are then updated with vector FMAs along i, and the row statistics
-  (running max ``m``, denominator ``l``) become plain vector operations instead of horizontal
-  reductions. K and V are packed once per call into zero-padded fp32 copies (O(N) memory), so
-  the inner loops have no bounds checks and no dtype conversions.
-* backward: for each key tile, K^T and V^T are packed once (D x block_k) and all of S, P, dP,
-  dS, dV, dK, dQ for every query tile come from one recompute of S (rule 2). dK and dV
-  accumulate in fp32 tile buffers across all query tiles of all heads of a GQA group. dQ is
-  accumulated in fp32 partials, one per "split" of the key tiles, so that splits run in
-  parallel without races (even when batch * heads is 1) and are summed once at the end.
+Backward ``flash_bwd(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale, window_left,
+window_right, n_threads, n_rounds, super_tile, seq_table, q_tile_seq, k_tile_seq, k_super_seq,
+*mod_inputs, *mod_input_grads, [tile_state])``::
 
-Every stage sits in its own opaque wrapper block (``scores_tile``, ...): ``cache_write``,
-``reverse_compute_at`` and ``decompose_reduction`` need the parent block of a stage to be a
-"stage pipeline", which the online-softmax loop body as a whole is not. Each wrapper in turn sits
-under a unit loop (``for unit in range(1)``): in TVM 0.27, once one of several blocks that sit
-directly in the same ``SeqStmt`` has been scheduled, scheduling another modifies the *original*
-PrimFunc in place (copy-on-write misses the shared block), which breaks MetaSchedule's trace
-replay on the task's module. Loops in a ``SeqStmt`` are copied correctly; unit loops vanish when
-the kernels are lowered.
+    [pack_q_do]   Qp, dOp = Q, dO as fp32, zero-padded to whole query tiles
+    [delta, lse_log2]  per query row: Delta = rowsum(dO * O); LSE * log2(e) as fp32 hi + lo
+    [zero_dq, zero_dkv, zero_mod_grads]   fp32 accumulators = 0
+    for round r in range(n_rounds):                         no two tasks of a round share rows
+      for slot in parallel(n_threads):                                        [round_slot]
+        for task (kv head, key super tile J) = slot, slot + n_threads, ...:
+          I = (J + r) mod M  (M: super tiles of the sequence; a super tile = super_tile tiles)
+          for key tile j of J:
+            [load_k, load_kt, load_vt]  K_j, K_j^T, V_j^T as fp32
+            for query head h of the kv head's GQA group, query tile i of I, tile (i, j) not empty:
+              [load_row_stats]
+              [scores]      S = Q_i . K_j^T         P is recomputed once (rule 2) and
+              [score_mod]   X = score_mods(S * scale)      everything comes from it
+              [mask]        X = -inf where masked
+              [probs]       P = 2^(X * c - LSE)
+              [dv] [update_dv]   dVacc_j += P^T . dO_i
+              [dprobs]      dP = dO_i . V_j^T
+              [dscores]     dS = P (dP - Delta)   [dscores_mod]  dS *= d score_mods / d S
+              [mod_grads]   captured-tensor gradients += upstream terms (into the slot's partial)
+              [dk] [update_dk]   dKacc_j += dS^T . Q_i
+              [dq] [update_dq]   dQacc_i += dS . K_j
+    [store_dq]  dq = dQacc * scale    [store_dkv]  dk = dKacc * scale, dv = dVacc    (cast once)
+    [sum_mod_grads]   captured-tensor gradients = the slots' partials, summed in slot order
 
-Accumulators carried across loop iterations (O and l in the forward, dK, dV, dQ in the
-backward) are updated in two levels: a product block sums one tile into a fresh fp32 partial,
-and an ``update_*`` block adds the partial to the running accumulator. A sequential fp32 sum of
-N terms has an error growing like N ulps; tile sums added up tile by tile grow like
-block + N/block. The measured errors are those of PyTorch's blocked GEMMs or better. The
-product blocks stay plain reduction blocks that the schedules can register-tile; the in-place
-``update_*`` blocks are plain loops left to LLVM's loop vectorizer (TensorIR's ``vectorize``
-refuses blocks that read and write the same buffer).
+Rounds (``plan.py``): in round r key super tile J meets query super tile (J + r) mod M, so every
+query row and key row is updated by one task per round, in an order fixed by the problem: no
+races, results bitwise independent of the thread count, and scratch memory of a few fp32 copies
+of q and k at any thread count.
+
+All tile buffers are fp32 (rule 3). The forward keeps tiles transposed (query index innermost),
+so the row statistics are plain vector operations. Products sum one tile into a fresh partial
+and ``update_*`` stages add it to the running accumulator: error ~ block + N / block ulps
+instead of N. In-place stages (``update_*``, ``mask``, ``score_mod``, ``dscores_mod``) are plain
+loops that LLVM vectorizes (TensorIR's ``vectorize`` refuses blocks that read and write one
+buffer). Each stage sits in an opaque wrapper block under a unit loop: TVM 0.27 needs a "stage
+pipeline" parent for ``cache_write``/``decompose_reduction`` and copies loops, not blocks, on
+write (DEVELOPING.md).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
 
 from tvm import tirx
 from tvm.runtime import DataType
 from tvm.script import tirx as T
+from tvm.script.ir_builder import IRBuilder
 
+from . import plan
 from .attention_te import (
+    FLT_MAX,
     NEG_INF,
     exp2,
     grad_scores,
-    log2_exponent,
+    in_window,
+    masked_log2_exponent,
     lse_from_stats,
     lse_log2_parts,
+    normalizer,
     scale_log2_parts,
-    visible,
 )
+from .config import CPUKernelConfig
+from .score_mods import ModContext, emitters
+from .spec import AttentionSpec
 
 F32 = "float32"
+I64 = "int64"
+# Tile states: block masks store them per tile (int8); the window mask is computed.
+EMPTY, PARTIAL, FULL = 0, 1, 2
 
 
-@dataclass(frozen=True)
-class KernelSpec:
-    """What a fused kernel computes, and the tile shape its loop nest is built around."""
-
-    head_dim: int
-    dtype: str
-    causal: bool
-    block_q: int
-    block_k: int
-    # "polynomial": attention_te.exp2, which vectorizes on CPUs; "intrinsic": T.exp2, a single
-    # op (GPUs have it in hardware; FLOP analyses can only read this form).
-    exp2: str = "polynomial"
-    # Experiment knobs (benchmarks/rule*.py), each breaking one of the three rules; the defaults
-    # are the real kernels. lse_dtype: precision of the stored LSE (rule 1: fp32 row statistics).
-    # recompute: "once" or "twice" (a second pass recomputes P for dK, dQ; rule 2).
-    # grad_acc_dtype: dtype of the running dQ/dK/dV sums (rule 3: fp32 accumulators).
-    lse_dtype: str = "float32"
-    recompute: str = "once"
-    grad_acc_dtype: str = "float32"
-
-    def exp2_fn(self):
-        return exp2 if self.exp2 == "polynomial" else tirx.exp2
-
-    @property
-    def acc_storage(self) -> str:
-        """dtype of the gradient accumulator buffers (bf16 ones are emulated in fp32 storage)."""
-        return F32 if self.grad_acc_dtype == "bfloat16" else self.grad_acc_dtype
-
-    def to_acc(self, x):
-        """fp32 value -> the precision of the running gradient sums."""
-        return round_to_precision(x, self.grad_acc_dtype, self.acc_storage)
-
-    def from_acc(self, x):
-        return x if self.acc_storage == F32 else tirx.Cast(F32, x)
-
-
-def round_to_precision(x, precision: str, storage: str = F32):
-    """An fp32 value rounded to ``precision``, as ``storage`` (experiment variants only).
-
-    TVM legalizes bfloat16 scratch buffers and arithmetic to float32 on CPUs, which silently
-    undoes a bf16 accumulator; bf16 rounding is therefore done on the bits (round half to even,
-    keep the high 16), and the value stays in fp32 storage.
-    """
-    if precision == F32:
-        return x
-    if precision != "bfloat16":
-        rounded = tirx.Cast(precision, x)
-        return rounded if storage == precision else tirx.Cast(storage, rounded)
-    bits = tirx.reinterpret("uint32", x)
-    lsb = tirx.bitwise_and(tirx.shift_right(bits, tirx.const(16, "uint32")), tirx.const(1, "uint32"))
-    bits = tirx.bitwise_and(bits + tirx.const(0x7FFF, "uint32") + lsb, tirx.const(0xFFFF0000, "uint32"))
-    return tirx.reinterpret(F32, bits)
+def _i64(x):
+    return tirx.Cast(I64, x)
 
 
 def _ceildiv(a, b):
     return (a + b - 1) // b
 
 
-def _key_tiles_for_query_tile(q0, spec: KernelSpec, seqlen_q, seqlen_k):
-    """Number of key tiles a query tile [q0, q0 + block_q) needs (causal: skip masked ones)."""
-    n_kt = _ceildiv(seqlen_k, spec.block_k)
-    if not spec.causal:
-        return n_kt
-    last_row = tirx.min(q0 + spec.block_q, seqlen_q) - 1
-    last_key = last_row + (seqlen_k - seqlen_q)  # bottom-right aligned mask
-    return tirx.max(tirx.min(_ceildiv(last_key + 1, spec.block_k), n_kt), 0)
+class KernelArgs:
+    """The arguments beyond the tensors and scalars that every kernel has: the sequence table
+    (and tile maps) of ``plan.py``, the mod inputs of the spec, their gradients and the block
+    mask. ``declare`` adds them to the prim_func being parsed (their number depends on the
+    spec); the helpers below turn them into index expressions."""
+
+    def __init__(self, spec: AttentionSpec, cfg: CPUKernelConfig, backward: bool):
+        self.spec, self.backward = spec, backward
+        self.block_q, self.block_k = cfg.block_q, cfg.block_k
+        self.mod_buffers: dict = {}
+        self.grad_buffers: dict = {}
+
+    def _buffer(self, name: str, shape, dtype: str):
+        buf = T.match_buffer(T.arg(name, T.handle()), shape, dtype)
+        IRBuilder.name(name, buf)
+        return buf
+
+    def declare(self, heads) -> None:
+        """Called once inside the kernel body, after its own parameters."""
+        n_seq, tq, tk = (tirx.Var(n, I64) for n in ("n_seq", "query_tiles", "key_tiles"))
+        self.table = self._buffer("seq_table", (n_seq, plan.TABLE_COLUMNS), "int32")
+        self.q_tile_seq = self._buffer("q_tile_seq", (tq,), "int32")
+        self.k_tile_seq = self._buffer("k_tile_seq", (tk,), "int32")
+        if self.backward:
+            self.k_super_seq = self._buffer("k_super_seq", (tirx.Var("key_super_tiles", I64),), "int32")
+        for i in self.spec.mod_inputs:
+            shape = tuple(tirx.Var(f"{i.name}_d{d}", I64) if n is None else n for d, n in enumerate(i.shape))
+            self.mod_buffers[i.name] = self._buffer(i.name, shape, i.dtype)
+        if self.backward:
+            for i in self.spec.grad_inputs:
+                numel = math.prod(i.shape)
+                self.grad_buffers[i.name] = self._buffer(f"{i.name}_grad", (numel,), F32)
+        if self.spec.block_sparse:
+            dims = tuple(tirx.Var(n, I64) for n in ("mask_batch", "mask_heads", "mask_q_tiles", "mask_k_tiles"))
+            self.tile_state = self._buffer("tile_state", dims, "int8")
+            if not self.backward:
+                self.kv_range = self._buffer("kv_range", (*dims[:3], 2), "int32")
+        self.heads = heads
+
+    # --- sequences -------------------------------------------------------------------------
+    def col(self, b, column: int):
+        return _i64(self.table[b, column])
+
+    def query_tiles(self):
+        return self.q_tile_seq.shape[0]
+
+    def key_tiles(self):
+        return self.k_tile_seq.shape[0]
+
+    def key_super_tiles(self):
+        return self.k_super_seq.shape[0]
+
+    def q_seq(self, tile):
+        return _i64(self.q_tile_seq[tile])
+
+    def k_seq(self, tile):
+        return _i64(self.k_tile_seq[tile])
+
+    def q_len(self, b):
+        return self.col(b, plan.Q_LEN)
+
+    def k_len(self, b):
+        return self.col(b, plan.K_LEN)
+
+    def q_tiles(self, b):
+        return _ceildiv(self.q_len(b), self.block_q)
+
+    def k_tiles(self, b):
+        return _ceildiv(self.k_len(b), self.block_k)
+
+    # --- masks ---------------------------------------------------------------------------------
+    def tile_state(self, b, h, q0, k0, window):
+        """EMPTY, PARTIAL or FULL for the tile at query rows q0..., keys k0... of sequence b."""
+        q_len, k_len = self.q_len(b), self.k_len(b)
+        left, right = window
+        off = self.col(b, plan.DIAGONAL)
+        q_last = tirx.min(q0 + self.block_q, q_len) - 1
+        k_last = tirx.min(k0 + self.block_k, k_len) - 1
+        # Integer arithmetic rather than Select: TVM's simplifier treats every Select condition as
+        # a constraint to analyse, which made compiling these kernels take minutes.
+        seen = _i64(tirx.all(q_last + off + right >= k0, q0 + off - left <= k_last))
+        # Full needs whole tiles: a ragged tile's padding rows and keys are masked too.
+        full = _i64(tirx.all(q0 + self.block_q <= q_len, k0 + self.block_k <= k_len,
+                             k0 + self.block_k - 1 <= q0 + off + right, k0 >= q0 + self.block_q - 1 + off - left))
+        state = seen * (PARTIAL + full)  # EMPTY 0, PARTIAL 1, FULL 2
+        if not self.spec.block_sparse:
+            return state
+        stored = _i64(self.tile_state[self._mask_at(b, h, q0 // self.block_q, k0 // self.block_k)])
+        # As empty as either mask makes it; full only if both leave it full.
+        return tirx.min(state, stored)
+
+    def _mask_at(self, b, h, *rest):
+        dims = self.tile_state.shape
+        return (tirx.min(b, dims[0] - 1), tirx.min(h, dims[1] - 1), *rest)
+
+    def key_tile_range(self, b, h, q0, window):
+        """Key tiles [first, end) that hold a key some row of the query tile at q0 sees."""
+        q_len = self.q_len(b)
+        left, right = window
+        off = self.col(b, plan.DIAGONAL)
+        first = tirx.max((q0 + off - left) // self.block_k, 0)
+        end = tirx.min((tirx.min(q0 + self.block_q, q_len) - 1 + off + right) // self.block_k + 1, self.k_tiles(b))
+        if self.spec.block_sparse:
+            qt = q0 // self.block_q
+            first = tirx.max(first, _i64(self.kv_range[self._mask_at(b, h, qt, 0)]))
+            end = tirx.min(end, _i64(self.kv_range[self._mask_at(b, h, qt, 1)]))
+        return first, tirx.max(end, first)
+
+    def visible(self, b, h, q, k, window):
+        """Element mask of a partly masked tile: window, sequence ends, mask_mod."""
+        keep = tirx.all(q < self.q_len(b), in_window(q, k, self.k_len(b), self.col(b, plan.DIAGONAL), *window))
+        if self.spec.mask_mod is None:
+            return keep
+        return tirx.all(keep, self.mods.mask(self.context(b, h, q, k)))
+
+    # --- score mods ----------------------------------------------------------------------------
+    @property
+    def mods(self):
+        return emitters(self.spec)
+
+    def context(self, b, h, q, k) -> ModContext:
+        return ModContext(b, h, q, k, self.col(b, plan.DIAGONAL), self.mod_buffers)
+
+    def modded(self, s, b, h, q, k):
+        return self.mods.score(s, self.context(b, h, q, k))
+
+    def modded_grad(self, s, b, h, q, k):
+        return self.mods.score_grad(s, self.context(b, h, q, k))
+
+    def scatter_mod_grads(self, partials: dict, slot, s, b, h, q, k, upstream) -> None:
+        """Emit grad[slot, index] += value for each captured tensor that requires grad."""
+        for name, indices, value in self.mods.captured_grads(s, self.context(b, h, q, k), upstream):
+            shape = next(i.shape for i in self.spec.grad_inputs if i.name == name)
+            flat = tirx.const(0, I64)
+            for index, size in zip(indices, shape):
+                flat = flat * size + tirx.min(tirx.max(_i64(index), 0), size - 1)
+            part = partials[name]
+            T.buffer_store(part, part[slot, flat] + value, [slot, flat])
 
 
-def _first_query_tile_for_key_tile(k0, spec: KernelSpec, seqlen_q, seqlen_k):
-    """First query tile that sees key k0 (causal); 0 otherwise."""
-    if not spec.causal:
-        return tirx.const(0, "int64")
-    return tirx.max(k0 - (seqlen_k - seqlen_q), 0) // spec.block_q
+def _exponent_constant(spec: AttentionSpec, softmax_scale):
+    """c of 2^(x * c - max): x is the raw dot product without score mods (the scale folds into
+    c, an fp32 hi + lo pair), the modded natural-log score with them."""
+    return scale_log2_parts(tirx.const(1.0, "float64") if spec.score_mods else softmax_scale)
 
 
-def fused_forward(spec: KernelSpec) -> tirx.PrimFunc:
-    """flash_fwd(q, k, v, out, lse, softmax_scale): one pass, online softmax, O(N) memory."""
-    D, Br, Bc, dtype = spec.head_dim, spec.block_q, spec.block_k, spec.dtype
-    causal, exp2_ = spec.causal, spec.exp2_fn()
-    elem = DataType(dtype).bits // 8
+def _cyclic_count(slot, tasks, n_threads):
+    """Tasks slot, slot + n_threads, ... below ``tasks``."""
+    return tirx.max(_ceildiv(tasks - slot, n_threads), 0)
 
-    def stored_lse(x):  # rounded through a lower precision in the rule-1 experiment only
-        return round_to_precision(x, spec.lse_dtype)
+
+def fused_forward(spec: AttentionSpec, cfg: CPUKernelConfig) -> tirx.PrimFunc:
+    D, Br, Bc, dtype, out_dtype = spec.head_dim, cfg.block_q, cfg.block_k, spec.dtype, spec.out_dtype
+    elem, out_elem = DataType(dtype).bits // 8, DataType(out_dtype).bits // 8
+    has_mods = bool(spec.score_mods)
+    args = KernelArgs(spec, cfg, backward=False)
+
+    @T.macro
+    def load_q(QT: T.Buffer, Q: T.Buffer, q_batch: T.int64, q_start: T.int64, q0: T.int64, q_len: T.int64,
+               h: T.int64):
+        for unit in range(1):
+            with T.sblock("load_q_tile"):
+                for d, i in T.grid(D, Br):
+                    with T.sblock("load_q"):
+                        vd, vi = T.axis.remap("SS", [d, i])
+                        QT[vd, vi] = T.if_then_else(
+                            q0 + vi < q_len, T.Cast(F32, Q[q_batch, q_start + T.min(q0 + vi, q_len - 1), h, vd]),
+                            T.float32(0))
+
+    @T.macro
+    def init_tile(OT: T.Buffer, m: T.Buffer, l: T.Buffer):
+        for unit in range(1):
+            with T.sblock("init_o_tile"):
+                for d, i in T.grid(D, Br):
+                    with T.sblock("init_o"):
+                        vd, vi = T.axis.remap("SS", [d, i])
+                        OT[vd, vi] = T.float32(0)
+        for unit in range(1):
+            with T.sblock("init_stats_tile"):
+                for i in T.serial(Br):
+                    with T.sblock("init_stats"):
+                        vi = T.axis.remap("S", [i])
+                        # not -inf: 2^(-inf - m) must be 0 for masked scores before a row sees any key
+                        m[vi] = T.float32(-FLT_MAX)
+                        l[vi] = T.float32(0)
+
+    @T.macro
+    def scores(ST: T.Buffer, Kp: T.Buffer, QT: T.Buffer, hk: T.int64, krow: T.int64):
+        for unit in range(1):
+            with T.sblock("scores_tile"):
+                for j, i, d in T.grid(Bc, Br, D):
+                    with T.sblock("scores"):
+                        vj, vi, vd = T.axis.remap("SSR", [j, i, d])
+                        with T.init():
+                            ST[vj, vi] = T.float32(0)
+                        ST[vj, vi] = ST[vj, vi] + Kp[hk, krow + vj, vd] * QT[vd, vi]
+
+    @T.macro
+    def score_mod(ST: T.Buffer, scale: T.float32, b: T.int64, h: T.int64, q0: T.int64, k0: T.int64):
+        for unit in range(1):
+            with T.sblock("score_mod_tile"):
+                for j, i in T.grid(Bc, Br):
+                    with T.sblock("score_mod"):
+                        vj, vi = T.axis.remap("SS", [j, i])
+                        ST[vj, vi] = args.modded(ST[vj, vi] * scale, b, h, q0 + vi, k0 + vj)
+
+    @T.macro
+    def mask(ST: T.Buffer, b: T.int64, h: T.int64, q0: T.int64, k0: T.int64, window_left: T.int64,
+             window_right: T.int64):
+        for unit in range(1):
+            with T.sblock("mask_tile"):
+                for j, i in T.grid(Bc, Br):
+                    with T.sblock("mask"):
+                        vj, vi = T.axis.remap("SS", [j, i])
+                        ST[vj, vi] = T.Select(args.visible(b, h, q0 + vi, k0 + vj, (window_left, window_right)),
+                                              ST[vj, vi], T.float32(NEG_INF))
+
+    @T.macro
+    def online_softmax(ST: T.Buffer, PT: T.Buffer, m: T.Buffer, m_next: T.Buffer, alpha: T.Buffer,
+                       c_hi: T.float32, c_lo: T.float32):
+        for unit in range(1):
+            with T.sblock("row_max_tile"):
+                for j, i in T.grid(Bc, Br):
+                    with T.sblock("row_max"):
+                        vj, vi = T.axis.remap("RS", [j, i])
+                        with T.init():
+                            m_next[vi] = m[vi]
+                        # hi + lo: the max the exponents below subtract, for any scale
+                        m_next[vi] = T.max(m_next[vi], ST[vj, vi] * c_hi + T.max(ST[vj, vi], T.float32(-FLT_MAX)) * c_lo)
+        for unit in range(1):
+            with T.sblock("rescale_tile"):
+                for i in T.serial(Br):
+                    with T.sblock("rescale"):
+                        vi = T.axis.remap("S", [i])
+                        # Equal maxima (also both -inf: nothing seen yet) rescale by exactly 1.
+                        alpha[vi] = T.Select(m[vi] == m_next[vi], T.float32(1), exp2(m[vi] - m_next[vi]))
+        for unit in range(1):
+            with T.sblock("probs_tile"):
+                for j, i in T.grid(Bc, Br):
+                    with T.sblock("probs"):
+                        vj, vi = T.axis.remap("SS", [j, i])
+                        PT[vj, vi] = exp2(masked_log2_exponent(ST[vj, vi], (c_hi, c_lo), (m_next[vi], T.float32(0))))
+
+    @T.macro
+    def accumulate(OT: T.Buffer, PVT: T.Buffer, PT: T.Buffer, Vp: T.Buffer, m: T.Buffer, m_next: T.Buffer,
+                   l: T.Buffer, l_tile: T.Buffer, alpha: T.Buffer, hk: T.int64, krow: T.int64):
+        for unit in range(1):
+            with T.sblock("pv_tile"):
+                for d, i, j in T.grid(D, Br, Bc):
+                    with T.sblock("pv"):
+                        vd, vi, vj = T.axis.remap("SSR", [d, i, j])
+                        with T.init():
+                            PVT[vd, vi] = T.float32(0)
+                        PVT[vd, vi] = PVT[vd, vi] + Vp[hk, krow + vj, vd] * PT[vj, vi]
+        for unit in range(1):
+            with T.sblock("update_o_tile"):
+                for d, i in T.grid(D, Br):
+                    with T.sblock("update_o"):
+                        vd, vi = T.axis.remap("SS", [d, i])
+                        OT[vd, vi] = OT[vd, vi] * alpha[vi] + PVT[vd, vi]
+        for unit in range(1):
+            with T.sblock("row_sum_tile"):
+                for j, i in T.grid(Bc, Br):
+                    with T.sblock("row_sum"):
+                        vj, vi = T.axis.remap("RS", [j, i])
+                        with T.init():
+                            l_tile[vi] = T.float32(0)
+                        l_tile[vi] = l_tile[vi] + PT[vj, vi]
+        for unit in range(1):
+            with T.sblock("update_stats_tile"):
+                for i in T.serial(Br):
+                    with T.sblock("update_stats"):
+                        vi = T.axis.remap("S", [i])
+                        m[vi] = m_next[vi]
+                        l[vi] = l[vi] * alpha[vi] + l_tile[vi]
+
+    @T.macro
+    def store(O: T.Buffer, LSE: T.Buffer, OT: T.Buffer, m: T.Buffer, l: T.Buffer, q_batch: T.int64,
+              q_start: T.int64, q0: T.int64, q_len: T.int64, h: T.int64):
+        for i, d in T.grid(Br, D):
+            with T.sblock("store_o"):
+                vi, vd = T.axis.remap("SS", [i, d])
+                if q0 + vi < q_len:
+                    O[q_batch, q_start + q0 + vi, h, vd] = T.Cast(out_dtype, OT[vd, vi] * normalizer(l[vi]))
+        for i in T.serial(Br):
+            with T.sblock("store_lse"):
+                vi = T.axis.remap("S", [i])
+                if q0 + vi < q_len:
+                    LSE[q_batch, h, q_start + q0 + vi] = lse_from_stats(m[vi], l[vi])
 
     @T.prim_func(s_tir=True)
     def flash_fwd(q_h: T.handle, k_h: T.handle, v_h: T.handle, o_h: T.handle, lse_h: T.handle,
-                  softmax_scale: T.float64):
+                  softmax_scale: T.float64, window_left: T.int64, window_right: T.int64, n_threads: T.int64):
         T.func_attr({"global_symbol": "flash_fwd", "tirx.noalias": True})
-        B = T.int64()
+        Bq = T.int64()
         Nq = T.int64()
+        Bk = T.int64()
         Nk = T.int64()
         H = T.int64()
         Hk = T.int64()
@@ -160,158 +416,104 @@ def fused_forward(spec: KernelSpec) -> tirx.PrimFunc:
         sk = (T.int64(), T.int64(), T.int64())
         sv = (T.int64(), T.int64(), T.int64())
         so = (T.int64(), T.int64(), T.int64())
-        # Strided views (e.g. q, k, v sliced from one packed qkv tensor) are read in place; only
-        # the head dim must be contiguous. align = element size: no alignment is assumed.
-        Q = T.match_buffer(q_h, (B, Nq, H, D), dtype, strides=(*sq, 1), align=elem)
-        K = T.match_buffer(k_h, (B, Nk, Hk, D), dtype, strides=(*sk, 1), align=elem)
-        V = T.match_buffer(v_h, (B, Nk, Hk, D), dtype, strides=(*sv, 1), align=elem)
-        O = T.match_buffer(o_h, (B, Nq, H, D), dtype, strides=(*so, 1), align=elem)
-        LSE = T.match_buffer(lse_h, (B, H, Nq), F32, align=4)
-        Kp = T.alloc_buffer((B, Hk, _ceildiv(Nk, Bc) * Bc, D), F32)
-        Vp = T.alloc_buffer((B, Hk, _ceildiv(Nk, Bc) * Bc, D), F32)
-        for b, hk, j, d in T.grid(B, Hk, _ceildiv(Nk, Bc) * Bc, D):
-            with T.sblock("pack_kv"):
-                vb, vhk, vj, vd = T.axis.remap("SSSS", [b, hk, j, d])
-                Kp[vb, vhk, vj, vd] = T.if_then_else(vj < Nk, T.Cast(F32, K[vb, T.min(vj, Nk - 1), vhk, vd]),
-                                                     T.float32(0))
-                Vp[vb, vhk, vj, vd] = T.if_then_else(vj < Nk, T.Cast(F32, V[vb, T.min(vj, Nk - 1), vhk, vd]),
-                                                     T.float32(0))
-        # Heads as (kv head, member of its GQA group): workspace indices stay plain loop
-        # variables, which TVM's buffer compaction bounds exactly (a division by H // Hk it
-        # cannot simplify, and every access would carry the unsimplified bound).
-        for b, hk, g, qt in T.grid(B, Hk, H // Hk, _ceildiv(Nq, Br)):
-            with T.sblock("q_tile"):
-                vb, vhk, vg, vqt = T.axis.remap("SSSS", [b, hk, g, qt])
+        # Strided views (q, k, v sliced from a packed qkv) are read in place; only the head dim
+        # must be contiguous. align = element size: no alignment is assumed.
+        Q = T.match_buffer(q_h, (Bq, Nq, H, D), dtype, strides=(*sq, 1), align=elem)
+        K = T.match_buffer(k_h, (Bk, Nk, Hk, D), dtype, strides=(*sk, 1), align=elem)
+        V = T.match_buffer(v_h, (Bk, Nk, Hk, D), dtype, strides=(*sv, 1), align=elem)
+        O = T.match_buffer(o_h, (Bq, Nq, H, D), out_dtype, strides=(*so, 1), align=out_elem)
+        LSE = T.match_buffer(lse_h, (Bq, H, Nq), F32, align=4)
+        args.declare(H)
+        Kp = T.alloc_buffer((Hk, args.key_tiles() * Bc, D), F32)
+        Vp = T.alloc_buffer((Hk, args.key_tiles() * Bc, D), F32)
+        for hk, t in T.grid(Hk, args.key_tiles()):
+            with T.sblock("pack_kv_tile"):
+                vhk, vt = T.axis.remap("SS", [hk, t])
                 T.reads()
                 T.writes()
-                QT = T.sblock_alloc_buffer((D, Br), F32)  # q tile, transposed
-                ST = T.sblock_alloc_buffer((Bc, Br), F32)  # scores q.k (unscaled), transposed
+                b: T.let[T.int64] = args.k_seq(vt)
+                k0: T.let[T.int64] = (vt - args.col(b, plan.K_TILE0)) * Bc
+                k_len: T.let[T.int64] = args.k_len(b)
+                k_batch: T.let[T.int64] = args.col(b, plan.K_BATCH)
+                k_start: T.let[T.int64] = args.col(b, plan.K_START)
+                for j, d in T.grid(Bc, D):
+                    with T.sblock("pack_kv"):
+                        vj, vd = T.axis.remap("SS", [j, d])
+                        Kp[vhk, vt * Bc + vj, vd] = T.if_then_else(
+                            k0 + vj < k_len, T.Cast(F32, K[k_batch, k_start + T.min(k0 + vj, k_len - 1), vhk, vd]),
+                            T.float32(0))
+                        Vp[vhk, vt * Bc + vj, vd] = T.if_then_else(
+                            k0 + vj < k_len, T.Cast(F32, V[k_batch, k_start + T.min(k0 + vj, k_len - 1), vhk, vd]),
+                            T.float32(0))
+        for slot in T.serial(n_threads):
+            with T.sblock("slot"):
+                vslot = T.axis.remap("S", [slot])
+                T.reads()
+                T.writes()
+                QT = T.sblock_alloc_buffer((D, Br), F32)  # query tile, transposed
+                ST = T.sblock_alloc_buffer((Bc, Br), F32)  # scores, transposed
                 PT = T.sblock_alloc_buffer((Bc, Br), F32)  # unnormalized probabilities
                 OT = T.sblock_alloc_buffer((D, Br), F32)  # output accumulator
                 PVT = T.sblock_alloc_buffer((D, Br), F32)  # this key tile's P V
                 m = T.sblock_alloc_buffer((Br,), F32)  # running row max (log2 units)
                 m_next = T.sblock_alloc_buffer((Br,), F32)
                 l = T.sblock_alloc_buffer((Br,), F32)  # running denominator
-                l_tile = T.sblock_alloc_buffer((Br,), F32)  # this key tile's row sums
-                alpha = T.sblock_alloc_buffer((Br,), F32)  # exp2(m - m_next)
-                q0: T.let[T.int64] = vqt * Br
-                h: T.let[T.int64] = vhk * (H // Hk) + vg
-                for d, i in T.grid(D, Br):
-                    with T.sblock("load_q"):
-                        vd, vi = T.axis.remap("SS", [d, i])
-                        QT[vd, vi] = T.if_then_else(
-                            q0 + vi < Nq, T.Cast(F32, Q[vb, T.min(q0 + vi, Nq - 1), h, vd]), T.float32(0))
-                for d, i in T.grid(D, Br):
-                    with T.sblock("init_o"):
-                        vd, vi = T.axis.remap("SS", [d, i])
-                        OT[vd, vi] = T.float32(0)
-                for i in T.serial(Br):
-                    with T.sblock("init_stats"):
-                        vi = T.axis.remap("S", [i])
-                        m[vi] = T.float32(NEG_INF)
-                        l[vi] = T.float32(0)
-                for kt in T.serial(_key_tiles_for_query_tile(q0, spec, Nq, Nk)):
-                    k0: T.let[T.int64] = kt * Bc
-                    for unit in range(1):
-                        with T.sblock("scores_tile"):
-                            for j, i, d in T.grid(Bc, Br, D):
-                                with T.sblock("scores"):
-                                    vj, vi, vd = T.axis.remap("SSR", [j, i, d])
-                                    with T.init():
-                                        ST[vj, vi] = T.float32(0)
-                                    ST[vj, vi] = ST[vj, vi] + Kp[vb, vhk, k0 + vj, vd] * QT[vd, vi]
-                    for unit in range(1):
-                        with T.sblock("row_max_tile"):
-                            for j, i in T.grid(Bc, Br):
-                                with T.sblock("row_max"):
-                                    vj, vi = T.axis.remap("RS", [j, i])
-                                    with T.init():
-                                        m_next[vi] = m[vi]
-                                    m_next[vi] = T.max(m_next[vi], T.Select(
-                                        visible(q0 + vi, k0 + vj, Nq, Nk, causal),
-                                        ST[vj, vi] * scale_log2_parts(softmax_scale)[0], T.float32(NEG_INF)))
-                    for unit in range(1):
-                        with T.sblock("rescale_tile"):
-                            for i in T.serial(Br):
-                                with T.sblock("rescale"):
-                                    vi = T.axis.remap("S", [i])
-                                    # Equal maxima (also both -inf: nothing seen yet) rescale by exactly 1.
-                                    alpha[vi] = T.Select(m[vi] == m_next[vi], T.float32(1), exp2_(m[vi] - m_next[vi]))
-                    for unit in range(1):
-                        with T.sblock("probs_tile"):
-                            for j, i in T.grid(Bc, Br):
-                                with T.sblock("probs"):
-                                    vj, vi = T.axis.remap("SS", [j, i])
-                                    PT[vj, vi] = T.Select(
-                                        visible(q0 + vi, k0 + vj, Nq, Nk, causal),
-                                        exp2_(log2_exponent(ST[vj, vi], scale_log2_parts(softmax_scale),
-                                                           (m_next[vi], T.float32(0)))),
-                                        T.float32(0))
-                    for unit in range(1):
-                        with T.sblock("pv_tile"):
-                            for d, i, j in T.grid(D, Br, Bc):
-                                with T.sblock("pv"):
-                                    vd, vi, vj = T.axis.remap("SSR", [d, i, j])
-                                    with T.init():
-                                        PVT[vd, vi] = T.float32(0)
-                                    PVT[vd, vi] = PVT[vd, vi] + Vp[vb, vhk, k0 + vj, vd] * PT[vj, vi]
-                    for unit in range(1):
-                        with T.sblock("update_o_tile"):
-                            for d, i in T.grid(D, Br):
-                                with T.sblock("update_o"):
-                                    vd, vi = T.axis.remap("SS", [d, i])
-                                    OT[vd, vi] = OT[vd, vi] * alpha[vi] + PVT[vd, vi]
-                    for unit in range(1):
-                        with T.sblock("row_sum_tile"):
-                            for j, i in T.grid(Bc, Br):
-                                with T.sblock("row_sum"):
-                                    vj, vi = T.axis.remap("RS", [j, i])
-                                    with T.init():
-                                        l_tile[vi] = T.float32(0)
-                                    l_tile[vi] = l_tile[vi] + PT[vj, vi]
-                    for unit in range(1):
-                        with T.sblock("update_stats_tile"):
-                            for i in T.serial(Br):
-                                with T.sblock("update_stats"):
-                                    vi = T.axis.remap("S", [i])
-                                    m[vi] = m_next[vi]
-                                    l[vi] = l[vi] * alpha[vi] + l_tile[vi]
-                for i, d in T.grid(Br, D):
-                    with T.sblock("store_o"):
-                        vi, vd = T.axis.remap("SS", [i, d])
-                        if q0 + vi < Nq:
-                            # One cast to the storage dtype, at the end (rule 3).
-                            O[vb, q0 + vi, h, vd] = T.Cast(dtype, OT[vd, vi] * T.Select(
-                                l[vi] > T.float32(0), T.float32(1) / l[vi], T.float32(0)))
-                for i in T.serial(Br):
-                    with T.sblock("store_lse"):
-                        vi = T.axis.remap("S", [i])
-                        if q0 + vi < Nq:
-                            LSE[vb, h, q0 + vi] = stored_lse(lse_from_stats(m[vi], l[vi]))
+                l_tile = T.sblock_alloc_buffer((Br,), F32)
+                alpha = T.sblock_alloc_buffer((Br,), F32)  # 2^(m - m_next)
+                # The task's indices, the key-tile range and the tile's state go through small
+                # buffers, not let bindings: TVM's simplifier carries let values into every region
+                # analysis below, and compiling took minutes (DEVELOPING.md).
+                state = T.sblock_alloc_buffer((3,), I64)  # tile state, first and end key tile
+                at = T.sblock_alloc_buffer((2,), I64)  # query head, sequence
+                for e in T.serial(_cyclic_count(vslot, H * args.query_tiles(), n_threads)):
+                    at[0] = (vslot + e * n_threads) // args.query_tiles()
+                    at[1] = args.q_seq((vslot + e * n_threads) % args.query_tiles())
+                    h: T.let[T.int64] = at[0]
+                    hk: T.let[T.int64] = h // (H // Hk)
+                    b: T.let[T.int64] = at[1]
+                    q0: T.let[T.int64] = ((vslot + e * n_threads) % args.query_tiles() - args.col(b, plan.Q_TILE0)) * Br
+                    q_len: T.let[T.int64] = args.q_len(b)
+                    load_q(QT, Q, args.col(b, plan.Q_BATCH), args.col(b, plan.Q_START), q0, q_len, h)
+                    init_tile(OT, m, l)
+                    state[1] = args.key_tile_range(b, h, q0, (window_left, window_right))[0]
+                    state[2] = args.key_tile_range(b, h, q0, (window_left, window_right))[1]
+                    for kt in T.serial(state[1], state[2]):
+                        k0: T.let[T.int64] = kt * Bc
+                        krow: T.let[T.int64] = (args.col(b, plan.K_TILE0) + kt) * Bc
+                        state[0] = args.tile_state(b, h, q0, k0, (window_left, window_right))
+                        if state[0] != EMPTY:
+                            scores(ST, Kp, QT, hk, krow)
+                            if has_mods:
+                                score_mod(ST, T.Cast(F32, softmax_scale), b, h, q0, k0)
+                            if state[0] == PARTIAL:
+                                mask(ST, b, h, q0, k0, window_left, window_right)
+                            online_softmax(ST, PT, m, m_next, alpha, _exponent_constant(spec, softmax_scale)[0],
+                                           _exponent_constant(spec, softmax_scale)[1])
+                            accumulate(OT, PVT, PT, Vp, m, m_next, l, l_tile, alpha, hk, krow)
+                    store(O, LSE, OT, m, l, args.col(b, plan.Q_BATCH), args.col(b, plan.Q_START), q0, q_len, h)
 
     return flash_fwd
 
 
-def fused_backward(spec: KernelSpec) -> tirx.PrimFunc:
-    """flash_bwd(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale, n_split).
+def fused_backward(spec: AttentionSpec, cfg: CPUKernelConfig) -> tirx.PrimFunc:
+    D, Br, Bc, dtype, out_dtype = spec.head_dim, cfg.block_q, cfg.block_k, spec.dtype, spec.out_dtype
+    elem, out_elem = DataType(dtype).bits // 8, DataType(out_dtype).bits // 8
+    has_mods = bool(spec.score_mods)
+    grad_inputs = spec.grad_inputs
+    has_grads = bool(grad_inputs)
+    args = KernelArgs(spec, cfg, backward=True)
 
-    ``n_split`` (runtime) splits the key tiles of each (batch, kv head) into interleaved groups
-    that run in parallel; each split owns an fp32 dQ partial (rule 3, no races).
-    """
-    D, Br, Bc, dtype = spec.head_dim, spec.block_q, spec.block_k, spec.dtype
-    elem = DataType(dtype).bits // 8
-    acc = spec.acc_storage  # of the running dQ, dK, dV sums: float32 except in the rule-3 experiment
-    to_acc, from_acc = spec.to_acc, spec.from_acc
-
-    # Stages of one (key tile, query tile) step, as macros: the naive two-pass variant of the
-    # rule-2 experiment reuses them. Non-hygienic: they use the buffers and loop variables of
-    # the call site (a repeated expansion gets "_1" appended to its block names).
-    @T.macro(hygienic=False)
-    def recompute_probs():
-        for r, i in T.grid(3, Br):
-            with T.sblock("load_row_stats"):
-                vr, vi = T.axis.remap("SS", [r, i])
-                row_stats[vr, vi] = RowStats[vb, vhk, member, vr, q0 + vi]
+    @T.macro
+    def recompute_probs(P: T.Buffer, S: T.Buffer, X: T.Buffer, row_stats: T.Buffer, RowStats: T.Buffer,
+                        Qp: T.Buffer, KTp: T.Buffer, softmax_scale: T.float64, b: T.int64, h: T.int64, hk: T.int64,
+                        q0: T.int64, k0: T.int64, qrow: T.int64, gk: T.int64, state: T.int64, window_left: T.int64,
+                        window_right: T.int64):
+        for unit in range(1):
+            with T.sblock("load_row_stats_tile"):
+                for r, i in T.grid(3, Br):
+                    with T.sblock("load_row_stats"):
+                        vr, vi = T.axis.remap("SS", [r, i])
+                        row_stats[vr, vi] = RowStats[h, vr, qrow + vi]
         for unit in range(1):
             with T.sblock("scores_tile"):
                 for i, j, d in T.grid(Br, Bc, D):
@@ -319,19 +521,32 @@ def fused_backward(spec: KernelSpec) -> tirx.PrimFunc:
                         vi, vj, vd = T.axis.remap("SSR", [i, j, d])
                         with T.init():
                             S[vi, vj] = T.float32(0)
-                        S[vi, vj] = S[vi, vj] + Qp[vb, vhk, member, q0 + vi, vd] * KT[vd, vj]
+                        S[vi, vj] = S[vi, vj] + Qp[h, qrow + vi, vd] * KTp[hk, gk, vd, vj]
+        if has_mods:
+            for unit in range(1):
+                with T.sblock("score_mod_tile"):
+                    for i, j in T.grid(Br, Bc):
+                        with T.sblock("score_mod"):
+                            vi, vj = T.axis.remap("SS", [i, j])
+                            X[vi, vj] = args.modded(S[vi, vj] * T.Cast(F32, softmax_scale), b, h, q0 + vi, k0 + vj)
+        if state == PARTIAL:
+            for unit in range(1):
+                with T.sblock("mask_tile"):
+                    for i, j in T.grid(Br, Bc):
+                        with T.sblock("mask"):
+                            vi, vj = T.axis.remap("SS", [i, j])
+                            X[vi, vj] = T.Select(args.visible(b, h, q0 + vi, k0 + vj, (window_left, window_right)),
+                                                 X[vi, vj], T.float32(NEG_INF))
         for unit in range(1):
             with T.sblock("probs_tile"):
                 for i, j in T.grid(Br, Bc):
                     with T.sblock("probs"):
                         vi, vj = T.axis.remap("SS", [i, j])
-                        P[vi, vj] = T.Select(visible(q0 + vi, k0 + vj, Nq, Nk, spec.causal),
-                                             spec.exp2_fn()(log2_exponent(S[vi, vj], scale_log2_parts(softmax_scale),
-                                                                 (row_stats[0, vi], row_stats[1, vi]))),
-                                             T.float32(0))
+                        P[vi, vj] = exp2(masked_log2_exponent(
+                            X[vi, vj], _exponent_constant(spec, softmax_scale), (row_stats[0, vi], row_stats[1, vi])))
 
-    @T.macro(hygienic=False)
-    def accumulate_dv():
+    @T.macro
+    def accumulate_dv(dVtile: T.Buffer, dVrun: T.Buffer, P: T.Buffer, dOp: T.Buffer, h: T.int64, qrow: T.int64):
         for unit in range(1):
             with T.sblock("dv_tile"):
                 for j, d, i in T.grid(Bc, D, Br):
@@ -339,16 +554,18 @@ def fused_backward(spec: KernelSpec) -> tirx.PrimFunc:
                         vj, vd, vi = T.axis.remap("SSR", [j, d, i])
                         with T.init():
                             dVtile[vj, vd] = T.float32(0)
-                        dVtile[vj, vd] = dVtile[vj, vd] + P[vi, vj] * dOp[vb, vhk, member, q0 + vi, vd]
+                        dVtile[vj, vd] = dVtile[vj, vd] + P[vi, vj] * dOp[h, qrow + vi, vd]
         for unit in range(1):
             with T.sblock("update_dv_tile"):
                 for j, d in T.grid(Bc, D):
                     with T.sblock("update_dv"):
                         vj, vd = T.axis.remap("SS", [j, d])
-                        dVacc[vj, vd] = spec.to_acc(spec.from_acc(dVacc[vj, vd]) + dVtile[vj, vd])
+                        dVrun[vj, vd] = dVrun[vj, vd] + dVtile[vj, vd]
 
-    @T.macro(hygienic=False)
-    def accumulate_dk_dq():
+    @T.macro
+    def grad_scores_stage(dS: T.Buffer, dP: T.Buffer, P: T.Buffer, S: T.Buffer, VTp: T.Buffer, dOp: T.Buffer,
+                          row_stats: T.Buffer, partials: T.Buffer, softmax_scale: T.float64, slot: T.int64,
+                          b: T.int64, h: T.int64, hk: T.int64, q0: T.int64, k0: T.int64, qrow: T.int64, gk: T.int64):
         for unit in range(1):
             with T.sblock("dprobs_tile"):
                 for i, j, d in T.grid(Br, Bc, D):
@@ -356,13 +573,34 @@ def fused_backward(spec: KernelSpec) -> tirx.PrimFunc:
                         vi, vj, vd = T.axis.remap("SSR", [i, j, d])
                         with T.init():
                             dP[vi, vj] = T.float32(0)
-                        dP[vi, vj] = dP[vi, vj] + dOp[vb, vhk, member, q0 + vi, vd] * VT[vd, vj]
+                        dP[vi, vj] = dP[vi, vj] + dOp[h, qrow + vi, vd] * VTp[hk, gk, vd, vj]
         for unit in range(1):
             with T.sblock("dscores_tile"):
                 for i, j in T.grid(Br, Bc):
                     with T.sblock("dscores"):
                         vi, vj = T.axis.remap("SS", [i, j])
                         dS[vi, vj] = grad_scores(P[vi, vj], dP[vi, vj], row_stats[2, vi])
+        if has_grads:
+            for i, j in T.grid(Br, Bc):  # scatter-adds: a plain serial loop
+                with T.sblock("mod_grads"):
+                    vi, vj = T.axis.remap("SS", [i, j])
+                    if P[vi, vj] != T.float32(0):
+                        args.scatter_mod_grads(partials, slot, S[vi, vj] * T.Cast(F32, softmax_scale), b, h,
+                                               q0 + vi, k0 + vj, dS[vi, vj])
+        if has_mods:
+            for unit in range(1):
+                with T.sblock("dscores_mod_tile"):
+                    for i, j in T.grid(Br, Bc):
+                        with T.sblock("dscores_mod"):
+                            vi, vj = T.axis.remap("SS", [i, j])
+                            # masked and underflowed entries have dS = 0: keep it 0 even where the
+                            # mods' derivative is not finite there
+                            dS[vi, vj] = T.Select(dS[vi, vj] == T.float32(0), T.float32(0), dS[vi, vj] * args.modded_grad(
+                                S[vi, vj] * T.Cast(F32, softmax_scale), b, h, q0 + vi, k0 + vj))
+
+    @T.macro
+    def accumulate_dk_dq(dKtile: T.Buffer, dKrun: T.Buffer, dQtile: T.Buffer, dQacc: T.Buffer, dS: T.Buffer,
+                         Qp: T.Buffer, Kp: T.Buffer, h: T.int64, hk: T.int64, qrow: T.int64, krow: T.int64):
         for unit in range(1):
             with T.sblock("dk_tile"):
                 for j, d, i in T.grid(Bc, D, Br):
@@ -370,13 +608,13 @@ def fused_backward(spec: KernelSpec) -> tirx.PrimFunc:
                         vj, vd, vi = T.axis.remap("SSR", [j, d, i])
                         with T.init():
                             dKtile[vj, vd] = T.float32(0)
-                        dKtile[vj, vd] = dKtile[vj, vd] + dS[vi, vj] * Qp[vb, vhk, member, q0 + vi, vd]
+                        dKtile[vj, vd] = dKtile[vj, vd] + dS[vi, vj] * Qp[h, qrow + vi, vd]
         for unit in range(1):
             with T.sblock("update_dk_tile"):
                 for j, d in T.grid(Bc, D):
                     with T.sblock("update_dk"):
                         vj, vd = T.axis.remap("SS", [j, d])
-                        dKacc[vj, vd] = spec.to_acc(spec.from_acc(dKacc[vj, vd]) + dKtile[vj, vd])
+                        dKrun[vj, vd] = dKrun[vj, vd] + dKtile[vj, vd]
         for unit in range(1):
             with T.sblock("dq_tile"):
                 for i, d, j in T.grid(Br, D, Bc):
@@ -384,22 +622,45 @@ def fused_backward(spec: KernelSpec) -> tirx.PrimFunc:
                         vi, vd, vj = T.axis.remap("SSR", [i, d, j])
                         with T.init():
                             dQtile[vi, vd] = T.float32(0)
-                        dQtile[vi, vd] = dQtile[vi, vd] + dS[vi, vj] * Kt[vj, vd]
+                        dQtile[vi, vd] = dQtile[vi, vd] + dS[vi, vj] * Kp[hk, krow + vj, vd]
         for unit in range(1):
             with T.sblock("update_dq_tile"):
                 for i, d in T.grid(Br, D):
                     with T.sblock("update_dq"):
                         vi, vd = T.axis.remap("SS", [i, d])
-                        dQacc[vs, vb, vhk, member, q0 + vi, vd] = spec.to_acc(
-                            spec.from_acc(dQacc[vs, vb, vhk, member, q0 + vi, vd]) + dQtile[vi, vd])
+                        dQacc[h, qrow + vi, vd] = dQacc[h, qrow + vi, vd] + dQtile[vi, vd]
+
+    @T.macro
+    def init_dkv(dKrun: T.Buffer, dVrun: T.Buffer):
+        for unit in range(1):
+            with T.sblock("init_dkv_tile"):
+                for j, d in T.grid(Bc, D):
+                    with T.sblock("init_dkv"):
+                        vj, vd = T.axis.remap("SS", [j, d])
+                        dKrun[vj, vd] = T.float32(0)
+                        dVrun[vj, vd] = T.float32(0)
+
+    @T.macro
+    def update_dkv(dKacc: T.Buffer, dVacc: T.Buffer, dKrun: T.Buffer, dVrun: T.Buffer, hk: T.int64, krow: T.int64):
+        for unit in range(1):
+            with T.sblock("update_dkv_tile"):
+                for j, d in T.grid(Bc, D):
+                    with T.sblock("update_dk_acc"):
+                        vj, vd = T.axis.remap("SS", [j, d])
+                        dKacc[hk, krow + vj, vd] = dKacc[hk, krow + vj, vd] + dKrun[vj, vd]
+                for j, d in T.grid(Bc, D):
+                    with T.sblock("update_dv_acc"):
+                        vj, vd = T.axis.remap("SS", [j, d])
+                        dVacc[hk, krow + vj, vd] = dVacc[hk, krow + vj, vd] + dVrun[vj, vd]
 
     @T.prim_func(s_tir=True)
-    def flash_bwd(do_h: T.handle, q_h: T.handle, k_h: T.handle, v_h: T.handle, o_h: T.handle,
-                  lse_h: T.handle, dq_h: T.handle, dk_h: T.handle, dv_h: T.handle,
-                  softmax_scale: T.float64, n_split: T.int64):
+    def flash_bwd(do_h: T.handle, q_h: T.handle, k_h: T.handle, v_h: T.handle, o_h: T.handle, lse_h: T.handle,
+                  dq_h: T.handle, dk_h: T.handle, dv_h: T.handle, softmax_scale: T.float64, window_left: T.int64,
+                  window_right: T.int64, n_threads: T.int64, n_rounds: T.int64, super_tile: T.int64):
         T.func_attr({"global_symbol": "flash_bwd", "tirx.noalias": True})
-        B = T.int64()
+        Bq = T.int64()
         Nq = T.int64()
+        Bk = T.int64()
         Nk = T.int64()
         H = T.int64()
         Hk = T.int64()
@@ -411,136 +672,221 @@ def fused_backward(spec: KernelSpec) -> tirx.PrimFunc:
         sdq = (T.int64(), T.int64(), T.int64())
         sdk = (T.int64(), T.int64(), T.int64())
         sdv = (T.int64(), T.int64(), T.int64())
-        dO = T.match_buffer(do_h, (B, Nq, H, D), dtype, strides=(*sdo, 1), align=elem)
-        Q = T.match_buffer(q_h, (B, Nq, H, D), dtype, strides=(*sq, 1), align=elem)
-        K = T.match_buffer(k_h, (B, Nk, Hk, D), dtype, strides=(*sk, 1), align=elem)
-        V = T.match_buffer(v_h, (B, Nk, Hk, D), dtype, strides=(*sv, 1), align=elem)
-        O = T.match_buffer(o_h, (B, Nq, H, D), dtype, strides=(*so, 1), align=elem)
-        LSE = T.match_buffer(lse_h, (B, H, Nq), F32, align=4)
-        dQ = T.match_buffer(dq_h, (B, Nq, H, D), dtype, strides=(*sdq, 1), align=elem)
-        dK = T.match_buffer(dk_h, (B, Nk, Hk, D), dtype, strides=(*sdk, 1), align=elem)
-        dV = T.match_buffer(dv_h, (B, Nk, Hk, D), dtype, strides=(*sdv, 1), align=elem)
-        # Packed copies are padded to whole tiles with zero rows: no bounds checks in the tile loops.
-        # Heads are indexed (kv head, member of its GQA group) in the workspaces; see the forward.
-        Qp = T.alloc_buffer((B, Hk, H // Hk, _ceildiv(Nq, Br) * Br, D), F32)
-        dOp = T.alloc_buffer((B, Hk, H // Hk, _ceildiv(Nq, Br) * Br, D), F32)
-        # Per query row: LSE * log2(e) as a float32 hi + lo pair, and Delta = rowsum(dO * O).
-        RowStats = T.alloc_buffer((B, Hk, H // Hk, 3, _ceildiv(Nq, Br) * Br), F32)
-        dQacc = T.alloc_buffer((n_split, B, Hk, H // Hk, _ceildiv(Nq, Br) * Br, D), acc)
-        dQsum = T.alloc_buffer((B, Hk, H // Hk, _ceildiv(Nq, Br) * Br, D), F32)
-        for b, hk, g, i, d in T.grid(B, Hk, H // Hk, _ceildiv(Nq, Br) * Br, D):
-            with T.sblock("pack_q_do"):
-                vb, vhk, vg, vi, vd = T.axis.remap("SSSSS", [b, hk, g, i, d])
-                Qp[vb, vhk, vg, vi, vd] = T.if_then_else(
-                    vi < Nq, T.Cast(F32, Q[vb, T.min(vi, Nq - 1), vhk * (H // Hk) + vg, vd]), T.float32(0))
-                dOp[vb, vhk, vg, vi, vd] = T.if_then_else(
-                    vi < Nq, T.Cast(F32, dO[vb, T.min(vi, Nq - 1), vhk * (H // Hk) + vg, vd]), T.float32(0))
-        for b, hk, g, i, d in T.grid(B, Hk, H // Hk, _ceildiv(Nq, Br) * Br, D):
-            with T.sblock("delta"):
-                vb, vhk, vg, vi, vd = T.axis.remap("SSSSR", [b, hk, g, i, d])
-                with T.init():
-                    RowStats[vb, vhk, vg, 2, vi] = T.float32(0)
-                RowStats[vb, vhk, vg, 2, vi] = RowStats[vb, vhk, vg, 2, vi] + dOp[vb, vhk, vg, vi, vd] * T.Cast(
-                    F32, O[vb, T.min(vi, Nq - 1), vhk * (H // Hk) + vg, vd])
-        for b, hk, g, i in T.grid(B, Hk, H // Hk, _ceildiv(Nq, Br) * Br):
-            with T.sblock("lse_log2"):
-                vb, vhk, vg, vi = T.axis.remap("SSSS", [b, hk, g, i])
-                RowStats[vb, vhk, vg, 0, vi] = T.if_then_else(
-                    vi < Nq, lse_log2_parts(LSE[vb, vhk * (H // Hk) + vg, T.min(vi, Nq - 1)])[0], T.float32(0))
-                RowStats[vb, vhk, vg, 1, vi] = T.if_then_else(
-                    vi < Nq, lse_log2_parts(LSE[vb, vhk * (H // Hk) + vg, T.min(vi, Nq - 1)])[1], T.float32(0))
-        for s, b, hk, g, i, d in T.grid(n_split, B, Hk, H // Hk, _ceildiv(Nq, Br) * Br, D):
-            with T.sblock("zero_dq"):
-                vs, vb, vhk, vg, vi, vd = T.axis.remap("SSSSSS", [s, b, hk, g, i, d])
-                dQacc[vs, vb, vhk, vg, vi, vd] = to_acc(T.float32(0))
-        for b, hk, s in T.grid(B, Hk, n_split):
-            with T.sblock("kv_split"):
-                vb, vhk, vs = T.axis.remap("SSS", [b, hk, s])
+        dO = T.match_buffer(do_h, (Bq, Nq, H, D), dtype, strides=(*sdo, 1), align=elem)
+        Q = T.match_buffer(q_h, (Bq, Nq, H, D), dtype, strides=(*sq, 1), align=elem)
+        K = T.match_buffer(k_h, (Bk, Nk, Hk, D), dtype, strides=(*sk, 1), align=elem)
+        V = T.match_buffer(v_h, (Bk, Nk, Hk, D), dtype, strides=(*sv, 1), align=elem)
+        O = T.match_buffer(o_h, (Bq, Nq, H, D), dtype, strides=(*so, 1), align=elem)
+        LSE = T.match_buffer(lse_h, (Bq, H, Nq), F32, align=4)
+        dQ = T.match_buffer(dq_h, (Bq, Nq, H, D), out_dtype, strides=(*sdq, 1), align=out_elem)
+        dK = T.match_buffer(dk_h, (Bk, Nk, Hk, D), out_dtype, strides=(*sdk, 1), align=out_elem)
+        dV = T.match_buffer(dv_h, (Bk, Nk, Hk, D), out_dtype, strides=(*sdv, 1), align=out_elem)
+        args.declare(H)
+        # Padded global rows: every sequence starts on a whole tile (plan.py).
+        Qp = T.decl_buffer((H, args.query_tiles() * Br, D), F32)
+        dOp = T.decl_buffer((H, args.query_tiles() * Br, D), F32)
+        # Per query row: LSE * log2(e) as fp32 hi + lo, and Delta = rowsum(dO * O).
+        RowStats = T.decl_buffer((H, 3, args.query_tiles() * Br), F32)
+        dQacc = T.decl_buffer((H, args.query_tiles() * Br, D), F32)
+        # K, K^T, V^T as fp32, per key tile: the operand layouts the products read
+        Kp = T.decl_buffer((Hk, args.key_tiles() * Bc, D), F32)
+        KTp = T.decl_buffer((Hk, args.key_tiles(), D, Bc), F32)
+        VTp = T.decl_buffer((Hk, args.key_tiles(), D, Bc), F32)
+        dKacc = T.decl_buffer((Hk, args.key_tiles() * Bc, D), F32)
+        dVacc = T.decl_buffer((Hk, args.key_tiles() * Bc, D), F32)
+        partials = T.decl_buffer((n_threads, max([math.prod(i.shape) for i in grad_inputs] + [1])), F32)
+        for h, t in T.grid(H, args.query_tiles()):
+            with T.sblock("prepare_q_tile"):
+                vh, vt = T.axis.remap("SS", [h, t])
                 T.reads()
                 T.writes()
-                Kt = T.sblock_alloc_buffer((Bc, D), F32)  # k tile (for dQ += dS K)
-                KT = T.sblock_alloc_buffer((D, Bc), F32)  # k tile transposed (for S)
-                VT = T.sblock_alloc_buffer((D, Bc), F32)  # v tile transposed (for dP)
-                dKacc = T.sblock_alloc_buffer((Bc, D), acc)  # over all query tiles and GQA heads
-                dKtile = T.sblock_alloc_buffer((Bc, D), F32)  # one query tile's share
-                dVacc = T.sblock_alloc_buffer((Bc, D), acc)
-                dVtile = T.sblock_alloc_buffer((Bc, D), F32)
-                S = T.sblock_alloc_buffer((Br, Bc), F32)
-                P = T.sblock_alloc_buffer((Br, Bc), F32)
-                dP = T.sblock_alloc_buffer((Br, Bc), F32)
-                dS = T.sblock_alloc_buffer((Br, Bc), F32)
-                dQtile = T.sblock_alloc_buffer((Br, D), F32)
-                row_stats = T.sblock_alloc_buffer((3, Br), F32)  # lse_hi, lse_lo, delta of the q tile
-                group: T.let[T.int64] = H // Hk
-                # Key tiles vs, vs + n_split, ...: interleaved, so causal splits get equal work.
-                for t in T.serial(_ceildiv(_ceildiv(Nk, Bc), n_split)):
-                    if vs + t * n_split < _ceildiv(Nk, Bc):
-                        k0: T.let[T.int64] = (vs + t * n_split) * Bc
-                        for unit in range(1):
-                            with T.sblock("load_k_tile"):
-                                for j, d in T.grid(Bc, D):
-                                    with T.sblock("load_k"):
-                                        vj, vd = T.axis.remap("SS", [j, d])
-                                        Kt[vj, vd] = T.if_then_else(
-                                            k0 + vj < Nk, T.Cast(F32, K[vb, T.min(k0 + vj, Nk - 1), vhk, vd]), T.float32(0))
-                        for unit in range(1):
-                            with T.sblock("load_kt_tile"):
-                                for d, j in T.grid(D, Bc):
-                                    with T.sblock("load_kt"):
-                                        vd, vj = T.axis.remap("SS", [d, j])
-                                        KT[vd, vj] = Kt[vj, vd]
-                        for unit in range(1):
-                            with T.sblock("load_vt_tile"):
-                                for d, j in T.grid(D, Bc):
-                                    with T.sblock("load_vt"):
-                                        vd, vj = T.axis.remap("SS", [d, j])
-                                        VT[vd, vj] = T.if_then_else(
-                                            k0 + vj < Nk, T.Cast(F32, V[vb, T.min(k0 + vj, Nk - 1), vhk, vd]), T.float32(0))
-                        for unit in range(1):
-                            with T.sblock("init_dkv_tile"):
-                                for j, d in T.grid(Bc, D):
-                                    with T.sblock("init_dkv"):
-                                        vj, vd = T.axis.remap("SS", [j, d])
-                                        dKacc[vj, vd] = to_acc(T.float32(0))
-                                        dVacc[vj, vd] = to_acc(T.float32(0))
-                        for g in T.serial(group):
-                            member: T.let[T.int64] = g
-                            if spec.recompute == "once":
-                                for qt in T.serial(_first_query_tile_for_key_tile(k0, spec, Nq, Nk), _ceildiv(Nq, Br)):
-                                    q0: T.let[T.int64] = qt * Br
-                                    recompute_probs()
-                                    accumulate_dv()
-                                    accumulate_dk_dq()
-                            else:  # the naive structure (experiment only): a second pass recomputes P
-                                for qt in T.serial(_first_query_tile_for_key_tile(k0, spec, Nq, Nk), _ceildiv(Nq, Br)):
-                                    q0: T.let[T.int64] = qt * Br
-                                    recompute_probs()
-                                    accumulate_dv()
-                                for qt in T.serial(_first_query_tile_for_key_tile(k0, spec, Nq, Nk), _ceildiv(Nq, Br)):
-                                    q0: T.let[T.int64] = qt * Br
-                                    recompute_probs()
-                                    accumulate_dk_dq()
-                        for j, d in T.grid(Bc, D):
-                            with T.sblock("store_dkv"):
-                                vj, vd = T.axis.remap("SS", [j, d])
-                                if k0 + vj < Nk:
-                                    dK[vb, k0 + vj, vhk, vd] = T.Cast(dtype, from_acc(dKacc[vj, vd]) * T.Cast(F32, softmax_scale))
-                                    dV[vb, k0 + vj, vhk, vd] = T.Cast(dtype, from_acc(dVacc[vj, vd]))
-        for b, hk, g, i, s, d in T.grid(B, Hk, H // Hk, _ceildiv(Nq, Br) * Br, n_split, D):
-            with T.sblock("sum_dq"):
-                vb, vhk, vg, vi, vs, vd = T.axis.remap("SSSSRS", [b, hk, g, i, s, d])
-                with T.init():
-                    dQsum[vb, vhk, vg, vi, vd] = T.float32(0)
-                dQsum[vb, vhk, vg, vi, vd] = dQsum[vb, vhk, vg, vi, vd] + from_acc(dQacc[vs, vb, vhk, vg, vi, vd])
-        for b, i, hk, g, d in T.grid(B, Nq, Hk, H // Hk, D):
-            with T.sblock("store_dq"):
-                vb, vi, vhk, vg, vd = T.axis.remap("SSSSS", [b, i, hk, g, d])
-                dQ[vb, vi, vhk * (H // Hk) + vg, vd] = T.Cast(
-                    dtype, dQsum[vb, vhk, vg, vi, vd] * T.Cast(F32, softmax_scale))
+                b: T.let[T.int64] = args.q_seq(vt)
+                q0: T.let[T.int64] = (vt - args.col(b, plan.Q_TILE0)) * Br
+                q_len: T.let[T.int64] = args.q_len(b)
+                q_batch: T.let[T.int64] = args.col(b, plan.Q_BATCH)
+                q_start: T.let[T.int64] = args.col(b, plan.Q_START)
+                for i, d in T.grid(Br, D):
+                    with T.sblock("pack_q_do"):
+                        vi, vd = T.axis.remap("SS", [i, d])
+                        Qp[vh, vt * Br + vi, vd] = T.if_then_else(
+                            q0 + vi < q_len, T.Cast(F32, Q[q_batch, q_start + T.min(q0 + vi, q_len - 1), vh, vd]),
+                            T.float32(0))
+                        dOp[vh, vt * Br + vi, vd] = T.if_then_else(
+                            q0 + vi < q_len, T.Cast(F32, dO[q_batch, q_start + T.min(q0 + vi, q_len - 1), vh, vd]),
+                            T.float32(0))
+                for i, d in T.grid(Br, D):
+                    with T.sblock("delta"):
+                        vi, vd = T.axis.remap("SR", [i, d])
+                        with T.init():
+                            RowStats[vh, 2, vt * Br + vi] = T.float32(0)
+                        RowStats[vh, 2, vt * Br + vi] = RowStats[vh, 2, vt * Br + vi] + dOp[vh, vt * Br + vi, vd] * T.Cast(
+                            F32, O[q_batch, q_start + T.min(q0 + vi, q_len - 1), vh, vd])
+                for i in T.serial(Br):
+                    with T.sblock("lse_log2"):
+                        vi = T.axis.remap("S", [i])
+                        # rows that see no key (LSE -inf) get +inf: 2^(score - LSE) = 0 for all scores
+                        RowStats[vh, 0, vt * Br + vi] = T.if_then_else(q0 + vi < q_len, T.Select(
+                            LSE[q_batch, vh, q_start + T.min(q0 + vi, q_len - 1)] == T.float32(NEG_INF),
+                            T.float32(-NEG_INF),
+                            lse_log2_parts(LSE[q_batch, vh, q_start + T.min(q0 + vi, q_len - 1)])[0]), T.float32(0))
+                        RowStats[vh, 1, vt * Br + vi] = T.if_then_else(q0 + vi < q_len, T.Select(
+                            LSE[q_batch, vh, q_start + T.min(q0 + vi, q_len - 1)] == T.float32(NEG_INF), T.float32(0),
+                            lse_log2_parts(LSE[q_batch, vh, q_start + T.min(q0 + vi, q_len - 1)])[1]), T.float32(0))
+                for i, d in T.grid(Br, D):
+                    with T.sblock("zero_dq"):
+                        vi, vd = T.axis.remap("SS", [i, d])
+                        dQacc[vh, vt * Br + vi, vd] = T.float32(0)
+        for hk, t in T.grid(Hk, args.key_tiles()):
+            with T.sblock("prepare_k_tile"):
+                vhk, vt = T.axis.remap("SS", [hk, t])
+                T.reads()
+                T.writes()
+                b: T.let[T.int64] = args.k_seq(vt)
+                k0: T.let[T.int64] = (vt - args.col(b, plan.K_TILE0)) * Bc
+                k_len: T.let[T.int64] = args.k_len(b)
+                k_batch: T.let[T.int64] = args.col(b, plan.K_BATCH)
+                k_start: T.let[T.int64] = args.col(b, plan.K_START)
+                for j, d in T.grid(Bc, D):
+                    with T.sblock("pack_k"):
+                        vj, vd = T.axis.remap("SS", [j, d])
+                        Kp[vhk, vt * Bc + vj, vd] = T.if_then_else(
+                            k0 + vj < k_len, T.Cast(F32, K[k_batch, k_start + T.min(k0 + vj, k_len - 1), vhk, vd]),
+                            T.float32(0))
+                for d, j in T.grid(D, Bc):
+                    with T.sblock("pack_kt"):
+                        vd, vj = T.axis.remap("SS", [d, j])
+                        KTp[vhk, vt, vd, vj] = Kp[vhk, vt * Bc + vj, vd]
+                for d, j in T.grid(D, Bc):
+                    with T.sblock("pack_vt"):
+                        vd, vj = T.axis.remap("SS", [d, j])
+                        VTp[vhk, vt, vd, vj] = T.if_then_else(
+                            k0 + vj < k_len, T.Cast(F32, V[k_batch, k_start + T.min(k0 + vj, k_len - 1), vhk, vd]),
+                            T.float32(0))
+                for j, d in T.grid(Bc, D):
+                    with T.sblock("zero_dkv"):
+                        vj, vd = T.axis.remap("SS", [j, d])
+                        dKacc[vhk, vt * Bc + vj, vd] = T.float32(0)
+                        dVacc[vhk, vt * Bc + vj, vd] = T.float32(0)
+        if has_grads:
+            for s, x in T.grid(n_threads, partials.shape[1]):
+                with T.sblock("zero_mod_grads"):
+                    vs, vx = T.axis.remap("SS", [s, x])
+                    partials[vs, vx] = T.float32(0)
+        for rnd in T.serial(n_rounds):  # rounds run in order
+            vrnd: T.let[T.int64] = rnd
+            for slot in T.serial(n_threads):
+                with T.sblock("round_slot"):
+                    vslot = T.axis.remap("S", [slot])
+                    T.reads()
+                    T.writes()
+                    S = T.sblock_alloc_buffer((Br, Bc), F32)  # raw dot products
+                    X = T.sblock_alloc_buffer((Br, Bc), F32) if has_mods else S  # modded scores
+                    P = T.sblock_alloc_buffer((Br, Bc), F32)
+                    dP = T.sblock_alloc_buffer((Br, Bc), F32)
+                    dS = T.sblock_alloc_buffer((Br, Bc), F32)
+                    dKtile = T.sblock_alloc_buffer((Bc, D), F32)  # one query tile's share
+                    dVtile = T.sblock_alloc_buffer((Bc, D), F32)
+                    dKrun = T.sblock_alloc_buffer((Bc, D), F32)  # this task's share
+                    dVrun = T.sblock_alloc_buffer((Bc, D), F32)
+                    dQtile = T.sblock_alloc_buffer((Br, D), F32)
+                    row_stats = T.sblock_alloc_buffer((3, Br), F32)  # lse hi, lse lo, Delta
+                    # The task's indices and the tile's state go through a small buffer, not let
+                    # bindings: TVM's simplifier carries let values into every region analysis
+                    # below, and compiling took minutes (DEVELOPING.md).
+                    state = T.sblock_alloc_buffer((1,), I64)
+                    at = T.sblock_alloc_buffer((4,), I64)  # kv head, sequence, J, I
+                    for e in T.serial(_cyclic_count(vslot, Hk * args.key_super_tiles(), n_threads)):
+                        at[0] = (vslot + e * n_threads) // args.key_super_tiles()
+                        # super tiles rotate by kv head: under causal masks the busy tasks of a round
+                        # are the low J, which would otherwise land on the same slots for every head
+                        at[1] = _i64(args.k_super_seq[(vslot + e * n_threads + at[0]) % args.key_super_tiles()])
+                        at[2] = (vslot + e * n_threads + at[0]) % args.key_super_tiles() - args.col(at[1], plan.K_SUPER0)
+                        hk: T.let[T.int64] = at[0]
+                        b: T.let[T.int64] = at[1]
+                        J: T.let[T.int64] = at[2]
+                        q_supers: T.let[T.int64] = _ceildiv(args.q_tiles(b), super_tile)
+                        supers: T.let[T.int64] = T.max(q_supers, _ceildiv(args.k_tiles(b), super_tile))
+                        at[3] = (J + vrnd) % supers
+                        I: T.let[T.int64] = at[3]
+                        if vrnd < supers and I < q_supers:
+                            for jj in T.serial(super_tile):
+                                kt: T.let[T.int64] = J * super_tile + jj
+                                if kt < args.k_tiles(b):
+                                    k0: T.let[T.int64] = kt * Bc
+                                    gk: T.let[T.int64] = args.col(b, plan.K_TILE0) + kt
+                                    krow: T.let[T.int64] = gk * Bc
+                                    init_dkv(dKrun, dVrun)
+                                    for g in T.serial(H // Hk):
+                                        h: T.let[T.int64] = hk * (H // Hk) + g
+                                        for ii in T.serial(super_tile):
+                                            qt: T.let[T.int64] = I * super_tile + ii
+                                            q0: T.let[T.int64] = qt * Br
+                                            qrow: T.let[T.int64] = (args.col(b, plan.Q_TILE0) + qt) * Br
+                                            state[0] = T.if_then_else(
+                                                qt < args.q_tiles(b),
+                                                args.tile_state(b, h, q0, k0, (window_left, window_right)),
+                                                T.int64(EMPTY))
+                                            if state[0] != EMPTY:
+                                                recompute_probs(P, S, X, row_stats, RowStats, Qp, KTp, softmax_scale,
+                                                                b, h, hk, q0, k0, qrow, gk, state[0], window_left,
+                                                                window_right)
+                                                accumulate_dv(dVtile, dVrun, P, dOp, h, qrow)
+                                                grad_scores_stage(dS, dP, P, S, VTp, dOp, row_stats, partials,
+                                                                  softmax_scale, vslot, b, h, hk, q0, k0, qrow, gk)
+                                                accumulate_dk_dq(dKtile, dKrun, dQtile, dQacc, dS, Qp, Kp, h, hk, qrow,
+                                                                 krow)
+                                    update_dkv(dKacc, dVacc, dKrun, dVrun, hk, krow)
+        for h, t in T.grid(H, args.query_tiles()):
+            with T.sblock("store_dq_tile"):
+                vh, vt = T.axis.remap("SS", [h, t])
+                T.reads()
+                T.writes()
+                b: T.let[T.int64] = args.q_seq(vt)
+                q0: T.let[T.int64] = (vt - args.col(b, plan.Q_TILE0)) * Br
+                q_len: T.let[T.int64] = args.q_len(b)
+                q_batch: T.let[T.int64] = args.col(b, plan.Q_BATCH)
+                q_start: T.let[T.int64] = args.col(b, plan.Q_START)
+                for i, d in T.grid(Br, D):
+                    with T.sblock("store_dq"):
+                        vi, vd = T.axis.remap("SS", [i, d])
+                        if q0 + vi < q_len:
+                            dQ[q_batch, q_start + q0 + vi, vh, vd] = T.Cast(
+                                out_dtype, dQacc[vh, vt * Br + vi, vd] * T.Cast(F32, softmax_scale))
+        for hk, t in T.grid(Hk, args.key_tiles()):
+            with T.sblock("store_dkv_tile"):
+                vhk, vt = T.axis.remap("SS", [hk, t])
+                T.reads()
+                T.writes()
+                b: T.let[T.int64] = args.k_seq(vt)
+                k0: T.let[T.int64] = (vt - args.col(b, plan.K_TILE0)) * Bc
+                k_len: T.let[T.int64] = args.k_len(b)
+                k_batch: T.let[T.int64] = args.col(b, plan.K_BATCH)
+                k_start: T.let[T.int64] = args.col(b, plan.K_START)
+                for j, d in T.grid(Bc, D):
+                    with T.sblock("store_dkv"):
+                        vj, vd = T.axis.remap("SS", [j, d])
+                        if k0 + vj < k_len:
+                            dK[k_batch, k_start + k0 + vj, vhk, vd] = T.Cast(
+                                out_dtype, dKacc[vhk, vt * Bc + vj, vd] * T.Cast(F32, softmax_scale))
+                            dV[k_batch, k_start + k0 + vj, vhk, vd] = T.Cast(out_dtype, dVacc[vhk, vt * Bc + vj, vd])
+        if has_grads:
+            sum_mod_grads(args, partials, n_threads)
 
     return flash_bwd
 
 
-def fused_kernel(kernel: str, spec: KernelSpec) -> tirx.PrimFunc:
+def sum_mod_grads(args: KernelArgs, partials, n_threads) -> None:
+    """Each captured tensor's gradient: the slots' partials summed in slot order (emitted with
+    the IR builder: one loop nest per tensor)."""
+    for name, grad in args.grad_buffers.items():
+        with T.grid(grad.shape[0], n_threads) as (x, s):
+            with T.sblock(f"sum_{name}_grad"):
+                vx, vs = T.axis.remap("SR", [x, s])
+                with T.init():
+                    T.buffer_store(grad, T.float32(0), [vx])
+                T.buffer_store(grad, grad[vx] + partials[vs, vx], [vx])
+
+
+def fused_kernel(kernel: str, spec: AttentionSpec, cfg: CPUKernelConfig) -> tirx.PrimFunc:
     """The fused "forward" or "backward" kernel."""
-    return (fused_forward if kernel == "forward" else fused_backward)(spec)
+    return (fused_forward if kernel == "forward" else fused_backward)(spec, cfg)

@@ -24,6 +24,8 @@ plain loops) against float64 PyTorch, which checks the layouts and the math with
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from tvm import tirx
 from tvm.runtime import DataType
 from tvm.script import tirx as T
@@ -37,11 +39,47 @@ from .attention_te import (
     scale_log2_parts,
     visible,
 )
-from .kernels import F32, KernelSpec, _ceildiv, _first_query_tile_for_key_tile, _key_tiles_for_query_tile
+from .config import CUDA_ROWS_PER_WARP as ROWS_PER_WARP
+from .config import CUDA_WARPS as WARPS
 
-WARPS = 4
-ROWS_PER_WARP = 16
+F32 = "float32"
 VEC = 8  # elements per 16-byte copy
+
+
+@dataclass(frozen=True)
+class CUDASpec:
+    """What one CUDA build computes, with the tile shape its loops are built around."""
+
+    head_dim: int
+    dtype: str
+    causal: bool
+    block_q: int
+    block_k: int
+
+    @staticmethod
+    def exp2_fn():
+        return tirx.exp2  # ex2.approx in hardware
+
+
+def _ceildiv(a, b):
+    return (a + b - 1) // b
+
+
+def _key_tiles_for_query_tile(q0, spec: CUDASpec, seqlen_q, seqlen_k):
+    """Number of key tiles a query tile [q0, q0 + block_q) needs (causal: skip masked ones)."""
+    n_kt = _ceildiv(seqlen_k, spec.block_k)
+    if not spec.causal:
+        return n_kt
+    last_row = tirx.min(q0 + spec.block_q, seqlen_q) - 1
+    last_key = last_row + (seqlen_k - seqlen_q)  # bottom-right aligned mask
+    return tirx.max(tirx.min(_ceildiv(last_key + 1, spec.block_k), n_kt), 0)
+
+
+def _first_query_tile_for_key_tile(k0, spec: CUDASpec, seqlen_q, seqlen_k):
+    """First query tile that sees key k0 (causal); 0 otherwise."""
+    if not spec.causal:
+        return tirx.const(0, "int64")
+    return tirx.max(k0 - (seqlen_k - seqlen_q), 0) // spec.block_q
 
 
 def aligned_strides(strides):
@@ -80,7 +118,7 @@ def reciprocal(x, on_cpu: bool):
     return T.float32(1) / x if on_cpu else T.call_pure_extern(F32, "__frcp_rn", x)
 
 
-def cuda_forward(spec: KernelSpec, on_cpu: bool = False) -> tirx.PrimFunc:
+def cuda_forward(spec: CUDASpec, on_cpu: bool = False) -> tirx.PrimFunc:
     """flash_fwd(q, k, v, out, lse, softmax_scale) for tensor cores (fp16/bf16 inputs).
 
     ``on_cpu``: the unscheduled kernel for the CPU tests (no CUDA-only intrinsics)."""
@@ -438,7 +476,7 @@ def cuda_backward_dq(head_dim: int, dtype: str) -> tirx.PrimFunc:
     return flash_bwd_dq
 
 
-def cuda_backward(spec: KernelSpec, atomic_dq: bool = True, on_cpu: bool = False) -> tirx.PrimFunc:
+def cuda_backward(spec: CUDASpec, atomic_dq: bool = True, on_cpu: bool = False) -> tirx.PrimFunc:
     """flash_bwd(dout, q, k, v, stats, dq_acc, dk, dv, softmax_scale, n_split).
 
     ``atomic_dq``: blocks add their dQ tiles into one fp32 accumulator (``n_split`` = number

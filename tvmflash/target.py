@@ -3,22 +3,20 @@
 TVM 0.27 rejects ``mcpu=native`` on this LLVM triple, and a generic x86 target would compile
 for SSE2 only, so the host CPU name is asked from LLVM and written into the target. The target's
 JSON is part of every cache key: kernels built for AVX-512 are never loaded on an AVX2 machine.
+
+``resolve`` needs TVM's compiler library; ``host_isa_features`` and ``runs_here`` do not (they
+read the CPU's flags), so prebuilt kernels can be checked against the CPU without it.
 """
 
 from __future__ import annotations
 
 import functools
-import os
+import platform
 
 import tvm
 import tvm_ffi
 
-
-def usable_cpus() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1
+from .settings import usable_cpus
 
 
 @functools.lru_cache(maxsize=None)
@@ -64,3 +62,48 @@ def key(target) -> str:
     if kind == "llvm":
         return f"llvm-{attrs.get('mcpu', 'generic')}"
     return f"{kind}-{attrs.get('arch', 'unknown')}"
+
+
+# Instruction-set extensions whose code faults (SIGILL) on a CPU without them. LLVM's target
+# features also list tuning flags ("fast-gather", "prefer-256-bit", ...), which are harmless.
+_ISA_PREFIXES = ("sse", "ssse", "avx", "fma", "f16c", "bmi", "amx", "vaes", "vpclmul", "gfni", "sha", "aes",
+                 "adx", "popcnt", "lzcnt", "movbe", "xsave", "fp16", "bf16", "vnni")
+
+
+def _normal(name: str) -> str:
+    return name.lower().replace("_", "").replace("-", "").replace(".", "")
+
+
+def isa_features(target: tvm.target.Target) -> list[str]:
+    """The instruction-set extensions an LLVM target compiles for (needs TVM's compiler)."""
+    features = tvm_ffi.get_global_func("target.llvm_get_cpu_features")(target)
+    return sorted(str(name) for name in features.keys() if _normal(str(name)).startswith(_ISA_PREFIXES))
+
+
+@functools.lru_cache(maxsize=None)
+def host_isa_features() -> frozenset[str] | None:
+    """This CPU's extensions, normalized (no '_', '-', '.'); None where they cannot be read."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line.split(":", 1)[1] for line in f if line.startswith("flags")), None)
+    except OSError:
+        flags = None
+    if flags is None:
+        return None
+    found = {_normal(flag) for flag in flags.split()}
+    # cpuinfo spells a few of LLVM's names differently
+    aliases = {"pni": "sse3", "abm": "lzcnt", "bmi1": "bmi", "shani": "sha", "pclmulqdq": "pclmul"}
+    found |= {alias for flag, alias in aliases.items() if flag in found}
+    return frozenset(found)
+
+
+def missing_isa_features(features) -> list[str]:
+    """Those of ``features`` (LLVM names) this CPU lacks; all of them if its flags are unknown."""
+    host = host_isa_features()
+    if host is None or platform.machine() not in ("x86_64", "AMD64"):
+        return list(features)
+    return [name for name in features if _normal(name) not in host and _normal(name) not in _LLVM_ONLY]
+
+
+# LLVM features with no /proc/cpuinfo flag of their own (implied by others it lists)
+_LLVM_ONLY = {"sse", "sse2", "ssse3", "sse41", "sse42", "fma4", "avx512vp2intersect", "xsaves", "xsavec", "xsaveopt"}

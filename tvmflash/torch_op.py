@@ -1,38 +1,45 @@
-"""PyTorch binding: ``flash_attn_func`` with autograd, as ``torch.library`` custom ops.
+"""PyTorch binding: flash-attn 2's Python functions, as ``torch.library`` custom ops.
 
 Two ops, ``tvmflash::flash_attn_forward`` -> (out, lse) and ``tvmflash::flash_attn_backward``
--> (dq, dk, dv), each with a fake (meta) implementation, tie the compiled TVM kernels into
-PyTorch: autograd through ``register_autograd``, ``torch.compile(fullgraph=True)`` through the
-fakes, and ``torch.library.opcheck`` passes. Tensors reach the kernels through DLPack without a
-copy; outputs are allocated by PyTorch and written in place by the kernels.
+-> (dq, dk, dv), each with a fake (meta) implementation, tie the compiled kernels into PyTorch:
+autograd through ``register_autograd``, ``torch.compile(fullgraph=True)`` through the fakes,
+and ``torch.library.opcheck`` passes. Tensors reach the kernels through DLPack without a copy;
+outputs are allocated by PyTorch and written in place by the kernels.
+
+The public functions have flash-attn 2's names, positional order and return values:
+``flash_attn_func``, ``flash_attn_qkvpacked_func``, ``flash_attn_kvpacked_func`` on
+``(batch, seqlen, heads, head_dim)`` tensors and the ``*_varlen_*`` forms on packed
+``(total_tokens, heads, head_dim)`` tensors with ``cu_seqlens``.
 """
 
 from __future__ import annotations
 
-import math
 import os
 
 import torch
 
-from . import compiler
-from .checks import SUPPORTED_DTYPES, check_qkv, cuda_layout_problem, info
+from . import checks, compiler
+from .runtime import FlashKernels
+from .spec import SUPPORTED_DTYPES, Alibi, AttentionSpec, Softcap
+
+# compile() resolves the target, configs and tuning records on every call (~ms); the ops ask on
+# every call, so they remember the answer per request. The environment that steers compile() is
+# part of the request.
+_STEERING_ENV = ("TVMFLASH_CACHE_DIR", "TVMFLASH_TUNE_LOGS", "TVMFLASH_PREBUILT")
+_kernels_by_request: dict[tuple, FlashKernels] = {}
 
 
 def _dtype_name(t: torch.Tensor) -> str:
     return str(t.dtype).removeprefix("torch.")
 
 
-# compile() resolves the target, the schedule config and the tuning records on every call
-# (~2 ms); the op asks on every forward and backward, so it remembers the answer per request.
-# The environment that steers compile() is part of the request.
-_STEERING_ENV = ("TVMFLASH_CACHE_DIR", "TVMFLASH_TUNE_LOGS", "TVMFLASH_PREBUILT")
-_kernels_by_request: dict[tuple, compiler.FlashKernels] = {}
+def kernels_for(q: torch.Tensor, *, causal: bool = False, deterministic: bool = False, softcap: bool = False,
+                alibi: bool = False, fp32_results: bool = False) -> FlashKernels:
+    """The compiled kernels for q's device, head dim and dtype with these features (cached).
 
-
-def kernels_for(q: torch.Tensor, causal: bool, deterministic: bool = False) -> compiler.FlashKernels:
-    """The compiled kernels for q's device, head dim, dtype and mask (cached).
-
-    CUDA kernels run on torch's current stream: tvm-ffi reads it from the tensors it is given.
+    ``fp32_results``: out (forward) and dq, dk, dv (backward) in float32 for 16-bit inputs, for
+    callers that sum partial results (ring attention). CUDA kernels run on torch's current stream
+    (tvm-ffi reads it from the tensors); they build the mask in, CPU kernels take it per call.
     """
     if q.device.type == "cpu":
         target = {"kind": "llvm"}
@@ -41,79 +48,131 @@ def kernels_for(q: torch.Tensor, causal: bool, deterministic: bool = False) -> c
         target = {"kind": "cuda", "arch": f"sm_{major}{minor}"}
     else:
         raise ValueError(f"tvmflash runs on cpu and cuda tensors, got {q.device}")
-    request = (*target.values(), q.shape[-1], _dtype_name(q), causal, deterministic,
+    dtype = _dtype_name(q)
+    request = (*target.values(), q.shape[-1], dtype, causal, deterministic, softcap, alibi, fp32_results,
                *(os.environ.get(name) for name in _STEERING_ENV))
     found = _kernels_by_request.get(request)
     if found is None:
-        found = _kernels_by_request[request] = compiler.compile(
-            target, head_dim=q.shape[-1], dtype=_dtype_name(q), causal=causal, deterministic=deterministic)
+        mods = (Softcap(),) * softcap + (Alibi(),) * alibi
+        spec = AttentionSpec(q.shape[-1], dtype, "float32" if fp32_results else dtype, score_mods=mods)
+        found = _kernels_by_request[request] = compiler.compile_spec(target, spec, causal=causal,
+                                                                     deterministic=deterministic)
     return found
 
 
-def _lse_like(q: torch.Tensor) -> torch.Tensor:
+def _lse_shape(q: torch.Tensor, varlen: bool) -> tuple:
+    if varlen:  # (total, heads, dim) -> flash-attn's (heads, total)
+        return (q.shape[1], q.shape[0])
     batch, seqlen_q, heads, _ = q.shape
-    return q.new_empty((batch, heads, seqlen_q), dtype=torch.float32)
+    return (batch, heads, seqlen_q)
 
 
-def _empty_problem(q: torch.Tensor, k: torch.Tensor) -> bool:
-    return q.numel() == 0 or k.shape[1] == 0
+def _as_batch(t: torch.Tensor | None) -> torch.Tensor | None:
+    """Packed (total, heads, dim) tensors as the kernels' (1, total, heads, dim) view."""
+    return None if t is None else t.unsqueeze(0)
+
+
+def _mod_inputs(q: torch.Tensor, softcap: float, alibi_slopes: torch.Tensor | None) -> list:
+    mods = []
+    if softcap > 0:
+        mods.append(torch.tensor([softcap], dtype=torch.float32))
+    if alibi_slopes is not None:
+        mods.append(alibi_slopes.reshape(-1, alibi_slopes.shape[-1]).contiguous())
+    return mods
+
+
+def _empty_problem(q: torch.Tensor, k: torch.Tensor, varlen: bool) -> bool:
+    return q.numel() == 0 or k.numel() == 0 or (not varlen and k.shape[1] == 0)
 
 
 @torch.library.custom_op("tvmflash::flash_attn_forward", mutates_args=())
-def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float,
-             causal: bool, deterministic: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    if _empty_problem(q, k):  # no keys: out = 0, lse = -inf (no kernel call)
-        return torch.zeros_like(q), _lse_like(q).fill_(float("-inf"))
-    out = torch.empty_like(q, memory_format=torch.contiguous_format)
-    lse = _lse_like(q)
-    kernels_for(q, causal, deterministic).forward(q, k, v, out, lse, softmax_scale)
+def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor | None,
+             cu_seqlens_k: torch.Tensor | None, alibi_slopes: torch.Tensor | None, softmax_scale: float,
+             window_left: int, window_right: int, softcap: float, deterministic: bool, fp32_results: bool,
+             diagonal: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    varlen = cu_seqlens_q is not None
+    out_dtype = torch.float32 if fp32_results else q.dtype
+    out = torch.empty(q.shape, dtype=out_dtype, device=q.device)
+    lse = torch.empty(_lse_shape(q, varlen), dtype=torch.float32, device=q.device)
+    if _empty_problem(q, k, varlen):  # no keys: out = 0, lse = -inf (no kernel call)
+        return out.zero_(), lse.fill_(float("-inf"))
+    kernels = kernels_for(q, causal=window_right == 0 and window_left < 0, deterministic=deterministic,
+                          softcap=softcap > 0, alibi=alibi_slopes is not None, fp32_results=fp32_results)
+    if varlen:
+        q4, k4, v4, out4, lse3 = (_as_batch(t) for t in (q, k, v, out, lse))
+    else:
+        q4, k4, v4, out4, lse3 = q, k, v, out, lse
+    kernels.forward(q4, k4, v4, out4, lse3, softmax_scale, **_mask_args(kernels, window_left, window_right),
+                    cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                    mod_inputs=_mod_inputs(q, softcap, alibi_slopes), diagonal=diagonal)
     return out, lse
 
 
+def _mask_args(kernels: FlashKernels, window_left: int, window_right: int) -> dict:
+    if kernels.is_cuda:  # the mask is built in (causal or none)
+        return {}
+    return {"causal": False, "window_size": (window_left, window_right)}
+
+
 @_forward.register_fake
-def _(q, k, v, softmax_scale, causal, deterministic=False):
-    return torch.empty_like(q, memory_format=torch.contiguous_format), _lse_like(q)
+def _(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, softmax_scale, window_left, window_right, softcap,
+      deterministic, fp32_results, diagonal):
+    out = torch.empty(q.shape, dtype=torch.float32 if fp32_results else q.dtype, device=q.device)
+    return out, q.new_empty(_lse_shape(q, cu_seqlens_q is not None), dtype=torch.float32)
 
 
 @torch.library.custom_op("tvmflash::flash_attn_backward", mutates_args=())
 def _backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-              lse: torch.Tensor, softmax_scale: float, causal: bool, deterministic: bool = False
+              lse: torch.Tensor, cu_seqlens_q: torch.Tensor | None, cu_seqlens_k: torch.Tensor | None,
+              alibi_slopes: torch.Tensor | None, softmax_scale: float, window_left: int, window_right: int,
+              softcap: float, deterministic: bool, fp32_results: bool, diagonal: int | None
               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    fresh = [torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v)]
-    if _empty_problem(q, k):
-        return tuple(t.zero_() for t in fresh)
-    dq, dk, dv = fresh
-    kernels_for(q, causal, deterministic).backward(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale)
+    varlen = cu_seqlens_q is not None
+    grad_dtype = torch.float32 if fp32_results else q.dtype
+    dq, dk, dv = (torch.empty(t.shape, dtype=grad_dtype, device=t.device) for t in (q, k, v))
+    if _empty_problem(q, k, varlen):
+        return dq.zero_(), dk.zero_(), dv.zero_()
+    kernels = kernels_for(q, causal=window_right == 0 and window_left < 0, deterministic=deterministic,
+                          softcap=softcap > 0, alibi=alibi_slopes is not None, fp32_results=fp32_results)
+    tensors = (dout, q, k, v, out, lse, dq, dk, dv)
+    if varlen:
+        tensors = tuple(_as_batch(t) for t in tensors)
+    kernels.backward(*tensors, softmax_scale, **_mask_args(kernels, window_left, window_right),
+                     cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                     mod_inputs=_mod_inputs(q, softcap, alibi_slopes), diagonal=diagonal)
     return dq, dk, dv
 
 
 @_backward.register_fake
-def _(dout, q, k, v, out, lse, softmax_scale, causal, deterministic=False):
-    return tuple(torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
+def _(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes, softmax_scale, window_left, window_right,
+      softcap, deterministic, fp32_results, diagonal):
+    dtype = torch.float32 if fp32_results else q.dtype
+    return tuple(torch.empty(t.shape, dtype=dtype, device=t.device) for t in (q, k, v))
+
+
+_SAVED_ARGS = ("cu_seqlens_q", "cu_seqlens_k", "alibi_slopes", "softmax_scale", "window_left", "window_right",
+               "softcap", "deterministic", "fp32_results", "diagonal")
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, softmax_scale, causal, deterministic = inputs
+    q, k, v, cu_q, cu_k, alibi, *scalars = inputs
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse)
-    ctx.softmax_scale = softmax_scale
-    ctx.causal = causal
-    ctx.deterministic = deterministic
+    ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k, alibi)
+    ctx.scalars = scalars
     ctx.mark_non_differentiable(lse)
 
 
 def _autograd_backward(ctx, dout, _dlse):
-    q, k, v, out, lse = ctx.saved_tensors
-    dq, dk, dv = _backward(_kernel_layout(dout), q, k, v, out, lse, ctx.softmax_scale, ctx.causal,
-                           ctx.deterministic)
-    return dq, dk, dv, None, None, None
+    q, k, v, out, lse, cu_q, cu_k, alibi = ctx.saved_tensors
+    dq, dk, dv = _backward(_kernel_layout(dout), q, k, v, out, lse, cu_q, cu_k, alibi, *ctx.scalars)
+    return dq, dk, dv, None, None, None, None, None, None, None, None, None, None
 
 
 _forward.register_autograd(_autograd_backward, setup_context=_setup_context)
 
 
 def _kernel_layout(t: torch.Tensor) -> torch.Tensor:
-    """The tensor itself if the kernels can read it in place, else a contiguous copy.
+    """The tensor itself if the kernels can read it in place, else a copy.
 
     CPU kernels read any batch/seq/head strides; only head_dim must be unit-stride. CUDA kernels
     copy tiles with 16-byte vector loads: 16-byte aligned data and strides of 8 elements too.
@@ -131,39 +190,154 @@ def _cuda_readable(t: torch.Tensor) -> torch.Tensor:
     Not ``contiguous()``: it returns ``t`` itself whenever torch calls it contiguous, which a
     tensor with a storage offset that is not 16-byte aligned still is.
     """
-    if cuda_layout_problem(info(t)) is None:
+    if checks.cuda_layout_problem(checks.info(t)) is None:
         return t
     return t.clone(memory_format=torch.contiguous_format)
 
 
-def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0,
-                    softmax_scale: float | None = None, causal: bool = False,
-                    deterministic: bool = False, *, return_lse: bool = False):
-    """Exact attention ``softmax(q k^T * scale [+ causal mask]) v``, FlashAttention style.
-
-    Same calling convention as flash-attn's ``flash_attn_func``: q ``(batch, seqlen_q, heads,
-    head_dim)``, k and v ``(batch, seqlen_k, heads_k, head_dim)`` with ``heads % heads_k == 0``
-    (GQA/MQA), float32/float16/bfloat16, head_dim a multiple of 8 up to 256. The causal mask is
-    aligned to the bottom-right corner. ``softmax_scale`` defaults to ``1/sqrt(head_dim)``.
-    Returns ``out`` (like q), or ``(out, lse)`` with ``lse`` of shape ``(batch, heads,
-    seqlen_q)`` in float32 (natural log; not differentiable) when ``return_lse=True``.
-    Dropout is not supported (``dropout_p`` must be 0). CUDA tensors (float16/bfloat16, head_dim
-    a multiple of 16 up to 128) run the tensor-core kernels on the current stream;
-    ``deterministic=True`` makes their backward reproducible bit for bit (no atomic adds). The
-    CPU kernels are always deterministic.
-    """
-    for name, t in (("q", q), ("k", k), ("v", v)):
+# --- flash-attn's Python surface --------------------------------------------------------------------
+def _check_common(tensors: dict, dropout_p, softcap, alibi_slopes, heads: int, batch: int | None) -> float:
+    for name, t in tensors.items():
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    check_qkv(info(q), info(k), info(v))
-    if q.dtype not in tuple(getattr(torch, d) for d in SUPPORTED_DTYPES):
-        raise TypeError(f"dtype {q.dtype} is not supported")
+        checks.info(t, name)  # sparse and other layouts
     if dropout_p:
         raise ValueError(f"dropout is not supported by tvmflash (dropout_p={dropout_p}); use 0.0")
-    if softmax_scale is None:
-        softmax_scale = 1.0 / math.sqrt(q.shape[-1])
-    elif not math.isfinite(float(softmax_scale)):
-        raise ValueError(f"softmax_scale must be a finite number, got {softmax_scale}")
+    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not softcap >= 0 or softcap == float("inf"):
+        raise ValueError(f"softcap must be a finite number >= 0 (0: off), got {softcap!r}")
+    if alibi_slopes is not None:
+        if not isinstance(alibi_slopes, torch.Tensor) or alibi_slopes.dtype != torch.float32:
+            raise TypeError("alibi_slopes must be a float32 tensor of shape (heads,) or (batch, heads)")
+        allowed = [(heads,)] + ([(batch, heads)] if batch is not None else [])
+        if tuple(alibi_slopes.shape) not in allowed:
+            raise ValueError(f"alibi_slopes must have shape {' or '.join(map(str, allowed))}, got {tuple(alibi_slopes.shape)}")
+        if alibi_slopes.device != next(iter(tensors.values())).device:
+            raise ValueError(f"alibi_slopes is on {alibi_slopes.device}, q on {next(iter(tensors.values())).device}")
+    return float(softcap)
+
+
+def _attention(q, k, v, cu_seqlens_q, cu_seqlens_k, dropout_p, softmax_scale, causal, window_size, softcap,
+               alibi_slopes, deterministic, return_attn_probs, *, fp32_results=False, diagonal=None):
+    varlen = cu_seqlens_q is not None
+    tensors = {"q": q, "k": k, "v": v}
+    heads = q.shape[-2] if q.dim() >= 2 else 0
+    batch = (cu_seqlens_q.shape[0] - 1 if cu_seqlens_q.dim() == 1 else None) if varlen else (
+        q.shape[0] if q.dim() == 4 else None)
+    softcap = _check_common(tensors, dropout_p, softcap, alibi_slopes, heads, batch)
+    causal = checks.require_bool("causal", causal)
+    checks.require_bool("deterministic", deterministic)
+    checks.require_bool("return_attn_probs", return_attn_probs)
+    if varlen:
+        for name, t in tensors.items():
+            if t.dim() != 3:
+                raise ValueError(f"{name} must have 3 dimensions (total_tokens, heads, head_dim) for the varlen "
+                                 f"functions, got shape {tuple(t.shape)}")
+        checks.check_qkv(*(checks.info(t.unsqueeze(0), n) for n, t in tensors.items()))
+    else:
+        checks.check_qkv(*(checks.info(t, n) for n, t in tensors.items()))
+    if q.dtype not in tuple(getattr(torch, d) for d in SUPPORTED_DTYPES):
+        raise TypeError(f"dtype {q.dtype} is not supported")
+    scale = checks.softmax_scale(softmax_scale, q.shape[-1])
+    left, right = window_size_pair(window_size, causal)
+    if q.device.type == "cuda" and (left >= 0 or (right >= 0 and right != 0) or softcap or alibi_slopes is not None
+                                    or varlen):
+        raise NotImplementedError("on CUDA tensors tvmflash supports full and causal attention only so far")
     q, k, v = (_kernel_layout(t) for t in (q, k, v))
-    out, lse = _forward(q, k, v, float(softmax_scale), bool(causal), bool(deterministic))
-    return (out, lse) if return_lse else out
+    out, lse = _forward(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, scale, left, right, softcap,
+                        bool(deterministic), fp32_results, diagonal)
+    return (out, lse, None) if return_attn_probs else out
+
+
+def window_size_pair(window_size, causal: bool) -> tuple[int, int]:
+    """flash-attn's (left, right) with -1 for "no limit", causal folded in as right = 0."""
+    checks.window(window_size, causal)  # validates
+    left, right = (int(x) for x in window_size)
+    return left, 0 if causal else right
+
+
+def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                    alibi_slopes=None, deterministic=False, return_attn_probs=False, *, return_lse=False):
+    """Exact attention ``softmax(q k^T * scale + masks) v``, FlashAttention style (flash-attn 2's API).
+
+    q ``(batch, seqlen_q, heads, head_dim)``, k and v ``(batch, seqlen_k, heads_k, head_dim)``
+    with ``heads % heads_k == 0`` (GQA/MQA); float32/float16/bfloat16; head_dim a multiple of 8
+    up to 256. ``softmax_scale`` defaults to ``1/sqrt(head_dim)`` (any finite value > 0).
+    Masks align to the bottom-right corner: query i sees key j iff ``i + seqlen_k - seqlen_q -
+    left <= j <= i + seqlen_k - seqlen_q + right`` for ``window_size = (left, right)`` (-1: no
+    limit); ``causal`` is right = 0. ``softcap > 0``: scores become ``softcap * tanh(s /
+    softcap)``; ``alibi_slopes`` (heads,) or (batch, heads) fp32 add ``-slope * |i + seqlen_k -
+    seqlen_q - j|``. A query that sees no key gets output 0, lse -inf and zero gradients.
+    Returns ``out`` (like q), or ``(out, softmax_lse, None)`` with ``return_attn_probs=True``
+    (lse ``(batch, heads, seqlen_q)`` float32, natural log; dropout is not supported, so there
+    is no dropout mask). CUDA tensors (float16/bfloat16, head_dim a multiple of 16 up to 128, no
+    window/softcap/ALiBi yet) run the tensor-core kernels on the current stream;
+    ``deterministic=True`` makes their backward bitwise reproducible. CPU kernels are always
+    deterministic, whatever the thread count.
+    """
+    result = _attention(q, k, v, None, None, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                        deterministic, return_attn_probs or return_lse)
+    if return_lse and not return_attn_probs:  # tvmflash 0.1's keyword: (out, lse)
+        return result[0], result[1]
+    return result
+
+
+def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
+                              softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False):
+    """``flash_attn_func`` on qkv ``(batch, seqlen, 3, heads, head_dim)`` (views, no copy)."""
+    if not isinstance(qkv, torch.Tensor) or qkv.dim() != 5 or qkv.shape[2] != 3:
+        raise ValueError(f"qkv must have shape (batch, seqlen, 3, heads, head_dim), got {getattr(qkv, 'shape', qkv)}")
+    q, k, v = qkv.unbind(2)
+    return flash_attn_func(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                           deterministic, return_attn_probs)
+
+
+def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
+                             softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False):
+    """``flash_attn_func`` with kv ``(batch, seqlen_k, 2, heads_k, head_dim)``."""
+    if not isinstance(kv, torch.Tensor) or kv.dim() != 5 or kv.shape[2] != 2:
+        raise ValueError(f"kv must have shape (batch, seqlen_k, 2, heads_k, head_dim), got {getattr(kv, 'shape', kv)}")
+    k, v = kv.unbind(2)
+    return flash_attn_func(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                           deterministic, return_attn_probs)
+
+
+def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
+                           softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                           deterministic=False, return_attn_probs=False, block_table=None):
+    """Attention over packed sequences: q ``(total_q, heads, head_dim)``, k and v ``(total_k,
+    heads_k, head_dim)``; sequence b is rows ``cu_seqlens[b] ... cu_seqlens[b + 1] - 1`` (int32).
+    Masks, softcap and ALiBi (slopes (heads,) or (batch, heads)) apply per sequence, as in
+    ``flash_attn_func``. No padding is materialised: the kernels walk each sequence's tiles.
+    ``max_seqlen_*`` are accepted for compatibility (the kernels read the lengths themselves).
+    Returns ``out`` ``(total_q, heads, head_dim)``, or ``(out, softmax_lse, None)`` with lse
+    ``(heads, total_q)``. Paged KV (``block_table``) is for ``flash_attn_with_kvcache``."""
+    if block_table is not None:
+        raise NotImplementedError("block_table (paged KV) is not supported by flash_attn_varlen_func")
+    for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+        if not isinstance(cu, torch.Tensor):
+            raise TypeError(f"{name} must be an int32 torch.Tensor, got {type(cu).__name__}")
+    return _attention(q, k, v, cu_seqlens_q, cu_seqlens_k, dropout_p, softmax_scale, causal, window_size, softcap,
+                      alibi_slopes, deterministic, return_attn_probs)
+
+
+def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0, softmax_scale=None, causal=False,
+                                     window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False,
+                                     return_attn_probs=False):
+    """``flash_attn_varlen_func`` on qkv ``(total, 3, heads, head_dim)``."""
+    if not isinstance(qkv, torch.Tensor) or qkv.dim() != 4 or qkv.shape[1] != 3:
+        raise ValueError(f"qkv must have shape (total, 3, heads, head_dim), got {getattr(qkv, 'shape', qkv)}")
+    q, k, v = qkv.unbind(1)
+    return flash_attn_varlen_func(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, dropout_p, softmax_scale,
+                                  causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs)
+
+
+def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
+                                    softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                                    alibi_slopes=None, deterministic=False, return_attn_probs=False):
+    """``flash_attn_varlen_func`` with kv ``(total_k, 2, heads_k, head_dim)``."""
+    if not isinstance(kv, torch.Tensor) or kv.dim() != 4 or kv.shape[1] != 2:
+        raise ValueError(f"kv must have shape (total_k, 2, heads_k, head_dim), got {getattr(kv, 'shape', kv)}")
+    k, v = kv.unbind(1)
+    return flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
+                                  softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
+                                  return_attn_probs)

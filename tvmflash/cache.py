@@ -1,0 +1,127 @@
+"""The disk cache of compiled kernels: safe to share a machine with, safe against broken files.
+
+An entry is three files under the cache directory: ``<key>.so`` (the compiled module),
+``<key>.json`` (what it is: the request it was built for, plus the SHA-256 of the ``.so``) and
+``<key>.src`` (generated source, for ``FlashKernels.source()``). The key is a hash of the
+request (versions, sources, target, spec, configs), so a change to any of them builds anew.
+
+Loading a shared library runs its code, so nothing is loaded unless:
+
+* the directory is owned by this user and not writable by group or others (created 0700; an
+  unsafe directory is an error that says how to fix it, never silently used);
+* the entry's files are owned by this user and not group/world-writable;
+* the metadata parses and describes exactly the request (else the entry is rebuilt);
+* the ``.so`` hashes to the digest in the metadata (a truncated or altered file is rebuilt,
+  with one warning), and the loaded module has every function the kernels call.
+
+Writes go to a temporary directory inside the cache and are renamed into place (the ``.so``
+last), so concurrent processes never see half an entry. A failure to write is a warning: the
+kernels that were just built are used all the same.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import stat
+import tempfile
+from pathlib import Path
+
+from .settings import cache_dir, warn
+
+
+class UnsafeCacheError(PermissionError):
+    """A cache directory or entry that another user could have written."""
+
+
+def _unsafe_reason(path: Path, st: os.stat_result) -> str | None:
+    if hasattr(os, "getuid") and st.st_uid != os.getuid():
+        return f"it is owned by uid {st.st_uid}, not by you (uid {os.getuid()})"
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        return f"it is writable by {'group and others' if st.st_mode & stat.S_IWOTH else 'group'} (mode {stat.filemode(st.st_mode)})"
+    return None
+
+
+def safe_directory(path: Path | None = None, create: bool = True) -> Path | None:
+    """The cache directory, created 0700 if missing; raises UnsafeCacheError if another user
+    could plant files in it. None if it does not exist and ``create`` is False."""
+    path = Path(path or cache_dir())
+    if not path.exists():
+        if not create:
+            return None
+        path.mkdir(mode=0o700, parents=True, exist_ok=True)
+        os.chmod(path, 0o700)  # mkdir's mode is filtered by the umask
+    reason = _unsafe_reason(path, path.stat())
+    if reason:
+        raise UnsafeCacheError(
+            f"tvmflash will not load compiled code from {path}: {reason}. Use a directory only you can "
+            f"write: `chmod 700 {path}` if it is yours, or set TVMFLASH_CACHE_DIR to another path.")
+    return path
+
+
+def _digest(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def load(key: str, request: dict, functions: tuple[str, ...]):
+    """(module, source text or None, path of the .so) of a valid entry for ``request``, or None."""
+    import tvm
+
+    directory = safe_directory(create=False)
+    if directory is None:
+        return None
+    so, meta_path, src = (directory / f"{key}{ext}" for ext in (".so", ".json", ".src"))
+    if not so.exists():
+        return None
+    for path in (so, meta_path):
+        if path.exists():
+            reason = _unsafe_reason(path, path.stat())
+            if reason:
+                raise UnsafeCacheError(f"tvmflash will not load {path}: {reason}. Delete it (or the cache "
+                                       f"directory {directory}) and it will be rebuilt.")
+    try:
+        meta = json.loads(meta_path.read_text())
+        stored_request, digest = meta["request"], meta["sha256"]
+    except (OSError, ValueError, KeyError, TypeError):
+        warn(f"rebuilding cache entry {so.name}: its metadata {meta_path} is missing or unreadable")
+        return None
+    if stored_request != request:
+        warn(f"rebuilding cache entry {so.name}: it was built for another request")
+        return None
+    if _digest(so) != digest:
+        warn(f"rebuilding cache entry {so.name}: the library does not match its recorded checksum "
+             "(truncated or modified)")
+        return None
+    try:
+        module = tvm.runtime.load_module(str(so))
+        for name in functions:
+            module[name]
+    except (OSError, ValueError, RuntimeError, AttributeError) as err:
+        warn(f"rebuilding cache entry {so.name}: it does not load ({err})")
+        return None
+    return module, (src.read_text() if src.exists() else None), so
+
+
+def store(key: str, request: dict, module, source: str | None) -> Path | None:
+    """Write an entry; returns the .so path, or None (with a warning) if it could not be written."""
+    try:
+        directory = safe_directory()
+        with tempfile.TemporaryDirectory(dir=directory) as tmp:
+            tmp_so = Path(tmp) / "kernels.so"
+            module.export_library(str(tmp_so))
+            meta = {"request": request, "sha256": _digest(tmp_so)}
+            (Path(tmp) / "kernels.json").write_text(json.dumps(meta, indent=1))
+            if source is not None:
+                (Path(tmp) / "kernels.src").write_text(source)
+                os.replace(Path(tmp) / "kernels.src", directory / f"{key}.src")
+            os.replace(Path(tmp) / "kernels.json", directory / f"{key}.json")
+            os.replace(tmp_so, directory / f"{key}.so")  # last: its presence marks a complete entry
+        return directory / f"{key}.so"
+    except (OSError, RuntimeError, UnsafeCacheError) as err:  # TVM reports export failures as RuntimeError
+        warn(f"could not write the compile cache in {cache_dir()} ({err}); continuing without it")
+        return None

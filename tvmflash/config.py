@@ -1,0 +1,102 @@
+"""How a fused kernel is tiled: one frozen config per kernel (pure Python, no TVM).
+
+``CPUKernelConfig`` holds every choice of a CPU kernel's loop nest and schedule: the tile shape
+(``block_q`` x ``block_k``, which the kernel's loops are built around) and the schedule's knobs
+(vector lanes, the register tile of each matrix product). The hand-written defaults follow
+from the ISA; the autotuner searches the same fields; ``compiler.choose_configs`` is the one
+place that decides which config a compile uses (tuned record or default).
+
+Defaults: AVX-512 has 32 vector registers of 16 floats, AVX2 16 of 8; an FMA has a latency of ~4
+cycles and two issue ports, so at least 8 independent accumulators keep both busy, and
+accumulators + operands must fit the register file. Measured (DEVELOPING.md): 16 accumulators,
+4 x 4 vectors in the forward and 8 x 2 in the backward on AVX-512; 4 x 2 on AVX2.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+# The matrix products of each kernel, (row, col, reduction) blocks named as in kernels.py.
+PRODUCTS = {"forward": ("scores", "pv"), "backward": ("scores", "dv", "dprobs", "dk", "dq")}
+KERNELS = tuple(PRODUCTS)
+MAX_TILE_ROWS = 8
+MAX_TILE_VECTORS = 4
+
+
+@dataclass(frozen=True)
+class RegisterTile:
+    rows: int
+    vectors: int  # accumulator vectors per row
+
+
+@dataclass(frozen=True)
+class CPUKernelConfig:
+    kernel: str  # "forward" or "backward"
+    block_q: int = 64  # query rows per tile
+    block_k: int = 64  # key rows per tile
+    lanes: int = 16  # fp32 lanes of one vector register
+    tiles: tuple = ()  # ((product, RegisterTile), ...) for every product of the kernel
+
+    def __post_init__(self):
+        if self.kernel not in PRODUCTS:
+            raise ValueError(f"unknown kernel {self.kernel!r}: one of {KERNELS}")
+        missing = set(PRODUCTS[self.kernel]) - {name for name, _ in self.tiles}
+        if missing:
+            raise ValueError(f"{self.kernel} config lacks register tiles for {sorted(missing)}")
+
+    def tile(self, product: str) -> RegisterTile:
+        return dict(self.tiles)[product]
+
+    def with_tiles(self, **tiles: RegisterTile) -> CPUKernelConfig:
+        return replace(self, tiles=tuple({**dict(self.tiles), **tiles}.items()))
+
+    def to_json(self) -> dict:
+        return {"kernel": self.kernel, "block_q": self.block_q, "block_k": self.block_k, "lanes": self.lanes,
+                "tiles": {name: [t.rows, t.vectors] for name, t in self.tiles}}
+
+    @classmethod
+    def from_json(cls, d: dict) -> CPUKernelConfig:
+        tiles = tuple((name, RegisterTile(*rv)) for name, rv in d["tiles"].items())
+        return cls(d["kernel"], int(d["block_q"]), int(d["block_k"]), int(d["lanes"]), tiles)
+
+
+def default_cpu_config(kernel: str, avx512: bool) -> CPUKernelConfig:
+    """The hand-written schedule's choices for a CPU with (or without) AVX-512."""
+    if avx512:
+        tile = RegisterTile(4, 4) if kernel == "forward" else RegisterTile(8, 2)
+        lanes = 16
+    else:  # AVX2: 8 accumulators + 2 loads + 1 broadcast of 16 registers
+        tile, lanes = RegisterTile(4, 2), 8
+    return CPUKernelConfig(kernel, lanes=lanes, tiles=tuple((name, tile) for name in PRODUCTS[kernel]))
+
+
+# CUDA: the kernels' warp layout is fixed (kernels_cuda: 4 warps x 16 query rows per thread
+# block, tiles in the mma.m16n8k16 register layout); these are the knobs around it.
+CUDA_WARPS = 4
+CUDA_ROWS_PER_WARP = 16
+CUDA_BLOCK_Q = CUDA_WARPS * CUDA_ROWS_PER_WARP
+
+
+@dataclass(frozen=True)
+class CUDAKernelConfig:
+    kernel: str  # "forward" or "backward" (the backward's pre-pass and dQ conversion included)
+    block_k: int = 64  # key rows per tile (the backward needs block_k == CUDA_BLOCK_Q)
+    vector_bytes: int = 16  # width of one global -> shared copy
+    pad_bytes: int = 16  # shared-memory row padding against ldmatrix bank conflicts
+
+    @property
+    def block_q(self) -> int:
+        return CUDA_BLOCK_Q
+
+    def to_json(self) -> dict:
+        return {"kernel": self.kernel, "block_k": self.block_k, "vector_bytes": self.vector_bytes,
+                "pad_bytes": self.pad_bytes}
+
+    @classmethod
+    def from_json(cls, d: dict) -> CUDAKernelConfig:
+        return cls(**d)
+
+
+def config_from_json(d: dict):
+    """A CPU or CUDA kernel config from its JSON (CUDA configs have no register tiles)."""
+    return CPUKernelConfig.from_json(d) if "tiles" in d else CUDAKernelConfig.from_json(d)

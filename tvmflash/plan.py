@@ -1,0 +1,135 @@
+"""Launch planning for the CPU kernels: sequence tables, work split, scratch memory (no TVM).
+
+Every CPU kernel call describes its sequences with a small int32 table, so that one compiled
+kernel serves batched tensors ``(batch, seqlen, heads, dim)`` and packed "varlen" sequences
+``(total, heads, dim)`` with ``cu_seqlens`` alike:
+
+``table[b] = (q_batch, q_start, q_len, k_batch, k_start, k_len, q_tile0, k_tile0, k_super0,
+diagonal)``: where sequence ``b``'s queries and keys sit in the tensors (batch index, first row,
+length), the index of its first query tile, key tile and key super tile in the kernels' global
+numbering, and the key that query 0 is aligned with (masks and ALiBi: query q's diagonal is key
+q + diagonal; ``k_len - q_len`` for flash-attn's bottom-right alignment, other values for blocks
+of a longer sequence, as in ring attention). ``q_tile_seq``/``k_tile_seq``/``k_super_seq`` map
+global tiles back to sequences.
+
+The backward runs in *rounds* (kernels.py): in round r, key super tile J of a sequence with M
+super tiles meets query super tile (J + r) mod M, so no two tasks of a round touch the same
+query or key rows and every gradient is summed in an order fixed by the problem, not by the
+thread count. A super tile is ``super_tile`` tiles; it depends on the problem size only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+Q_BATCH, Q_START, Q_LEN, K_BATCH, K_START, K_LEN, Q_TILE0, K_TILE0, K_SUPER0, DIAGONAL = range(10)
+TABLE_COLUMNS = 10
+# Pair tasks per backward round worth having: enough for this many threads.
+PARALLEL_TASKS = 64
+SUPER_TILES = (8, 4, 2, 1)
+
+
+@dataclass(frozen=True)
+class Sequences:
+    table: np.ndarray  # (sequences, TABLE_COLUMNS) int32
+    q_tile_seq: np.ndarray  # (query tiles,) int32
+    k_tile_seq: np.ndarray  # (key tiles,) int32
+    k_super_seq: np.ndarray  # (key super tiles,) int32
+    super_tile: int
+    rounds: int  # backward rounds: max over sequences of max(query, key) super tiles
+
+    @property
+    def count(self) -> int:
+        return int(self.table.shape[0])
+
+    @property
+    def query_tiles(self) -> int:
+        return int(self.q_tile_seq.shape[0])
+
+    @property
+    def key_tiles(self) -> int:
+        return int(self.k_tile_seq.shape[0])
+
+    def arrays(self) -> tuple[np.ndarray, ...]:
+        return self.table, self.q_tile_seq, self.k_tile_seq, self.k_super_seq
+
+
+def _ceildiv(a, b):
+    return -(-a // b)
+
+
+def super_tile_size(key_tiles: int, heads_k: int) -> int:
+    """Tiles per backward super tile: the largest that leaves PARALLEL_TASKS pair tasks per
+    round (bigger super tiles reuse each loaded tile more), a function of the problem alone."""
+    for size in SUPER_TILES:
+        if heads_k * key_tiles >= PARALLEL_TASKS * size:
+            return size
+    return 1
+
+
+def sequences(q_starts, q_lens, k_starts, k_lens, *, packed: bool, block_q: int, block_k: int,
+              heads_k: int, diagonal=None) -> Sequences:
+    """The table for sequences at the given rows (packed: all in batch row 0; else batch b)."""
+    q_lens, k_lens = np.asarray(q_lens, np.int64), np.asarray(k_lens, np.int64)
+    count = len(q_lens)
+    q_tiles, k_tiles = _ceildiv(q_lens, block_q), _ceildiv(k_lens, block_k)
+    key_tiles = int(k_tiles.sum())
+    size = super_tile_size(key_tiles, heads_k)
+    k_supers, q_supers = _ceildiv(k_tiles, size), _ceildiv(q_tiles, size)
+    table = np.zeros((count, TABLE_COLUMNS), np.int64)
+    batch = np.zeros(count, np.int64) if packed else np.arange(count)
+    table[:, Q_BATCH], table[:, K_BATCH] = batch, batch
+    table[:, Q_START], table[:, K_START] = q_starts, k_starts
+    table[:, Q_LEN], table[:, K_LEN] = q_lens, k_lens
+    table[:, Q_TILE0] = np.cumsum(q_tiles) - q_tiles
+    table[:, K_TILE0] = np.cumsum(k_tiles) - k_tiles
+    table[:, K_SUPER0] = np.cumsum(k_supers) - k_supers
+    table[:, DIAGONAL] = k_lens - q_lens if diagonal is None else diagonal
+    if np.abs(table).max(initial=0) >= 2**31:
+        raise ValueError("sequences too long for the kernels' int32 tables (2^31 rows)")
+    index = np.arange(count, dtype=np.int32)
+    rounds = int(np.maximum(q_supers, k_supers).max(initial=0))
+    return Sequences(table.astype(np.int32), np.repeat(index, q_tiles), np.repeat(index, k_tiles),
+                     np.repeat(index, k_supers), size, rounds)
+
+
+def batched(batch: int, seqlen_q: int, seqlen_k: int, *, block_q: int, block_k: int, heads_k: int,
+            diagonal: int | None = None) -> Sequences:
+    zeros = np.zeros(batch, np.int64)
+    return sequences(zeros, np.full(batch, seqlen_q), zeros, np.full(batch, seqlen_k), packed=False,
+                     block_q=block_q, block_k=block_k, heads_k=heads_k, diagonal=diagonal)
+
+
+def varlen(cu_seqlens_q, cu_seqlens_k, *, block_q: int, block_k: int, heads_k: int) -> Sequences:
+    """Packed sequences: sequence b holds rows cu_seqlens[b] ... cu_seqlens[b + 1] - 1."""
+    cu_q, cu_k = np.asarray(cu_seqlens_q, np.int64), np.asarray(cu_seqlens_k, np.int64)
+    return sequences(cu_q[:-1], np.diff(cu_q), cu_k[:-1], np.diff(cu_k), packed=True,
+                     block_q=block_q, block_k=block_k, heads_k=heads_k)
+
+
+# --- scratch memory --------------------------------------------------------------------------
+F32 = 4
+
+
+def forward_workspace_bytes(seqs: Sequences, *, heads: int, heads_k: int, head_dim: int, block_q: int,
+                            block_k: int, threads: int) -> int:
+    """K and V packed to fp32 (zero-padded tiles), plus each thread's tile buffers."""
+    packed = 2 * heads_k * seqs.key_tiles * block_k * head_dim * F32
+    per_thread = (3 * head_dim * block_q + 2 * block_k * block_q + 5 * block_q) * F32
+    return packed + threads * per_thread
+
+
+def backward_workspace_bytes(seqs: Sequences, *, heads: int, heads_k: int, head_dim: int, block_q: int,
+                             block_k: int, threads: int, grad_input_elements: int = 0) -> int:
+    """Q and dO packed to fp32, their row statistics, the fp32 dQ, dK, dV accumulators, each
+    thread's tile buffers and its partial gradients of captured tensors. Independent of the
+    thread count but for the per-thread tiles: at most 3 fp32 copies of q plus 2 of k."""
+    rows_q = heads * seqs.query_tiles * block_q
+    rows_k = heads_k * seqs.key_tiles * block_k
+    packed = 3 * rows_q * head_dim * F32 + 3 * rows_q * F32  # Qp, dOp, dQ accumulator; LSE hi/lo, Delta
+    kv = 2 * rows_k * head_dim * F32  # dK, dV accumulators
+    per_thread = (3 * block_k * head_dim + 4 * block_q * block_k + block_q * head_dim + 3 * block_q
+                  + 2 * block_k * head_dim) * F32 + grad_input_elements * F32
+    return packed + kv + threads * per_thread

@@ -1,0 +1,317 @@
+"""Kernel objects users call, and ``load``: TVM's runtime alone (no compiler, no torch).
+
+``FlashKernels`` wraps a compiled module with its metadata (``meta``: target, spec, configs,
+tuning records) and launches it: it checks the arguments (``checks.py``), plans the work
+(``plan.py``: sequence tables, backward rounds, thread count) and calls the kernels, which write
+their outputs in place. CPU and CUDA modules differ in what they launch; the call signatures
+are the same.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+import os
+import shutil
+import sys
+from pathlib import Path
+
+import tvm
+import tvm_ffi
+
+from . import checks, plan, settings
+from .config import config_from_json
+
+CPU_FUNCTIONS = ("flash_fwd", "flash_bwd")
+CUDA_FUNCTIONS = ("flash_fwd", "flash_bwd_prep", "flash_bwd", "flash_bwd_dq")
+
+
+def functions_of(meta: dict) -> tuple[str, ...]:
+    return CUDA_FUNCTIONS if meta["target"]["kind"] == "cuda" else CPU_FUNCTIONS
+
+
+class FlashKernels:
+    """Compiled fused forward and backward kernels for one target, head dim, dtype and spec.
+
+    ``forward`` and ``backward`` take any DLPack tensors (torch, numpy, tvm) in the flash-attn
+    layout ``(batch, seqlen, heads, head_dim)`` and write their outputs in place; ``lse`` is
+    ``(batch, heads, seqlen_q)`` float32. Sizes are free (any batch, lengths, heads with
+    ``heads % heads_k == 0``); strided views are read in place, only the head dim must be
+    contiguous. Packed sequences (varlen): pass ``(1, total, heads, head_dim)`` tensors, lse
+    ``(1, heads, total)``, and ``cu_seqlens_q``/``cu_seqlens_k``.
+    """
+
+    def __init__(self, module, meta: dict, source_text: str | None = None, library: Path | None = None,
+                 causal: bool = False):
+        self._module = module
+        self._library = library  # the shared library this module was loaded from, if any
+        self.meta = meta
+        self.target_kind = meta["target"]["kind"]
+        self.is_cuda = self.target_kind == "cuda"
+        spec = meta["spec"]
+        self.head_dim, self.dtype, self.out_dtype = spec["head_dim"], spec["dtype"], spec["out_dtype"]
+        # CPU kernels take the mask at run time: ``causal`` is only the default of the calls.
+        self.causal = bool(meta["causal"]) if self.is_cuda else causal
+        self.deterministic = bool(meta.get("deterministic", False))
+        self.tuning_record = meta.get("tuning_record")
+        self._source = source_text
+        self._functions = {name: module[name] for name in functions_of(meta)}
+        self._mod_inputs = [tuple(i) for i in meta.get("mod_inputs", [])]
+
+    def with_causal(self, causal: bool) -> FlashKernels:
+        """The same module with another default mask (CPU kernels only: CUDA builds it in)."""
+        if self.is_cuda or causal == self.causal:
+            return self
+        return FlashKernels(self._module, self.meta, self._source, self._library, causal)
+
+    # parsed on demand: loading prebuilt kernels must work without TVM's compiler library
+    @property
+    def target(self) -> tvm.target.Target:
+        return tvm.target.Target(self.meta["target"])
+
+    @functools.cached_property
+    def configs(self) -> dict:
+        return {kernel: config_from_json(cfg) for kernel, cfg in self.meta["configs"].items()}
+
+    def __repr__(self):
+        mask = "causal" if self.causal else "full"
+        extra = ", deterministic" if self.deterministic else ""
+        from .target import key
+
+        return f"FlashKernels({key(self.meta['target'])}, head_dim={self.head_dim}, {self.dtype}, {mask}{extra})"
+
+    # --- planning ------------------------------------------------------------------------------
+    def _window(self, causal, window_size) -> tuple[int, int]:
+        causal = self.causal if causal is None else checks.require_bool("causal", causal)
+        return checks.window(window_size, causal)
+
+    def _sequences(self, kernel: str, batch: int, seqlen_q: int, seqlen_k: int, heads_k: int, cu_seqlens_q,
+                   cu_seqlens_k, diagonal=None):
+        cfg = self.configs[kernel]
+        if cu_seqlens_q is None and cu_seqlens_k is None:
+            return _batched_arrays(batch, seqlen_q, seqlen_k, cfg.block_q, cfg.block_k, heads_k, diagonal)
+        if cu_seqlens_q is None or cu_seqlens_k is None:
+            raise ValueError("cu_seqlens_q and cu_seqlens_k go together")
+        if batch != 1:
+            raise ValueError(f"packed (varlen) tensors have batch 1 (1, total, heads, head_dim), got batch {batch}")
+        cu_q = checks.check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, seqlen_q)
+        cu_k = checks.check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, seqlen_k, batch=len(cu_q) - 1)
+        seqs = plan.varlen(cu_q, cu_k, block_q=cfg.block_q, block_k=cfg.block_k, heads_k=heads_k)
+        return seqs, [tvm.runtime.tensor(a) for a in seqs.arrays()]
+
+    def _mods(self, mod_inputs, mod_grads=None) -> list:
+        if len(mod_inputs) != len(self._mod_inputs):
+            names = [i[0] for i in self._mod_inputs]
+            raise ValueError(f"these kernels read {len(names)} mod inputs {names}, got {len(mod_inputs)}")
+        args = list(mod_inputs)
+        if mod_grads is not None:
+            wanted = [i for i in self._mod_inputs if i[3]]
+            if len(mod_grads) != len(wanted):
+                raise ValueError(f"the backward writes {len(wanted)} mod-input gradients, got {len(mod_grads)}")
+            args += list(mod_grads)
+        return args
+
+    # --- launches --------------------------------------------------------------------------------
+    def forward(self, q, k, v, out, lse, softmax_scale: float | None = None, *, causal: bool | None = None,
+                window_size=(-1, -1), cu_seqlens_q=None, cu_seqlens_k=None, mod_inputs=(), block_mask=None,
+                diagonal: int | None = None, num_threads: int | None = None) -> None:
+        """out, lse = attention(q, k, v). ``causal``/``window_size``: flash-attn's masks (causal
+        defaults to the one given to ``compile``). ``mod_inputs``, ``block_mask``: for kernels
+        compiled with score/mask mods or block sparsity (``tvmflash.flex_attention`` passes
+        them). ``diagonal``: the key query 0 is aligned with (default bottom-right,
+        ``seqlen_k - seqlen_q``). ``num_threads``: the plan's thread count (results do not
+        depend on it)."""
+        batch, seqlen_q, heads, heads_k = checks.check_forward_args(self, q, k, v, out, lse)
+        scale = checks.softmax_scale(softmax_scale, self.head_dim)
+        if self.is_cuda:
+            self._cuda_only(window_size, cu_seqlens_q, mod_inputs, block_mask, diagonal, causal)
+            self._functions["flash_fwd"](q, k, v, out, lse, scale)
+            return
+        left, right = self._window(causal, window_size)
+        seqs, tables = self._sequences("forward", batch, seqlen_q, _len(k), heads_k, cu_seqlens_q, cu_seqlens_k,
+                                       diagonal)
+        self._functions["flash_fwd"](q, k, v, out, lse, scale, left, right, _threads(num_threads), *tables[:3],
+                                     *self._mods(mod_inputs), *(block_mask or ()))
+
+    def backward(self, dout, q, k, v, out, lse, dq, dk, dv, softmax_scale: float | None = None, *,
+                 causal: bool | None = None, window_size=(-1, -1), cu_seqlens_q=None, cu_seqlens_k=None,
+                 mod_inputs=(), mod_grads=(), block_mask=None, diagonal: int | None = None,
+                 num_threads: int | None = None) -> None:
+        """dq, dk, dv of the forward with the same arguments; ``out`` and ``lse`` are the
+        forward's. ``mod_grads``: fp32 buffers (flattened) receiving the gradients of the mod
+        inputs that require one."""
+        batch, seqlen_q, heads, heads_k = checks.check_backward_args(self, dout, q, k, v, out, lse, dq, dk, dv)
+        scale = checks.softmax_scale(softmax_scale, self.head_dim)
+        if self.is_cuda:
+            self._cuda_only(window_size, cu_seqlens_q, mod_inputs, block_mask, diagonal, causal)
+            self._cuda_backward(dout, q, k, v, out, lse, dq, dk, dv, scale, batch, seqlen_q, heads, heads_k)
+            return
+        left, right = self._window(causal, window_size)
+        seqs, tables = self._sequences("backward", batch, seqlen_q, _len(k), heads_k, cu_seqlens_q, cu_seqlens_k,
+                                       diagonal)
+        self._functions["flash_bwd"](dout, q, k, v, out, lse, dq, dk, dv, scale, left, right, _threads(num_threads),
+                                     seqs.rounds, seqs.super_tile, *tables, *self._mods(mod_inputs, mod_grads),
+                                     *((block_mask[0],) if block_mask else ()))
+
+    def workspace_bytes(self, kernel: str, batch: int, seqlen_q: int, seqlen_k: int, heads: int, heads_k: int,
+                        num_threads: int | None = None) -> int:
+        """Scratch memory one call of ``kernel`` ("forward" or "backward") allocates, in bytes.
+
+        CPU: the fp32 packed copies and accumulators (a few copies of q and k, independent of
+        the thread count) plus each thread's tile buffers. CUDA: the fp32 row statistics and dQ
+        accumulator(s) of the backward.
+        """
+        threads = _threads(num_threads)
+        if self.is_cuda:
+            if kernel == "forward":
+                return 0
+            rows = -(-seqlen_q // self.configs["backward"].block_q) * self.configs["backward"].block_q
+            partials = (deterministic_splits(batch, heads_k, -(-seqlen_k // self.configs["backward"].block_k))
+                        if self.deterministic else 1)
+            return 4 * (batch * heads * 3 * rows + partials * batch * seqlen_q * heads * self.head_dim)
+        cfg = self.configs[kernel]
+        seqs = plan.batched(batch, seqlen_q, seqlen_k, block_q=cfg.block_q, block_k=cfg.block_k, heads_k=heads_k)
+        sizes = dict(heads=heads, heads_k=heads_k, head_dim=self.head_dim, block_q=cfg.block_q, block_k=cfg.block_k,
+                     threads=threads)
+        if kernel == "forward":
+            return plan.forward_workspace_bytes(seqs, **sizes)
+        grad_elements = max([math.prod(i[1]) for i in self._mod_inputs if i[3]] + [1])
+        return plan.backward_workspace_bytes(seqs, grad_input_elements=grad_elements, **sizes)
+
+    # --- CUDA --------------------------------------------------------------------------------
+    def _cuda_only(self, window_size, cu_seqlens, mod_inputs, block_mask, diagonal, causal) -> None:
+        if tuple(window_size) != (-1, -1) or cu_seqlens is not None or mod_inputs or block_mask or diagonal is not None:
+            raise NotImplementedError("the CUDA kernels support full and causal attention only so far "
+                                      "(no window, varlen, score/mask mods)")
+        if causal is not None and checks.require_bool("causal", causal) != self.causal:
+            raise ValueError(f"these CUDA kernels were compiled with causal={self.causal}")
+
+    def _cuda_backward(self, dout, q, k, v, out, lse, dq, dk, dv, scale, batch, seqlen_q, heads, heads_k) -> None:
+        # FlashAttention-2's three launches (kernels_cuda.py): row statistics + zeroed fp32 dQ
+        # accumulator, the fused backward, the dQ conversion. Workspace: O(N) fp32.
+        cfg = self.configs["backward"]
+        key_tiles = -(-_len(k) // cfg.block_k)
+        if self.deterministic:
+            splits = partials = deterministic_splits(batch, heads_k, key_tiles)
+        else:
+            splits, partials = key_tiles, 1
+        rows = -(-seqlen_q // cfg.block_q) * cfg.block_q
+        stats = _workspace(dq, (batch, heads, 3, rows))
+        dq_acc = _workspace(dq, (partials, batch, seqlen_q, heads, self.head_dim))
+        self._functions["flash_bwd_prep"](dout, out, lse, stats, dq_acc)
+        self._functions["flash_bwd"](dout, q, k, v, stats, dq_acc, dk, dv, scale, splits)
+        self._functions["flash_bwd_dq"](dq_acc, dq, scale)
+
+    # --- export --------------------------------------------------------------------------------
+    def export_library(self, path: str | os.PathLike) -> None:
+        """Write the compiled module (a shared library) and its metadata (``path + '.json'``)."""
+        path = Path(path)
+        if self._library is not None:  # loaded from a library: its code is that file
+            shutil.copyfile(self._library, path)
+        else:
+            self._module.export_library(str(path))
+        Path(str(path) + ".json").write_text(json.dumps(self.meta, indent=1))
+
+    def source(self) -> str:
+        """The generated code: LLVM IR for CPU targets, CUDA C for CUDA targets."""
+        if self._source is None:
+            raise RuntimeError("this module was loaded from a library without its source; "
+                               "compile it with tvmflash.compile(...) to see the generated code")
+        return self._source
+
+
+def _len(k) -> int:
+    return int(k.shape[1])
+
+
+def _threads(num_threads) -> int:
+    if num_threads is None:
+        return settings.num_threads()
+    if isinstance(num_threads, bool) or not isinstance(num_threads, int) or num_threads < 1:
+        raise ValueError(f"num_threads must be a positive integer, got {num_threads!r}")
+    return num_threads
+
+
+@functools.lru_cache(maxsize=256)
+def _batched_arrays_cached(batch, seqlen_q, seqlen_k, block_q, block_k, heads_k, diagonal):
+    seqs = plan.batched(batch, seqlen_q, seqlen_k, block_q=block_q, block_k=block_k, heads_k=heads_k,
+                        diagonal=diagonal)
+    return seqs, [tvm.runtime.tensor(a) for a in seqs.arrays()]
+
+
+def _batched_arrays(batch, seqlen_q, seqlen_k, block_q, block_k, heads_k, diagonal):
+    """The sequence tables of a batched call (cached: they depend on sizes only)."""
+    return _batched_arrays_cached(batch, seqlen_q, seqlen_k, block_q, block_k, heads_k, diagonal)
+
+
+def deterministic_splits(batch: int, heads_k: int, key_tiles: int) -> int:
+    """Thread blocks per (batch, kv head) of the deterministic CUDA backward.
+
+    Each owns an fp32 dQ partial (workspace = splits x dQ in fp32), so they are capped at 8:
+    enough blocks for a GPU's ~132 SMs at typical batch x heads, bounded memory at any length.
+    """
+    return max(1, min(key_tiles, 8, -(-256 // (batch * heads_k))))
+
+
+def _workspace(like, shape: tuple):
+    """An fp32 scratch tensor on the device of ``like`` (torch's allocator for torch tensors)."""
+    if type(like).__module__.startswith("torch"):
+        return like.new_empty(shape, dtype=sys.modules["torch"].float32)
+    device = (like if isinstance(like, tvm_ffi.Tensor) else tvm_ffi.from_dlpack(like)).device
+    return tvm.runtime.empty(shape, "float32", device)
+
+
+def read_meta(path: Path) -> dict:
+    """The metadata next to an exported library, with errors that name the file."""
+    meta_path = Path(str(path) + ".json")
+    if not meta_path.exists():
+        raise FileNotFoundError(f"{meta_path} (written by export_library next to the library) is missing")
+    try:
+        meta = json.loads(meta_path.read_text())
+        for field in ("target", "spec", "configs"):
+            meta[field]
+        meta["target"]["kind"]
+    except (ValueError, KeyError, TypeError) as err:
+        raise ValueError(f"{meta_path} is not the metadata of exported tvmflash kernels ({type(err).__name__}: "
+                         f"{err}); re-export them with this version of tvmflash") from err
+    return meta
+
+
+def load(path: str | os.PathLike) -> FlashKernels:
+    """Load kernels written by ``FlashKernels.export_library``.
+
+    CPU kernels built for an instruction set this CPU lacks are refused (they would crash).
+    """
+    path = Path(path)
+    meta = read_meta(path)
+    if meta["target"]["kind"] == "cuda":
+        _load_cuda_runtime()
+    else:
+        from .target import missing_isa_features
+
+        missing = missing_isa_features(meta.get("isa_features", []))
+        if missing:
+            raise RuntimeError(f"{path} was compiled for {meta['target'].get('mcpu')} and uses instructions "
+                               f"this CPU lacks ({', '.join(missing)}); compile the kernels here instead")
+    try:
+        module = tvm.runtime.load_module(str(path))
+        return FlashKernels(module, meta, library=path, causal=bool(meta.get("causal", False)))
+    except (AttributeError, RuntimeError) as err:
+        raise RuntimeError(f"{path} is not a library of tvmflash kernels ({err})") from err
+
+
+def _load_cuda_runtime() -> None:
+    """TVM loads its CUDA runtime library while registering its CUDA backend, which in runtime-only
+    mode can fail before it gets there; loading a CUDA module needs the library's loader."""
+    if tvm_ffi.get_global_func("ffi.Module.load_from_bytes.cuda", allow_missing=True) is not None:
+        return
+    import ctypes
+
+    library = Path(tvm.__file__).parent / "lib" / "libtvm_runtime_cuda.so"
+    try:
+        ctypes.CDLL(str(library), mode=ctypes.RTLD_GLOBAL)
+    except OSError as err:
+        raise RuntimeError(f"cannot load TVM's CUDA runtime ({library}): {err}; a GPU driver (libcuda) and "
+                           "libcudart.so.13 must be loadable") from err
+

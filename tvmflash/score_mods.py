@@ -1,0 +1,177 @@
+"""Score and mask mods as TIR expressions: what the fused kernels apply to each score.
+
+``emitters(spec)`` composes the spec's mods into one ``Emitters`` object the kernels call:
+
+* ``score(s, ctx)``: the modified score, mods applied in order (s is the scaled dot product);
+* ``score_grad(s, ctx)``: d score / d s by the chain rule (the backward multiplies dS by it);
+* ``captured_grads(s, ctx, upstream)``: scatter-adds for captured tensors that require grad;
+* ``mask(ctx)``: the mask_mod (True = keep).
+
+Built-in mods are flash-attn's ``softcap`` and ``alibi_slopes``; traced mods (``flex_trace``)
+bring their own emitters. ``ctx`` carries the indices of the score: batch (sequence) ``b``,
+query head ``h``, ``q_idx``/``kv_idx`` within the sequence, its diagonal (``plan.py``), and the
+buffers of the mod inputs by name.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+from tvm import tirx
+
+from .attention_te import LOG2E, exp2
+from .spec import Alibi, AttentionSpec, Softcap
+
+
+@dataclass
+class ModContext:
+    b: tirx.PrimExpr
+    h: tirx.PrimExpr
+    q_idx: tirx.PrimExpr
+    kv_idx: tirx.PrimExpr
+    diagonal: tirx.PrimExpr  # query q's diagonal is key q + diagonal (plan.py)
+    buffers: dict
+
+
+def _f32(x: float):
+    return tirx.const(x, "float32")
+
+
+def _odd_tanh_coefficients(limit: float = 0.625, degree: int = 6) -> list[float]:
+    """tanh(x) = x (1 + x^2 p(x^2)) near 0: Chebyshev fit of p on [0, limit^2], float64."""
+    t = (limit**2) * 0.5 * (1 + np.cos(np.pi * (np.arange(64) + 0.5) / 64))
+    x = np.sqrt(t)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        target = np.where(t > 0, (np.tanh(x) / x - 1) / t, -1.0 / 3.0)
+    fit = np.polynomial.chebyshev.Chebyshev.fit(t, target, degree, domain=[0, limit**2])
+    return [float(c) for c in fit.convert(kind=np.polynomial.Polynomial).coef]
+
+
+_TANH_SMALL = 0.625
+_TANH_COEFFS = _odd_tanh_coefficients(_TANH_SMALL)
+
+
+def tanh(x: tirx.PrimExpr) -> tirx.PrimExpr:
+    """tanh for float32 that vectorizes (``T.tanh`` becomes a libm call per element on CPUs).
+
+    |x| < 0.625: x (1 + x^2 p(x^2)), an odd polynomial (no cancellation near 0); beyond,
+    1 - 2 / (2^(2|x| log2 e) + 1) with the kernels' exp2, sign restored; |x| > 9 is +-1 in fp32.
+    Relative error ~1e-7 (tested against float64).
+    """
+    ax = tirx.abs(x)
+    t = x * x
+    poly = _f32(_TANH_COEFFS[-1])
+    for c in reversed(_TANH_COEFFS[:-1]):
+        poly = poly * t + _f32(c)
+    small = x + x * t * poly
+    e = exp2(tirx.min(ax, _f32(9.0)) * _f32(2.0 * LOG2E))
+    large = _f32(1.0) - _f32(2.0) / (e + _f32(1.0))
+    signed = tirx.Select(x < _f32(0.0), -large, large)
+    return tirx.Select(ax < _f32(_TANH_SMALL), small, signed)
+
+
+class _Softcap:
+    """s -> c tanh(s / c), c = softcap[0]."""
+
+    def __init__(self):
+        self.cap = None
+
+    def _c(self, ctx):
+        return ctx.buffers["softcap"][0]
+
+    def score(self, s, ctx):
+        return self._c(ctx) * tanh(s / self._c(ctx))
+
+    def grad(self, s, ctx):
+        t = tanh(s / self._c(ctx))
+        return _f32(1.0) - t * t
+
+    def captured_grads(self, s, ctx, upstream):
+        return []
+
+
+class _Alibi:
+    """s -> s - slope[b, h] |q + diagonal - k| (flash-attn's ALiBi: diagonal = seqlen_k - seqlen_q)."""
+
+    def _slope(self, ctx):
+        slopes = ctx.buffers["alibi_slopes"]
+        rows = slopes.shape[0]
+        return slopes[tirx.min(ctx.b, rows - 1), ctx.h]
+
+    def score(self, s, ctx):
+        distance = tirx.abs(ctx.q_idx + ctx.diagonal - ctx.kv_idx)
+        return s - self._slope(ctx) * tirx.Cast("float32", distance)
+
+    def grad(self, s, ctx):
+        return _f32(1.0)
+
+    def captured_grads(self, s, ctx, upstream):
+        return []
+
+
+class _Traced:
+    """A mod traced by ``flex_trace``: it emits its own expressions."""
+
+    def __init__(self, traced):
+        self.traced = traced
+
+    def score(self, s, ctx):
+        return self.traced.emit(s, ctx.b, ctx.h, ctx.q_idx, ctx.kv_idx, ctx.buffers)
+
+    def grad(self, s, ctx):
+        return self.traced.emit_grad(s, ctx.b, ctx.h, ctx.q_idx, ctx.kv_idx, ctx.buffers)
+
+    def captured_grads(self, s, ctx, upstream):
+        return self.traced.emit_captured_grads(s, ctx.b, ctx.h, ctx.q_idx, ctx.kv_idx, upstream, ctx.buffers)
+
+
+def _emitter(mod):
+    if isinstance(mod, Softcap):
+        return _Softcap()
+    if isinstance(mod, Alibi):
+        return _Alibi()
+    return _Traced(mod)
+
+
+class Emitters:
+    def __init__(self, spec: AttentionSpec):
+        self.mods = [_emitter(m) for m in spec.score_mods]
+        self.mask_mod = spec.mask_mod
+
+    def _chain(self, s, ctx):
+        """The score before each mod: [s, f1(s), f2(f1(s)), ...]."""
+        values = [s]
+        for mod in self.mods:
+            values.append(mod.score(values[-1], ctx))
+        return values
+
+    def score(self, s, ctx):
+        return self._chain(s, ctx)[-1]
+
+    def score_grad(self, s, ctx):
+        values = self._chain(s, ctx)
+        grad = _f32(1.0)
+        for mod, value in zip(self.mods, values):
+            grad = grad * mod.grad(value, ctx)
+        return grad
+
+    def captured_grads(self, s, ctx, upstream):
+        """(buffer name, indices, value) scatter-adds: upstream times d score / d captured."""
+        values = self._chain(s, ctx)
+        adds = []
+        for k, mod in enumerate(self.mods):
+            outer = upstream
+            for later, value in zip(self.mods[k + 1:], values[k + 1:]):
+                outer = outer * later.grad(value, ctx)
+            adds += mod.captured_grads(values[k], ctx, outer)
+        return adds
+
+    def mask(self, ctx):
+        if self.mask_mod is None:
+            return tirx.const(True, "bool")
+        return self.mask_mod.emit(ctx.b, ctx.h, ctx.q_idx, ctx.kv_idx, ctx.buffers)
+
+
+def emitters(spec: AttentionSpec) -> Emitters:
+    return Emitters(spec)
