@@ -1,0 +1,119 @@
+"""Independent references: dense attention in any dtype, and the timing helper (torch only).
+
+Everything that checks or times tvmflash uses these (tests, benchmarks, the GPU check, the
+demo); they import neither TVM nor the rest of tvmflash, so they run anywhere torch does.
+
+``reference_attention`` materialises the (batch, heads, seqlen_q, seqlen_k) scores and applies
+the same masks and score modifications as the kernels, written as plain torch: flash-attn's
+window (bottom-right aligned), softcap ``c tanh(s / c)``, ALiBi ``-slope |i + off - j|``, a
+score_mod applied to broadcast index tensors, a boolean mask. With ``dtype=torch.float64`` it is
+the ground truth; in the inputs' dtype it is "plain PyTorch attention in the same dtype", whose
+error sets the tolerance (flash-attn's rule). Differentiable: gradients come from autograd.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+
+import torch
+
+PAUSE_S = 0.02
+
+
+def window_mask(seqlen_q: int, seqlen_k: int, window_size=(-1, -1), causal: bool = False, diagonal: int | None = None,
+                device=None) -> torch.Tensor:
+    """(seqlen_q, seqlen_k) bool, True = query i sees key j: flash-attn's bottom-right aligned
+    window (``diagonal``, the key query 0 is aligned with, defaults to seqlen_k - seqlen_q)."""
+    left, right = window_size
+    if causal:
+        right = 0
+    off = seqlen_k - seqlen_q if diagonal is None else diagonal
+    i = torch.arange(seqlen_q, device=device)[:, None]
+    j = torch.arange(seqlen_k, device=device)[None, :]
+    keep = torch.ones(seqlen_q, seqlen_k, dtype=torch.bool, device=device)
+    if right >= 0:
+        keep &= j <= i + off + right
+    if left >= 0:
+        keep &= j >= i + off - left
+    return keep
+
+
+def alibi_bias(slopes: torch.Tensor, seqlen_q: int, seqlen_k: int, batch: int, diagonal: int | None = None):
+    """(batch, heads, seqlen_q, seqlen_k): -slope * |i + off - j| (slopes (heads,) or (batch, heads))."""
+    off = seqlen_k - seqlen_q if diagonal is None else diagonal
+    i = torch.arange(seqlen_q, device=slopes.device)[:, None]
+    j = torch.arange(seqlen_k, device=slopes.device)[None, :]
+    distance = (i + off - j).abs().to(torch.float64)
+    slopes = slopes.to(torch.float64).reshape(-1, slopes.shape[-1]).expand(batch, -1)
+    return -slopes[:, :, None, None] * distance
+
+
+def reference_attention(q, k, v, causal: bool = False, scale: float | None = None, *, window_size=(-1, -1),
+                        softcap: float = 0.0, alibi_slopes=None, score_mod=None, mask=None, diagonal=None,
+                        dtype=torch.float64):
+    """Plain attention in ``dtype``: out (B, Nq, H, D) and lse (B, H, Nq) (natural log).
+
+    q (B, Nq, H, D), k and v (B, Nk, Hk, D) with H % Hk == 0. ``score_mod(scores, b, h, i, j)``
+    gets the scaled (and softcapped) scores (B, H, Nq, Nk) and broadcastable index tensors;
+    ``mask`` is a bool tensor broadcastable to (B, H, Nq, Nk) (True = keep), applied with the
+    window. Rows that see no key: output 0, lse -inf, zero gradients (no NaN in autograd).
+    """
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    batch, seqlen_q, heads, _ = q.shape
+    seqlen_k = k.shape[1]
+    group = heads // k.shape[2]
+    qt = q.to(dtype).transpose(1, 2)
+    kt = k.to(dtype).transpose(1, 2).repeat_interleave(group, dim=1)
+    vt = v.to(dtype).transpose(1, 2).repeat_interleave(group, dim=1)
+    scores = (qt @ kt.transpose(-1, -2)) * scale
+    if softcap:
+        scores = softcap * torch.tanh(scores / softcap)
+    if score_mod is not None:
+        b = torch.arange(batch, device=q.device)[:, None, None, None]
+        h = torch.arange(heads, device=q.device)[None, :, None, None]
+        i = torch.arange(seqlen_q, device=q.device)[None, None, :, None]
+        j = torch.arange(seqlen_k, device=q.device)[None, None, None, :]
+        scores = score_mod(scores, b, h, i, j)
+    if alibi_slopes is not None:
+        scores = scores + alibi_bias(alibi_slopes, seqlen_q, seqlen_k, batch, diagonal).to(scores.dtype)
+    keep = window_mask(seqlen_q, seqlen_k, window_size, causal, diagonal, q.device).expand(batch, heads, -1, -1)
+    if mask is not None:
+        keep = keep & mask
+    sees_a_key = keep.any(-1, keepdim=True)
+    # Rows that see no key: give them finite scores before the softmax and zero their
+    # probabilities after, so autograd produces no NaN.
+    scores = scores.masked_fill(~keep, float("-inf")).masked_fill(~sees_a_key, 0.0)
+    probs = torch.softmax(scores, dim=-1) * sees_a_key
+    lse = torch.logsumexp(scores.to(torch.promote_types(dtype, torch.float32)), -1)
+    lse = lse.masked_fill(~sees_a_key[..., 0], float("-inf"))
+    return (probs @ vt).transpose(1, 2), lse
+
+
+def median_times(candidates: dict, rounds: int, pause: float = PAUSE_S, sync=None) -> dict[str, float]:
+    """Median seconds per candidate over interleaved rounds (after one warm-up call each).
+
+    Every candidate runs once per round, rounds interleave the candidates, and a short pause
+    precedes each timed call, so thread pools that spin after their last job (TVM's and
+    PyTorch's OpenMP) have gone idle. ``sync``: called after each call (CUDA: synchronize).
+    """
+    for fn in candidates.values():
+        fn()
+        if sync:
+            sync()
+    times = {name: [] for name in candidates}
+    for _ in range(rounds):
+        for name, fn in candidates.items():
+            time.sleep(pause)
+            start = time.perf_counter()
+            fn()
+            if sync:
+                sync()
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def geomean(values) -> float:
+    values = list(values)
+    return math.exp(sum(math.log(v) for v in values) / len(values))
