@@ -110,26 +110,25 @@ def varlen(cu_seqlens_q, cu_seqlens_k, *, block_q: int, block_k: int, heads_k: i
 
 
 # --- scratch memory --------------------------------------------------------------------------
-F32 = 4
+F32, I64 = 4, 8
 
 
 def forward_workspace_bytes(seqs: Sequences, *, heads: int, heads_k: int, head_dim: int, block_q: int,
                             block_k: int, threads: int) -> int:
     """K and V packed to fp32 (zero-padded tiles), plus each thread's tile buffers."""
     packed = 2 * heads_k * seqs.key_tiles * block_k * head_dim * F32
-    per_thread = (3 * head_dim * block_q + 2 * block_k * block_q + 5 * block_q) * F32
+    per_thread = (3 * head_dim * block_q + 2 * block_k * block_q + 5 * block_q) * F32 + 5 * I64
     return packed + threads * per_thread
 
 
 def backward_workspace_bytes(seqs: Sequences, *, heads: int, heads_k: int, head_dim: int, block_q: int,
-                             block_k: int, threads: int, grad_input_elements: int = 0) -> int:
-    """Q and dO packed to fp32, their row statistics, the fp32 dQ, dK, dV accumulators, each
-    thread's tile buffers and its partial gradients of captured tensors. Independent of the
-    thread count but for the per-thread tiles: at most 3 fp32 copies of q plus 2 of k."""
+                             block_k: int, threads: int, grad_input_elements: int = 1, score_mods: bool = False) -> int:
+    """Q and dO packed to fp32 with their row statistics, K, K^T and V^T packed, the fp32 dQ, dK
+    and dV accumulators: 3 fp32 copies of q and 5 of k at any thread count. Per thread: its tile
+    buffers and its partial gradients of captured tensors."""
     rows_q = heads * seqs.query_tiles * block_q
     rows_k = heads_k * seqs.key_tiles * block_k
-    packed = 3 * rows_q * head_dim * F32 + 3 * rows_q * F32  # Qp, dOp, dQ accumulator; LSE hi/lo, Delta
-    kv = 2 * rows_k * head_dim * F32  # dK, dV accumulators
-    per_thread = (3 * block_k * head_dim + 4 * block_q * block_k + block_q * head_dim + 3 * block_q
-                  + 2 * block_k * head_dim) * F32 + grad_input_elements * F32
-    return packed + kv + threads * per_thread
+    shared = (3 * rows_q * head_dim + 3 * rows_q + 5 * rows_k * head_dim) * F32
+    tiles = (4 + score_mods) * block_q * block_k + 4 * block_k * head_dim + block_q * head_dim + 3 * block_q
+    per_thread = (tiles + grad_input_elements) * F32 + 5 * I64
+    return shared + threads * per_thread
