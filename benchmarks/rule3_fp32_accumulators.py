@@ -4,7 +4,7 @@
     python benchmarks/rule3_fp32_accumulators.py --quick  # N in 256, 2K, fp16 inputs
 
 16-bit inputs. The real kernels keep the running dQ/dK/dV sums in fp32; the experiment variant
-(``grad_acc_dtype`` = the input dtype, built only here) rounds them to that dtype after every
+(``variants.low_precision_accumulators``, built only here) rounds them to that dtype after every
 query tile (dK, dV) or key tile (dQ), as a kernel accumulating in the input dtype would.
 PyTorch's CPU attention backward is measured alongside (FLASH and MATH backends). Errors:
 max |grad - ref| / max |ref| over dq, dk, dv against float64 math on the same 16-bit inputs.
@@ -19,6 +19,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from common import markdown_table, out_dir, parser, plt, reference_f64, relative_error, write_report
 from tvmflash import compiler
+from variants import compile_variant, low_precision_accumulators
 
 
 def tvmflash_grads(kernels, q, k, v, dout):
@@ -47,7 +48,7 @@ def main() -> int:
     errors, identical, rows = {}, {}, []  # errors[dtype][method] = [err per length]
     for dtype in dtypes:
         fp32_acc = compiler.compile("llvm", 64, dtype, False, tuned=False)
-        low_acc = compiler.compile_variant(64, dtype, False, grad_acc_dtype=dtype)
+        low_acc = compile_variant(64, dtype, low_precision_accumulators(dtype), f"{dtype} accumulators")
         methods = {
             "tvmflash, fp32 accumulators": lambda *a: tvmflash_grads(fp32_acc, *a),
             f"{short[dtype]} accumulators (experiment)": lambda *a: tvmflash_grads(low_acc, *a),

@@ -13,6 +13,8 @@ import secrets
 import pytest
 import torch
 
+from tvmflash.reference import reference_attention, window_mask  # noqa: F401 - re-exported for the tests
+
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -30,36 +32,7 @@ def gen(seed) -> torch.Generator:
 
 def causal_mask(seqlen_q: int, seqlen_k: int) -> torch.Tensor:
     """Bottom-right aligned: query i sees key j iff j <= i + seqlen_k - seqlen_q."""
-    i = torch.arange(seqlen_q)[:, None]
-    j = torch.arange(seqlen_k)[None, :]
-    return j <= i + (seqlen_k - seqlen_q)
-
-
-def reference_attention(q, k, v, causal: bool, scale: float | None = None, dtype=torch.float64):
-    """Plain (materialized) attention computed in ``dtype``. Returns out (B,Nq,H,D), lse (B,H,Nq).
-
-    With dtype=float64 this is the ground truth; with the input dtype it is "plain PyTorch
-    attention in the same dtype", whose error sets the tolerance (the flash-attn rule).
-    Differentiable, so gradients come from autograd.
-    """
-    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    group = q.shape[2] // k.shape[2]
-    qt = q.to(dtype).transpose(1, 2)
-    kt = k.to(dtype).transpose(1, 2).repeat_interleave(group, dim=1)
-    vt = v.to(dtype).transpose(1, 2).repeat_interleave(group, dim=1)
-    scores = (qt @ kt.transpose(-1, -2)) * scale
-    if not causal:
-        probs = torch.softmax(scores, dim=-1)
-        return (probs @ vt).transpose(1, 2), torch.logsumexp(scores.to(torch.promote_types(dtype, torch.float32)), -1)
-    mask = causal_mask(q.shape[1], k.shape[1])
-    sees_a_key = mask.any(-1)[:, None]
-    # Rows that see no key: output 0, lse -inf, zero gradients. Give them finite scores before
-    # the softmax and zero their probabilities after, so autograd produces no NaN.
-    scores = scores.masked_fill(~mask, float("-inf")).masked_fill(~sees_a_key, 0.0)
-    probs = torch.softmax(scores, dim=-1) * sees_a_key
-    lse = torch.logsumexp(scores.to(torch.promote_types(dtype, torch.float32)), -1)
-    lse = lse.masked_fill(~sees_a_key[:, 0], float("-inf"))
-    return (probs @ vt).transpose(1, 2), lse
+    return window_mask(seqlen_q, seqlen_k, causal=True)
 
 
 def ulp(dtype: torch.dtype) -> float:

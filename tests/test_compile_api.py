@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import subprocess
@@ -16,7 +15,8 @@ import torch
 import tvmflash
 from conftest import assert_flash_rule, random_inputs, reference_attention
 from tvmflash import compiler
-from tvmflash.schedules import llvm as llvm_schedules
+from tvmflash.config import CPUKernelConfig, RegisterTile
+from tvmflash.spec import AttentionSpec, Softcap
 from tvmflash.target import resolve
 
 
@@ -83,7 +83,7 @@ def test_export_library_and_load(kernels, tmp_path, gen):
 def test_source_is_vectorized_llvm_ir(kernels):
     src = kernels.source()
     assert "define" in src and "flash_fwd" in src and "flash_bwd" in src
-    lanes = kernels.config.lanes
+    lanes = kernels.configs["forward"].lanes
     assert f"fmul <{lanes} x float>" in src or f"<{lanes} x float>" in src
     assert "call float @expf" not in src and "@llvm.exp" not in src  # the polynomial exp2 is inlined
     # the shipped records (tune_logs/) apply where this CPU has some, else the hand-written schedule
@@ -93,17 +93,15 @@ def test_source_is_vectorized_llvm_ir(kernels):
 def test_second_process_loads_from_disk_cache(tmp_path, monkeypatch):
     """compile() writes the module to the disk cache; a new process loads it instead of compiling."""
     monkeypatch.setenv("TVMFLASH_CACHE_DIR", str(tmp_path))
-    target = resolve("llvm")
     # A config that no other test uses: this process must really build it (and store it).
-    config = llvm_schedules.default_config(target, 32, "float32", False)
-    config = dataclasses.replace(config, forward_blocks=(64, 32), backward_blocks=(64, 32))
+    config = CPUKernelConfig("forward", 64, 32, 16, tuple((p, RegisterTile(2, 2)) for p in ("scores", "pv")))
     first = tvmflash.compile("llvm", head_dim=32, dtype="float32", config=config)
     assert (tmp_path / f"{first.meta['cache_key']}.so").exists()
 
     script = textwrap.dedent(f"""
         import time, json, torch, tvmflash
-        from tvmflash.schedules import llvm
-        config = llvm.LLVMConfig.from_json(json.loads({json.dumps(json.dumps(config.to_json()))}))
+        from tvmflash.config import CPUKernelConfig
+        config = CPUKernelConfig.from_json(json.loads({json.dumps(json.dumps(config.to_json()))}))
         start = time.perf_counter()
         k = tvmflash.compile("llvm", head_dim=32, dtype="float32", config=config)
         elapsed = time.perf_counter() - start
@@ -120,16 +118,23 @@ def test_second_process_loads_from_disk_cache(tmp_path, monkeypatch):
     assert float(elapsed) < 5.0
 
 
-def test_cache_key_covers_target_config_and_params():
+def test_cache_key_covers_target_config_and_spec():
     target = resolve("llvm")
-    other_cpu = resolve({"kind": "llvm", "mcpu": "znver3"})
-    cfg = llvm_schedules.default_config(target, 64, "float32", False)
-    params = compiler.KernelParams(64, "float32", False)
-    base = compiler._cache_key(target, params, cfg.to_json())
-    assert base != compiler._cache_key(other_cpu, params, cfg.to_json())
-    assert base != compiler._cache_key(target, compiler.KernelParams(64, "float32", True), cfg.to_json())
-    assert base != compiler._cache_key(target, params, {**cfg.to_json(), "forward_blocks": [32, 64]})
-    assert base == compiler._cache_key(target, params, cfg.to_json())
+    spec = AttentionSpec(64, "float32")
+    configs, _ = compiler.choose_configs(target, spec, tuned=False)
+
+    def key(target=target, spec=spec, configs=configs, causal=False):
+        return compiler._key(compiler._request(target, spec, configs, causal, False, None))
+
+    base = key()
+    assert base != key(target=resolve({"kind": "llvm", "mcpu": "znver3"}))
+    assert base != key(spec=AttentionSpec(64, "float32", "float32", score_mods=(Softcap(),)))
+    assert base != key(spec=AttentionSpec(64, "bfloat16"))
+    smaller = {**configs, "forward": CPUKernelConfig("forward", 32, 64, configs["forward"].lanes,
+                                                      configs["forward"].tiles)}
+    assert base != key(configs=smaller)
+    assert base == key(causal=True)  # CPU kernels take the mask per call: one module for both
+    assert base == key()
 
 
 @pytest.mark.parametrize(
@@ -189,7 +194,7 @@ def test_avx2_schedule_runs_correctly(gen, seed):
     if " avx2" not in open("/proc/cpuinfo").read():
         pytest.skip("this CPU cannot run AVX2 code")
     kernels = tvmflash.compile({"kind": "llvm", "mcpu": "haswell"}, head_dim=40, dtype="bfloat16", causal=True)
-    assert kernels.config.lanes == 8 and "<8 x float>" in kernels.source()
+    assert kernels.configs["forward"].lanes == 8 and "<8 x float>" in kernels.source()
     q, k, v = random_inputs(gen, 1, 70, 100, 4, 2, 40, "bfloat16")
     dout = torch.randn(q.shape, generator=gen).to(torch.bfloat16)
     out, lse = torch.empty_like(q), torch.empty(1, 4, 70)

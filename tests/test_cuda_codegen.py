@@ -26,7 +26,7 @@ import tvm
 
 import tvmflash
 from conftest import assert_matches_reference, causal_mask, random_inputs
-from tvmflash import compiler, kernels, kernels_cuda
+from tvmflash import kernels_cuda, runtime
 from tvmflash import torch_op
 from tvmflash.checks import check_cuda_grid, check_cuda_layout, cuda_layout_problem, info
 from tvmflash.target import host_target
@@ -179,7 +179,7 @@ def test_flushing_subnormals_changes_no_result(gen, seed):
         try:
             flushed = run_emulated(lib, q, k, v, dout, 2, scale)
             # control: the mode reaches the kernels (a subnormal Delta = dO . O is flushed)
-            stats = torch.zeros(1, 2, 3, compiler.cuda_stats_rows(61))
+            stats = torch.zeros(1, 2, 3, runtime.cuda_stats_rows(61))
             small_dout = torch.full_like(dout, 2.0**-70)
             lib["flash_bwd_prep"](small_dout, torch.full_like(q, 2.0**-70), plain[1], stats,
                                   torch.empty(1, 1, 61, 2, 64))
@@ -241,16 +241,16 @@ def test_layout_check_ignores_strides_of_size_one_dims():
 
 def test_deterministic_splits_bound_the_workspace():
     for batch, heads_k, key_tiles in ((1, 1, 8192), (1, 1, 3), (64, 32, 100), (2, 8, 1)):
-        splits = compiler.deterministic_splits(batch, heads_k, key_tiles)
+        splits = runtime.deterministic_splits(batch, heads_k, key_tiles)
         assert 1 <= splits <= min(8, key_tiles)
-    assert compiler.deterministic_splits(1, 1, 8192) == 8  # few heads: as many blocks as allowed
-    assert compiler.deterministic_splits(64, 32, 100) == 1  # many heads fill the GPU already
+    assert runtime.deterministic_splits(1, 1, 8192) == 8  # few heads: as many blocks as allowed
+    assert runtime.deterministic_splits(64, 32, 100) == 1  # many heads fill the GPU already
 
 
 # --- the kernels' math, emulated on the CPU ---------------------------------------------------
 def emulated(head_dim: int, dtype: str, causal: bool):
     """The unscheduled CUDA kernels compiled for this CPU (dQ partials without atomics)."""
-    spec = kernels.KernelSpec(head_dim, dtype, causal, 64, 64, exp2="intrinsic")
+    spec = kernels_cuda.CUDASpec(head_dim, dtype, causal, 64, 64)
     mod = tvm.IRModule({
         "flash_fwd": kernels_cuda.cuda_forward(spec, on_cpu=True),
         "flash_bwd_prep": kernels_cuda.cuda_backward_prep(head_dim, dtype),
@@ -270,7 +270,7 @@ def run_emulated(lib, q, k, v, dout, splits: int, scale: float):
     nan = float("nan")
     out, lse = torch.full_like(q, nan), torch.full((batch, heads, seqlen_q), nan)
     lib["flash_fwd"](q, k, v, out, lse, scale)
-    stats = torch.full((batch, heads, 3, compiler.cuda_stats_rows(seqlen_q)), nan)
+    stats = torch.full((batch, heads, 3, runtime.cuda_stats_rows(seqlen_q)), nan)
     dq_acc = torch.full((splits, batch, seqlen_q, heads, head_dim), nan)
     dq, dk, dv = (torch.full_like(t, nan) for t in (q, k, v))
     lib["flash_bwd_prep"](dout, out, lse, stats, dq_acc)
@@ -289,7 +289,7 @@ def test_backward_prep_writes_no_nan_for_rows_without_keys(gen):
     lib["flash_fwd"](q, k, v, out, lse, 0.125)
     blind = seqlen_q - seqlen_k  # rows 0 .. blind - 1 see no key
     assert torch.isinf(lse[..., :blind]).all() and torch.isfinite(lse[..., blind:]).all()
-    stats = torch.full((batch, heads, 3, compiler.cuda_stats_rows(seqlen_q)), float("nan"))
+    stats = torch.full((batch, heads, 3, runtime.cuda_stats_rows(seqlen_q)), float("nan"))
     dout = torch.randn(q.shape, generator=gen).to(q.dtype)
     lib["flash_bwd_prep"](dout, out, lse, stats, torch.empty(1, batch, seqlen_q, heads, 64))
     assert not torch.isnan(stats).any()

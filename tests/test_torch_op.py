@@ -14,12 +14,16 @@ fwd_op = torch.ops.tvmflash.flash_attn_forward.default
 bwd_op = torch.ops.tvmflash.flash_attn_backward.default
 
 
-def test_opcheck_forward_and_backward(gen):
+@pytest.mark.parametrize("window,softcap,alibi", [((-1, 0), 0.0, False), ((5, 3), 12.0, True)],
+                         ids=["causal", "window-softcap-alibi"])
+def test_opcheck_forward_and_backward(gen, window, softcap, alibi):
     q, k, v = random_inputs(gen, 1, 20, 33, 4, 2, 64, "float32", requires_grad=True)
-    torch.library.opcheck(fwd_op, (q, k, v, 0.125, True))
-    out, lse = fwd_op(q, k, v, 0.125, True)
+    slopes = torch.rand(4, generator=gen) if alibi else None
+    args = (None, None, slopes, 0.125, *window, softcap, False, False, None)
+    torch.library.opcheck(fwd_op, (q, k, v, *args))
+    out, lse = fwd_op(q, k, v, *args)
     dout = torch.randn(out.shape, generator=gen)
-    torch.library.opcheck(bwd_op, (dout, q.detach(), k.detach(), v.detach(), out.detach(), lse, 0.125, True))
+    torch.library.opcheck(bwd_op, (dout, q.detach(), k.detach(), v.detach(), out.detach(), lse, *args))
 
 
 def test_torch_compile_fullgraph_matches_eager(gen):

@@ -11,18 +11,14 @@ Methodology (machines are noisy; absolute times do not compare across runs):
 
 from __future__ import annotations
 
-import math
-import statistics
-import time
 from dataclasses import dataclass
 
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from .analysis import model_flops
+from .reference import geomean, median_times  # noqa: F401 - the one timing helper, re-exported
 from .torch_op import flash_attn_func, kernels_for
-
-PAUSE_S = 0.02
 
 
 @dataclass(frozen=True)
@@ -53,20 +49,6 @@ STANDARD_CASES = [
     Case(1, 2048, 8, 64, "bfloat16", causal=True),
     Case(1, 8192, 1, 64),
 ]
-
-
-def median_times(candidates: dict, rounds: int) -> dict[str, float]:
-    """Median seconds per candidate over interleaved rounds (after one warm-up call each)."""
-    for fn in candidates.values():
-        fn()
-    times = {name: [] for name in candidates}
-    for _ in range(rounds):
-        for name, fn in candidates.items():
-            time.sleep(PAUSE_S)
-            start = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - start)
-    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def _inputs(case: Case, seed: int = 0):
@@ -115,7 +97,7 @@ def _fwd_and_bwd_calls(impl, q, k, v, dout, causal):
 def run_case(case: Case, rounds: int = 7, implementations=("tvmflash", "sdpa_flash", "sdpa_math")) -> dict:
     """Time forward, backward and forward+backward of each implementation; returns medians."""
     q, k, v, dout = _inputs(case)
-    kernels_for(q, case.causal)  # compile (or load) outside the timed region
+    kernels_for(q, causal=case.causal)  # compile (or load) outside the timed region
     calls = {}
     for name in implementations:
         fwd, fwd_bwd, bwd = _fwd_and_bwd_calls(IMPLEMENTATIONS[name], q, k, v, dout, case.causal)
@@ -130,8 +112,3 @@ def ratio(result: dict, baseline: str, phase: str) -> float:
     """Speed of tvmflash relative to ``baseline`` for a phase (> 1: tvmflash faster)."""
     t = result["times"]
     return t[f"{baseline}/{phase}"] / t[f"tvmflash/{phase}"]
-
-
-def geomean(values) -> float:
-    values = list(values)
-    return math.exp(sum(math.log(v) for v in values) / len(values))

@@ -253,15 +253,10 @@ def _check_kernel_fit(kernels, q: TensorInfo, tensors: dict) -> None:
             raise ValueError(f"{name} is empty (shape {t.shape}): every size must be at least 1")
 
 
-def _result_dtypes(kernels, q: TensorInfo):
-    return (q.dtype, "float32") if kernels.target_kind == "llvm" and kernels.out_dtype == "float32" else (
-        kernels.out_dtype,)
-
-
 def check_forward_args(kernels, q, k, v, out, lse) -> tuple[int, int, int, int]:
     qi, ki, vi, oi, li = (info(x, n) for x, n in zip((q, k, v, out, lse), ("q", "k", "v", "out", "lse")))
-    _check_kernel_fit(kernels, qi, {"q": qi, "k": ki, "v": vi, "out": oi, "lse": li})
     dims = check_qkv(qi, ki, vi)
+    _check_kernel_fit(kernels, qi, {"q": qi, "k": ki, "v": vi, "out": oi, "lse": li})
     batch, seqlen_q, heads, _ = dims
     _check_like("out", oi, qi.shape, kernels.out_dtype, qi.device)
     _check_like("lse", li, (batch, heads, seqlen_q), "float32", qi.device)
@@ -276,9 +271,9 @@ def check_forward_args(kernels, q, k, v, out, lse) -> tuple[int, int, int, int]:
 def check_backward_args(kernels, dout, q, k, v, out, lse, dq, dk, dv) -> tuple[int, int, int, int]:
     names = ("dout", "q", "k", "v", "out", "lse", "dq", "dk", "dv")
     di, qi, ki, vi, oi, li, dqi, dki, dvi = (info(x, n) for x, n in zip((dout, q, k, v, out, lse, dq, dk, dv), names))
+    dims = check_qkv(qi, ki, vi)
     _check_kernel_fit(kernels, qi, {"dout": di, "q": qi, "k": ki, "v": vi, "out": oi, "lse": li,
                                     "dq": dqi, "dk": dki, "dv": dvi})
-    dims = check_qkv(qi, ki, vi)
     batch, seqlen_q, heads, _ = dims
     for name, t in (("dout", di), ("out", oi)):
         _check_like(name, t, qi.shape, qi.dtype, qi.device)

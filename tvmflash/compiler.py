@@ -227,6 +227,15 @@ def _build(target: tvm.target.Target, spec: AttentionSpec, configs: dict, meta: 
     return FlashKernels(lib, meta, source_text)
 
 
+def build_transformed(spec: AttentionSpec, transform, description: str, target="llvm") -> FlashKernels:
+    """Kernels with ``transform(kernel, scheduled_prim_func)`` applied before code generation,
+    with the hand-written configs and never cached: the experiment variants of benchmarks/."""
+    target = targets.resolve(target)
+    configs, _ = choose_configs(target, spec, tuned=False)
+    meta = {**_request(target, spec, configs, False, False, None), "variant": description}
+    return _build(target, spec, configs, meta, transform=transform)
+
+
 # --- prebuilt kernels: built on one machine, loaded on another with TVM's runtime alone ---------
 def prebuild(directory, target="cuda", head_dims=(64, 128), dtypes=("float16", "bfloat16"),
              causal=(False, True), deterministic=(False,)) -> list[Path]:

@@ -91,6 +91,46 @@ def reference_attention(q, k, v, causal: bool = False, scale: float | None = Non
     return (probs @ vt).transpose(1, 2), lse
 
 
+def chunked_reference_f64(q, k, v, dout, causal: bool, scale: float | None = None, chunk: int = 1024):
+    """float64 attention forward and backward, query chunk by query chunk: O(N * chunk) memory,
+    for lengths where ``reference_attention``'s autograd would hold too much.
+
+    The textbook formulas (P = softmax(S), dV = P^T dO, dP = dO V^T, dS = P (dP - rowsum(dO O)),
+    dQ = scale dS K, dK = scale dS^T Q); the tests check them against autograd through
+    ``reference_attention``. Returns (out, lse, dq, dk, dv) as float64, layout (batch, seqlen,
+    heads, dim) and lse (batch, heads, seqlen).
+    """
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    group = q.shape[2] // k.shape[2]
+    qd, kd, vd, dod = (t.detach().double().transpose(1, 2) for t in (q, k, v, dout))
+    kd, vd = kd.repeat_interleave(group, 1), vd.repeat_interleave(group, 1)
+    nq, nk = qd.shape[2], kd.shape[2]
+    out, lse = torch.zeros_like(qd), torch.full(qd.shape[:3], -math.inf, dtype=torch.float64)
+    dq, dk, dv = torch.zeros_like(qd), torch.zeros_like(kd), torch.zeros_like(vd)
+    for start in range(0, nq, chunk):
+        rows = slice(start, min(start + chunk, nq))
+        s = (qd[:, :, rows] @ kd.transpose(-1, -2)) * scale
+        if causal:
+            s = s.masked_fill(~window_mask(nq, nk, causal=True)[rows], -math.inf)
+        m = s.amax(-1, keepdim=True).clamp_min(-1e300)  # rows that see no key: keep finite
+        p = torch.exp(s - m)
+        l = p.sum(-1, keepdim=True)
+        p = torch.where(l > 0, p / l.clamp_min(1e-300), 0.0)
+        lse[:, :, rows] = torch.where(l[..., 0] > 0, m[..., 0] + torch.log(l[..., 0].clamp_min(1e-300)), -math.inf)
+        o = p @ vd
+        out[:, :, rows] = o
+        do = dod[:, :, rows]
+        dv += p.transpose(-1, -2) @ do
+        dp = do @ vd.transpose(-1, -2)
+        ds = p * (dp - (do * o).sum(-1, keepdim=True))
+        dq[:, :, rows] = scale * (ds @ kd)
+        dk += scale * (ds.transpose(-1, -2) @ qd[:, :, rows])
+    b, hk = k.shape[0], k.shape[2]
+    dk = dk.reshape(b, hk, group, nk, -1).sum(2)
+    dv = dv.reshape(b, hk, group, nk, -1).sum(2)
+    return tuple(t.transpose(1, 2) if t.dim() == 4 else t for t in (out, lse, dq, dk, dv))
+
+
 def median_times(candidates: dict, rounds: int, pause: float = PAUSE_S, sync=None) -> dict[str, float]:
     """Median seconds per candidate over interleaved rounds (after one warm-up call each).
 

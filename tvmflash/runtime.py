@@ -166,7 +166,7 @@ class FlashKernels:
         if self.is_cuda:
             if kernel == "forward":
                 return 0
-            rows = -(-seqlen_q // self.configs["backward"].block_q) * self.configs["backward"].block_q
+            rows = cuda_stats_rows(seqlen_q)
             partials = (deterministic_splits(batch, heads_k, -(-seqlen_k // self.configs["backward"].block_k))
                         if self.deterministic else 1)
             return 4 * (batch * heads * 3 * rows + partials * batch * seqlen_q * heads * self.head_dim)
@@ -196,8 +196,7 @@ class FlashKernels:
             splits = partials = deterministic_splits(batch, heads_k, key_tiles)
         else:
             splits, partials = key_tiles, 1
-        rows = -(-seqlen_q // cfg.block_q) * cfg.block_q
-        stats = _workspace(dq, (batch, heads, 3, rows))
+        stats = _workspace(dq, (batch, heads, 3, cuda_stats_rows(seqlen_q)))
         dq_acc = _workspace(dq, (partials, batch, seqlen_q, heads, self.head_dim))
         self._functions["flash_bwd_prep"](dout, out, lse, stats, dq_acc)
         self._functions["flash_bwd"](dout, q, k, v, stats, dq_acc, dk, dv, scale, splits)
@@ -211,7 +210,8 @@ class FlashKernels:
             shutil.copyfile(self._library, path)
         else:
             self._module.export_library(str(path))
-        Path(str(path) + ".json").write_text(json.dumps(self.meta, indent=1))
+        # CPU kernels take the mask per call: the export records this object's default
+        Path(str(path) + ".json").write_text(json.dumps({**self.meta, "causal": self.causal}, indent=1))
 
     def source(self) -> str:
         """The generated code: LLVM IR for CPU targets, CUDA C for CUDA targets."""
@@ -243,6 +243,13 @@ def _batched_arrays_cached(batch, seqlen_q, seqlen_k, block_q, block_k, heads_k,
 def _batched_arrays(batch, seqlen_q, seqlen_k, block_q, block_k, heads_k, diagonal):
     """The sequence tables of a batched call (cached: they depend on sizes only)."""
     return _batched_arrays_cached(batch, seqlen_q, seqlen_k, block_q, block_k, heads_k, diagonal)
+
+
+def cuda_stats_rows(seqlen_q: int) -> int:
+    """Rows of the CUDA backward's row-statistics workspace: padded to whole query tiles."""
+    from .config import CUDA_BLOCK_Q
+
+    return -(-seqlen_q // CUDA_BLOCK_Q) * CUDA_BLOCK_Q
 
 
 def deterministic_splits(batch: int, heads_k: int, key_tiles: int) -> int:

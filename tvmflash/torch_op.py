@@ -196,11 +196,14 @@ def _cuda_readable(t: torch.Tensor) -> torch.Tensor:
 
 
 # --- flash-attn's Python surface --------------------------------------------------------------------
-def _check_common(tensors: dict, dropout_p, softcap, alibi_slopes, heads: int, batch: int | None) -> float:
+def _check_tensors(tensors: dict) -> None:
     for name, t in tensors.items():
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
         checks.info(t, name)  # sparse and other layouts
+
+
+def _check_common(tensors: dict, dropout_p, softcap, alibi_slopes, heads: int, batch: int | None) -> float:
     if dropout_p:
         raise ValueError(f"dropout is not supported by tvmflash (dropout_p={dropout_p}); use 0.0")
     if isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not softcap >= 0 or softcap == float("inf"):
@@ -220,6 +223,7 @@ def _attention(q, k, v, cu_seqlens_q, cu_seqlens_k, dropout_p, softmax_scale, ca
                alibi_slopes, deterministic, return_attn_probs, *, fp32_results=False, diagonal=None):
     varlen = cu_seqlens_q is not None
     tensors = {"q": q, "k": k, "v": v}
+    _check_tensors(tensors)
     heads = q.shape[-2] if q.dim() >= 2 else 0
     batch = (cu_seqlens_q.shape[0] - 1 if cu_seqlens_q.dim() == 1 else None) if varlen else (
         q.shape[0] if q.dim() == 4 else None)

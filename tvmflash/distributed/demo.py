@@ -37,9 +37,9 @@ def _status_mb(field: str) -> float:
 
 
 def _reset_peak() -> float:
-    from tvmflash.memory import _reset_high_water
+    from tvmflash.memory import reset_high_water
 
-    return _reset_high_water()
+    return reset_high_water()
 
 
 def _parse(argv=None):
