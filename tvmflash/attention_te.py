@@ -143,11 +143,36 @@ def masked_log2_exponent(score, scale_parts, shift_parts) -> tirx.PrimExpr:
     """``log2_exponent`` where a masked score (-inf) gives -inf, so that 2^x is exactly 0.
 
     The lo part of the scale may be 0 or negative, and -inf times it is NaN or +inf: the lo term
-    reads the score clamped to the finite range. The shift must not be -inf (callers start the
-    running max at -FLT_MAX, and give rows without keys an LSE of +inf in the backward).
+    reads the score clamped to the finite range. The shift must not be -inf (rows without keys
+    get an LSE of +inf in the backward). Capped at 0: a probability is at most 1, and where
+    |scaled scores| exceed 2^24 the fp32 LSE the backward reads is rounded by more than 1 (it would
+    otherwise push 2^x past the fp32 range).
     """
     (c_hi, c_lo), (m_hi, m_lo) = scale_parts, shift_parts
-    return (score * c_hi - m_hi) + (tirx.max(score, _f32(-FLT_MAX)) * c_lo - m_lo)
+    return tirx.min((score * c_hi - m_hi) + (tirx.max(score, _f32(-FLT_MAX)) * c_lo - m_lo), _f32(0.0))
+
+
+def shifted_log2_exponent(score, row_max, scale_parts) -> tirx.PrimExpr:
+    """(score - row_max) * c in log2 units, c = scale * log2(e) as an fp32 hi + lo pair.
+
+    The forward's exponents: the max is taken over raw scores, so the difference is exact for
+    the scores that matter (those near the max) and the max itself gets exactly 2^0, at any
+    scale (a max taken after scaling would be rounded to fp32 first: at large scales its rounding
+    error alone overflows 2^x). A masked score (-inf) gives -inf, with the lo term clamped as in
+    ``masked_log2_exponent``.
+    """
+    c_hi, c_lo = scale_parts
+    diff = score - row_max
+    return diff * c_hi + tirx.max(diff, _f32(-FLT_MAX)) * c_lo
+
+
+def lse_from_raw_max(row_max, scale_log2, row_sum) -> tirx.PrimExpr:
+    """Natural-log LSE from a running max of raw scores and its denominator: (max * c +
+    log2(sum)) * ln 2, in float64 (``scale_log2`` is c as a float64 expression), rounded once;
+    -inf for rows that see no key, NaN stays NaN."""
+    m64 = tirx.Cast("float64", row_max) * scale_log2
+    lse = (m64 + tirx.log2(tirx.Cast("float64", row_sum))) * tirx.const(LN2, "float64")
+    return tirx.Select(row_sum == _f32(0.0), _f32(NEG_INF), tirx.Cast("float32", lse))
 
 
 def lse_log2_parts(lse) -> tuple[tirx.PrimExpr, tirx.PrimExpr]:

@@ -247,10 +247,10 @@ def _check_kernel_fit(kernels, q: TensorInfo, tensors: dict) -> None:
     if _device_kind(q.device) != wanted:
         raise ValueError(f"these kernels run on {wanted} tensors, got tensors on {q.device}")
     for name, t in tensors.items():
-        if t.strides and t.strides[-1] != 1 and t.shape[-1] != 1:
-            raise ValueError(f"the last (head_dim) dimension of {name} must be contiguous, got strides {t.strides}")
         if any(n == 0 for n in t.shape):
             raise ValueError(f"{name} is empty (shape {t.shape}): every size must be at least 1")
+        if t.strides and t.strides[-1] != 1 and t.shape[-1] != 1:
+            raise ValueError(f"the last (head_dim) dimension of {name} must be contiguous, got strides {t.strides}")
 
 
 def check_forward_args(kernels, q, k, v, out, lse) -> tuple[int, int, int, int]:
@@ -310,3 +310,30 @@ def check_cu_seqlens(name: str, cu, total_rows: int, batch: int | None = None) -
     if values[-1] != total_rows:
         raise ValueError(f"{name} ends at {values[-1]} but the packed tensor has {total_rows} rows")
     return values
+
+
+# The backward recomputes P = exp(S * scale - LSE) from the fp32 LSE the forward stored: its
+# rounding (half an ulp) is the error of every recomputed exponent. Beyond this magnitude that is
+# more than 0.4 % of P: far outside fp32 attention's accuracy, so it is an error, not a result.
+MAX_RECOMPUTABLE_LSE = 2.0**16
+
+
+def check_lse_recomputable(lse) -> None:
+    """Raise if the forward's LSE is too large for an accurate backward (``softmax_scale`` x
+    q . k in the tens of thousands or more; the forward itself is exact at any scale)."""
+    import numpy as np
+
+    if hasattr(lse, "detach"):  # torch
+        finite = lse.detach()
+        finite = finite[finite.isfinite()]
+        largest = float(finite.abs().max()) if finite.numel() else 0.0
+    else:
+        values = np.from_dlpack(lse) if not isinstance(lse, np.ndarray) else lse
+        finite = values[np.isfinite(values)]
+        largest = float(np.abs(finite).max()) if finite.size else 0.0
+    if largest >= MAX_RECOMPUTABLE_LSE:
+        raise ValueError(
+            f"the forward's log-sum-exp reached {largest:.3g}: the backward recomputes the probabilities from "
+            f"this float32 value, whose rounding at that size exceeds 0.4 % of them (the backward supports "
+            f"|lse| < {MAX_RECOMPUTABLE_LSE:.0f}, i.e. softmax_scale * |q . k| below that); use a smaller "
+            "softmax_scale or normalize q and k")

@@ -84,15 +84,17 @@ from tvm.script.ir_builder import IRBuilder
 from . import plan
 from .attention_te import (
     FLT_MAX,
+    LOG2E,
     NEG_INF,
     exp2,
     grad_scores,
     in_window,
     masked_log2_exponent,
-    lse_from_stats,
+    lse_from_raw_max,
     lse_log2_parts,
     normalizer,
     scale_log2_parts,
+    shifted_log2_exponent,
 )
 from .config import CPUKernelConfig
 from .score_mods import ModContext, emitters
@@ -252,9 +254,15 @@ class KernelArgs:
             T.buffer_store(part, part[slot, flat] + value, [slot, flat])
 
 
+def _exponent_scale(spec: AttentionSpec, softmax_scale):
+    """c of 2^((x - max) * c) as float64: x is the raw dot product without score mods (the scale
+    folds into c), the modded natural-log score with them."""
+    return (tirx.const(1.0, "float64") if spec.score_mods else tirx.Cast("float64", softmax_scale)) * tirx.const(
+        LOG2E, "float64")
+
+
 def _exponent_constant(spec: AttentionSpec, softmax_scale):
-    """c of 2^(x * c - max): x is the raw dot product without score mods (the scale folds into
-    c, an fp32 hi + lo pair), the modded natural-log score with them."""
+    """c as an fp32 hi + lo pair (attention_te.scale_log2_parts)."""
     return scale_log2_parts(tirx.const(1.0, "float64") if spec.score_mods else softmax_scale)
 
 
@@ -339,21 +347,21 @@ def fused_forward(spec: AttentionSpec, cfg: CPUKernelConfig) -> tirx.PrimFunc:
                         vj, vi = T.axis.remap("RS", [j, i])
                         with T.init():
                             m_next[vi] = m[vi]
-                        # hi + lo: the max the exponents below subtract, for any scale
-                        m_next[vi] = T.max(m_next[vi], ST[vj, vi] * c_hi + T.max(ST[vj, vi], T.float32(-FLT_MAX)) * c_lo)
+                        m_next[vi] = T.max(m_next[vi], ST[vj, vi])  # of raw scores (c > 0)
         for unit in range(1):
             with T.sblock("rescale_tile"):
                 for i in T.serial(Br):
                     with T.sblock("rescale"):
                         vi = T.axis.remap("S", [i])
                         # Equal maxima (also both -inf: nothing seen yet) rescale by exactly 1.
-                        alpha[vi] = T.Select(m[vi] == m_next[vi], T.float32(1), exp2(m[vi] - m_next[vi]))
+                        alpha[vi] = T.Select(m[vi] == m_next[vi], T.float32(1),
+                                             exp2(shifted_log2_exponent(m[vi], m_next[vi], (c_hi, c_lo))))
         for unit in range(1):
             with T.sblock("probs_tile"):
                 for j, i in T.grid(Bc, Br):
                     with T.sblock("probs"):
                         vj, vi = T.axis.remap("SS", [j, i])
-                        PT[vj, vi] = exp2(masked_log2_exponent(ST[vj, vi], (c_hi, c_lo), (m_next[vi], T.float32(0))))
+                        PT[vj, vi] = exp2(shifted_log2_exponent(ST[vj, vi], m_next[vi], (c_hi, c_lo)))
 
     @T.macro
     def accumulate(OT: T.Buffer, PVT: T.Buffer, PT: T.Buffer, Vp: T.Buffer, m: T.Buffer, m_next: T.Buffer,
@@ -389,8 +397,8 @@ def fused_forward(spec: AttentionSpec, cfg: CPUKernelConfig) -> tirx.PrimFunc:
                         l[vi] = l[vi] * alpha[vi] + l_tile[vi]
 
     @T.macro
-    def store(O: T.Buffer, LSE: T.Buffer, OT: T.Buffer, m: T.Buffer, l: T.Buffer, q_batch: T.int64,
-              q_start: T.int64, q0: T.int64, q_len: T.int64, h: T.int64):
+    def store(O: T.Buffer, LSE: T.Buffer, OT: T.Buffer, m: T.Buffer, l: T.Buffer, scale_log2: T.float64,
+              q_batch: T.int64, q_start: T.int64, q0: T.int64, q_len: T.int64, h: T.int64):
         for i, d in T.grid(Br, D):
             with T.sblock("store_o"):
                 vi, vd = T.axis.remap("SS", [i, d])
@@ -400,7 +408,7 @@ def fused_forward(spec: AttentionSpec, cfg: CPUKernelConfig) -> tirx.PrimFunc:
             with T.sblock("store_lse"):
                 vi = T.axis.remap("S", [i])
                 if q0 + vi < q_len:
-                    LSE[q_batch, h, q_start + q0 + vi] = lse_from_stats(m[vi], l[vi])
+                    LSE[q_batch, h, q_start + q0 + vi] = lse_from_raw_max(m[vi], scale_log2, l[vi])
 
     @T.prim_func(s_tir=True)
     def flash_fwd(q_h: T.handle, k_h: T.handle, v_h: T.handle, o_h: T.handle, lse_h: T.handle,
@@ -490,7 +498,8 @@ def fused_forward(spec: AttentionSpec, cfg: CPUKernelConfig) -> tirx.PrimFunc:
                             online_softmax(ST, PT, m, m_next, alpha, _exponent_constant(spec, softmax_scale)[0],
                                            _exponent_constant(spec, softmax_scale)[1])
                             accumulate(OT, PVT, PT, Vp, m, m_next, l, l_tile, alpha, hk, krow)
-                    store(O, LSE, OT, m, l, args.col(b, plan.Q_BATCH), args.col(b, plan.Q_START), q0, q_len, h)
+                    store(O, LSE, OT, m, l, _exponent_scale(spec, softmax_scale), args.col(b, plan.Q_BATCH),
+                          args.col(b, plan.Q_START), q0, q_len, h)
 
     return flash_fwd
 

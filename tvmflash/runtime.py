@@ -143,6 +143,7 @@ class FlashKernels:
         inputs that require one."""
         batch, seqlen_q, heads, heads_k = checks.check_backward_args(self, dout, q, k, v, out, lse, dq, dk, dv)
         scale = checks.softmax_scale(softmax_scale, self.head_dim)
+        checks.check_lse_recomputable(lse)
         if self.is_cuda:
             self._cuda_only(window_size, cu_seqlens_q, mod_inputs, block_mask, diagonal, causal)
             self._cuda_backward(dout, q, k, v, out, lse, dq, dk, dv, scale, batch, seqlen_q, heads, heads_k)
