@@ -11,6 +11,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import numpy as np
@@ -272,6 +273,9 @@ def test_interrupted_tuning_leaves_no_process(tmp_path):
            "--heads", "2", "--trials", "16", "--blocks", "64x128", "--log-dir", str(tmp_path)]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True)
+    # Never hang the test run: past 5 minutes the whole group is killed (and the test fails).
+    watchdog = threading.Timer(300, lambda: _stop_group(proc, signal.SIGKILL, timeout=10))
+    watchdog.start()
     try:
         output = []
         for line in proc.stdout:
@@ -295,4 +299,5 @@ def test_interrupted_tuning_leaves_no_process(tmp_path):
         assert not _group_members(proc.pid), f"left running: {_group_members(proc.pid)}"
         assert not any(w.is_running() and w.status() != psutil.STATUS_ZOMBIE for w in workers)
     finally:
+        watchdog.cancel()
         _stop_group(proc, signal.SIGKILL, timeout=10)
