@@ -113,18 +113,30 @@ def _parallel(sch: s_tir.Schedule, name: str, n_outer: int, vectorize_inner: int
         _vectorize_loop(sch, loops[-1], vectorize_inner)
 
 
+def _parallel_slots(sch: s_tir.Schedule, name: str) -> None:
+    """The per-thread slot loop in TVM's thread pool: last, after everything inside it is scheduled.
+
+    Marking a loop parallel copies the loop but keeps its body: the block below is then shared
+    with the module the schedule started from, and TVM 0.27's schedule state, which checks only
+    the loops' and blocks' reference counts, edits later primitives inside it in place, changing
+    that module too. MetaSchedule replays every candidate's trace on one task module, so there
+    that corrupted the search space.
+    """
+    sch.parallel(sch.get_loops(sch.get_sblock(name))[-1])
+
+
 def schedule_forward(sch: s_tir.Schedule, cfg: CPUKernelConfig, knobs=None) -> s_tir.Schedule:
     knobs = knobs or FixedKnobs(cfg)
     lanes = cfg.lanes
     _parallel(sch, "pack_kv_tile", 2)
     _vectorize_elementwise(sch, "pack_kv", lanes)
-    sch.parallel(sch.get_loops(sch.get_sblock("slot"))[-1])
     for name in PRODUCTS["forward"]:
         register_tile(sch, "forward", name, knobs, lanes)
     for name in ("load_q", "init_o", "init_stats", "rescale", "probs", "store_o"):
         _vectorize_elementwise(sch, name, lanes)
     for name in ("row_max", "row_sum"):
         _vectorize_row_reduction(sch, name, lanes)
+    _parallel_slots(sch, "slot")
     return sch
 
 
@@ -135,11 +147,11 @@ def schedule_backward(sch: s_tir.Schedule, cfg: CPUKernelConfig, knobs=None) -> 
         _parallel(sch, tile_block, 2)  # (heads, tiles) in parallel
     for name in ("pack_q_do", "zero_dq", "pack_k", "pack_kt", "pack_vt", "zero_dkv", "store_dq", "store_dkv"):
         _vectorize_elementwise(sch, name, lanes)
-    sch.parallel(sch.get_loops(sch.get_sblock("round_slot"))[-1])
     for name in PRODUCTS["backward"]:
         register_tile(sch, "backward", name, knobs, lanes)
     for name in ("init_dkv", "load_row_stats", "probs", "dscores"):
         _vectorize_elementwise(sch, name, lanes)
+    _parallel_slots(sch, "round_slot")
     return sch
 
 

@@ -45,7 +45,11 @@ def user_root() -> Path:
 
 
 def shipped_root() -> Path:
-    return Path(__file__).parent / "tune_logs"
+    """The package's ``tvmflash.tune_logs`` (the repository's ``tune_logs/``, mapped by pyproject;
+    in an editable install it is not beside this file)."""
+    from . import tune_logs
+
+    return Path(tune_logs.__file__).parent
 
 
 def record_path(root: Path, target_key: str, spec: AttentionSpec) -> Path:

@@ -1,33 +1,50 @@
-"""Autotuning with TVM MetaSchedule over the hand-written schedules; tuned configs for compile().
+"""Autotuning with TVM MetaSchedule over the hand-written CPU schedules; records for compile().
 
     python -m tvmflash.tune --target llvm --head-dim 64 --dtype float32 [--causal] \\
-        --seqlen 2048 --batch 1 --heads 8 --trials 64 [--log-dir DIR] \\
-        [--rpc-tracker HOST:PORT --rpc-key KEY]
+        --seqlen 2048 --batch 1 --heads 8 [--heads-k 2] --trials 64 [--log-dir DIR] \\
+        [--records-dir DIR] [--rpc-tracker HOST:PORT --rpc-key KEY] [--verify-only]
 
 How it works:
 * The search space is the hand-written schedule itself (``schedules/llvm.py``), run with
-  ``SampledKnobs``: each register-tile choice becomes ``sch.sample_perfect_tile``. MetaSchedule
-  (``tune_tir`` with a ``ScheduleFn`` space, XGBoost cost model, evolutionary search) samples,
-  builds and measures candidates. Tile sizes shape the kernels' loop nests, so each candidate
-  pair (block_q, block_k) is a separate task of the same tuning run.
-* Kernels are symbolic in sizes; MetaSchedule measures concrete ones, so each task is the fused
-  kernel specialized to the workload (``--batch --heads --seqlen``). Its function attributes
-  (``tvmflash.*``) say what it is, so the database describes itself.
-* Records accumulate in a MetaSchedule JSON database under
-  ``<log-dir>/<target key>/d<head_dim>-<dtype>[-causal]/``; running again resumes. From the
-  best record of each kernel the knob values are read back (the decisions of the trace's
-  ``SamplePerfectTile`` instructions, in sampling order) into an ``LLVMConfig``, written to
-  ``index.json`` beside the database. ``compile()`` applies these configs to the symbolic
-  kernels: the shipped ``tune_logs`` and ``$TVMFLASH_TUNE_LOGS`` (default: the cache dir).
+  ``SampledKnobs``: each register-tile choice (``<product>.rows``, ``<product>.vectors``)
+  becomes ``sch.sample_perfect_tile``. MetaSchedule (``tune_tir`` with a ``ScheduleFn`` space,
+  XGBoost cost model, evolutionary search) samples, builds and measures candidates. Tile sizes
+  (``block_q`` x ``block_k``) shape the kernels' loop nests, so each candidate pair is a separate
+  task of the same run; tasks take turns (round robin) and each batch is measured to completion
+  before the next is built (two cores: builds would slow the measurements down).
+* The kernels are symbolic in sizes and read their sequence layout from int32 tables
+  (``plan.py``); MetaSchedule measures concrete ones, so each task is the kernel specialized
+  (``analysis.specialize``) to the workload ``--batch --heads --heads-k --seqlen``, the mask
+  (causal or none: right window 0 or unlimited), the softmax scale and the thread count. Its
+  function attributes (``tvmflash.*``) say what it is, so the database describes itself. The
+  runner fills the buffers like a real call (``realistic_arguments``): N(0, 1) tensors, LSE near
+  its real value, and the real sequence tables, since random tables would index out of bounds.
+* The hand-written config of every task is measured first, as a seed and a baseline. Records
+  accumulate in MetaSchedule JSON databases, the tuner's working files, in
+  ``<log-dir>/<target key>/<variant>/`` (``variant`` = ``d<head_dim>-<dtype>``); running again
+  resumes.
+* Then the arbiter: the best record of each kernel for this workload, decoded back to a
+  ``CPUKernelConfig`` (block sizes and the trace's ``SamplePerfectTile`` decisions), is timed
+  against the hand-written config in the same process, interleaved (``reference.median_times``),
+  and the result is written as the compact record ``compile()`` reads (``records.py``):
+  ``<records-dir>/<target key>/<variant>.json`` with ``speedup`` and ``verified`` (speedup >=
+  ``records.MIN_VERIFIED_SPEEDUP`` and a config other than the hand-written one).
+  ``--records-dir`` defaults to ``--log-dir``, whose default is ``$TVMFLASH_TUNE_LOGS`` (or
+  ``<cache dir>/tune_logs``), where ``compile()`` looks first.
+
+Every worker process MetaSchedule starts (builder and runner pools) is ended when tuning ends,
+fails or is interrupted (Ctrl-C): see ``reaped_workers``.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
+import contextlib
 import math
 import os
+import shutil
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -35,16 +52,15 @@ from pathlib import Path
 import tvm
 from tvm import s_tir, tirx
 
-from . import analysis, compiler, kernels
+from . import analysis, kernels, plan, records, settings
 from . import target as targets
+from .config import KERNELS, PRODUCTS, CPUKernelConfig, RegisterTile, default_cpu_config
 from .schedules import llvm as llvm_schedules
+from .spec import UNLIMITED_WINDOW, AttentionSpec
 
-INDEX = "index.json"
-# A tuned config replaces the hand-written one only if it measured at least this much faster:
-# these machines' run-to-run noise is a few percent.
-MIN_GAIN = 0.03
 BLOCK_CANDIDATES = ((64, 64), (64, 128), (128, 64))
 ATTR = "tvmflash."
+POPEN_WORKER = "tvm.exec.popen_worker"
 
 
 def stub_tensor_intrin() -> None:
@@ -68,11 +84,11 @@ def stub_tensor_intrin() -> None:
 class SampledKnobs:
     """The knobs of schedules/llvm.py as MetaSchedule random variables (in sampling order).
 
-    With ``decide_as`` (an LLVMConfig) every sample is fixed to that config's value: the
+    With ``decide_as`` (a CPUKernelConfig) every sample is fixed to that config's value: the
     hand-written schedule as a point of the search space, measured first.
     """
 
-    def __init__(self, decide_as: llvm_schedules.LLVMConfig | None = None):
+    def __init__(self, decide_as: CPUKernelConfig | None = None):
         self.names: list[str] = []
         self.fixed = llvm_schedules.FixedKnobs(decide_as) if decide_as else None
 
@@ -85,205 +101,196 @@ class SampledKnobs:
         return list(sch.sample_perfect_tile(loop, n=2, max_innermost_factor=max_inner, decision=decision))
 
 
+# ---------------------------------------------------------------------------------------------
+# Workloads: a kernel with one tile shape, specialized to one problem
+
+
 @dataclass(frozen=True)
 class Workload:
     kernel: str  # "forward" or "backward"
-    params: compiler.KernelParams
-    blocks: tuple
+    spec: AttentionSpec
+    config: CPUKernelConfig  # tile shape and lanes; its register tiles are the hand-written seed
     batch: int
     heads: int
     heads_k: int
     seqlen: int
+    causal: bool = False
+    n_threads: int = 1
 
     def name(self) -> str:
-        return f"{self.kernel}_q{self.blocks[0]}_k{self.blocks[1]}"
+        return f"{self.kernel}_q{self.config.block_q}_k{self.config.block_k}"
 
     def flops(self) -> float:
         return analysis.model_flops(self.kernel, self.batch, self.heads, self.seqlen, self.seqlen,
-                                    self.params.head_dim, self.params.causal)
+                                    self.spec.head_dim, self.causal)
 
-    def n_split(self) -> int:
-        return compiler.backward_splits(self.batch, self.heads_k, self.seqlen, self.blocks[1])
+    def tuned_at(self) -> dict:
+        """The shape and mask a record of this workload was tuned at (``records``' ``tuned_at``)."""
+        return {"batch": self.batch, "heads": self.heads, "heads_k": self.heads_k, "seqlen": self.seqlen,
+                "causal": self.causal, "threads": self.n_threads}
 
     def prim_func(self) -> tirx.PrimFunc:
         """The fused kernel specialized to this workload, labelled with tvmflash.* attributes."""
-        spec = kernels.KernelSpec(self.params.head_dim, self.params.dtype, self.params.causal, *self.blocks)
+        cfg = self.config
         func = analysis.specialize(
-            kernels.fused_kernel(self.kernel, spec), batch=self.batch, heads=self.heads, heads_k=self.heads_k, seqlen_q=self.seqlen,
-            seqlen_k=self.seqlen, n_split=self.n_split(), softmax_scale=1.0 / math.sqrt(self.params.head_dim))
+            kernels.fused_kernel(self.kernel, self.spec, cfg), batch=self.batch, seqlen_q=self.seqlen,
+            seqlen_k=self.seqlen, heads=self.heads, heads_k=self.heads_k, block_q=cfg.block_q, block_k=cfg.block_k,
+            n_threads=self.n_threads, softmax_scale=1.0 / math.sqrt(self.spec.head_dim),
+            window_left=UNLIMITED_WINDOW, window_right=0 if self.causal else UNLIMITED_WINDOW)
         attrs = {
-            "kernel": self.kernel, "head_dim": self.params.head_dim, "dtype": self.params.dtype,
-            "causal": int(self.params.causal), "block_q": self.blocks[0], "block_k": self.blocks[1],
+            "kernel": self.kernel, "head_dim": self.spec.head_dim, "dtype": self.spec.dtype,
+            "causal": int(self.causal), "block_q": cfg.block_q, "block_k": cfg.block_k, "lanes": cfg.lanes,
             "batch": self.batch, "heads": self.heads, "heads_k": self.heads_k, "seqlen": self.seqlen,
+            "n_threads": self.n_threads,
         }
         func = func.with_attr("global_symbol", self.name())
         for key, value in attrs.items():
             func = func.with_attr(ATTR + key, value)
         return func
 
+    @classmethod
+    def of(cls, func: tirx.PrimFunc) -> Workload:
+        """The workload a tuning task's function was made from (its tvmflash.* attributes), with
+        the hand-written register tiles of its ISA (AVX-512: 16 lanes)."""
 
-def _attr(func: tirx.PrimFunc, key: str):
-    value = func.attrs[ATTR + key]
-    return str(value) if key in ("kernel", "dtype") else int(value)
+        def attr(key):
+            value = func.attrs[ATTR + key]
+            return str(value) if key in ("kernel", "dtype") else int(value)
+
+        kernel = attr("kernel")
+        lanes = attr("lanes")
+        cfg = replace(default_cpu_config(kernel, avx512=lanes >= 16), block_q=attr("block_q"),
+                      block_k=attr("block_k"), lanes=lanes)
+        return cls(kernel, AttentionSpec(attr("head_dim"), attr("dtype")), cfg, attr("batch"), attr("heads"),
+                   attr("heads_k"), attr("seqlen"), bool(attr("causal")), attr("n_threads"))
 
 
-def space_function(base: llvm_schedules.LLVMConfig):
+def workloads_for(target, spec: AttentionSpec, *, seqlen: int, batch: int, heads: int, heads_k: int | None = None,
+                  causal: bool = False, kernels_to_tune=KERNELS, blocks=BLOCK_CANDIDATES) -> dict[str, Workload]:
+    """One task per kernel and tile shape, seeded with the hand-written register tiles."""
+    target = targets.resolve(target)
+    found = {}
+    for kernel in kernels_to_tune:
+        base = llvm_schedules.default_config(target, kernel)
+        for block_q, block_k in blocks:
+            w = Workload(kernel, spec, replace(base, block_q=block_q, block_k=block_k), batch, heads,
+                         heads_k or heads, seqlen, causal, settings.num_threads())
+            found[w.name()] = w
+    return found
+
+
+def space_function(sch: s_tir.Schedule) -> None:
     """The design space: the hand-written schedule with sampled knobs."""
-
-    def space(sch: s_tir.Schedule) -> None:
-        kernel = _attr(sch.mod["main"], "kernel")
-        llvm_schedules.SCHEDULES[kernel](sch, base, SampledKnobs())
-
-    return space
+    workload = Workload.of(sch.mod["main"])
+    llvm_schedules.SCHEDULES[workload.kernel](sch, workload.config, SampledKnobs())
 
 
-def knob_names(kernel: str, base: llvm_schedules.LLVMConfig, params: compiler.KernelParams) -> list[str]:
-    """The knob names of a kernel's space, in the order the schedule samples them."""
-    knobs = SampledKnobs()
-    func = Workload(kernel, params, (64, 64), 1, 1, 1, 64).prim_func()
-    llvm_schedules.SCHEDULES[kernel](s_tir.Schedule(func), base, knobs)
-    return knobs.names
-
-
-def decode(record, base: llvm_schedules.LLVMConfig) -> llvm_schedules.LLVMConfig:
-    """The LLVMConfig a tuning record stands for: its blocks and its sampled register tiles."""
+def decode(record) -> CPUKernelConfig:
+    """The CPUKernelConfig a tuning record stands for: its tile shape and sampled register tiles."""
     func = record.workload.mod["main"]
-    kernel = _attr(func, "kernel")
-    params = compiler.KernelParams(_attr(func, "head_dim"), _attr(func, "dtype"), bool(_attr(func, "causal")))
+    workload = Workload.of(func)
+    knobs = SampledKnobs()
+    llvm_schedules.SCHEDULES[workload.kernel](s_tir.Schedule(func), workload.config, knobs)
     trace = record.trace
     samples = [inst for inst in trace.insts if inst.kind.name == "SamplePerfectTile"]
-    names = knob_names(kernel, base, params)
-    if len(samples) != len(names):
-        raise ValueError(f"record has {len(samples)} tile decisions, the {kernel} space {len(names)}")
-    values = {name: int(trace.decisions[inst][1]) for name, inst in zip(names, samples)}
-    tiles = {block: llvm_schedules.RegisterTile(values[f"{block}.rows"], values[f"{block}.vectors"])
-             for block in llvm_schedules.PRODUCTS[kernel]}
-    config = base.with_tiles(kernel, **tiles)
-    return replace(config, **{f"{kernel}_blocks": (_attr(func, "block_q"), _attr(func, "block_k"))})
+    if len(samples) != len(knobs.names):
+        raise ValueError(f"record has {len(samples)} tile decisions, the {workload.kernel} space {len(knobs.names)}")
+    values = {name: int(trace.decisions[inst][1]) for name, inst in zip(knobs.names, samples)}
+    tiles = tuple((p, RegisterTile(values[f"{p}.rows"], values[f"{p}.vectors"])) for p in PRODUCTS[workload.kernel])
+    return replace(workload.config, tiles=tiles)
 
 
 # ---------------------------------------------------------------------------------------------
-# Record lookup for compile()
+# Building and measuring candidates (module-level: the worker processes import them)
 
 
-def variant_dir(root: Path, target: tvm.target.Target, params: compiler.KernelParams) -> Path:
-    mask = "-causal" if params.causal else ""
-    return Path(root) / targets.key(target) / f"d{params.head_dim}-{params.dtype}{mask}"
+def build_candidate(mod: tvm.IRModule, target: tvm.target.Target, directory: str) -> str:
+    """Build a candidate as ``build.build_module`` builds a kernel (TVM's CSE off: LLVM does it;
+    DEVELOPING.md) and export it into ``directory``: the path of the artifact. Runs in a worker."""
+    from tvm.support.tar import tar
+
+    with tvm.transform.PassContext(config={"tirx.disable_cse_tir": True}):
+        lib = tvm.compile(mod, target=target)
+    artifact = os.path.join(tempfile.mkdtemp(dir=directory), "candidate." + tar.output_format)
+    lib.export_library(artifact, fcompile=tar)
+    return artifact
 
 
-def shipped_logs() -> Path:
-    from . import tune_logs
-
-    return Path(tune_logs.__file__).parent
-
-
-def user_logs() -> Path:
-    return Path(os.environ.get("TVMFLASH_TUNE_LOGS", compiler.cache_dir() / "tune_logs"))
-
-
-def build_index(directory: Path, base: llvm_schedules.LLVMConfig) -> list[dict]:
-    """One entry per workload of a tuning database: its best record, decoded to a config, and the
-    time of the hand-written schedule of that workload (measured first by ``tune``)."""
+def _builder(pool, directory: str):
+    """A MetaSchedule builder on the tuner's own worker pool (MetaSchedule's LocalBuilder starts a
+    new pool for every batch, seconds of Python and TVM imports each, and leaves it running when
+    interrupted); artifacts go to ``directory``."""
+    from tvm.ir.utils import derived_object
     from tvm.s_tir import meta_schedule as ms
+    from tvm.support.popen_pool import StatusKind
 
-    db = ms.database.JSONDatabase(work_dir=str(directory), allow_missing=False)
-    best: dict[str, dict] = {}
-    for record in db.get_all_tuning_records():
-        if not record.run_secs:
-            continue
-        seconds = sum(float(s) for s in record.run_secs) / len(record.run_secs)
-        if not math.isfinite(seconds) or seconds >= 1e9:  # failed runs are recorded as 1e10
-            continue
-        func = record.workload.mod["main"]
-        kernel = _attr(func, "kernel")
-        key = str(func.attrs["global_symbol"]) + f"@{_attr(func, 'seqlen')}"
-        config = decode(record, base)
-        entry = best.setdefault(key, {
-            "kernel": kernel, "seqlen": _attr(func, "seqlen"), "batch": _attr(func, "batch"),
-            "heads": _attr(func, "heads"), "blocks": [_attr(func, "block_q"), _attr(func, "block_k")],
-            "seconds": math.inf, "hand_written_seconds": None, "config": None,
-        })
-        if getattr(config, f"{kernel}_tiles") == getattr(base, f"{kernel}_tiles"):
-            entry["hand_written_seconds"] = min(seconds, entry["hand_written_seconds"] or math.inf)
-        if seconds < entry["seconds"]:
-            entry["seconds"], entry["config"] = seconds, config.to_json()
-    return sorted(best.values(), key=lambda e: (e["kernel"], e["seqlen"], e["seconds"]))
+    @derived_object
+    class PoolBuilder(ms.builder.PyBuilder):
+        def build(self, build_inputs):
+            results = []
+            jobs = [(b.mod, b.target, directory) for b in build_inputs]
+            for done in pool.map_with_error_catching(lambda job: build_candidate(*job), jobs):
+                if done.status == StatusKind.COMPLETE:
+                    results.append(ms.builder.BuilderResult(done.value, None))
+                else:
+                    results.append(ms.builder.BuilderResult(None, f"build failed ({done.status.name}): {done.value}"))
+            return results
+
+    return PoolBuilder()
 
 
-def load_index(directory: Path, base: llvm_schedules.LLVMConfig) -> list[dict]:
-    index = directory / INDEX
-    db_files = [directory / "database_tuning_record.json", directory / "database_workload.json"]
-    if not all(p.exists() for p in db_files):
-        return json.loads(index.read_text()) if index.exists() else []
-    if index.exists() and index.stat().st_mtime >= max(p.stat().st_mtime for p in db_files):
-        return json.loads(index.read_text())
-    entries = build_index(directory, base)
-    try:
-        index.write_text(json.dumps(entries, indent=1))
-    except OSError:
-        pass
-    return entries
+def _ceildiv(a: int, b: int) -> int:
+    return -(-a // b)
 
 
-def tuned_config(target: tvm.target.Target, params: compiler.KernelParams,
-                 base: llvm_schedules.LLVMConfig, seqlen: int = 2048, verified_only: bool = True):
-    """Best tuned config for these kernels (user logs first, then shipped), or None.
+def sequence_tables(args_info) -> list:
+    """The int32 sequence tables of a kernel call with these arguments, as ``plan.batched`` makes them.
 
-    Per kernel: records of the nearest tuned sequence length (log scale), fastest first; with
-    ``verified_only``, a record that the same-run comparison found no faster than the
-    hand-written schedule is skipped. Returns (config, description of the records used).
+    The arguments are those of a specialized kernel (``Workload.prim_func``): the forward's
+    (q, k, v, out, lse, seq_table, q_tile_seq, k_tile_seq), the backward's (dout, q, k, v, out,
+    lse, dq, dk, dv, seq_table, q_tile_seq, k_tile_seq, k_super_seq). Batch, lengths and heads
+    come from q and k; the tiles per sequence from the tile maps' lengths (the tables depend on
+    tile counts, not on the tile sizes: ``ceil(N / ceil(N / t)) = t`` for every count t a tile
+    size gives).
     """
-    entries = []
-    for root in (user_logs(), shipped_logs()):
-        directory = variant_dir(root, target, params)
-        if directory.is_dir():
-            entries += [(e, directory) for e in load_index(directory, base)]
-    if not entries:
-        return None
-    config, used = base, {}
-    for kernel in llvm_schedules.PRODUCTS:
-        candidates = [(e, d) for e, d in entries if e["kernel"] == kernel]
-        if not candidates:
-            continue
-        nearest = min(abs(math.log(e["seqlen"] / seqlen)) for e, _ in candidates)
-        candidates = [(e, d) for e, d in candidates if abs(math.log(e["seqlen"] / seqlen)) == nearest]
-        entry, directory = min(candidates, key=lambda ed: ed[0]["seconds"])
-        hand_written = [e["hand_written_seconds"] for e, _ in candidates
-                        if tuple(e["blocks"]) == base.blocks(kernel) and e.get("hand_written_seconds")]
-        if hand_written and entry["seconds"] > (1 - MIN_GAIN) * min(hand_written):
-            continue  # not faster than the hand-written schedule beyond noise: keep it
-        tuned = llvm_schedules.LLVMConfig.from_json(entry["config"])
-        if verified_only and not _confirmed(directory, kernel, tuned):
-            continue  # slower or no faster in the same-run check: keep the hand-written one
-        config = replace(config, **{f"{kernel}_blocks": tuned.blocks(kernel),
-                                    f"{kernel}_tiles": getattr(tuned, f"{kernel}_tiles")})
-        used[kernel] = (f"{directory}: {kernel} blocks {entry['blocks'][0]}x{entry['blocks'][1]}, tuned at "
-                        f"B{entry['batch']} H{entry['heads']} N{entry['seqlen']}: {entry['seconds'] * 1e3:.2f} ms"
-                        + (f" (hand-written: {min(hand_written) * 1e3:.2f} ms)" if hand_written else ""))
-    return (config, used) if used else None
-
-
-# ---------------------------------------------------------------------------------------------
-# Tuning
+    shapes = [tuple(int(s) for s in shape) for _kind, _dtype, shape in args_info]
+    int_args = [i for i, (_kind, dtype, _shape) in enumerate(args_info) if str(dtype) == "int32"]
+    backward = len(int_args) == 4
+    if len(int_args) not in (3, 4) or len(shapes[int_args[0]]) != 2:
+        raise ValueError(f"not the arguments of a tvmflash kernel: {args_info}")
+    batch, seqlen_q, _heads, _ = shapes[1 if backward else 0]
+    _, seqlen_k, heads_k, _ = shapes[2 if backward else 1]
+    query_tiles, key_tiles = shapes[int_args[1]][0], shapes[int_args[2]][0]
+    seqs = plan.batched(batch, seqlen_q, seqlen_k, block_q=_ceildiv(seqlen_q, query_tiles // batch),
+                        block_k=_ceildiv(seqlen_k, key_tiles // batch), heads_k=heads_k)
+    arrays = list(seqs.arrays()[:len(int_args)])
+    for i, array in zip(int_args, arrays):
+        if array.shape != shapes[i]:
+            raise ValueError(f"sequence table {i} has shape {shapes[i]}, plan.batched made {array.shape}")
+    return arrays
 
 
 def realistic_arguments(device, args_info, alloc_repeat: int) -> list:
-    """Measurement inputs that look like attention: N(0, 1) tensors, LSE = log(seqlen) + 0.5.
+    """Measurement inputs of a real call: the sequence tables of the workload (``plan.py``),
+    N(0, 1) tensors, LSE = log(seqlen) + 0.5 (about its value for such inputs).
 
-    MetaSchedule's default fill (uniform in [0, 10)) makes scores ~100x too large, so P
-    overflows in the backward and the timings measure inf/NaN arithmetic instead of attention.
-    LSE is the only 3-D argument of both kernels.
+    MetaSchedule's default fill (random values) would give the kernels random int32 tables,
+    which they use as indices (out of bounds), and floats uniform in [0, 10), whose scores are
+    ~100x too large: P overflows in the backward and the timings measure inf/NaN arithmetic.
     """
     import ml_dtypes
     import numpy as np
 
     rng = np.random.default_rng(0)
     numpy_dtypes = {"float32": np.float32, "float16": np.float16, "bfloat16": ml_dtypes.bfloat16}
+    tables = sequence_tables(args_info)
     repeated = []
     for _ in range(alloc_repeat):
-        args = []
+        args, next_table = [], iter(tables).__next__
         for _kind, dtype, shape in args_info:
-            if len(shape) == 3:
+            if str(dtype) == "int32":
+                data = next_table()
+            elif len(shape) == 3:  # lse (batch, heads, seqlen)
                 data = np.full(shape, np.log(shape[-1]) + 0.5, dtype=np.float32)
             else:
                 data = rng.standard_normal(shape, dtype=np.float32).astype(numpy_dtypes[str(dtype)])
@@ -330,7 +337,42 @@ def _synchronous(runner):
     return Synchronous(runner)
 
 
-def _measure_defaults(workloads: dict[str, Workload], base, target, builder, runner, database) -> None:
+@contextlib.contextmanager
+def reaped_workers():
+    """End, on the way out (normally, on an error, on Ctrl-C), every MetaSchedule worker started inside.
+
+    The builder starts a pool of ``tvm.exec.popen_worker`` processes per batch and shuts it down
+    only when the batch completes; the runner keeps one until garbage collection. An exception
+    or KeyboardInterrupt in between left them running (a build can take minutes), and the
+    interpreter then waited for their threads at exit. This kills the popen workers that are
+    children of this process and were not there before (and their children), so the pools'
+    threads see their worker gone and end.
+    """
+    import psutil
+
+    me = psutil.Process()
+    before = {child.pid for child in me.children()}
+    try:
+        yield
+    finally:
+        killed = []
+        for child in me.children():
+            if child.pid in before:
+                continue
+            try:
+                if POPEN_WORKER not in " ".join(child.cmdline()):
+                    continue
+                family = [*child.children(recursive=True), child]
+            except psutil.Error:
+                continue
+            for proc in family:
+                with contextlib.suppress(psutil.Error):
+                    proc.kill()
+                    killed.append(proc)
+        psutil.wait_procs(killed, timeout=10)
+
+
+def _measure_defaults(workloads: dict[str, Workload], target, builder, runner, database) -> None:
     """Measure the hand-written schedule of each workload and store it as a tuning record.
 
     The evolutionary search starts from the best records in the database, so it refines the
@@ -340,8 +382,8 @@ def _measure_defaults(workloads: dict[str, Workload], base, target, builder, run
 
     for name, workload in workloads.items():
         mod = tvm.IRModule({"main": workload.prim_func()})
-        sch = tvm.s_tir.Schedule(mod)
-        llvm_schedules.SCHEDULES[workload.kernel](sch, base, SampledKnobs(decide_as=base))
+        sch = s_tir.Schedule(mod)
+        llvm_schedules.SCHEDULES[workload.kernel](sch, workload.config, SampledKnobs(decide_as=workload.config))
         built = builder.build([ms.builder.BuilderInput(sch.mod, target)])[0]
         if built.error_msg:
             raise RuntimeError(f"building the hand-written {name} failed: {built.error_msg}")
@@ -351,8 +393,12 @@ def _measure_defaults(workloads: dict[str, Workload], base, target, builder, run
             raise RuntimeError(f"measuring the hand-written {name} failed: {result.error_msg}")
         record = ms.database.TuningRecord(sch.trace, database.commit_workload(mod), result.run_secs, target, args)
         database.commit_tuning_record(record)
-        secs = sum(float(t) for t in result.run_secs) / len(result.run_secs)
-        print(f"  hand-written {name}: {secs * 1e3:.2f} ms ({workload.flops() / secs / 1e9:.0f} GFLOP/s)", flush=True)
+        secs = _mean(result.run_secs)
+        print(f"  hand-written {name}: {secs * 1e3:.2f} ms ({workload.flops() / secs / 1e9:.1f} GFLOP/s)", flush=True)
+
+
+def _mean(run_secs) -> float:
+    return sum(float(s) for s in run_secs) / len(run_secs)
 
 
 def _progress_callback(workloads: dict[str, Workload], total: int):
@@ -371,26 +417,40 @@ def _progress_callback(workloads: dict[str, Workload], total: int):
             for result in runner_results:
                 self.done += 1
                 if result.error_msg is None and result.run_secs:
-                    secs = sum(float(s) for s in result.run_secs) / len(result.run_secs)
-                    self.best[task] = min(self.best.get(task, math.inf), secs)
+                    self.best[task] = min(self.best.get(task, math.inf), _mean(result.run_secs))
             best = self.best.get(task, math.inf)
             gflops = workloads[task].flops() / best / 1e9 if math.isfinite(best) else 0.0
             elapsed = time.perf_counter() - self.start
             print(f"  [{self.done}/{total} trials, {elapsed:.0f} s] {task}: best {best * 1e3:.2f} ms "
-                  f"({gflops:.0f} GFLOP/s)", flush=True)
+                  f"({gflops:.1f} GFLOP/s)", flush=True)
 
     return Progress()
 
 
-def tune(target, params: compiler.KernelParams, *, seqlen: int, batch: int, heads: int, heads_k: int,
-         trials: int, log_dir: Path, kernels_to_tune=("forward", "backward"), blocks=BLOCK_CANDIDATES,
+def database_dir(log_dir: Path, target, spec: AttentionSpec) -> Path:
+    """Where the MetaSchedule databases of a target and spec live (the tuner's working files)."""
+    return Path(log_dir) / targets.key(targets.resolve(target)) / records.variant_name(spec)
+
+
+def tune(target, spec: AttentionSpec, *, seqlen: int, batch: int, heads: int, heads_k: int | None = None,
+         causal: bool = False, trials: int, log_dir: Path, kernels_to_tune=KERNELS, blocks=BLOCK_CANDIDATES,
          rpc_tracker: str | None = None, rpc_key: str | None = None, seed: int | None = None,
          verbose: bool = False) -> Path:
-    """Run MetaSchedule over the schedule spaces; returns the database directory."""
+    """Run MetaSchedule over the schedule spaces; returns the database directory.
+
+    Ends every worker process it started, also on errors and Ctrl-C (``reaped_workers``).
+    """
     import logging
 
     from tvm.s_tir import meta_schedule as ms
+    from tvm.support.popen_pool import PopenPoolExecutor
 
+    if spec.mod_inputs or spec.block_sparse or spec.out_dtype != spec.dtype:
+        raise NotImplementedError("the tuner measures plain attention specs (no score/mask mods, block masks, "
+                                  "fp32 results)")
+    target = targets.resolve(target)
+    if target.kind.name != "llvm":
+        raise NotImplementedError("tuning the CUDA kernels is not supported yet")
     stub_tensor_intrin()
     ms_logger = logging.getLogger("tvm.s_tir.meta_schedule")
     # MetaSchedule attaches its handlers on every run and fails on the unnamed ones of the last run.
@@ -398,170 +458,250 @@ def tune(target, params: compiler.KernelParams, *, seqlen: int, batch: int, head
         ms_logger.removeHandler(handler)
     # Our progress lines instead of MetaSchedule's task tables and XGBoost logs.
     ms_logger.setLevel(logging.DEBUG if verbose else logging.WARNING)
-    target = targets.resolve(target)
-    base = llvm_schedules.default_config(target, params.head_dim, params.dtype, params.causal)
-    workloads = {w.name(): w for w in (Workload(k, params, b, batch, heads, heads_k, seqlen)
-                                      for k in kernels_to_tune for b in blocks)}
+    workloads = workloads_for(target, spec, seqlen=seqlen, batch=batch, heads=heads, heads_k=heads_k, causal=causal,
+                              kernels_to_tune=kernels_to_tune, blocks=blocks)
     mod = tvm.IRModule({name: w.prim_func() for name, w in workloads.items()})
-    directory = variant_dir(log_dir, target, params)
+    directory = database_dir(log_dir, target, spec)
     directory.mkdir(parents=True, exist_ok=True)
-    builder = ms.builder.LocalBuilder(timeout_sec=600, initializer=stub_tensor_intrin)
-    evaluator = ms.runner.EvaluatorConfig(number=3, repeat=3, min_repeat_ms=100, enable_cpu_cache_flush=False)
-    if rpc_tracker:
-        host, port = rpc_tracker.rsplit(":", 1)
-        rpc = ms.runner.RPCConfig(tracker_host=host, tracker_port=int(port), tracker_key=rpc_key,
-                                  session_timeout_sec=600)
-        runner = ms.runner.RPCRunner(rpc, evaluator_config=evaluator, initializer=stub_tensor_intrin,
-                                     f_alloc_argument=realistic_arguments_rpc)
-    else:
-        runner = ms.runner.LocalRunner(timeout_sec=600, evaluator_config=evaluator, initializer=stub_tensor_intrin,
-                                       f_alloc_argument=realistic_arguments)
-    runner = _synchronous(runner)
-    space = ms.space_generator.ScheduleFn(
-        space_function(base), sch_rules=[], postprocs=[],
-        mutator_probs={ms.mutator.MutateTileSize(): 1.0})
-    callbacks = [*ms.measure_callback.MeasureCallback.create("default"), _progress_callback(workloads, trials)]
-    # Round robin, one batch per task per round: every tile shape gets trials even on small budgets.
-    per_round = max(1, min(16, trials // len(workloads)))
-    database = ms.database.JSONDatabase(work_dir=str(directory))
-    _measure_defaults(workloads, base, target, builder, runner, database)
-    # The spaces are small (a few hundred tile shapes per kernel): a small population keeps the
-    # evolutionary search's own time per round low.
-    strategy = ms.search_strategy.EvolutionarySearch(population_size=96, init_min_unmeasured=16)
-    ms.tir_integration.tune_tir(
-        mod, target, work_dir=str(directory), max_trials_global=trials, num_trials_per_iter=per_round,
-        builder=builder, runner=runner, database=database, space=space, strategy=strategy,
-        measure_callbacks=callbacks, task_scheduler="round-robin", num_tuning_cores=targets.usable_cpus(),
-        seed=seed)
-    (directory / INDEX).unlink(missing_ok=True)
-    load_index(directory, base)
+    artifacts = tempfile.mkdtemp(prefix="tvmflash-tune-")
+    pools = []
+    try:
+        with reaped_workers():
+            build_pool = PopenPoolExecutor(max_workers=targets.usable_cpus(), timeout=600,
+                                           initializer=stub_tensor_intrin, maximum_process_uses=64)
+            pools.append(build_pool)
+            builder = _builder(build_pool, artifacts)
+            evaluator = ms.runner.EvaluatorConfig(number=3, repeat=3, min_repeat_ms=100, enable_cpu_cache_flush=False)
+            if rpc_tracker:
+                host, port = rpc_tracker.rsplit(":", 1)
+                rpc = ms.runner.RPCConfig(tracker_host=host, tracker_port=int(port), tracker_key=rpc_key,
+                                          session_timeout_sec=600)
+                inner = ms.runner.RPCRunner(rpc, evaluator_config=evaluator, initializer=stub_tensor_intrin,
+                                            f_alloc_argument=realistic_arguments_rpc)
+            else:
+                inner = ms.runner.LocalRunner(timeout_sec=600, evaluator_config=evaluator,
+                                              initializer=stub_tensor_intrin, f_alloc_argument=realistic_arguments)
+            pools.append(inner.pool)
+            runner = _synchronous(inner)
+            space = ms.space_generator.ScheduleFn(space_function, sch_rules=[], postprocs=[],
+                                                  mutator_probs={ms.mutator.MutateTileSize(): 1.0})
+            callbacks = [*ms.measure_callback.MeasureCallback.create("default"), _progress_callback(workloads, trials)]
+            # Round robin, one batch per task per round: every tile shape gets trials even on small budgets.
+            per_round = max(1, min(16, trials // len(workloads)))
+            database = ms.database.JSONDatabase(work_dir=str(directory))
+            print(f"measuring the hand-written configs ({len(workloads)} tasks) ...", flush=True)
+            _measure_defaults(workloads, target, builder, runner, database)
+            # The spaces are small (a few hundred tile shapes per kernel): a small population keeps
+            # the evolutionary search's own time per round low (each member replays the schedule).
+            strategy = ms.search_strategy.EvolutionarySearch(population_size=min(96, max(16, 8 * per_round)),
+                                                             init_min_unmeasured=min(16, 4 * per_round))
+            ms.tir_integration.tune_tir(
+                mod, target, work_dir=str(directory), max_trials_global=trials, num_trials_per_iter=per_round,
+                builder=builder, runner=runner, database=database, space=space, strategy=strategy,
+                measure_callbacks=callbacks, task_scheduler="round-robin", num_tuning_cores=targets.usable_cpus(),
+                seed=seed)
+    finally:
+        for pool in pools:
+            pool.shutdown()
+        shutil.rmtree(artifacts, ignore_errors=True)
     return directory
 
 
-VERIFIED = "verified.json"
-# ... and, in the same-run check, at least this much: the hand-written config measured against
-# itself there came out up to 1.06x on this machine (BENCHMARKS.md), so smaller gains are noise.
-VERIFIED_MIN_GAIN = 0.10
+# ---------------------------------------------------------------------------------------------
+# Reading the databases back, and the same-run verification that writes compile()'s records
 
 
-def compare_default_and_tuned(target, params, *, seqlen, batch, heads, heads_k, rounds=7,
-                              record_in: Path | None = None) -> list[str]:
-    """Same-process, interleaved timing of the default and the tuned kernels on the workload.
+def best_configs(directory: Path, workload: Workload) -> dict[str, tuple[CPUKernelConfig, float]]:
+    """Per kernel: the fastest measured config in a database for this workload's problem (shape,
+    mask, threads; any tile shape) and its mean time, in seconds."""
+    from tvm.s_tir import meta_schedule as ms
+
+    db_files = [directory / "database_tuning_record.json", directory / "database_workload.json"]
+    if not all(p.exists() for p in db_files):
+        return {}
+    stub_tensor_intrin()
+    db = ms.database.JSONDatabase(work_dir=str(directory), allow_missing=False)
+    best: dict[str, tuple] = {}
+    for record in db.get_all_tuning_records():
+        if not record.run_secs:
+            continue
+        seconds = _mean(record.run_secs)
+        if not math.isfinite(seconds) or seconds >= 1e9:  # failed runs are recorded as 1e10
+            continue
+        func = record.workload.mod["main"]
+        if ATTR + "kernel" not in func.attrs:
+            continue
+        found = Workload.of(func)
+        if (found.spec, found.tuned_at()) != (workload.spec, workload.tuned_at()):
+            continue
+        if seconds < best.get(found.kernel, (None, math.inf))[1]:
+            best[found.kernel] = (decode(record), seconds)
+    return best
+
+
+def verify(target, spec: AttentionSpec, *, seqlen: int, batch: int, heads: int, heads_k: int | None = None,
+           causal: bool = False, log_dir: Path, records_dir: Path | None = None, kernels_to_tune=KERNELS,
+           rounds: int = 7) -> dict[str, dict]:
+    """Time the best tuned config of each kernel against the hand-written one, same process,
+    interleaved; write the compact records ``compile()`` reads; return them by kernel.
 
     MetaSchedule measures each candidate once, in its own process, and on a noisy machine a
-    lucky measurement can win. This comparison is the arbiter: with ``record_in`` (a variant
-    directory) the speedups are written to ``verified.json`` there, and ``tuned_config`` only
-    uses a kernel's record where it was confirmed faster.
+    lucky measurement can win: this comparison is the arbiter. A record is ``verified`` (used
+    by ``compile()``) where the tuned config differs from the hand-written one and ran at least
+    ``records.MIN_VERIFIED_SPEEDUP`` times as fast here.
     """
     import torch
 
-    from .bench import median_times
+    from . import compiler, reference
 
     target = targets.resolve(target)
-    base = llvm_schedules.default_config(target, params.head_dim, params.dtype, params.causal)
-    found = tuned_config(target, params, base, seqlen, verified_only=False)
-    if found is None:
-        return ["no tuned records found"]
-    dtype = getattr(torch, params.dtype)
-    q = torch.randn(batch, seqlen, heads, params.head_dim).to(dtype)
-    k, v = (torch.randn(batch, seqlen, heads_k, params.head_dim).to(dtype) for _ in range(2))
-    dout, out = torch.randn_like(q), torch.empty_like(q)
+    heads_k = heads_k or heads
+    directory = database_dir(log_dir, target, spec)
+    probe = Workload("forward", spec, llvm_schedules.default_config(target, "forward"), batch, heads, heads_k, seqlen,
+                     causal, settings.num_threads())
+    best = {k: v for k, v in best_configs(directory, probe).items() if k in kernels_to_tune}
+    if not best:
+        return {}
+    defaults = {kernel: llvm_schedules.default_config(target, kernel) for kernel in KERNELS}
+    tuned = {**defaults, **{kernel: cfg for kernel, (cfg, _) in best.items()}}
+    dtype = getattr(torch, spec.dtype)
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(batch, seqlen, heads, spec.head_dim, generator=gen).to(dtype)
+    k, v = (torch.randn(batch, seqlen, heads_k, spec.head_dim, generator=gen).to(dtype) for _ in range(2))
+    dout, out = torch.randn(q.shape, generator=gen).to(dtype), torch.empty_like(q)
     lse = torch.empty(batch, heads, seqlen)
     grads = [torch.empty_like(t) for t in (q, k, v)]
     calls = {}
-    for label, config in (("default", base), ("tuned", found[0])):
-        kern = compiler.compile(target, params.head_dim, params.dtype, params.causal, config=config, tuned=False)
+    for label, configs in (("default", defaults), ("tuned", tuned)):
+        kern = compiler.compile_spec(target, spec, causal=causal, config=configs, tuned=False)
+        kern.forward(q, k, v, out, lse)  # the backward's out and lse
         calls[f"{label}/forward"] = lambda kern=kern: kern.forward(q, k, v, out, lse)
         calls[f"{label}/backward"] = lambda kern=kern: kern.backward(dout, q, k, v, out, lse, *grads)
-    times = median_times(calls, rounds)
-    lines = ["| kernel | default ms (GFLOP/s) | tuned ms (GFLOP/s) | speedup |", "|---|---|---|---|"]
-    speedups = {}
-    for kernel in ("forward", "backward"):
-        flops = Workload(kernel, params, (64, 64), batch, heads, heads_k, seqlen).flops()
+    calls = {name: fn for name, fn in calls.items() if name.split("/")[1] in best}
+    times = reference.median_times(calls, rounds)
+    root = Path(records_dir or log_dir)
+    written = {}
+    for kernel, (cfg, ms_seconds) in best.items():
         d, t = times[f"default/{kernel}"], times[f"tuned/{kernel}"]
-        speedups[kernel] = {"speedup": d / t, "seqlen": seqlen, "batch": batch, "heads": heads,
-                            "config": _kernel_knobs(found[0], kernel)}
-        lines.append(f"| {kernel} | {d * 1e3:.2f} ({flops / d / 1e9:.0f}) | "
-                     f"{t * 1e3:.2f} ({flops / t / 1e9:.0f}) | {d / t:.2f}x |")
-    if record_in is not None:
-        (record_in / VERIFIED).write_text(json.dumps(speedups, indent=1))
-        lines.append(f"(written to {record_in / VERIFIED}: compile() uses a tuned kernel only if >= "
-                     f"{1 + VERIFIED_MIN_GAIN:.2f}x here)")
+        speedup = d / t
+        entry = {
+            "config": cfg.to_json(),
+            "tuned_at": probe.tuned_at(),
+            "speedup": round(speedup, 4),
+            "verified": bool(cfg != defaults[kernel] and speedup >= records.MIN_VERIFIED_SPEEDUP),
+            "same_run_ms": {"default": round(d * 1e3, 4), "tuned": round(t * 1e3, 4)},
+            "metaschedule_ms": round(ms_seconds * 1e3, 4),
+        }
+        records.write(root, targets.key(target), spec, kernel, entry)
+        written[kernel] = entry
+    return written
+
+
+def report(written: dict[str, dict], spec: AttentionSpec, path: Path) -> list[str]:
+    """The default-vs-tuned table of ``verify``'s records."""
+    lines = ["| kernel | tuned config (blocks; register tiles rows x vectors) | hand-written ms | tuned ms | speedup "
+             "| used by compile() |", "|---|---|---|---|---|---|"]
+    for kernel, entry in written.items():
+        cfg = entry["config"]
+        tiles = ", ".join(f"{name} {r}x{v}" for name, (r, v) in cfg["tiles"].items())
+        ms_ = entry["same_run_ms"]
+        lines.append(f"| {kernel} | {cfg['block_q']}x{cfg['block_k']}; {tiles} | {ms_['default']:.2f} | "
+                     f"{ms_['tuned']:.2f} | {entry['speedup']:.2f}x | {'yes' if entry['verified'] else 'no'} |")
+    lines.append(f"(written to {path}: compile() uses a tuned config only if it differs from the hand-written one "
+                 f"and ran >= {records.MIN_VERIFIED_SPEEDUP:.2f}x as fast here)")
     return lines
 
 
-def _confirmed(directory: Path, kernel: str, config: llvm_schedules.LLVMConfig) -> bool:
-    """Whether the same-run comparison of ``compare_default_and_tuned`` confirmed this config."""
-    path = directory / VERIFIED
-    if not path.exists():
-        return True  # never verified (e.g. a user's fresh records): trust MetaSchedule
-    entry = json.loads(path.read_text()).get(kernel)
-    if entry is None:
-        return True
-    same = _kernel_knobs(config, kernel) == entry["config"]
-    return not same or entry["speedup"] >= 1 + VERIFIED_MIN_GAIN
+@contextlib.contextmanager
+def _noting_interrupts():
+    """While inside: SIGINT is noted (in the yielded list) and raises KeyboardInterrupt, as usual."""
+    import signal
+    import threading
 
+    noted: list = []
+    if threading.current_thread() is not threading.main_thread():
+        yield noted
+        return
 
-def _kernel_knobs(config: llvm_schedules.LLVMConfig, kernel: str) -> dict:
-    """One kernel's tile sizes and register tiles, as plain JSON values."""
-    knobs = config.to_json()
-    return json.loads(json.dumps({f"{kernel}_{k}": knobs[f"{kernel}_{k}"] for k in ("blocks", "tiles")}))
+    def on_sigint(signum, frame):
+        noted.append(signum)
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGINT, on_sigint)
+    try:
+        yield noted
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tvmflash.tune", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--target", default="llvm", choices=["llvm", "cuda"])
-    parser.add_argument("--arch", default=None, help="CUDA arch, e.g. sm_90")
     parser.add_argument("--head-dim", type=int, default=64)
     parser.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
-    parser.add_argument("--causal", action="store_true")
+    parser.add_argument("--causal", action="store_true", help="tune and verify with the causal mask")
     parser.add_argument("--seqlen", type=int, default=2048)
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--heads", type=int, default=8)
     parser.add_argument("--heads-k", type=int, default=None, help="key/value heads (default: --heads)")
     parser.add_argument("--trials", type=int, default=64, help="measured candidates, all kernels together")
-    parser.add_argument("--kernels", nargs="+", default=["forward", "backward"], choices=["forward", "backward"])
+    parser.add_argument("--kernels", nargs="+", default=list(KERNELS), choices=list(KERNELS))
     parser.add_argument("--blocks", nargs="+", default=[f"{q}x{k}" for q, k in BLOCK_CANDIDATES],
                         help="tile sizes to try, QxK (query rows x key rows)")
-    parser.add_argument("--log-dir", type=Path, default=None, help="default: $TVMFLASH_TUNE_LOGS or the cache dir")
+    parser.add_argument("--log-dir", type=Path, default=None,
+                        help="MetaSchedule databases (working files) and, by default, the records; "
+                             "default: $TVMFLASH_TUNE_LOGS or <cache dir>/tune_logs")
+    parser.add_argument("--records-dir", type=Path, default=None,
+                        help="where the records compile() reads are written (default: --log-dir)")
     parser.add_argument("--rpc-tracker", default=None, help="HOST:PORT of a TVM RPC tracker")
     parser.add_argument("--rpc-key", default=None, help="device key registered at the tracker")
+    parser.add_argument("--rounds", type=int, default=7, help="rounds of the same-run comparison")
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--verbose", action="store_true", help="MetaSchedule's own logs too")
     parser.add_argument("--verify-only", action="store_true",
-                        help="no tuning: only the same-run default-vs-tuned comparison (writes verified.json)")
+                        help="no tuning: only the same-run default-vs-tuned comparison (writes the records)")
     args = parser.parse_args(argv)
     if args.target == "cuda":
         parser.error("tuning the CUDA kernels is not supported yet")
     if bool(args.rpc_tracker) != bool(args.rpc_key):
         parser.error("--rpc-tracker and --rpc-key go together")
-    params = compiler.KernelParams(args.head_dim, args.dtype, args.causal)
+    try:
+        blocks = tuple(tuple(int(x) for x in b.split("x")) for b in args.blocks)
+        if any(len(b) != 2 for b in blocks):
+            raise ValueError
+    except ValueError:
+        parser.error(f"--blocks takes QxK pairs such as 64x128, got {args.blocks}")
+    spec = AttentionSpec(args.head_dim, args.dtype)
+    target = targets.resolve(args.target)
     heads_k = args.heads_k or args.heads
-    log_dir = args.log_dir or user_logs()
-    shape = dict(seqlen=args.seqlen, batch=args.batch, heads=args.heads, heads_k=heads_k)
-    print(f"tuning {', '.join(args.kernels)} for {targets.key(targets.resolve(args.target))}, "
-          f"head_dim={args.head_dim} {args.dtype}{' causal' if args.causal else ''}, "
-          f"B{args.batch} N{args.seqlen} H{args.heads}/{heads_k}: {args.trials} trials, log dir {log_dir}", flush=True)
-    blocks = tuple(tuple(int(x) for x in b.split("x")) for b in args.blocks)
-    if args.verify_only:
-        directory = variant_dir(log_dir, targets.resolve(args.target), params)
-    else:
-        directory = tune(args.target, params, trials=args.trials, log_dir=log_dir, kernels_to_tune=args.kernels,
-                         blocks=blocks, rpc_tracker=args.rpc_tracker, rpc_key=args.rpc_key, seed=args.seed,
-                         verbose=args.verbose, **shape)
-    print(f"records: {directory}")
-    for entry in load_index(directory, llvm_schedules.default_config(
-            targets.resolve(args.target), args.head_dim, args.dtype, args.causal)):
-        if entry["seqlen"] == args.seqlen:
-            tiles = entry["config"][f"{entry['kernel']}_tiles"]
-            hand = entry["hand_written_seconds"]
-            print(f"  best {entry['kernel']} with blocks {entry['blocks']}: {entry['seconds'] * 1e3:.2f} ms "
-                  f"(hand-written {hand * 1e3 if hand else float('nan'):.2f} ms), register tiles "
-                  f"(rows, vectors) {tiles}")
-    if log_dir.resolve() not in (user_logs().resolve(), shipped_logs().resolve()):
-        os.environ["TVMFLASH_TUNE_LOGS"] = str(log_dir)  # so that the comparison finds them
-    print("\n".join(compare_default_and_tuned(args.target, params, record_in=directory, **shape)))
+    log_dir = args.log_dir or records.user_root()
+    shape = dict(seqlen=args.seqlen, batch=args.batch, heads=args.heads, heads_k=heads_k, causal=args.causal)
+    print(f"tuning {', '.join(args.kernels)} for {targets.key(target)}, {spec.describe()}"
+          f"{', causal' if args.causal else ''}, B{args.batch} N{args.seqlen} H{args.heads}/{heads_k}, "
+          f"{settings.num_threads()} threads: {args.trials} trials, log dir {log_dir}", flush=True)
+    with _noting_interrupts() as interrupted:
+        try:
+            if not args.verify_only:
+                directory = tune(target, spec, trials=args.trials, log_dir=log_dir, kernels_to_tune=args.kernels,
+                                 blocks=blocks, rpc_tracker=args.rpc_tracker, rpc_key=args.rpc_key, seed=args.seed,
+                                 verbose=args.verbose, **shape)
+                print(f"databases: {directory}", flush=True)
+            print(f"same-run comparison ({args.rounds} rounds) ...", flush=True)
+            written = verify(target, spec, log_dir=log_dir, records_dir=args.records_dir,
+                             kernels_to_tune=args.kernels, rounds=args.rounds, **shape)
+        except BaseException:
+            # Ctrl-C raises KeyboardInterrupt wherever Python runs; inside MetaSchedule's
+            # callbacks TVM's FFI passes it on as another error, so the handler's note decides.
+            if not interrupted:
+                raise
+            print("interrupted", file=sys.stderr, flush=True)
+            return 130
+    if not written:
+        print(f"no tuning records for this workload in {database_dir(log_dir, target, spec)}")
+        return 1
+    path = records.record_path(args.records_dir or log_dir, targets.key(target), spec)
+    print("\n".join(report(written, spec, path)))
     return 0
 
 
