@@ -1,5 +1,5 @@
 """benchmarks/gpu_check.py (the package benchmarks/gpucheck) without a GPU: arguments, grids, the
-reference it relies on, error rule, FLOPs, timing, and the whole script end to end on
+reference it relies on, error rule, FLOPs, timing, the bundle, and the whole script end to end on
 CPU tensors (--device cpu --quick), so it cannot rot between GPU runs."""
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from tvmflash.reference import reference_attention
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 try:
+    import gpu_bundle
     from gpucheck import cases, cli, correctness, long, orchestrate, report, speed, stage
 finally:
     sys.path.pop(0)
@@ -327,6 +328,17 @@ def test_sampled_rows_of_the_long_case():
     assert ok["ok"] and {0, 299} <= set(ok["rows"]) and ok["out_max_abs_err"] < 1e-5
     out[:, ok["rows"][1]] += 0.01
     assert not long.sampled_rows_check(q, k, v, out, lse, "float32", seed=0)["ok"]
+
+
+def test_the_bundle_has_the_kernels_of_its_runs():
+    """gpu_bundle exports every CUDA kernel its gpu_check runs call (the GPU machine cannot compile)."""
+    bundled = set(gpu_bundle.bundled_variants())
+    for argv in gpu_bundle.BUNDLED_RUNS:
+        args = cli.parse_args(argv)
+        assert {(*v, args.deterministic) for v in cases.variants_needed(args)} <= bundled
+    assert len(bundled) == 8 + 2  # fp16/bf16 x D64/128 x causal or not; bf16 deterministic D64/128
+    assert "exec python3 benchmarks/gpu_check.py \"$@\"" in gpu_bundle.RUN_SH
+    assert (ROOT / "benchmarks" / "gpu_check.py").is_file()
 
 
 def test_run_cases_reports_errors_and_skips_past_the_budget(tmp_path):
