@@ -6,15 +6,17 @@ The project's GPU machines carry PyTorch and CUDA but neither TVM nor network ac
 wheel (100 MB, mostly its LLVM-based compiler library) is larger than what may travel with the
 working tree (64 MiB). The kernels do not need the compiler to run: this script
 
-1. compiles and exports the CUDA kernels gpu_check uses (fp16/bf16, head dim 64/128, causal or
-   not, atomic and deterministic backward) with ``tvmflash.prebuild``; without a GPU here they
-   hold their CUDA source, which TVM compiles (nvcc or NVRTC) when they load there;
+1. compiles and exports the CUDA kernels gpu_check's runs use (``BUNDLED_RUNS``: the whole check,
+   fp16/bf16, head dim 64/128, causal or not; and ``--deterministic`` on the bf16 non-causal speed
+   cases and the long one) with ``tvmflash.prebuild``; without a GPU here they hold their CUDA
+   source, which TVM compiles (nvcc or NVRTC) when they load there;
 2. packs TVM's Python package without ``libtvm_compiler.so`` (TVM then runs in its runtime-only
    mode) and downloads the tvm-ffi wheel for the GPU machine's Python (3.12);
 3. writes ``run.sh``, which unpacks both into /tmp, installs tvmflash beside them and runs
    gpu_check with ``TVMFLASH_PREBUILT`` pointing at the kernels:
 
     device run: bash .gpu_bundle/run.sh --out-dir $OUT        (carry: [".gpu_bundle"])
+                bash .gpu_bundle/run.sh --deterministic --stages speed,long --cases dtype=bf16,causal=0 --out-dir $OUT
 """
 
 from __future__ import annotations
@@ -29,8 +31,12 @@ import tvm
 import tvm_ffi
 
 import tvmflash
+from gpucheck.cases import variants_needed
+from gpucheck.cli import parse_args
 
 ROOT = Path(__file__).resolve().parents[1]
+# The gpu_check runs the bundle has kernels for (run.sh passes its arguments on).
+BUNDLED_RUNS = ([], ["--deterministic", "--stages", "speed,long", "--cases", "dtype=bf16,causal=0"])
 RUN_SH = """#!/usr/bin/env bash
 # Runs benchmarks/gpu_check.py on a machine with a GPU, python3 + torch, and no TVM. From the repo root.
 set -euo pipefail
@@ -50,6 +56,22 @@ assert tvm_ffi.get_global_func("ffi.Module.load_from_bytes.cuda", allow_missing=
 print("tvm", tvm.__version__, "runtime only:", tvm.base._RUNTIME_ONLY, "cuda device:", tvm.cuda(0).exist)'
 exec python3 benchmarks/gpu_check.py "$@"
 """
+
+
+def bundled_variants() -> list[tuple[str, int, bool, bool]]:
+    """(dtype, head_dim, causal, deterministic) of every CUDA kernel the bundled runs call."""
+    found = []
+    for argv in BUNDLED_RUNS:
+        args = parse_args(argv)
+        found += [(*variant, args.deterministic) for variant in variants_needed(args)]
+    return list(dict.fromkeys(found))
+
+
+def export_kernels(directory: Path, arch: str) -> list[Path]:
+    target = {"kind": "cuda", "arch": arch}
+    return [path for dtype, head_dim, causal, deterministic in bundled_variants()
+            for path in tvmflash.prebuild(directory, target, head_dims=(head_dim,), dtypes=(dtype,), causal=(causal,),
+                                          deterministic=(deterministic,))]
 
 
 def pack_tvm_runtime(path: Path) -> None:
@@ -81,9 +103,7 @@ def main() -> None:
     out = args.out
     out.mkdir(parents=True, exist_ok=True)
     print(f"exporting the CUDA kernels for {args.arch} ...", flush=True)
-    target = {"kind": "cuda", "arch": args.arch}
-    kernels = tvmflash.prebuild(out / "kernels", target, deterministic=(False,))
-    kernels += tvmflash.prebuild(out / "kernels", target, dtypes=("bfloat16",), causal=(False,), deterministic=(True,))
+    kernels = export_kernels(out / "kernels", args.arch)
     print(f"packing TVM's runtime ({tvm.__version__}, without the compiler library) ...", flush=True)
     pack_tvm_runtime(out / "tvm_runtime.tar.xz")
     print(f"downloading apache-tvm-ffi {tvm_ffi.__version__} for Python {args.python_version} ...", flush=True)

@@ -1,0 +1,115 @@
+"""The correctness stage: our forward and backward against float64 by the flash-attn rule."""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import asdict
+
+import torch
+
+from tvmflash.reference import reference_attention
+
+from .cases import CorrectnessCase, correctness_cases, draw, sync
+from .stage import StageWriter, run_cases
+
+ULPS = 4.0
+GRADS = ("dq", "dk", "dv")
+
+
+def flash_rule(ours, ref64, same, dtype: torch.dtype, magnitude: float = 1.0, ulps: float = ULPS) -> dict:
+    """The flash-attn rule: err(ours) <= 2 * err(plain torch in the same dtype) + ulps * eps * scale.
+
+    scale = max(1, magnitude, max|ref64|). Returns the numbers and ``ok`` (False on any NaN or a
+    shape mismatch too).
+    """
+    ours, ref64, same = ours.detach(), ref64.detach(), same.detach()
+    if tuple(ours.shape) != tuple(ref64.shape):
+        return {"ok": False, "error": f"shape {tuple(ours.shape)} != {tuple(ref64.shape)}"}
+    if ours.numel() == 0:
+        return {"ok": True, "err": 0.0, "err_torch": 0.0, "bound": 0.0, "ratio": 0.0}
+    nan = bool(torch.isnan(ours).any())
+    scale = max(1.0, float(magnitude), float(ref64.abs().max()))
+    err = float((ours.double() - ref64).abs().max())
+    err_torch = float((same.double() - ref64).abs().max())
+    bound = 2 * err_torch + ulps * torch.finfo(dtype).eps * scale
+    ok = (not nan) and err <= bound
+    return {"ok": ok, "err": err, "err_torch": err_torch, "bound": bound,
+            "ratio": err / bound if bound > 0 else math.inf, **({"error": "NaN in result"} if nan else {})}
+
+
+def magnitudes(q, k, v, dout) -> dict[str, float]:
+    """Size of the terms summed or cancelled on the way to each result: out averages rows of v, dv
+    sums P-weighted rows of dO; dS = P (dP - Delta) subtracts dot products whose rounding scales
+    with sum_d |dO_d v_d|, which dq and dk then scale by |k| and |q|."""
+    with torch.no_grad():
+        group = q.shape[2] // k.shape[2]
+        dp = torch.einsum("bihd,bjhd->bhij", dout.float().abs(), v.float().abs().repeat_interleave(group, 2)).max()
+        sm_scale = q.shape[-1] ** -0.5
+        return {"out": float(v.abs().max()), "dv": float(dout.abs().max()),
+                "dq": float(sm_scale * dp * k.abs().max()), "dk": float(sm_scale * dp * q.abs().max())}
+
+
+def references(q, k, v, dout, causal: bool) -> dict[str, tuple]:
+    """(out, lse, dq, dk, dv) of plain attention in float64 ("f64") and in the inputs' dtype ("same")."""
+    refs = {}
+    for name, dt in (("f64", torch.float64), ("same", q.dtype)):
+        leaves = [t.detach().to(dt).requires_grad_() for t in (q, k, v)]
+        o, lse = reference_attention(*leaves, causal, dtype=dt)
+        refs[name] = (o.detach(), lse.detach(), *torch.autograd.grad(o, leaves, dout.to(dt)))
+    return refs
+
+
+def compare(results: dict, refs: dict, dtype: torch.dtype, magnitude: dict) -> dict[str, dict]:
+    """The rule per tensor of ``results`` (out, lse, dq, dk, dv); lse must be -inf exactly where
+    the reference's is (rows without a visible key) and is compared elsewhere, with eps(fp32)."""
+    checks = {}
+    for i, name in enumerate(("out", "lse", *GRADS)):
+        ours, f64, same = results[name].detach(), refs["f64"][i], refs["same"][i]
+        if name == "lse":
+            finite = torch.isfinite(f64)
+            if not torch.equal(torch.isfinite(ours), finite):
+                checks[name] = {"ok": False, "error": "lse finite/-inf pattern differs from the reference"}
+            else:
+                checks[name] = flash_rule(ours[finite], f64[finite], same[finite].float(), torch.float32)
+        elif ours.dtype != dtype:
+            checks[name] = {"ok": False, "error": f"dtype {ours.dtype} != {dtype}"}
+        else:
+            checks[name] = flash_rule(ours, f64, same, dtype, magnitude[name])
+    return checks
+
+
+def check_case(case: CorrectnessCase, device: str, seed: int, deterministic: bool = False) -> dict:
+    """Our forward+backward vs float64 autograd on one case; returns the per-tensor rule results."""
+    from tvmflash import flash_attn_func
+
+    gen = torch.Generator().manual_seed(seed)
+    b, nq, nk, h, hk, d = case.batch, case.seqlen_q, case.seqlen_k, case.heads, case.heads_k, case.head_dim
+    q, k, v, dout = (draw(gen, s, case.dtype, device) for s in ((b, nq, h, d), (b, nk, hk, d), (b, nk, hk, d),
+                                                               (b, nq, h, d)))
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+
+    def ours():
+        return flash_attn_func(*leaves, causal=case.causal, deterministic=deterministic, return_attn_probs=True)
+
+    start = time.perf_counter()
+    out, lse, _ = ours()
+    grads = torch.autograd.grad(out, leaves, dout)
+    sync(device)
+    ours_s = time.perf_counter() - start
+    results = {"out": out, "lse": lse, **dict(zip(GRADS, grads))}
+    checks = compare(results, references(q, k, v, dout, case.causal), getattr(torch, case.dtype),
+                     magnitudes(q, k, v, dout))
+    result = {"case": asdict(case), "label": case.label(), "seed": seed, "ours_s": ours_s, "checks": checks}
+    if deterministic:
+        again = torch.autograd.grad(ours()[0], leaves, dout)
+        result["deterministic_bitwise"] = all(torch.equal(a, b) for a, b in zip(grads, again))
+        checks["deterministic"] = {"ok": result["deterministic_bitwise"]}
+    result["ok"] = all(c.get("ok") for c in checks.values())
+    return result
+
+
+def stage_correctness(args, writer: StageWriter) -> None:
+    cases = correctness_cases(args.device, args.quick)
+    run_cases(writer, cases, lambda i, case: check_case(case, args.device, args.seed * 1000 + i, args.deterministic),
+              args.device)
