@@ -19,10 +19,15 @@ What the attention function handles, with what transformers passes it:
 
 * causal self-attention with GQA (fewer key/value heads than query heads), bidirectional
   attention where a module or call sets ``is_causal=False``;
-* padding (left or right, any row; rows that are all padding): the key-padding mask becomes
+* padding (left or right, rows that are all padding): the key-padding mask becomes
   ``cu_seqlens``, q/k/v are gathered without their pads, ``flash_attn_varlen_func`` runs on
-  the packed tokens and its output is scattered back (padded query rows get 0; transformers'
-  ``eager`` gives them values that no real token and no unmasked loss ever uses);
+  the real tokens only and its output is scattered back. Padding query rows whose every key
+  transformers masks (left padding) get what ``eager`` gives them, the mean of v, and eager's
+  gradient for it (see ``_BlindRows``): a causal-LM loss reads the last of them, which predicts
+  a row's first token. Other padding rows (after a row's tokens) get 0 where eager attends to
+  the tokens before them; no real token depends on them, nor a loss with labels -100 there.
+  A mask with holes inside a row (0s between 1s) is read as if the holes were not there, as
+  transformers' ``flash_attention_2`` reads it; eager keeps their distances for the window;
 * packed sequences (several documents in one row): ``position_ids`` that restart (the same
   rule as transformers' ``eager`` masks: a document starts wherever a position is not the
   previous one plus 1) or the ``cu_seq_lens_q``/``cu_seq_lens_k`` kwargs of
@@ -82,7 +87,7 @@ def register(name: str = NAME) -> str:
 # --- the mask a model builds for us ------------------------------------------------------------
 def key_padding_mask(batch_size: int, q_length: int | None = None, kv_length: int | None = None, q_offset=0,
                      kv_offset: int = 0, mask_function=None, attention_mask: torch.Tensor | None = None,
-                     cache_position: torch.Tensor | None = None, device="cpu", **kwargs) -> torch.Tensor | None:
+                     cache_position: torch.Tensor | None = None, device=None, **kwargs) -> torch.Tensor | None:
     """The mask builder registered with ``register()`` (transformers' ``AttentionMaskInterface``).
 
     Returns None when every key the layer gets is a real token (the attention function then
@@ -100,12 +105,13 @@ def key_padding_mask(batch_size: int, q_length: int | None = None, kv_length: in
         if cache_position is None:
             raise TypeError("key_padding_mask needs q_length (transformers >= 5) or cache_position")
         q_length, q_offset = cache_position.shape[0], cache_position[0]
+        device = cache_position.device if device is None else device
     if attention_mask is None:
         # The last query is at absolute position q_offset + q_length - 1; a static cache has
         # kv_length slots of which the ones after it are still empty.
         n = int(q_offset) + q_length - kv_offset
         if n < kv_length:
-            return torch.ones(batch_size, max(n, 0), dtype=torch.bool, device=device)
+            return torch.ones(batch_size, max(n, 0), dtype=torch.bool, device=device or "cpu")
         return None
     if attention_mask.dim() != 2:
         raise ValueError(f"expected a 2D (batch, length) padding mask, got shape {tuple(attention_mask.shape)}")
@@ -315,7 +321,7 @@ class _BlindRows(torch.autograd.Function):
     keys. Its backward still runs softmax's Jacobian at that uniform P, so q and k get gradients
     ``dS_j = (dO . v_j - dO . mean(v)) / n_keys`` (times softcap's derivative ``1 - tanh^2``),
     as from attention with scores ``s - s.detach()``. Forward: a mean (no scores). Backward:
-    dense over these rows only, in chunks; nothing saved but the inputs.
+    dense over these rows only, per batch row and in chunks of rows; nothing saved but the inputs.
     """
 
     @staticmethod
@@ -332,7 +338,7 @@ class _BlindRows(torch.autograd.Function):
         rows, heads, head_dim = q.shape
         batch, n_keys, heads_kv, _ = k.shape
         groups = heads // heads_kv
-        dq = torch.zeros_like(q) if ctx.needs_input_grad[0] else None
+        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device) if ctx.needs_input_grad[0] else None
         dk = torch.zeros(k.shape, dtype=torch.float32, device=k.device) if ctx.needs_input_grad[1] else None
         dv = None
         if ctx.needs_input_grad[2]:  # d mean(v) / dv: dO summed over the rows (and head groups) of each batch row
@@ -341,23 +347,26 @@ class _BlindRows(torch.autograd.Function):
             per_batch = per_batch.view(batch, heads_kv, groups, head_dim).sum(2) / n_keys
             dv = per_batch[:, None].expand(batch, n_keys, heads_kv, head_dim).to(v.dtype)
         if dq is not None or dk is not None:
+            # Per batch row (its rows share its keys), in chunks of rows: scores (rows, heads, n_keys).
             chunk = max(1, (1 << 22) // max(1, heads * n_keys))
-            for start in range(0, rows, chunk):
-                sl = slice(start, start + chunk)
-                b = batch_index[sl]
-                qc = q[sl].float().view(-1, heads_kv, groups, head_dim)
-                doc = dout[sl].float().view(-1, heads_kv, groups, head_dim)
-                kc, vc = k[b].float(), v[b].float()  # (r, n_keys, heads_kv, d)
-                dp = torch.einsum("rkgd,rjkd->rkgj", doc, vc)
-                ds = (dp - dp.mean(-1, keepdim=True)) / n_keys
-                if ctx.softcap:
-                    scores = torch.einsum("rkgd,rjkd->rkgj", qc, kc) * ctx.scale
-                    ds = ds * (1 - torch.tanh(scores / ctx.softcap) ** 2)
-                if dq is not None:
-                    dq[sl] = (torch.einsum("rkgj,rjkd->rkgd", ds, kc) * ctx.scale).reshape(-1, heads, head_dim)
-                if dk is not None:
-                    dk.index_add_(0, b, torch.einsum("rkgj,rkgd->rjkd", ds, qc) * ctx.scale)
-        return dq, (dk.to(k.dtype) if dk is not None else None), dv, None, None, None
+            for b in torch.unique(batch_index).tolist():
+                mine = (batch_index == b).nonzero().flatten()
+                kb, vb = k[b].float(), v[b].float()  # (n_keys, heads_kv, d)
+                for start in range(0, mine.numel(), chunk):
+                    sel = mine[start:start + chunk]
+                    qc = q[sel].float().view(-1, heads_kv, groups, head_dim)
+                    doc = dout[sel].float().view(-1, heads_kv, groups, head_dim)
+                    dp = torch.einsum("rkgd,jkd->rkgj", doc, vb)
+                    ds = (dp - dp.mean(-1, keepdim=True)) / n_keys
+                    if ctx.softcap:
+                        scores = torch.einsum("rkgd,jkd->rkgj", qc, kb) * ctx.scale
+                        ds = ds * (1 - torch.tanh(scores / ctx.softcap) ** 2)
+                    if dq is not None:
+                        dq[sel] = torch.einsum("rkgj,jkd->rkgd", ds, kb).reshape(-1, heads, head_dim) * ctx.scale
+                    if dk is not None:
+                        dk[b] += torch.einsum("rkgj,rkgd->jkd", ds, qc) * ctx.scale
+        return (dq.to(q.dtype) if dq is not None else None), (dk.to(k.dtype) if dk is not None else None), dv, \
+            None, None, None
 
 
 def _packed_attention(q, k, v, cu_q: torch.Tensor, cu_k: torch.Tensor, opts: dict) -> torch.Tensor:
