@@ -22,6 +22,7 @@ from tvmflash.integrations import transformers as tvm_hf  # noqa: E402
 LOSS_RTOL = 1e-4
 GRAD_RTOL = 1e-3
 WINDOW = 8  # shorter than the sequences: the windows matter
+CACHE_KWARG = "cache" if int(transformers.__version__.split(".")[0]) >= 5 else "past_key_values"
 
 COMMON = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, max_position_embeddings=128, attention_dropout=0.0, tie_word_embeddings=False,
@@ -217,3 +218,25 @@ def test_bfloat16_padded_batch_close_to_eager(gen):
     assert abs(got.loss.item() - want.loss.item()) <= 2e-2 * abs(want.loss.item())
     real = mask.bool()
     assert _rel(got.logits[real], want.logits[real]) <= 2e-2
+
+
+@pytest.mark.parametrize("model", ["mistral", "gemma2"])
+def test_prefill_in_chunks_matches_eager(model, gen):
+    """A prompt fed in two chunks: the second chunk's queries (several) attend to the cache and
+    to each other, left padding in the first chunk, windows across the boundary."""
+    eager, ours = _models(model)
+    eager.eval()
+    ours.eval()
+    ids = torch.randint(1, 128, (2, 20), generator=gen)
+    mask = torch.ones_like(ids)
+    mask[0, :6] = 0
+    logits = {}
+    for tag, m in (("eager", eager), ("ours", ours)):
+        with torch.no_grad():
+            first = m(input_ids=ids[:, :11], attention_mask=mask[:, :11], use_cache=True)
+            cache = first.cache if CACHE_KWARG == "cache" else first.past_key_values
+            second = m(input_ids=ids[:, 11:], attention_mask=mask, use_cache=True, **{CACHE_KWARG: cache})
+        assert cache.get_seq_length() == 20
+        logits[tag] = torch.cat([first.logits, second.logits], dim=1)
+    real = mask.bool()
+    assert _rel(logits["ours"][real], logits["eager"][real]) <= LOSS_RTOL
