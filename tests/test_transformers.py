@@ -155,11 +155,14 @@ def test_generate_greedy_matches_eager(model, gen, monkeypatch):
     mask[0, :4] = 0
     mask[2, :1] = 0
     ids = ids.masked_fill(mask == 0, 0)
-    decode_calls = []
+    decode_calls = []  # per call: whether the cache had padding
     decode = tvm_hf.decode_attention
-    monkeypatch.setattr(tvm_hf, "decode_attention",
-                        lambda q, k, v, key_mask, **kw: decode_calls.append(key_mask is not None) or decode(q, k, v,
-                                                                                                          key_mask, **kw))
+
+    def counting_decode(q, k, v, key_mask, **kw):
+        decode_calls.append(key_mask is not None)
+        return decode(q, k, v, key_mask, **kw)
+
+    monkeypatch.setattr(tvm_hf, "decode_attention", counting_decode)
     kwargs = dict(attention_mask=mask, max_new_tokens=16, do_sample=False, pad_token_id=0, output_scores=True,
                   return_dict_in_generate=True)
     with torch.no_grad():
@@ -188,6 +191,20 @@ def test_generate_with_static_cache_matches_eager(gen):
                       cache_implementation="static")
         with torch.no_grad():
             assert torch.equal(ours.generate(ids * mask, **kwargs), eager.generate(ids * mask, **kwargs))
+
+
+def test_set_attn_implementation_switches_a_built_model(gen):
+    cfg = _config("gemma2")
+    model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").eval()
+    ids = torch.randint(0, 128, (2, 12), generator=gen)
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0
+    with torch.no_grad():
+        want = model(ids, attention_mask=mask).logits
+        model.set_attn_implementation(tvm_hf.register())
+        got = model(ids, attention_mask=mask).logits
+    assert model.config._attn_implementation == tvm_hf.NAME
+    assert _rel(got[mask.bool()], want[mask.bool()]) <= LOSS_RTOL
 
 
 def test_attention_dropout_is_refused():

@@ -141,7 +141,8 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     if kwargs.get("output_attentions"):
         _warn_once("tvmflash does not return attention weights (output_attentions=True gives None)")
     if attention_mask is not None and (not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() != 2):
-        shape = tuple(attention_mask.shape) if isinstance(attention_mask, torch.Tensor) else type(attention_mask).__name__
+        shape = (tuple(attention_mask.shape) if isinstance(attention_mask, torch.Tensor)
+                 else type(attention_mask).__name__)
         raise ValueError(
             f"tvmflash takes a 2D key-padding mask built by its own mask function, got {shape}: build the model with "
             "attn_implementation=register() (which registers both), and pass 2D attention masks")
@@ -161,12 +162,15 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
 
     batch, len_q = q.shape[:2]
     cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
+    docs = None  # documents packed into rows, told apart by position_ids (q and k the same tokens)
+    if attention_mask is None and (cu_q is None or cu_k is None) and len_q == k.shape[1]:
+        docs = _documents_from_positions(kwargs.get("position_ids"), batch, len_q)
     if attention_mask is not None:
         out = _padded_attention(q, k, v, attention_mask, opts, sliding_window)
     elif cu_q is not None and cu_k is not None:
         out = _packed_attention(q, k, v, cu_q, cu_k, opts)
-    elif len_q == k.shape[1] and (cu := _documents_from_positions(kwargs.get("position_ids"), batch, len_q)) is not None:
-        out = _packed_attention(q, k, v, cu, cu, opts)
+    elif docs is not None:
+        out = _packed_attention(q, k, v, docs, docs, opts)
     elif len_q == 1:
         out = decode_attention(q, k, v, None, **opts)
     else:
