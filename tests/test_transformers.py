@@ -1,0 +1,259 @@
+"""tvmflash as a Hugging Face transformers attention implementation, checked against ``eager``.
+
+Small models (2 layers, hidden 64, 4 heads, 2 KV heads, head_dim 16, vocab 128) built from
+configs with random weights; each test builds the same weights twice, once with ``eager`` (the
+reference: it implements every mask, window and softcap) and once with tvmflash. fp32: loss
+within 1e-4 relative, every parameter gradient within 1e-3 relative norm, greedy ``generate()``
+the same tokens (and its scores within 1e-4).
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from tvmflash.integrations import transformers as tvm_hf  # noqa: E402
+
+LOSS_RTOL = 1e-4
+GRAD_RTOL = 1e-3
+WINDOW = 8  # shorter than the sequences: the windows matter
+CACHE_KWARG = "cache" if int(transformers.__version__.split(".")[0]) >= 5 else "past_key_values"
+
+COMMON = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=128, attention_dropout=0.0, tie_word_embeddings=False,
+              # larger than the default 0.02: attention far from uniform, softcap in its nonlinear range
+              initializer_range=0.1)
+
+
+def _config(model: str):
+    if model == "llama":
+        return transformers.LlamaConfig(**COMMON)
+    if model == "mistral":
+        return transformers.MistralConfig(**COMMON, sliding_window=WINDOW)
+    if model == "gemma2":  # alternating sliding/full layers, softcap 2 on scores of size ~1-5
+        return transformers.Gemma2Config(**COMMON, head_dim=16, sliding_window=WINDOW, query_pre_attn_scalar=16,
+                                         attn_logit_softcapping=2.0, final_logit_softcapping=None)
+    if model == "qwen2":  # layer 0 full, layer 1 sliding
+        return transformers.Qwen2Config(**COMMON, use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1)
+    raise ValueError(model)
+
+
+MODELS = ["llama", "mistral", "gemma2", "qwen2"]
+
+
+@functools.cache
+def _models(model: str, dtype: torch.dtype = torch.float32):
+    """(eager, tvmflash) with the same weights; the config is deep-copied per model because
+    ``from_config(attn_implementation=...)`` writes into it."""
+    name = tvm_hf.register()
+    cfg = _config(model)
+    torch.manual_seed(0)
+    eager = transformers.AutoModelForCausalLM.from_config(copy.deepcopy(cfg), attn_implementation="eager",
+                                                           dtype=dtype)
+    ours = transformers.AutoModelForCausalLM.from_config(copy.deepcopy(cfg), attn_implementation=name, dtype=dtype)
+    ours.load_state_dict(eager.state_dict())
+    assert eager.config._attn_implementation == "eager" and ours.config._attn_implementation == name
+    return eager, ours
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
+
+
+def _loss_and_grads(model, **inputs):
+    model.train()
+    model.zero_grad(set_to_none=True)
+    out = model(**inputs, use_cache=False)
+    out.loss.backward()
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    return out.loss.detach(), out.logits.detach(), grads
+
+
+def _assert_matches_eager(model: str, real: torch.Tensor | None = None, **inputs):
+    eager, ours = _models(model)
+    loss_e, logits_e, grads_e = _loss_and_grads(eager, **inputs)
+    loss_o, logits_o, grads_o = _loss_and_grads(ours, **inputs)
+    assert torch.isfinite(loss_o) and all(torch.isfinite(g).all() for g in grads_o.values())
+    loss_err = abs(loss_o.item() - loss_e.item()) / abs(loss_e.item())
+    assert loss_err <= LOSS_RTOL, f"{model}: loss {loss_o.item()} vs eager {loss_e.item()}"
+    assert grads_o.keys() == grads_e.keys()
+    grad_errs = {n: _rel(grads_o[n], grads_e[n]) for n in grads_e}
+    worst = max(grad_errs, key=grad_errs.get)
+    assert grad_errs[worst] <= GRAD_RTOL, f"{model}: gradient of {worst} off by {grad_errs[worst]:.2e} (relative norm)"
+    if real is not None:  # logits of the real tokens (padding positions are not defined by transformers)
+        assert _rel(logits_o[real], logits_e[real]) <= LOSS_RTOL
+    return loss_err, grad_errs[worst]
+
+
+def _padded_batch(gen: torch.Generator, length: int = 24):
+    """Rows: left padding, right padding, none, all padding; labels -100 on the padding."""
+    ids = torch.randint(0, 128, (4, length), generator=gen)
+    mask = torch.ones(4, length, dtype=torch.long)
+    mask[0, :5] = 0
+    mask[1, -7:] = 0
+    mask[3, :] = 0
+    return ids, mask, ids.masked_fill(mask == 0, -100)
+
+
+def test_register_gives_a_usable_name():
+    name = tvm_hf.register()
+    assert name == tvm_hf.register() == tvm_hf.NAME
+    assert "flash" not in name  # transformers would send it to its flash-attention kernel loader
+    assert transformers.AttentionInterface._global_mapping[name] is tvm_hf.attention_forward
+    assert transformers.AttentionMaskInterface._global_mapping[name] is tvm_hf.key_padding_mask
+    with pytest.raises(ValueError, match="flash"):
+        tvm_hf.register("my_flash_attention")
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_padded_batch_loss_and_gradients_match_eager(model, gen):
+    ids, mask, labels = _padded_batch(gen)
+    _assert_matches_eager(model, real=mask.bool(), input_ids=ids, attention_mask=mask, labels=labels)
+
+
+@pytest.mark.parametrize("model", ["mistral", "gemma2"])
+def test_packed_documents_by_position_ids_match_eager(model, gen):
+    """Documents packed into rows, told apart by restarting position_ids (eager: no mask, no cache)."""
+    lengths = [[7, 10, 7], [3, 21], [24]]
+    position_ids = torch.stack([torch.cat([torch.arange(n) for n in row]) for row in lengths])
+    ids = torch.randint(0, 128, position_ids.shape, generator=gen)
+    _assert_matches_eager(model, input_ids=ids, position_ids=position_ids, labels=ids)
+
+
+@pytest.mark.parametrize("model", ["llama", "qwen2"])
+def test_packed_documents_by_cu_seq_lens_match_eager(model, gen, monkeypatch):
+    """DataCollatorWithFlattening's kwargs: one row, cu_seq_lens_q/k; only they separate the
+    documents here (the position_ids rule is switched off in tvmflash)."""
+    lengths = [5, 12, 9, 14]
+    position_ids = torch.cat([torch.arange(n) for n in lengths])[None]
+    cu = torch.nn.functional.pad(torch.tensor(lengths).cumsum(0), (1, 0)).to(torch.int32)
+    ids = torch.randint(0, 128, position_ids.shape, generator=gen)
+    eager, ours = _models(model)
+    loss_e, _, grads_e = _loss_and_grads(eager, input_ids=ids, position_ids=position_ids, labels=ids)
+    monkeypatch.setattr(tvm_hf, "_documents_from_positions", lambda *args: None)
+    loss_o, _, grads_o = _loss_and_grads(ours, input_ids=ids, position_ids=position_ids, labels=ids,
+                                         cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=max(lengths),
+                                         max_length_k=max(lengths))
+    assert abs(loss_o.item() - loss_e.item()) <= LOSS_RTOL * abs(loss_e.item())
+    assert max(_rel(grads_o[n], grads_e[n]) for n in grads_e) <= GRAD_RTOL
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_generate_greedy_matches_eager(model, gen, monkeypatch):
+    """Left-padded prompts; prefill, then 16 single-token steps against the KV cache (past the
+    sliding window, and past the padding leaving the sliding layers' caches)."""
+    eager, ours = _models(model)
+    eager.eval()
+    ours.eval()
+    ids = torch.randint(1, 128, (3, 10), generator=gen)
+    mask = torch.ones_like(ids)
+    mask[0, :4] = 0
+    mask[2, :1] = 0
+    ids = ids.masked_fill(mask == 0, 0)
+    decode_calls = []  # per call: whether the cache had padding
+    decode = tvm_hf.decode_attention
+
+    def counting_decode(q, k, v, key_mask, **kw):
+        decode_calls.append(key_mask is not None)
+        return decode(q, k, v, key_mask, **kw)
+
+    monkeypatch.setattr(tvm_hf, "decode_attention", counting_decode)
+    kwargs = dict(attention_mask=mask, max_new_tokens=16, do_sample=False, pad_token_id=0, output_scores=True,
+                  return_dict_in_generate=True)
+    with torch.no_grad():
+        want = eager.generate(ids, **kwargs)
+        got = ours.generate(ids, **kwargs)
+    assert torch.equal(got.sequences, want.sequences)
+    assert max(_rel(a, b) for a, b in zip(got.scores, want.scores)) <= LOSS_RTOL
+    layers = ours.config.num_hidden_layers
+    assert len(decode_calls) == 15 * layers and any(decode_calls)  # every new token went through decode_attention
+
+    with torch.no_grad():  # one prompt, no padding: no mask at all
+        single = ids[1:2]
+        assert torch.equal(ours.generate(single, max_new_tokens=12, do_sample=False, pad_token_id=0),
+                           eager.generate(single, max_new_tokens=12, do_sample=False, pad_token_id=0))
+
+
+def test_generate_with_static_cache_matches_eager(gen):
+    """A static cache: slots after the last token are empty (zeros); generate() drops an all-ones
+    mask for non-flash implementations, so the mask builder cuts the keys to the written ones."""
+    eager, ours = _models("gemma2")
+    eager.eval()
+    ours.eval()
+    ids = torch.randint(1, 128, (2, 9), generator=gen)
+    for mask in (torch.ones_like(ids), torch.tensor([[0, 0, 0] + [1] * 6, [1] * 9])):
+        kwargs = dict(attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=0,
+                      cache_implementation="static")
+        with torch.no_grad():
+            assert torch.equal(ours.generate(ids * mask, **kwargs), eager.generate(ids * mask, **kwargs))
+
+
+def test_set_attn_implementation_switches_a_built_model(gen):
+    cfg = _config("gemma2")
+    model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").eval()
+    ids = torch.randint(0, 128, (2, 12), generator=gen)
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0
+    with torch.no_grad():
+        want = model(ids, attention_mask=mask).logits
+        model.set_attn_implementation(tvm_hf.register())
+        got = model(ids, attention_mask=mask).logits
+    assert model.config._attn_implementation == tvm_hf.NAME
+    assert _rel(got[mask.bool()], want[mask.bool()]) <= LOSS_RTOL
+
+
+def test_attention_dropout_is_refused():
+    cfg = _config("llama")
+    cfg.attention_dropout = 0.1
+    model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation=tvm_hf.register())
+    model.train()
+    with pytest.raises(ValueError, match="dropout"):
+        model(torch.zeros(1, 8, dtype=torch.long))
+    model.eval()  # no dropout in eval mode
+    assert torch.isfinite(model(torch.zeros(1, 8, dtype=torch.long)).logits).all()
+
+
+def test_4d_mask_is_refused():
+    _, ours = _models("llama")
+    mask = torch.ones(1, 1, 8, 8, dtype=torch.bool).tril()
+    with pytest.raises(ValueError, match="2D"):
+        ours(torch.zeros(1, 8, dtype=torch.long), attention_mask=mask)
+
+
+def test_bfloat16_padded_batch_close_to_eager(gen):
+    """16-bit inputs reach the bf16 kernels; eager in bf16 differs by rounding only."""
+    eager, ours = _models("llama", torch.bfloat16)
+    ids, mask, labels = _padded_batch(gen)
+    with torch.no_grad():
+        want = eager(input_ids=ids, attention_mask=mask, labels=labels)
+        got = ours(input_ids=ids, attention_mask=mask, labels=labels)
+    assert abs(got.loss.item() - want.loss.item()) <= 2e-2 * abs(want.loss.item())
+    real = mask.bool()
+    assert _rel(got.logits[real], want.logits[real]) <= 2e-2
+
+
+@pytest.mark.parametrize("model", ["mistral", "gemma2"])
+def test_prefill_in_chunks_matches_eager(model, gen):
+    """A prompt fed in two chunks: the second chunk's queries (several) attend to the cache and
+    to each other, left padding in the first chunk, windows across the boundary."""
+    eager, ours = _models(model)
+    eager.eval()
+    ours.eval()
+    ids = torch.randint(1, 128, (2, 20), generator=gen)
+    mask = torch.ones_like(ids)
+    mask[0, :6] = 0
+    logits = {}
+    for tag, m in (("eager", eager), ("ours", ours)):
+        with torch.no_grad():
+            first = m(input_ids=ids[:, :11], attention_mask=mask[:, :11], use_cache=True)
+            cache = first.cache if CACHE_KWARG == "cache" else first.past_key_values
+            second = m(input_ids=ids[:, 11:], attention_mask=mask, use_cache=True, **{CACHE_KWARG: cache})
+        assert cache.get_seq_length() == 20
+        logits[tag] = torch.cat([first.logits, second.logits], dim=1)
+    real = mask.bool()
+    assert _rel(logits["ours"][real], logits["eager"][real]) <= LOSS_RTOL

@@ -1,0 +1,417 @@
+"""Hugging Face transformers on tvmflash: every attention layer of a model through one name.
+
+    from transformers import AutoModelForCausalLM
+    from tvmflash.integrations.transformers import register
+
+    name = register()                       # "tvm_attention"
+    model = AutoModelForCausalLM.from_pretrained(path, attn_implementation=name)
+    model.set_attn_implementation(name)     # or switch a model that is already built
+
+``register()`` puts two functions under one name: the attention function in transformers'
+``AttentionInterface`` and the mask builder in its ``AttentionMaskInterface``. A model builds
+its masks with the builder registered under its ``attn_implementation``, so the attention
+function receives the mask in the form it expects, here flash-attn's: no mask at all, or a
+``(batch, n)`` boolean key-padding mask. The name must not contain "flash": transformers sends
+such names to its own flash-attention kernel loader (the ``flash_attn`` package or a Hub
+kernel), which a registered function cannot go through.
+
+What the attention function handles, with what transformers passes it:
+
+* causal self-attention with GQA (fewer key/value heads than query heads), bidirectional
+  attention where a module or call sets ``is_causal=False``;
+* padding (left or right, rows that are all padding): the key-padding mask becomes
+  ``cu_seqlens``, q/k/v are gathered without their pads, ``flash_attn_varlen_func`` runs on
+  the real tokens only and its output is scattered back. Padding query rows whose every key
+  transformers masks (left padding) get what ``eager`` gives them, the mean of v, and eager's
+  gradient for it (see ``_BlindRows``): a causal-LM loss reads the last of them, which predicts
+  a row's first token. Other padding rows (after a row's tokens) get 0 where eager attends to
+  the tokens before them; no real token depends on them, nor a loss with labels -100 there.
+  A mask with holes inside a row (0s between 1s) is read as if the holes were not there, as
+  transformers' ``flash_attention_2`` reads it; eager keeps their distances for the window;
+* packed sequences (several documents in one row): ``position_ids`` that restart (the same
+  rule as transformers' ``eager`` masks: a document starts wherever a position is not the
+  previous one plus 1) or the ``cu_seq_lens_q``/``cu_seq_lens_k`` kwargs of
+  ``DataCollatorWithFlattening``, each document attending only to itself;
+* sliding windows (Mistral, Qwen2, Gemma2's alternating layers): transformers' query at
+  position p sees keys p - w < j <= p, flash-attn's ``window_size=(w - 1, 0)``;
+* logit softcapping (Gemma2's ``attn_logit_softcapping``) and the module's ``scaling`` (Gemma2's
+  ``query_pre_attn_scalar``) as ``softcap`` and ``softmax_scale``;
+* ``generate()``: the prefill is one of the cases above; every new token then attends to the
+  KV cache through :func:`decode_attention`, the one place decode is dispatched. A cache of
+  left-padded prompts is read through its key-padding mask, with flash-attn's bottom-right
+  alignment (the new token sees every cached key of its own sequence, or the last w of them);
+  static caches (slots after the last token still empty) are cut to the tokens written.
+
+Not supported (a clear error rather than a wrong result): attention dropout > 0 (tvmflash has
+no dropout; ``model.eval()`` or ``attention_dropout=0``), 4D or BlockMask attention masks,
+masks with extra patterns (``or_mask_function``/``and_mask_function``, e.g. bidirectional
+image tokens), attention sinks (``s_aux``). Chunked attention (Llama 4) and
+``block_sequence_ids`` are not detected; models using them need another implementation.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+import torch
+
+from ..torch_op import flash_attn_func, flash_attn_varlen_func
+
+NAME = "tvm_attention"
+
+logger = logging.getLogger(__name__)
+
+
+@functools.cache
+def _warn_once(message: str) -> None:
+    logger.warning(message)
+
+
+def register(name: str = NAME) -> str:
+    """Register tvmflash with transformers' attention and mask interfaces; returns ``name``,
+    the value to pass as ``attn_implementation``. Idempotent."""
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"name must be a non-empty string, got {name!r}")
+    if "flash" in name or "sdpa" in name or "flex_attention" in name or "/" in name or name in ("eager", "paged|eager"):
+        raise ValueError(
+            f"{name!r} cannot name tvmflash in transformers: it routes names containing 'flash' to its flash-attention "
+            "kernel loader, 'sdpa' and 'flex_attention' to its own checks, 'owner/repo' to the Hub kernels")
+    from transformers import AttentionInterface, AttentionMaskInterface
+
+    AttentionInterface.register(name, attention_forward)
+    AttentionMaskInterface.register(name, key_padding_mask)
+    return name
+
+
+# --- the mask a model builds for us ------------------------------------------------------------
+def key_padding_mask(batch_size: int, q_length: int | None = None, kv_length: int | None = None, q_offset=0,
+                     kv_offset: int = 0, mask_function=None, attention_mask: torch.Tensor | None = None,
+                     cache_position: torch.Tensor | None = None, device=None, **kwargs) -> torch.Tensor | None:
+    """The mask builder registered with ``register()`` (transformers' ``AttentionMaskInterface``).
+
+    Returns None when every key the layer gets is a real token (the attention function then
+    relies on causality, windows and ``position_ids``), else a ``(batch, n)`` bool mask over the
+    first ``n <= kv_length`` keys (True: a real token); keys past ``n`` are empty static-cache
+    slots. The queries are the last ``q_length`` of the ``n`` keys, as in flash-attn's padding
+    mask that transformers builds for ``flash_attention_2``.
+    """
+    if kwargs.get("use_vmap"):  # create_*_mask with or_mask_function / and_mask_function
+        raise NotImplementedError(
+            "this model adds its own pattern to the attention mask (or_mask_function/and_mask_function, e.g. "
+            "bidirectional image tokens), which tvmflash's transformers integration does not support; use "
+            "attn_implementation='eager' or 'sdpa' for it")
+    if q_length is None:  # transformers < 5: the query positions come as cache_position
+        if cache_position is None:
+            raise TypeError("key_padding_mask needs q_length (transformers >= 5) or cache_position")
+        q_length, q_offset = cache_position.shape[0], cache_position[0]
+        device = cache_position.device if device is None else device
+    if attention_mask is None:
+        # The last query is at absolute position q_offset + q_length - 1; a static cache has
+        # kv_length slots of which the ones after it are still empty.
+        n = int(q_offset) + q_length - kv_offset
+        if n < kv_length:
+            return torch.ones(batch_size, max(n, 0), dtype=torch.bool, device=device or "cpu")
+        return None
+    if attention_mask.dim() != 2:
+        raise ValueError(f"expected a 2D (batch, length) padding mask, got shape {tuple(attention_mask.shape)}")
+    mask = attention_mask[:, -kv_length:].to(torch.bool)  # a sliding layer's cache keeps the last kv_length keys
+    if mask.shape[1] == kv_length and bool(mask.all()):
+        return None
+    return mask
+
+
+# --- the attention function ----------------------------------------------------------------------
+def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                      attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                      sliding_window: int | None = None, softcap: float | None = None, is_causal: bool | None = None,
+                      **kwargs) -> tuple[torch.Tensor, None]:
+    """The attention function registered with ``register()`` (transformers' ``AttentionInterface``).
+
+    query ``(batch, heads, seqlen_q, head_dim)``, key and value ``(batch, heads_kv, seqlen_k,
+    head_dim)`` as the model's attention module passes them; returns ``(out, None)`` with out
+    ``(batch, seqlen_q, heads, head_dim)``.
+    """
+    if dropout:
+        raise ValueError(
+            f"tvmflash has no attention dropout, but the model asks for dropout={dropout} (training mode with "
+            "attention_dropout > 0): set config.attention_dropout = 0.0 or call model.eval()")
+    if kwargs.get("s_aux") is not None:
+        raise NotImplementedError("attention sinks (s_aux) are not supported by tvmflash")
+    if kwargs.get("output_attentions"):
+        _warn_once("tvmflash does not return attention weights (output_attentions=True gives None)")
+    if attention_mask is not None and (not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() != 2):
+        shape = (tuple(attention_mask.shape) if isinstance(attention_mask, torch.Tensor)
+                 else type(attention_mask).__name__)
+        raise ValueError(
+            f"tvmflash takes a 2D key-padding mask built by its own mask function, got {shape}: build the model with "
+            "attn_implementation=register() (which registers both), and pass 2D attention masks")
+    causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
+
+    # The kernels' layout: (batch, seqlen, heads, head_dim) views, no copy.
+    q, k, v = (t.transpose(1, 2) for t in (query, key, value))
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        k, v = k.to(q.dtype), v.to(q.dtype)
+    head_dim, v_head_dim = q.shape[-1], v.shape[-1]
+    if v_head_dim != head_dim:  # e.g. MLA: pad v to q's head dim, crop the output
+        if v_head_dim > head_dim:
+            raise ValueError(f"value head dim {v_head_dim} exceeds the query's {head_dim}")
+        v = torch.nn.functional.pad(v, (0, head_dim - v_head_dim))
+    opts = {"softmax_scale": scaling, "causal": causal, "window_size": _window(sliding_window, causal, k.shape[1]),
+            "softcap": float(softcap) if softcap else 0.0}
+
+    batch, len_q = q.shape[:2]
+    cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
+    docs = None  # documents packed into rows, told apart by position_ids (q and k the same tokens)
+    if attention_mask is None and (cu_q is None or cu_k is None) and len_q == k.shape[1]:
+        docs = _documents_from_positions(kwargs.get("position_ids"), batch, len_q)
+    if attention_mask is not None:
+        out = _padded_attention(q, k, v, attention_mask, opts, sliding_window)
+    elif cu_q is not None and cu_k is not None:
+        out = _packed_attention(q, k, v, cu_q, cu_k, opts)
+    elif docs is not None:
+        out = _packed_attention(q, k, v, docs, docs, opts)
+    elif len_q == 1:
+        out = decode_attention(q, k, v, None, **opts)
+    else:
+        out = flash_attn_func(q, k, v, **opts)
+    if v_head_dim != head_dim:
+        out = out[..., :v_head_dim]
+    return out, None
+
+
+def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor | None, *,
+                     softmax_scale: float | None, causal: bool, window_size: tuple[int, int], softcap: float
+                     ) -> torch.Tensor:
+    """One new token per sequence against the KV cache: the single place decode is dispatched.
+
+    q ``(batch, 1, heads, head_dim)``, k and v ``(batch, n_cache, heads_kv, head_dim)`` (any
+    strides with unit head_dim stride); ``key_mask`` ``(batch, n)`` bool, n <= n_cache, or None
+    when every cached key is a real token. The query sees all real keys of its sequence (or the
+    last ``window_size[0] + 1`` of them): flash-attn's bottom-right alignment. Today this runs
+    ``flash_attn_func``, or ``flash_attn_varlen_func`` on the gathered real keys; a dedicated
+    KV-cache kernel (``flash_attn_with_kvcache`` with ``cache_seqlens``/``cache_leftpad``) can
+    replace both here.
+    """
+    opts = {"softmax_scale": softmax_scale, "causal": causal, "window_size": window_size, "softcap": softcap}
+    if key_mask is None:
+        return flash_attn_func(q, k, v, **opts)
+    n = key_mask.shape[1]
+    k, v = k[:, :n], v[:, :n]
+    plan = _unpad_plan(key_mask, 1)
+    batch = q.shape[0]
+    cu_q = torch.arange(batch + 1, dtype=torch.int32, device=q.device)
+    out = flash_attn_varlen_func(q[:, 0], k[plan.key_index], v[plan.key_index], cu_q, plan.cu_k, 1, plan.max_k,
+                                 **opts)
+    return out.unsqueeze(1)
+
+
+# --- padding, packing, windows -----------------------------------------------------------------------
+def _window(sliding_window: int | None, causal: bool, len_k: int) -> tuple[int, int]:
+    """transformers' sliding window as flash-attn's (left, right).
+
+    Causal: the query at position p sees p - w < j <= p (``sliding_window_overlay``: itself and
+    w - 1 keys before it): (w - 1, 0); dropped when no sequence is longer than w. Bidirectional:
+    |p - j| <= w (``sliding_window_bidirectional_overlay``): (w, w).
+    """
+    if sliding_window is None or sliding_window <= 0:
+        return (-1, -1)
+    w = int(sliding_window)
+    if causal:
+        return (-1, -1) if len_k <= w else (w - 1, 0)
+    return (w, w)
+
+
+class _Unpad:
+    """Where the real tokens of a padded batch are, and their sequences' boundaries."""
+
+    __slots__ = ("len_q", "key_index", "cu_k", "max_k", "query_index", "cu_q", "max_q", "_blind")
+
+    def __init__(self, key_mask: torch.Tensor, len_q: int):
+        self.len_q = len_q
+        self.key_index, self.cu_k, self.max_k = _nonzero_and_cu(key_mask)
+        # The queries are the last len_q keys (transformers' flash-attention convention).
+        self.query_index, self.cu_q, self.max_q = _nonzero_and_cu(key_mask[:, -len_q:])
+        self._blind = {}
+
+    def rows_without_keys(self, key_mask: torch.Tensor, causal: bool, sliding_window: int | None
+                          ) -> torch.Tensor | None:
+        """(batch, len_q) bool: query rows for which transformers' mask hides every key, or None.
+
+        Such rows (padding queries before a row's first token: left padding) are where
+        transformers' ``eager`` adds its most negative number to every score: the softmax is then
+        uniform over all the layer's keys, and ``eager`` returns the mean of v. Padding queries
+        at these positions predict the first real token, so a causal-LM loss sees them.
+        """
+        w = int(sliding_window) if sliding_window and sliding_window > 0 else None
+        found = self._blind.get((causal, w), False)
+        if found is not False:
+            return found
+        mask, len_q = key_mask, self.len_q
+        n = mask.shape[1]
+        seen = torch.nn.functional.pad(mask.cumsum(1, dtype=torch.int32), (1, 0))  # seen[:, i]: real keys before i
+        pos = torch.arange(n - len_q, n, device=mask.device)  # the queries' positions among the keys
+        if causal:  # keys pos - w < j <= pos
+            lo, hi = ((pos + 1 - w).clamp_min(0) if w else torch.zeros_like(pos)), pos + 1
+        elif w:  # |pos - j| <= w
+            lo, hi = (pos - w).clamp_min(0), (pos + w + 1).clamp_max(n)
+        else:
+            lo, hi = torch.zeros_like(pos), torch.full_like(pos, n)
+        blind = (seen[:, hi] - seen[:, lo]) == 0
+        found = self._blind[(causal, w)] = blind if bool(blind.any()) else None
+        return found
+
+
+def _nonzero_and_cu(mask: torch.Tensor):
+    lengths = mask.sum(dim=1, dtype=torch.int32)
+    cu = torch.nn.functional.pad(torch.cumsum(lengths, 0, dtype=torch.int32), (1, 0))
+    index = mask.nonzero(as_tuple=True)  # (batch index, position), row-major: sequences in order
+    return index, cu, int(lengths.max()) if lengths.numel() else 0
+
+
+def _unpad_plan(mask: torch.Tensor, len_q: int) -> _Unpad:
+    """The gather indices and cu_seqlens for ``mask``, computed once per mask tensor.
+
+    A model builds its masks once per forward and hands the same tensor to every layer of a
+    kind, so the indices (and the device sync for the lengths) are found once, not per layer.
+    """
+    stamp = (mask._version, len_q)
+    cached = getattr(mask, "_tvmflash_unpad", None)
+    if cached is not None and cached[0] == stamp:
+        return cached[1]
+    plan = _Unpad(mask, len_q)
+    try:
+        mask._tvmflash_unpad = (stamp, plan)
+    except (AttributeError, RuntimeError):  # tensor subclasses that refuse attributes
+        pass
+    return plan
+
+
+def _padded_attention(q, k, v, mask: torch.Tensor, opts: dict, sliding_window: int | None) -> torch.Tensor:
+    """Attention over the real tokens of a padded batch: gather, ``flash_attn_varlen_func``, scatter.
+
+    Padding query rows get 0, except rows for which transformers' mask hides every key: they get
+    what ``eager`` gives them, the mean of v over the layer's keys (see ``rows_without_keys``).
+    """
+    mask = mask.to(device=q.device, dtype=torch.bool)
+    batch, len_q, heads, head_dim = q.shape
+    n = mask.shape[1]
+    if n > k.shape[1]:
+        raise ValueError(f"the padding mask covers {n} keys, the layer got {k.shape[1]}")
+    if len_q > n:
+        raise ValueError(f"{len_q} queries but the padding mask covers only {n} keys")
+    if len_q == 1:
+        return decode_attention(q, k, v, mask, **opts)
+    plan = _unpad_plan(mask, len_q)
+    blind = plan.rows_without_keys(mask, opts["causal"], sliding_window)
+    k_all, v_all = k, v
+    k, v = k[:, :n], v[:, :n]  # keys past the mask: empty static-cache slots
+    out = flash_attn_varlen_func(q[plan.query_index], k[plan.key_index], v[plan.key_index], plan.cu_q, plan.cu_k,
+                                 plan.max_q, plan.max_k, **opts)
+    # Padded query rows get 0 (an index_put on zeros: differentiable, the gradient is a gather).
+    out = q.new_zeros(batch, len_q, heads, out.shape[-1]).index_put(plan.query_index, out)
+    if blind is not None:  # eager's uniform softmax over a fully masked row
+        rows = blind.nonzero(as_tuple=True)
+        scale = opts["softmax_scale"] if opts["softmax_scale"] is not None else head_dim ** -0.5
+        out = out.index_put(rows, _BlindRows.apply(q[rows], k_all, v_all, rows[0], scale, opts["softcap"]))
+    return out
+
+
+class _BlindRows(torch.autograd.Function):
+    """What transformers' ``eager`` computes for query rows whose every key is masked.
+
+    eager adds the dtype's most negative number to every score of such a row, which absorbs
+    the scores: the softmax comes out uniform, the output is the mean of v over all the layer's
+    keys. Its backward still runs softmax's Jacobian at that uniform P, so q and k get gradients
+    ``dS_j = (dO . v_j - dO . mean(v)) / n_keys`` (times softcap's derivative ``1 - tanh^2``),
+    as from attention with scores ``s - s.detach()``. Forward: a mean (no scores). Backward:
+    dense over these rows only, per batch row and in chunks of rows; nothing saved but the inputs.
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, batch_index, scale: float, softcap: float):
+        # q (rows, heads, d); k, v (batch, n_keys, heads_kv, d); batch_index (rows,)
+        ctx.save_for_backward(q, k, v, batch_index)
+        ctx.scale, ctx.softcap = scale, softcap
+        groups = q.shape[1] // v.shape[2]
+        return v.mean(dim=1).repeat_interleave(groups, dim=1)[batch_index].to(q.dtype)
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, batch_index = ctx.saved_tensors
+        rows, heads, head_dim = q.shape
+        batch, n_keys, heads_kv, _ = k.shape
+        groups = heads // heads_kv
+        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device) if ctx.needs_input_grad[0] else None
+        dk = torch.zeros(k.shape, dtype=torch.float32, device=k.device) if ctx.needs_input_grad[1] else None
+        dv = None
+        if ctx.needs_input_grad[2]:  # d mean(v) / dv: dO summed over the rows (and head groups) of each batch row
+            per_batch = torch.zeros(batch, heads, head_dim, dtype=torch.float32, device=v.device)
+            per_batch.index_add_(0, batch_index, dout.float())
+            per_batch = per_batch.view(batch, heads_kv, groups, head_dim).sum(2) / n_keys
+            dv = per_batch[:, None].expand(batch, n_keys, heads_kv, head_dim).to(v.dtype)
+        if dq is not None or dk is not None:
+            # Per batch row (its rows share its keys), in chunks of rows: scores (rows, heads, n_keys).
+            chunk = max(1, (1 << 22) // max(1, heads * n_keys))
+            for b in torch.unique(batch_index).tolist():
+                mine = (batch_index == b).nonzero().flatten()
+                kb, vb = k[b].float(), v[b].float()  # (n_keys, heads_kv, d)
+                for start in range(0, mine.numel(), chunk):
+                    sel = mine[start:start + chunk]
+                    qc = q[sel].float().view(-1, heads_kv, groups, head_dim)
+                    doc = dout[sel].float().view(-1, heads_kv, groups, head_dim)
+                    dp = torch.einsum("rkgd,jkd->rkgj", doc, vb)
+                    ds = (dp - dp.mean(-1, keepdim=True)) / n_keys
+                    if ctx.softcap:
+                        scores = torch.einsum("rkgd,jkd->rkgj", qc, kb) * ctx.scale
+                        ds = ds * (1 - torch.tanh(scores / ctx.softcap) ** 2)
+                    if dq is not None:
+                        dq[sel] = torch.einsum("rkgj,jkd->rkgd", ds, kb).reshape(-1, heads, head_dim) * ctx.scale
+                    if dk is not None:
+                        dk[b] += torch.einsum("rkgj,rkgd->jkd", ds, qc) * ctx.scale
+        return (dq.to(q.dtype) if dq is not None else None), (dk.to(k.dtype) if dk is not None else None), dv, \
+            None, None, None
+
+
+def _packed_attention(q, k, v, cu_q: torch.Tensor, cu_k: torch.Tensor, opts: dict) -> torch.Tensor:
+    """Documents packed into the rows of a batch: all rows flattened into one token stream."""
+    batch, len_q, heads, head_dim = q.shape
+    len_k = k.shape[1]
+    cu_q = cu_q.to(device=q.device, dtype=torch.int32)
+    cu_k = cu_k.to(device=q.device, dtype=torch.int32)
+    if int(cu_q[-1]) != batch * len_q or int(cu_k[-1]) != batch * len_k:
+        raise ValueError(f"cu_seq_lens end at {int(cu_q[-1])} (q) and {int(cu_k[-1])} (k), but the batch holds "
+                         f"{batch} x {len_q} queries and {batch} x {len_k} keys")
+    max_q, max_k = int(cu_q.diff().max()), int(cu_k.diff().max())
+    out = flash_attn_varlen_func(q.reshape(batch * len_q, heads, head_dim),
+                                 k.reshape(batch * len_k, *k.shape[2:]), v.reshape(batch * len_k, *v.shape[2:]),
+                                 cu_q, cu_k, max_q, max_k, **opts)
+    return out.view(batch, len_q, heads, out.shape[-1])
+
+
+def _documents_from_positions(position_ids: torch.Tensor | None, batch: int, length: int) -> torch.Tensor | None:
+    """cu_seqlens of the documents packed in the rows, or None if every row is one sequence.
+
+    transformers' rule (``find_packed_sequence_indices``): a document starts at the start of a
+    row and wherever a position is not the previous one plus 1.
+    """
+    if position_ids is None or position_ids.dim() != 2 or position_ids.shape[-1] != length or length < 2:
+        return None
+    if position_ids.shape[0] not in (1, batch):
+        return None
+    stamp = (position_ids._version, batch)
+    cached = getattr(position_ids, "_tvmflash_documents", None)
+    if cached is not None and cached[0] == stamp:
+        return cached[1]
+    positions = position_ids.expand(batch, -1)
+    starts = torch.ones(batch, length, dtype=torch.bool, device=position_ids.device)
+    starts[:, 1:] = positions[:, 1:] != positions[:, :-1] + 1
+    cu = None
+    if bool(starts[:, 1:].any()):
+        first = starts.flatten().nonzero().flatten().to(torch.int32)
+        cu = torch.cat([first, first.new_tensor([batch * length])])
+    try:
+        position_ids._tvmflash_documents = (stamp, cu)
+    except (AttributeError, RuntimeError):
+        pass
+    return cu
