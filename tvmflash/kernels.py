@@ -148,7 +148,7 @@ class KernelArgs:
                 self.grad_buffers[i.name] = self._buffer(f"{i.name}_grad", (numel,), F32)
         if self.spec.block_sparse:
             dims = tuple(tirx.Var(n, I64) for n in ("mask_batch", "mask_heads", "mask_q_tiles", "mask_k_tiles"))
-            self.tile_state = self._buffer("tile_state", dims, "int8")
+            self.tile_states = self._buffer("tile_state", dims, "int8")
             if not self.backward:
                 self.kv_range = self._buffer("kv_range", (*dims[:3], 2), "int32")
         self.heads = heads
@@ -201,12 +201,12 @@ class KernelArgs:
         state = seen * (PARTIAL + full)  # EMPTY 0, PARTIAL 1, FULL 2
         if not self.spec.block_sparse:
             return state
-        stored = _i64(self.tile_state[self._mask_at(b, h, q0 // self.block_q, k0 // self.block_k)])
+        stored = _i64(self.tile_states[self._mask_at(b, h, q0 // self.block_q, k0 // self.block_k)])
         # As empty as either mask makes it; full only if both leave it full.
         return tirx.min(state, stored)
 
     def _mask_at(self, b, h, *rest):
-        dims = self.tile_state.shape
+        dims = self.tile_states.shape
         return (tirx.min(b, dims[0] - 1), tirx.min(h, dims[1] - 1), *rest)
 
     def key_tile_range(self, b, h, q0, window):
@@ -243,15 +243,23 @@ class KernelArgs:
     def modded_grad(self, s, b, h, q, k):
         return self.mods.score_grad(s, self.context(b, h, q, k))
 
-    def scatter_mod_grads(self, partials: dict, slot, s, b, h, q, k, upstream) -> None:
-        """Emit grad[slot, index] += value for each captured tensor that requires grad."""
+    def grad_offsets(self) -> dict[str, int]:
+        """Where each captured tensor's gradient starts in a slot's row of the partials buffer."""
+        offsets, at = {}, 0
+        for i in self.spec.grad_inputs:
+            offsets[i.name], at = at, at + math.prod(i.shape)
+        return offsets
+
+    def scatter_mod_grads(self, partials, slot, s, b, h, q, k, upstream) -> None:
+        """Emit partials[slot, offset + index] += value for each captured tensor requiring grad."""
+        offsets = self.grad_offsets()
         for name, indices, value in self.mods.captured_grads(s, self.context(b, h, q, k), upstream):
             shape = next(i.shape for i in self.spec.grad_inputs if i.name == name)
             flat = tirx.const(0, I64)
             for index, size in zip(indices, shape):
                 flat = flat * size + tirx.min(tirx.max(_i64(index), 0), size - 1)
-            part = partials[name]
-            T.buffer_store(part, part[slot, flat] + value, [slot, flat])
+            at = flat + offsets[name]
+            T.buffer_store(partials, partials[slot, at] + value, [slot, at])
 
 
 def _exponent_scale(spec: AttentionSpec, softmax_scale):
@@ -510,6 +518,7 @@ def fused_backward(spec: AttentionSpec, cfg: CPUKernelConfig) -> tirx.PrimFunc:
     has_mods = bool(spec.score_mods)
     grad_inputs = spec.grad_inputs
     has_grads = bool(grad_inputs)
+    grad_elements = max(sum(math.prod(i.shape) for i in grad_inputs), 1)
     args = KernelArgs(spec, cfg, backward=True)
 
     @T.macro
@@ -703,7 +712,8 @@ def fused_backward(spec: AttentionSpec, cfg: CPUKernelConfig) -> tirx.PrimFunc:
         VTp = T.decl_buffer((Hk, args.key_tiles(), D, Bc), F32)
         dKacc = T.decl_buffer((Hk, args.key_tiles() * Bc, D), F32)
         dVacc = T.decl_buffer((Hk, args.key_tiles() * Bc, D), F32)
-        partials = T.decl_buffer((n_threads, max([math.prod(i.shape) for i in grad_inputs] + [1])), F32)
+        # each thread's partial gradients of captured tensors (summed in slot order at the end)
+        partials = T.decl_buffer((n_threads, grad_elements), F32)
         for h, t in T.grid(H, args.query_tiles()):
             with T.sblock("prepare_q_tile"):
                 vh, vt = T.axis.remap("SS", [h, t])
@@ -887,13 +897,14 @@ def fused_backward(spec: AttentionSpec, cfg: CPUKernelConfig) -> tirx.PrimFunc:
 def sum_mod_grads(args: KernelArgs, partials, n_threads) -> None:
     """Each captured tensor's gradient: the slots' partials summed in slot order (emitted with
     the IR builder: one loop nest per tensor)."""
+    offsets = args.grad_offsets()
     for name, grad in args.grad_buffers.items():
         with T.grid(grad.shape[0], n_threads) as (x, s):
             with T.sblock(f"sum_{name}_grad"):
                 vx, vs = T.axis.remap("SR", [x, s])
                 with T.init():
                     T.buffer_store(grad, T.float32(0), [vx])
-                T.buffer_store(grad, grad[vx] + partials[vs, vx], [vx])
+                T.buffer_store(grad, grad[vx] + partials[vs, vx + offsets[name]], [vx])
 
 
 def fused_kernel(kernel: str, spec: AttentionSpec, cfg: CPUKernelConfig) -> tirx.PrimFunc:

@@ -125,7 +125,7 @@ def backward_workspace_bytes(seqs: Sequences, *, heads: int, heads_k: int, head_
                              block_k: int, threads: int, grad_input_elements: int = 1, score_mods: bool = False) -> int:
     """Q and dO packed to fp32 with their row statistics, K, K^T and V^T packed, the fp32 dQ, dK
     and dV accumulators: 3 fp32 copies of q and 5 of k at any thread count. Per thread: its tile
-    buffers and its partial gradients of captured tensors."""
+    buffers and its partial gradients of captured tensors (all of them, one row)."""
     rows_q = heads * seqs.query_tiles * block_q
     rows_k = heads_k * seqs.key_tiles * block_k
     shared = (3 * rows_q * head_dim + 3 * rows_q + 5 * rows_k * head_dim) * F32

@@ -177,7 +177,7 @@ class FlashKernels:
                      threads=threads)
         if kernel == "forward":
             return plan.forward_workspace_bytes(seqs, **sizes)
-        grad_elements = max([math.prod(i[1]) for i in self._mod_inputs if i[3]] + [1])
+        grad_elements = max(sum(math.prod(i[1]) for i in self._mod_inputs if i[3]), 1)
         return plan.backward_workspace_bytes(seqs, grad_input_elements=grad_elements, **sizes)
 
     # --- CUDA --------------------------------------------------------------------------------

@@ -79,13 +79,14 @@ class AttentionSpec:
     @property
     def mod_inputs(self) -> tuple[ModInput, ...]:
         """Every input tensor of the mods, in kernel-argument order."""
-        found = []
+        found: dict[str, ModInput] = {}
         for mod in (*self.score_mods, *((self.mask_mod,) if self.mask_mod is not None else ())):
-            found += list(_inputs_of(mod))
-        names = [i.name for i in found]
-        if len(set(names)) != len(names):
-            raise ValueError(f"score/mask mods declare the same input twice: {names}")
-        return tuple(found)
+            for i in _inputs_of(mod):
+                # a score_mod and a mask_mod may read the same captured tensor: one input
+                if i.name in found and found[i.name] != i:
+                    raise ValueError(f"score/mask mods declare two different inputs named {i.name!r}")
+                found[i.name] = i
+        return tuple(found.values())
 
     @property
     def grad_inputs(self) -> tuple[ModInput, ...]:

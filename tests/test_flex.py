@@ -1,0 +1,313 @@
+"""flex_attention: score_mod / mask_mod fused into the forward and backward kernels, against a
+dense float64 reference (the same functions applied to materialised scores, torch autograd),
+by the flash-attn rule; block sparsity; captured tensors and their gradients; torch.compile,
+opcheck; clear errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import DTYPES, assert_flash_rule
+from tvmflash import create_block_mask, flex_attention, flex_trace
+from tvmflash.flex import tile_maps
+from tvmflash.reference import reference_attention
+
+
+def _randint(gen, lo, hi):
+    return int(torch.randint(lo, hi + 1, (1,), generator=gen))
+
+
+def _check(gen, seed, *, dtype="float32", head_dim=64, heads=4, heads_k=2, seqlen_q=None, seqlen_k=None,
+           score_mod=None, mask_mod=None, captured=(), tag=""):
+    """flex_attention(q, k, v) and its gradients (q, k, v and captured tensors requiring grad) vs
+    float64 by the flash-attn rule. ``captured``: (name, tensor) the functions close over; they
+    are recreated in float64 for the reference through ``rebuild(**tensors)``."""
+    batch = _randint(gen, 1, 2)
+    seqlen_q = seqlen_q or _randint(gen, 70, 260)
+    seqlen_k = seqlen_k or _randint(gen, 70, 260)
+    torch_dtype = DTYPES[dtype]
+    q = torch.randn(batch, heads, seqlen_q, head_dim, generator=gen).to(torch_dtype).requires_grad_()
+    k, v = (torch.randn(batch, heads_k, seqlen_k, head_dim, generator=gen).to(torch_dtype).requires_grad_()
+            for _ in range(2))
+    dout = torch.randn(q.shape, generator=gen).to(torch_dtype)
+    block_mask = None if mask_mod is None else create_block_mask(mask_mod, None, None, seqlen_q, seqlen_k)
+    out, lse = flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask, enable_gqa=heads != heads_k,
+                              return_lse=True)
+    trainable = [t for _, t in captured if t.requires_grad]
+    grads = torch.autograd.grad(out, (q, k, v, *trainable), dout)
+    assert out.shape == q.shape and out.dtype == torch_dtype and lse.shape == (batch, heads, seqlen_q)
+
+    mask = None if mask_mod is None else flex_trace.dense_mask(mask_mod, batch, heads, seqlen_q, seqlen_k)
+    results = {}
+    for ref_dtype in (torch.float64, torch_dtype):
+        leaves = [t.detach().to(ref_dtype).requires_grad_() for t in (q, k, v)]
+        extra = [t.detach().to(ref_dtype).requires_grad_() for t in trainable]
+        ref_out, ref_lse = reference_attention(*(t.transpose(1, 2) for t in leaves), score_mod=_with(score_mod, captured, extra),
+                                               mask=mask, dtype=ref_dtype)
+        ref_out = ref_out.transpose(1, 2)
+        ref_grads = torch.autograd.grad(ref_out, leaves + extra, dout.to(ref_dtype), allow_unused=True)
+        results[ref_dtype] = [ref_out, ref_lse, *ref_grads]
+    names = ["out", "lse", "dq", "dk", "dv", *(f"d{n}" for n, t in captured if t.requires_grad)]
+    sees_a_key = torch.isfinite(results[torch.float64][1])
+    for i, (name, ours) in enumerate(zip(names, [out, lse, *grads])):
+        f64, same = results[torch.float64][i].detach(), results[torch_dtype][i]
+        same = f64 if same is None else same.detach()
+        if name == "lse":
+            assert torch.equal(torch.isfinite(ours), sees_a_key), f"{tag}: -inf rows differ"
+            ours, f64, same = ours[sees_a_key], f64[sees_a_key], same[sees_a_key]
+            if ours.numel() == 0:
+                continue
+            assert_flash_rule(f"{tag} lse", ours, f64, same.float(), torch.float32, seed, ulps=8)
+            continue
+        if name in ("out", "dq"):  # rows that see no key: exactly 0
+            blind = ~sees_a_key[..., None]
+            assert torch.all(ours.masked_select(blind) == 0), f"{tag} {name}: rows without keys are not 0"
+        # accumulations over many terms: ulps of the largest term's size
+        magnitude = float(f64.abs().max()) * (16 if name.startswith("d") else 1) + 1
+        assert_flash_rule(f"{tag} {name}", ours.float() if name not in ("out", "dq", "dk", "dv") else ours, f64,
+                          same if name in ("out", "dq", "dk", "dv") else same.float(),
+                          torch_dtype if name in ("out", "dq", "dk", "dv") else torch.float32, seed,
+                          ulps=16, magnitude=magnitude)
+
+
+def _with(score_mod, captured, replacements):
+    """score_mod for the reference: the same function, its trainable captured tensors swapped
+    for float64 leaves (the function reads them through the module-level dict ``LIVE``)."""
+    if score_mod is None:
+        return None
+    trainable = [n for n, t in captured if t.requires_grad]
+
+    def ref_mod(s, b, h, i, j):
+        saved = {n: LIVE[n] for n in trainable}
+        LIVE.update(dict(zip(trainable, replacements)))
+        try:
+            return score_mod(s, b, h, i, j)
+        finally:
+            LIVE.update(saved)
+
+    return ref_mod
+
+
+LIVE: dict[str, torch.Tensor] = {}
+
+
+# --- masks -------------------------------------------------------------------------------------
+def causal(b, h, q_idx, kv_idx):
+    return q_idx >= kv_idx
+
+
+def test_causal_and_sliding_windows(gen, seed):
+    _check(gen, seed, mask_mod=causal, tag="causal")
+    left, right = _randint(gen, 1, 90), _randint(gen, 0, 40)
+
+    def window(b, h, q_idx, kv_idx):
+        return (q_idx - kv_idx <= left) & (kv_idx - q_idx <= right)
+
+    _check(gen, seed, mask_mod=window, tag=f"window ({left}, {right})")
+
+
+def test_document_mask_with_random_boundaries(gen, seed):
+    n = _randint(gen, 150, 300)
+    cuts = sorted(torch.randperm(n - 1, generator=gen)[: _randint(gen, 1, 6)].add(1).tolist())
+    document = torch.zeros(n, dtype=torch.int32)
+    for c in cuts:
+        document[c:] += 1
+
+    def same_document(b, h, q_idx, kv_idx):
+        return (document[q_idx] == document[kv_idx]) & (q_idx >= kv_idx)
+
+    _check(gen, seed, seqlen_q=n, seqlen_k=n, mask_mod=same_document, tag=f"documents {cuts}")
+
+
+def test_prefix_lm(gen, seed):
+    prefix = _randint(gen, 1, 100)
+
+    def prefix_lm(b, h, q_idx, kv_idx):
+        return (kv_idx < prefix) | (q_idx >= kv_idx)
+
+    _check(gen, seed, mask_mod=prefix_lm, tag=f"prefix {prefix}")
+
+
+def test_fully_masked_rows_give_zero_output_and_gradients(gen, seed):
+    """Queries past the key length see nothing (q_idx < 40 sees no key here)."""
+    def late_keys(b, h, q_idx, kv_idx):
+        return kv_idx <= q_idx - 40
+
+    _check(gen, seed, seqlen_q=150, seqlen_k=150, mask_mod=late_keys, tag="blind rows")
+
+
+# --- score mods ----------------------------------------------------------------------------------
+def test_softcap_and_alibi(gen, seed):
+    cap = 12.0
+    slopes = torch.rand(4, generator=gen) * 0.5
+    LIVE["slopes"] = slopes
+
+    def softcap(score, b, h, q_idx, kv_idx):
+        return cap * torch.tanh(score / cap)
+
+    def alibi(score, b, h, q_idx, kv_idx):
+        return score + LIVE["slopes"][h] * (kv_idx - q_idx)
+
+    _check(gen, seed, score_mod=softcap, mask_mod=causal, tag="softcap")
+    _check(gen, seed, score_mod=alibi, captured=[("slopes", slopes)], tag="alibi")
+
+
+@pytest.mark.parametrize("trainable", [False, True], ids=["frozen", "learnable"])
+def test_relative_position_bias_table(gen, seed, trainable):
+    """score + bias[h, q_idx - kv_idx + 300]: a learnable table gets its gradient (scatter-add)."""
+    table = (torch.randn(4, 600, generator=gen) * 0.5).requires_grad_(trainable)
+    LIVE["table"] = table
+
+    def relative_bias(score, b, h, q_idx, kv_idx):
+        return score + LIVE["table"][h, q_idx - kv_idx + 300]
+
+    _check(gen, seed, score_mod=relative_bias, captured=[("table", table)], tag=f"bias table ({trainable})")
+
+
+@pytest.mark.parametrize("dtype,head_dim", [("bfloat16", 64), ("float32", 32), ("bfloat16", 128), ("float32", 256)])
+def test_dtypes_and_head_dims(gen, seed, dtype, head_dim):
+    def tanh_mod(score, b, h, q_idx, kv_idx):
+        return 20 * torch.tanh(score / 20)
+
+    _check(gen, seed, dtype=dtype, head_dim=head_dim, score_mod=tanh_mod, mask_mod=causal,
+           tag=f"{dtype} d={head_dim}")
+
+
+def test_mqa(gen, seed):
+    _check(gen, seed, heads=6, heads_k=1, mask_mod=causal, tag="mqa")
+
+
+# --- block sparsity ------------------------------------------------------------------------------
+def _dense_states(mask_mod, seqlen_q, seqlen_k, tile):
+    dense = flex_trace.dense_mask(mask_mod, 1, 1, seqlen_q, seqlen_k)[0, 0]
+    states = []
+    for q0 in range(0, seqlen_q, tile):
+        row = []
+        for k0 in range(0, seqlen_k, tile):
+            part = dense[q0:q0 + tile, k0:k0 + tile]
+            row.append(0 if not part.any() else 2 if part.all() and part.shape == (tile, tile) else 1)
+        states.append(row)
+    return torch.tensor(states, dtype=torch.int8)
+
+
+def test_tile_maps_match_the_mask(gen):
+    n = 1000
+
+    def window(b, h, q_idx, kv_idx):
+        return (q_idx >= kv_idx) & (q_idx - kv_idx < 300)
+
+    mask = create_block_mask(window, None, None, n, n)
+    states, ranges = tile_maps(mask, n, n, 64, 64)
+    expected = _dense_states(window, n, n, 64)
+    # a tile inside a partial 128-block may itself be full or empty: never claim more than the mask
+    assert torch.all((states[0, 0] == 0) <= (expected == 0)) and torch.all((states[0, 0] == 2) <= (expected == 2))
+    assert torch.all((expected == 1) <= (states[0, 0] == 1))
+    first, end = ranges[0, 0, :, 0], ranges[0, 0, :, 1]
+    nonempty = states[0, 0] != 0
+    for t in range(states.shape[2]):
+        keys = torch.nonzero(nonempty[t]).flatten()
+        assert (int(first[t]), int(end[t])) == ((int(keys[0]), int(keys[-1]) + 1) if len(keys) else (first[t], end[t]))
+
+
+def test_tiles_the_block_mask_leaves_empty_or_full_follow_it(gen):
+    """torch's semantics: an empty block is skipped, a full block skips mask_mod. A block mask
+    that disagrees with its mask_mod on purpose shows both (the kernels follow the block mask)."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    n = 256  # 2 x 2 blocks of 128
+    q, k, v = (torch.randn(1, 1, n, 32, generator=gen) for _ in range(3))
+
+    def nothing_allowed(b, h, q_idx, kv_idx):
+        return q_idx < 0
+
+    # block (0, 0) full (mask_mod never evaluated: attends everywhere), (1, 1) partial (mask_mod:
+    # nothing), the rest empty (skipped)
+    kv_num = torch.tensor([[[0, 1]]], dtype=torch.int32)
+    kv_idx = torch.tensor([[[[0, 0], [1, 0]]]], dtype=torch.int32)
+    full_num = torch.tensor([[[1, 0]]], dtype=torch.int32)
+    full_idx = torch.tensor([[[[0, 0], [0, 0]]]], dtype=torch.int32)
+    mask = BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=128, mask_mod=nothing_allowed,
+                                    seq_lengths=(n, n))
+    out = flex_attention(q, k, v, block_mask=mask)
+    dense = torch.zeros(n, n, dtype=torch.bool)
+    dense[:128, :128] = True
+    ref, _ = reference_attention(*(t.double().transpose(1, 2) for t in (q, k, v)), mask=dense)
+    torch.testing.assert_close(out.double(), ref.transpose(1, 2), atol=1e-6, rtol=0)
+    assert torch.all(out[0, 0, 128:] == 0)
+
+
+def test_agrees_with_torchs_own_flex_attention_forward(gen):
+    """torch's flex_attention (forward only on CPU) as a second oracle."""
+    from torch.nn.attention.flex_attention import flex_attention as torch_flex
+
+    q, k, v = (torch.randn(2, 4, 200, 64, generator=gen) for _ in range(3))
+    bias = torch.randn(4, 400, generator=gen)
+
+    def score_mod(score, b, h, q_idx, kv_idx):
+        return score + bias[h, q_idx - kv_idx + 200]
+
+    mask = create_block_mask(causal, None, None, 200, 200)
+    ours, lse = flex_attention(q, k, v, score_mod=score_mod, block_mask=mask, return_lse=True)
+    theirs, their_lse = torch_flex(q, k, v, score_mod=score_mod, block_mask=mask, return_lse=True)
+    torch.testing.assert_close(ours, theirs, atol=2e-5, rtol=0)
+    torch.testing.assert_close(lse, their_lse, atol=2e-5, rtol=0)
+
+
+# --- integration ----------------------------------------------------------------------------------
+def test_torch_compile(gen):
+    """Under torch.compile the Python wrapper (tracing the mods, the tile maps) runs eagerly at a
+    graph break; the fused ops themselves are torch custom ops (see test_opcheck)."""
+    q, k, v = (torch.randn(1, 2, 100, 32, generator=gen).requires_grad_() for _ in range(3))
+    mask = create_block_mask(causal, None, None, 100, 100)
+
+    def loss(q, k, v):
+        return flex_attention(q, k, v, score_mod=lambda s, b, h, i, j: s * 0.5, block_mask=mask).square().sum()
+
+    compiled = torch.compile(loss, backend="aot_eager")
+    eager = torch.autograd.grad(loss(q, k, v), (q, k, v))
+    got = torch.autograd.grad(compiled(q, k, v), (q, k, v))
+    for a, b in zip(got, eager):
+        torch.testing.assert_close(a, b)
+
+
+def test_opcheck(gen):
+    from tvmflash.flex import _flex_forward, _register_spec, _traced
+    from tvmflash.spec import AttentionSpec
+
+    bias = torch.randn(2, 64, generator=gen, requires_grad=True)
+
+    def score_mod(score, b, h, q_idx, kv_idx):
+        return score + bias[h, kv_idx]
+
+    traced = _traced("score_mod", score_mod)
+    spec_key = _register_spec(AttentionSpec(32, "float32", score_mods=(traced,)))
+    q, k, v = (torch.randn(1, 2, 40, 32, generator=gen, requires_grad=True) for _ in range(3))
+    torch.library.opcheck(_flex_forward, (q, k, v, [bias], None, None, 0.2, spec_key))
+
+
+@pytest.mark.parametrize("score_mod,match", [
+    (lambda s, b, h, q, k: torch.cumsum(s.reshape(1), 0)[0], "aten.cumsum"),
+    (lambda s, b, h, q, k: s if s > 0 else -s, "torch.where"),
+    (lambda s, b, h, q, k: (s > 0), "floating-point score"),
+])
+def test_clear_errors(score_mod, match):
+    q = torch.randn(1, 1, 16, 32)
+    with pytest.raises(ValueError, match=match):
+        flex_attention(q, q, q, score_mod=score_mod)
+
+
+def test_error_for_captured_tensor_on_another_device():
+    bias = torch.randn(4, device="meta")
+    q = torch.randn(1, 1, 16, 32)
+    with pytest.raises(ValueError, match="on device meta"):
+        flex_attention(q, q, q, score_mod=lambda s, b, h, qi, ki: s + bias[h])
+
+
+def test_error_for_gqa_without_enable_gqa_and_mismatched_block_mask():
+    q, k = torch.randn(1, 4, 16, 32), torch.randn(1, 2, 16, 32)
+    with pytest.raises(ValueError, match="enable_gqa"):
+        flex_attention(q, k, k)
+    mask = create_block_mask(causal, None, None, 32, 32)
+    with pytest.raises(ValueError, match="made for lengths"):
+        flex_attention(q, k, k, block_mask=mask, enable_gqa=True)

@@ -1,0 +1,332 @@
+"""``flex_attention`` with torch's FlexAttention API, forward *and* backward fused on the CPU.
+
+    from tvmflash import flex_attention, create_block_mask
+
+    def sliding_window(b, h, q_idx, kv_idx):
+        return (q_idx >= kv_idx) & (q_idx - kv_idx <= 256)
+
+    block_mask = create_block_mask(sliding_window, None, None, 4096, 4096)
+    out = flex_attention(q, k, v, score_mod=alibi, block_mask=block_mask)   # (B, H, N, D)
+    out.sum().backward()                                                    # fused backward
+
+The user's ``score_mod(score, b, h, q_idx, kv_idx)`` and the block mask's ``mask_mod(b, h,
+q_idx, kv_idx)`` are traced with torch's own tracer (``flex_trace``: ``make_fx``, the
+derivative from ``torch.func.vjp``), translated to TIR and compiled into the fused kernels
+(``kernels.py``): the score_mod runs on every score of every tile, the mask_mod only on the
+tiles the block mask marks partial, and the tiles it leaves empty are skipped in the forward
+and the backward. Tensors the functions capture are kernel inputs; those that require grad get
+their gradient from the backward kernel (scatter-added per thread, summed in a fixed order).
+
+Kernels are compiled once per traced graph (the graph's key: its code, constants, and the
+captured tensors' shapes and dtypes) and cached in memory and on disk like every kernel.
+Traces are reused for later calls of the same function code over the same kinds of captured
+values; the captured tensors are re-read each call.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import math
+
+import torch
+
+from . import checks, compiler, flex_trace
+from .runtime import FlashKernels
+from .spec import AttentionSpec
+
+_PRIMITIVES = (bool, int, float, str, type(None))
+
+
+# --- traces, reused across calls -------------------------------------------------------------
+def _describe(value):
+    """What about a captured value the trace depends on (not a tensor's data)."""
+    if isinstance(value, torch.Tensor):
+        return ("tensor", tuple(value.shape), str(value.dtype), bool(value.requires_grad), str(value.device))
+    if isinstance(value, _PRIMITIVES):
+        return ("value", value)
+    if isinstance(value, (tuple, list)) and all(isinstance(v, _PRIMITIVES) for v in value):
+        return ("value", tuple(value))
+    return ("object", id(value))
+
+
+def _signature(fn) -> tuple:
+    """The function's code and the kinds of values it closes over: equal signatures trace to
+    the same graph (captured tensors may differ in their data only)."""
+    code = getattr(fn, "__code__", None)
+    if code is None:
+        return ("object", id(fn))
+    closure = tuple(_describe(cell.cell_contents) for cell in (fn.__closure__ or ()))
+    defaults = tuple(_describe(v) for v in (fn.__defaults__ or ()))
+    referenced = tuple((name, _describe(fn.__globals__[name])) for name in code.co_names if name in fn.__globals__
+                       and isinstance(fn.__globals__[name], (torch.Tensor, *_PRIMITIVES)))
+    return (code, closure, defaults, referenced)
+
+
+_traces: dict = {}
+
+
+def _traced(kind: str, fn):
+    """``flex_trace.trace_score_mod``/``trace_mask_mod`` of ``fn``, reusing an earlier trace of
+    the same signature with this call's captured tensors (found by the names the trace uses)."""
+    trace = flex_trace.trace_score_mod if kind == "score_mod" else flex_trace.trace_mask_mod
+    if fn is None:
+        return None
+    key = (kind, _signature(fn))
+    cached = _traces.get(key)
+    if cached is not None:
+        current = {name: t for t_id, name in flex_trace._closure_names(fn).items()
+                   for t in _tensors_by_id(fn) if id(t) == t_id}
+        if all(c.name in current for c in cached.captured):
+            rebound = copy.copy(cached)
+            rebound.captured = [dataclasses.replace(c, tensor=current[c.name]) for c in cached.captured]
+            return rebound
+    traced = trace(fn)
+    _traces[key] = traced
+    return traced
+
+
+def _tensors_by_id(fn) -> list[torch.Tensor]:
+    """Tensors reachable the way ``flex_trace._closure_names`` looks for them (closure cells,
+    defaults, globals the code names, module parameters)."""
+    found = []
+    for value in [*(cell.cell_contents for cell in (getattr(fn, "__closure__", None) or ())),
+                  *(getattr(fn, "__defaults__", None) or ()),
+                  *(fn.__globals__.get(name) for name in getattr(getattr(fn, "__code__", None), "co_names", ())
+                    if hasattr(fn, "__globals__"))]:
+        if isinstance(value, torch.Tensor):
+            found.append(value)
+        elif isinstance(value, torch.nn.Module):
+            found += [t for _, t in value.named_parameters()] + [t for _, t in value.named_buffers()]
+    return found
+
+
+# --- block masks -------------------------------------------------------------------------------
+def create_block_mask(mask_mod, B, H, Q_LEN, KV_LEN, device="cpu", BLOCK_SIZE=128, _compile=False):
+    """torch's ``create_block_mask`` with the CPU as default device (torch's default is cuda).
+
+    Returns torch's own ``BlockMask``; ``flex_attention`` (torch's or ours) takes it.
+    """
+    from torch.nn.attention.flex_attention import create_block_mask as torch_create_block_mask
+
+    return torch_create_block_mask(mask_mod, B, H, Q_LEN, KV_LEN, device=device, BLOCK_SIZE=BLOCK_SIZE,
+                                   _compile=_compile)
+
+
+EMPTY, PARTIAL, FULL = 0, 1, 2
+
+
+def _block_states(block_mask) -> torch.Tensor:
+    """(B, H, q blocks, kv blocks) int8: EMPTY / PARTIAL (mask_mod evaluated) / FULL."""
+    num, idx = block_mask.kv_num_blocks, block_mask.kv_indices
+    states = torch.zeros(idx.shape, dtype=torch.int8)
+    if block_mask.full_kv_num_blocks is not None:
+        _mark(states, block_mask.full_kv_num_blocks, block_mask.full_kv_indices, FULL)
+    _mark(states, num, idx, PARTIAL)
+    return states
+
+
+def _mark(states, num, idx, value) -> None:
+    num, idx = num.cpu().long(), idx.cpu().long()
+    valid = torch.arange(idx.shape[-1])[None, None, None, :] < num[..., None]
+    rows = states.view(-1, states.shape[-1])
+    flat_idx = idx.reshape(-1, idx.shape[-1])
+    flat_valid = valid.expand_as(idx).reshape(-1, idx.shape[-1])
+    for r in torch.nonzero(flat_valid.any(-1)).flatten().tolist():
+        rows[r, flat_idx[r][flat_valid[r]]] = value
+
+
+def tile_maps(block_mask, seqlen_q: int, seqlen_k: int, block_q: int, block_k: int):
+    """The block mask at the kernel's tile size: (tile states int8 (B, H, q tiles, kv tiles),
+    kv ranges int32 (B, H, q tiles, 2): the first and past-the-last non-empty key tile).
+
+    A kernel tile covering several mask blocks is empty if all are, full if all are, partial
+    otherwise; with torch's default 128 x 128 blocks and 64 x 64 tiles each tile lies in one
+    block, so the states are the block mask's own.
+    """
+    bq_mask, bk_mask = block_mask.BLOCK_SIZE
+    states = _block_states(block_mask)
+    q_tiles, k_tiles = -(-seqlen_q // block_q), -(-seqlen_k // block_k)
+    q_blocks = _covered(q_tiles, block_q, bq_mask, seqlen_q, states.shape[2])
+    k_blocks = _covered(k_tiles, block_k, bk_mask, seqlen_k, states.shape[3])
+    low = torch.full((*states.shape[:2], q_tiles, k_tiles), FULL, dtype=torch.int8)
+    high = torch.full_like(low, EMPTY)
+    for qb in q_blocks:
+        for kb in k_blocks:
+            picked = states[:, :, qb][:, :, :, kb]
+            low, high = torch.minimum(low, picked), torch.maximum(high, picked)
+    tiles = torch.where(low == high, low, torch.full_like(low, PARTIAL))
+    nonempty = tiles != EMPTY
+    k_index = torch.arange(k_tiles, dtype=torch.int32)
+    first = torch.where(nonempty, k_index, k_tiles).amin(-1)
+    end = torch.where(nonempty, k_index + 1, 0).amax(-1)
+    ranges = torch.stack([first, torch.maximum(end, first)], -1).to(torch.int32)
+    return tiles.contiguous(), ranges.contiguous()
+
+
+def _covered(tiles: int, tile: int, block: int, length: int, blocks: int) -> list[torch.Tensor]:
+    """For each kernel tile, the mask blocks it covers, as index tensors: one per offset."""
+    first = torch.arange(tiles) * tile // block
+    last = torch.clamp(torch.minimum(torch.arange(tiles) * tile + tile, torch.tensor(length)) - 1, min=0) // block
+    span = int((last - first).max()) + 1 if tiles else 1
+    return [torch.clamp(torch.minimum(first + o, last), max=blocks - 1) for o in range(span)]
+
+
+# --- the ops -------------------------------------------------------------------------------------
+_specs: dict[str, AttentionSpec] = {}
+
+
+def _register_spec(spec: AttentionSpec) -> str:
+    key = spec.digest()
+    _specs.setdefault(key, spec)
+    return key
+
+
+def _kernels(q: torch.Tensor, spec_key: str) -> FlashKernels:
+    if q.device.type != "cpu":
+        raise NotImplementedError("tvmflash.flex_attention runs on CPU tensors (CUDA kernels with score/mask "
+                                  "mods are not built yet)")
+    return compiler.compile_spec({"kind": "llvm"}, _specs[spec_key])
+
+
+def _layout(t: torch.Tensor) -> torch.Tensor:
+    """(B, H, N, D) -> the kernels' (B, N, H, D), a view (the head dim must be contiguous)."""
+    t = t.transpose(1, 2)
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+@torch.library.custom_op("tvmflash::flex_forward", mutates_args=())
+def _flex_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, captured: list[torch.Tensor],
+                  tile_state: torch.Tensor | None, kv_range: torch.Tensor | None, scale: float,
+                  spec_key: str) -> tuple[torch.Tensor, torch.Tensor]:
+    batch, heads, seqlen_q, _ = q.shape
+    out = torch.empty(q.shape, dtype=q.dtype)
+    lse = torch.empty((batch, heads, seqlen_q), dtype=torch.float32)
+    kernels = _kernels(q, spec_key)
+    kernels.forward(_layout(q), _layout(k), _layout(v), out.transpose(1, 2), lse, scale,
+                    window_size=(-1, -1), mod_inputs=[c.contiguous() for c in captured],
+                    block_mask=None if tile_state is None else (tile_state, kv_range), diagonal=0)
+    return out, lse
+
+
+@_flex_forward.register_fake
+def _(q, k, v, captured, tile_state, kv_range, scale, spec_key):
+    return torch.empty_like(q), q.new_empty(q.shape[:3], dtype=torch.float32)
+
+
+@torch.library.custom_op("tvmflash::flex_backward", mutates_args=())
+def _flex_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                   lse: torch.Tensor, captured: list[torch.Tensor], tile_state: torch.Tensor | None,
+                   scale: float, spec_key: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+    dq, dk, dv = (torch.empty(t.shape, dtype=t.dtype) for t in (q, k, v))
+    spec = _specs[spec_key]
+    grads = [torch.empty(math.prod(i.shape), dtype=torch.float32) for i in spec.grad_inputs]
+    kernels = _kernels(q, spec_key)
+    kernels.backward(*(_layout(t) for t in (dout, q, k, v)), out.transpose(1, 2), lse, dq.transpose(1, 2),
+                     dk.transpose(1, 2), dv.transpose(1, 2), scale, window_size=(-1, -1),
+                     mod_inputs=[c.contiguous() for c in captured], mod_grads=grads,
+                     block_mask=None if tile_state is None else (tile_state,), diagonal=0)
+    return dq, dk, dv, grads
+
+
+@_flex_backward.register_fake
+def _(dout, q, k, v, out, lse, captured, tile_state, scale, spec_key):
+    spec = _specs[spec_key]
+    grads = [q.new_empty(math.prod(i.shape), dtype=torch.float32) for i in spec.grad_inputs]
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), grads
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, captured, tile_state, kv_range, scale, spec_key = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, tile_state, *captured)
+    ctx.scale, ctx.spec_key, ctx.n_captured = scale, spec_key, len(captured)
+    ctx.mark_non_differentiable(lse)
+
+
+def _autograd_backward(ctx, dout, _dlse):
+    q, k, v, out, lse, tile_state, *captured = ctx.saved_tensors
+    spec = _specs[ctx.spec_key]
+    dq, dk, dv, grads = _flex_backward(dout.contiguous(), q, k, v, out, lse, captured, tile_state, ctx.scale,
+                                       ctx.spec_key)
+    by_name = dict(zip((i.name for i in spec.grad_inputs), grads))
+    captured_grads = []
+    for info, tensor in zip(spec.mod_inputs, captured):
+        g = by_name.get(info.name)
+        captured_grads.append(None if g is None else g.reshape(tensor.shape).to(tensor.dtype))
+    return dq, dk, dv, captured_grads, None, None, None, None
+
+
+_flex_forward.register_autograd(_autograd_backward, setup_context=_setup_context)
+
+
+def _captured_tensors(mods) -> list[torch.Tensor]:
+    """The kernel inputs of the mods' captured tensors, in ``spec.mod_inputs`` order (one per name)."""
+    by_name: dict[str, torch.Tensor] = {}
+    for mod in mods:
+        for c in mod.captured:
+            if c.name in by_name and by_name[c.name] is not c.tensor:
+                raise ValueError(f"score_mod and mask_mod capture two different tensors named `{c.name}`; "
+                                 "rename one of them")
+            by_name[c.name] = c.tensor
+    return list(by_name.values())
+
+
+# --- the public function -------------------------------------------------------------------------
+@torch.compiler.disable  # tracing the user's functions is Python work dynamo cannot follow
+def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=None, enable_gqa=False,
+                   return_lse=False, kernel_options=None):
+    """torch's ``flex_attention`` (same arguments, layout (B, H, N, D), same results) with
+    tvmflash's fused kernels: forward and backward, on CPU tensors.
+
+    ``score_mod(score, b, h, q_idx, kv_idx) -> score`` modifies each scaled score;
+    ``block_mask`` (``create_block_mask``, torch's or ours) says which tiles to compute and, on
+    partial tiles, which scores to keep (its ``mask_mod``). Captured tensors that require grad
+    get their gradients. Returns ``out`` (B, H, Nq, D), or ``(out, lse)`` with lse (B, H, Nq)
+    in natural-log units. ``kernel_options`` is accepted for compatibility and ignored.
+    """
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            raise ValueError(f"{name} must have 4 dimensions (batch, heads, seqlen, head_dim), got {tuple(t.shape)}")
+    if value.shape[-1] != query.shape[-1]:
+        raise NotImplementedError(f"value head dim {value.shape[-1]} differs from query/key head dim "
+                                  f"{query.shape[-1]}: tvmflash needs them equal")
+    heads, heads_k = query.shape[1], key.shape[1]
+    if heads != heads_k and not checks.require_bool("enable_gqa", enable_gqa):
+        raise ValueError(f"query has {heads} heads and key {heads_k}: pass enable_gqa=True for grouped-query "
+                         "attention")
+    checks.require_bool("return_lse", return_lse)
+    checks.check_qkv(*(checks.info(t.transpose(1, 2), n) for n, t in (("query", query), ("key", key),
+                                                                      ("value", value))))
+    scale = checks.softmax_scale(scale, query.shape[-1])
+    seqlen_q, seqlen_k = query.shape[2], key.shape[2]
+    mask_mod = None
+    if block_mask is not None:
+        q_len, kv_len = block_mask.seq_lengths
+        if (q_len, kv_len) != (seqlen_q, seqlen_k):
+            raise ValueError(f"block_mask was made for lengths ({q_len}, {kv_len}), the inputs have "
+                             f"({seqlen_q}, {seqlen_k})")
+        mask_mod = block_mask.mask_mod
+        if getattr(mask_mod, "__name__", "") == "noop_mask":
+            mask_mod = None
+    traced_score = _traced("score_mod", score_mod)
+    traced_mask = _traced("mask_mod", mask_mod)
+    score_mods = (traced_score,) if traced_score is not None and not traced_score.is_identity else ()
+    spec = AttentionSpec(query.shape[-1], str(query.dtype).removeprefix("torch."), score_mods=score_mods,
+                         mask_mod=traced_mask, block_sparse=block_mask is not None)
+    spec_key = _register_spec(spec)
+    captured = _captured_tensors((*score_mods, *((traced_mask,) if traced_mask else ())))
+    tile_state = kv_range = None
+    if block_mask is not None:
+        kernels = _kernels(query, spec_key)
+        forward_cfg, backward_cfg = kernels.configs["forward"], kernels.configs["backward"]
+        if (forward_cfg.block_q, forward_cfg.block_k) != (backward_cfg.block_q, backward_cfg.block_k):
+            raise NotImplementedError("block masks need the forward and backward kernels on the same tiles")
+        tile_state, kv_range = tile_maps(block_mask, seqlen_q, seqlen_k, forward_cfg.block_q, forward_cfg.block_k)
+    out, lse = _flex_forward(query, key, value, captured, tile_state, kv_range, scale, spec_key)
+    return (out, lse) if return_lse else out
+
+
+__all__ = ["create_block_mask", "flex_attention", "tile_maps"]
