@@ -69,14 +69,15 @@ def random_inputs(gen: torch.Generator, batch, seqlen_q, seqlen_k, heads, heads_
             draw(batch, seqlen_k, heads_k, head_dim))
 
 
-def assert_matches_reference(tag: str, inputs, results, causal: bool, seed: int, scale=None):
-    """out, lse, dq, dk, dv of (q, k, v, dout) vs float64, by the flash-attn rule (each tensor)."""
+def assert_matches_reference(tag: str, inputs, results, causal: bool, seed: int, scale=None, **variant):
+    """out, lse, dq, dk, dv of (q, k, v, dout) vs float64, by the flash-attn rule (each tensor).
+    ``variant``: reference_attention's window_size / softcap / alibi_slopes."""
     q, k, v, dout = (t.detach() for t in inputs)
     dtype = q.dtype
     ref = {}
     for name, dt in (("f64", torch.float64), ("same", dtype)):
         leaves = [t.to(dt, copy=True).requires_grad_() for t in (q, k, v)]
-        o, lse_ref = reference_attention(*leaves, causal, scale, dtype=dt)
+        o, lse_ref = reference_attention(*leaves, causal, scale, dtype=dt, **variant)
         ref[name] = (o, lse_ref, *torch.autograd.grad(o, leaves, dout.to(dt)))
     # Size of the terms summed or cancelled on the way to each result: out averages rows of v, dv
     # sums P-weighted rows of dO; dS = P (dP - Delta) subtracts two dot products dO . v and dO . o

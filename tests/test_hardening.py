@@ -200,7 +200,7 @@ def test_outputs_that_alias_inputs_or_themselves_are_rejected(kernels):
 # --- 2, 3, 5. the disk cache -------------------------------------------------------------------------
 def _entry(tmp_path, monkeypatch):
     monkeypatch.setenv("TVMFLASH_CACHE_DIR", str(tmp_path))
-    compiler._memory_cache.clear()
+    compiler.clear_memory_cache()
     kern = tvmflash.compile("llvm", head_dim=32, dtype="float32")
     return kern, tmp_path / f"{kern.meta['cache_key']}.so"
 
@@ -286,14 +286,14 @@ def test_new_cache_directories_are_private(tmp_path, monkeypatch):
 def test_planted_entry_in_a_foreign_directory_is_never_loaded(tmp_path, monkeypatch):
     kern, so = _entry(tmp_path, monkeypatch)
     os.chmod(tmp_path, 0o775)  # group-writable: someone else could have planted the .so
-    compiler._memory_cache.clear()
+    compiler.clear_memory_cache()
     with pytest.raises(cache.UnsafeCacheError):
         tvmflash.compile("llvm", head_dim=32, dtype="float32")
 
 
 def test_failing_cache_write_is_a_warning(tmp_path, monkeypatch):
     monkeypatch.setenv("TVMFLASH_CACHE_DIR", str(tmp_path))
-    compiler._memory_cache.clear()
+    compiler.clear_memory_cache()
 
     def disk_full(*args, **kwargs):
         raise OSError(28, "No space left on device")

@@ -42,6 +42,10 @@ _CODEGEN_SOURCES = {
     "cuda": (*_SHARED, _PACKAGE / "kernels_cuda.py", _SCHEDULES / "cuda.py"),
 }
 _memory_cache: dict[str, FlashKernels] = {}
+# (target, spec, options, steering environment) -> the kernels compile_spec returned: the ops ask
+# on every call, and choosing configs and hashing the request takes ~ms.
+_request_memo: dict[tuple, FlashKernels] = {}
+_STEERING_ENV = ("TVMFLASH_CACHE_DIR", "TVMFLASH_TUNE_LOGS", "TVMFLASH_PREBUILT")
 _lock = threading.Lock()
 
 
@@ -162,6 +166,31 @@ def compile(  # noqa: A001 - the public name the API promises
 def compile_spec(target, spec: AttentionSpec, *, causal: bool = False, config=None, tuned: bool = True,
                  seqlen: int | None = None, cache: bool = True, deterministic: bool = False) -> FlashKernels:
     """``compile`` for any spec (score/mask mods, block sparsity, fp32 results)."""
+    memo = None
+    if cache and config is None and isinstance(target, (str, dict)):
+        memo = (json.dumps(target, sort_keys=True), spec.digest(), spec.mod_inputs, causal, deterministic, tuned,
+                seqlen, records.generation, *(os.environ.get(name) for name in _STEERING_ENV))
+        with _lock:
+            found = _request_memo.get(memo)
+        if found is not None:
+            return found
+    kernels_obj = _compile_spec(target, spec, causal=causal, config=config, tuned=tuned, seqlen=seqlen, cache=cache,
+                                deterministic=deterministic)
+    if memo is not None:
+        with _lock:
+            _request_memo[memo] = kernels_obj
+    return kernels_obj
+
+
+def clear_memory_cache() -> None:
+    """Forget every compiled kernel held in this process (the disk cache stays)."""
+    with _lock:
+        _memory_cache.clear()
+        _request_memo.clear()
+
+
+def _compile_spec(target, spec: AttentionSpec, *, causal: bool, config, tuned: bool, seqlen: int | None,
+                  cache: bool, deterministic: bool) -> FlashKernels:
     if cache:
         prebuilt = _find_prebuilt(target, spec, causal, deterministic, config, tuned)
         if prebuilt is not None:

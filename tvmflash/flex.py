@@ -127,13 +127,13 @@ def _block_states(block_mask) -> torch.Tensor:
 
 
 def _mark(states, num, idx, value) -> None:
+    """states[b, h, q, idx[b, h, q, n]] = value for n < num[b, h, q] (one scatter)."""
     num, idx = num.cpu().long(), idx.cpu().long()
     valid = torch.arange(idx.shape[-1])[None, None, None, :] < num[..., None]
-    rows = states.view(-1, states.shape[-1])
-    flat_idx = idx.reshape(-1, idx.shape[-1])
-    flat_valid = valid.expand_as(idx).reshape(-1, idx.shape[-1])
-    for r in torch.nonzero(flat_valid.any(-1)).flatten().tolist():
-        rows[r, flat_idx[r][flat_valid[r]]] = value
+    blocks = states.shape[-1]
+    marks = torch.zeros((*states.shape[:-1], blocks + 1), dtype=torch.bool)  # column `blocks`: invalid entries
+    marks.scatter_(-1, torch.where(valid, idx, blocks).expand(*states.shape[:-1], -1), True)
+    states.masked_fill_(marks[..., :blocks], value)
 
 
 def tile_maps(block_mask, seqlen_q: int, seqlen_k: int, block_q: int, block_k: int):
@@ -153,7 +153,7 @@ def tile_maps(block_mask, seqlen_q: int, seqlen_k: int, block_q: int, block_k: i
     high = torch.full_like(low, EMPTY)
     for qb in q_blocks:
         for kb in k_blocks:
-            picked = states[:, :, qb][:, :, :, kb]
+            picked = states.index_select(2, qb).index_select(3, kb)
             low, high = torch.minimum(low, picked), torch.maximum(high, picked)
     tiles = torch.where(low == high, low, torch.full_like(low, PARTIAL))
     nonempty = tiles != EMPTY

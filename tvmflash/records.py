@@ -92,8 +92,16 @@ def lookup(target_key: str, spec: AttentionSpec, kernel: str, seqlen: int | None
                     f"{entry['speedup']:.2f}x the hand-written config in the same-run check")
 
 
+# Bumped by every write in this process: compiler.compile_spec memoizes its config choice per
+# request and re-chooses after a tuner run (records written by other processes are read at the
+# next process start, or by compiling with an explicit config).
+generation = 0
+
+
 def write(root: Path, target_key: str, spec: AttentionSpec, kernel: str, entry: dict) -> Path:
     """Add or replace one kernel's record (the tuner's output)."""
+    global generation
+    generation += 1
     path = record_path(root, target_key, spec)
     path.parent.mkdir(parents=True, exist_ok=True)
     data = {"version": VERSION, **read(path), kernel: entry}

@@ -71,6 +71,25 @@ def tanh(x: tirx.PrimExpr) -> tirx.PrimExpr:
     return tirx.Select(ax < _f32(_TANH_SMALL), small, signed)
 
 
+_LOG2E_HI = float(np.float32(LOG2E))
+_LOG2E_LO = LOG2E - _LOG2E_HI
+
+
+def fast_exp(x: tirx.PrimExpr) -> tirx.PrimExpr:
+    """e^x through the kernels' polynomial exp2 (vectorizes; ``T.exp`` is a libm call per element):
+    x log2(e) with log2(e) as an fp32 hi + lo pair, relative error ~1e-7."""
+    return exp2(x * _f32(_LOG2E_HI) + x * _f32(_LOG2E_LO))
+
+
+def fast_sigmoid(x: tirx.PrimExpr) -> tirx.PrimExpr:
+    return _f32(1.0) / (_f32(1.0) + fast_exp(-x))
+
+
+# Vectorizable versions of the transcendental functions traced score_mods use most (the rest
+# stay libm calls: correct, slower).
+FAST_INTRINSICS = {"exp": fast_exp, "exp2": exp2, "tanh": tanh, "sigmoid": fast_sigmoid}
+
+
 class _Softcap:
     """s -> c tanh(s / c), c = softcap[0]."""
 
@@ -117,13 +136,14 @@ class _Traced:
         self.traced = traced
 
     def score(self, s, ctx):
-        return self.traced.emit(s, ctx.b, ctx.h, ctx.q_idx, ctx.kv_idx, ctx.buffers)
+        return self.traced.emit(s, ctx.b, ctx.h, ctx.q_idx, ctx.kv_idx, ctx.buffers, intrinsics=FAST_INTRINSICS)
 
     def grad(self, s, ctx):
-        return self.traced.emit_grad(s, ctx.b, ctx.h, ctx.q_idx, ctx.kv_idx, ctx.buffers)
+        return self.traced.emit_grad(s, ctx.b, ctx.h, ctx.q_idx, ctx.kv_idx, ctx.buffers, intrinsics=FAST_INTRINSICS)
 
     def captured_grads(self, s, ctx, upstream):
-        return self.traced.emit_captured_grads(s, ctx.b, ctx.h, ctx.q_idx, ctx.kv_idx, upstream, ctx.buffers)
+        return self.traced.emit_captured_grads(s, ctx.b, ctx.h, ctx.q_idx, ctx.kv_idx, upstream, ctx.buffers,
+                                               intrinsics=FAST_INTRINSICS)
 
 
 def _emitter(mod):
@@ -170,7 +190,7 @@ class Emitters:
     def mask(self, ctx):
         if self.mask_mod is None:
             return tirx.const(True, "bool")
-        return self.mask_mod.emit(ctx.b, ctx.h, ctx.q_idx, ctx.kv_idx, ctx.buffers)
+        return self.mask_mod.emit(ctx.b, ctx.h, ctx.q_idx, ctx.kv_idx, ctx.buffers, intrinsics=FAST_INTRINSICS)
 
 
 def emitters(spec: AttentionSpec) -> Emitters:

@@ -14,20 +14,12 @@ The public functions have flash-attn 2's names, positional order and return valu
 
 from __future__ import annotations
 
-import os
 
 import torch
 
 from . import checks, compiler
 from .runtime import FlashKernels
 from .spec import SUPPORTED_DTYPES, Alibi, AttentionSpec, Softcap
-
-# compile() resolves the target, configs and tuning records on every call (~ms); the ops ask on
-# every call, so they remember the answer per request. The environment that steers compile() is
-# part of the request.
-_STEERING_ENV = ("TVMFLASH_CACHE_DIR", "TVMFLASH_TUNE_LOGS", "TVMFLASH_PREBUILT")
-_kernels_by_request: dict[tuple, FlashKernels] = {}
-
 
 def _dtype_name(t: torch.Tensor) -> str:
     return str(t.dtype).removeprefix("torch.")
@@ -49,15 +41,9 @@ def kernels_for(q: torch.Tensor, *, causal: bool = False, deterministic: bool = 
     else:
         raise ValueError(f"tvmflash runs on cpu and cuda tensors, got {q.device}")
     dtype = _dtype_name(q)
-    request = (*target.values(), q.shape[-1], dtype, causal, deterministic, softcap, alibi, fp32_results,
-               *(os.environ.get(name) for name in _STEERING_ENV))
-    found = _kernels_by_request.get(request)
-    if found is None:
-        mods = (Softcap(),) * softcap + (Alibi(),) * alibi
-        spec = AttentionSpec(q.shape[-1], dtype, "float32" if fp32_results else dtype, score_mods=mods)
-        found = _kernels_by_request[request] = compiler.compile_spec(target, spec, causal=causal,
-                                                                     deterministic=deterministic)
-    return found
+    mods = (Softcap(),) * softcap + (Alibi(),) * alibi
+    spec = AttentionSpec(q.shape[-1], dtype, "float32" if fp32_results else dtype, score_mods=mods)
+    return compiler.compile_spec(target, spec, causal=causal, deterministic=deterministic)
 
 
 def _lse_shape(q: torch.Tensor, varlen: bool) -> tuple:

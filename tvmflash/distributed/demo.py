@@ -92,7 +92,7 @@ def _full_inputs(args, device):
 
 def _attention(args):
     from tvmflash import distributed as tdist
-    from tvmflash import flash_attn_func
+    from tvmflash.torch_op import flash_attn_func
 
     if args.impl == "single":
         return lambda q, k, v: flash_attn_func(q, k, v, causal=args.causal, return_lse=True)
@@ -212,7 +212,7 @@ def _reference64(q, k, v, dout, causal: bool, scale: float):
 
 
 def _check(args, full, got) -> bool:
-    from tvmflash import flash_attn_func
+    from tvmflash.torch_op import flash_attn_func
 
     q, k, v, dout = (t.cpu() for t in full)
     got = [t.cpu() for t in got]
