@@ -26,12 +26,17 @@ def test_opcheck_forward_and_backward(gen, window, softcap, alibi):
     torch.library.opcheck(bwd_op, (dout, q.detach(), k.detach(), v.detach(), out.detach(), lse, *args))
 
 
-def test_torch_compile_fullgraph_matches_eager(gen):
+@pytest.mark.parametrize("variant", [{}, {"window_size": (7, 3), "softcap": 9.0}, {"alibi": True}],
+                         ids=["causal", "window-softcap", "alibi"])
+def test_torch_compile_fullgraph_matches_eager(gen, variant):
     q, k, v = random_inputs(gen, 2, 40, 40, 2, 1, 64, "float32", requires_grad=True)
     w = torch.randn(2, 40, 2, 64, generator=gen)
+    kwargs = dict(variant)
+    if kwargs.pop("alibi", False):
+        kwargs["alibi_slopes"] = torch.rand(2, generator=gen)
 
     def loss_fn(q, k, v):
-        return (flash_attn_func(torch.tanh(q), k, v, causal=True) * w).sum()
+        return (flash_attn_func(torch.tanh(q), k, v, causal=True, **kwargs) * w).sum()
 
     compiled = torch.compile(loss_fn, fullgraph=True, backend="aot_eager")
     eager_loss = loss_fn(q, k, v)

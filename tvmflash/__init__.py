@@ -8,7 +8,7 @@
     out = flash_attn_func(q, k, v, causal=True)             # (batch, seqlen, heads, head_dim)
     from tvmflash import flex_attention                     # torch's FlexAttention API, fused backward
 
-Layers (imports point down): the PyTorch functions (``torch_op``, ``varlen``, ``flex``) and
+Layers (imports point down): the PyTorch functions (``torch_op``, ``flex``, ``integrations``) and
 tools (``tune``, ``bench``, ``demo``) use ``compiler`` (what to build, caches), which uses
 ``runtime`` (kernel objects, launch planning, ``load``; TVM's runtime alone) and, on a cache
 miss only, ``build`` (code generation: ``kernels``, ``kernels_cuda``, ``schedules``). Below them
