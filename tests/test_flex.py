@@ -252,23 +252,36 @@ def test_agrees_with_torchs_own_flex_attention_forward(gen):
     theirs, their_lse = torch_flex(q, k, v, score_mod=score_mod, block_mask=mask, return_lse=True)
     torch.testing.assert_close(ours, theirs, atol=2e-5, rtol=0)
     torch.testing.assert_close(lse, their_lse, atol=2e-5, rtol=0)
+    from torch.nn.attention.flex_attention import AuxRequest
+
+    out_aux, aux = flex_attention(q, k, v, score_mod=score_mod, block_mask=mask, return_aux=AuxRequest(lse=True))
+    assert torch.equal(out_aux, ours) and torch.equal(aux.lse, lse) and aux.max_scores is None
 
 
 # --- integration ----------------------------------------------------------------------------------
-def test_torch_compile(gen):
-    """Under torch.compile the Python wrapper (tracing the mods, the tile maps) runs eagerly at a
-    graph break; the fused ops themselves are torch custom ops (see test_opcheck)."""
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_torch_compile_fullgraph(gen, backend):
+    """The whole call compiles into one graph: tracing the mods and compiling the kernels happen
+    once while dynamo traces; captured tensors are graph inputs read on every call (a trainable
+    bias gets its gradient), the tile maps are tensor code."""
     q, k, v = (torch.randn(1, 2, 100, 32, generator=gen).requires_grad_() for _ in range(3))
     mask = create_block_mask(causal, None, None, 100, 100)
+    bias = torch.randn(2, generator=gen).requires_grad_()
+    LIVE["scale"] = torch.rand(2, generator=gen)
+
+    def score_mod(s, b, h, i, j):
+        return s * LIVE["scale"][h] + bias[h]
 
     def loss(q, k, v):
-        return flex_attention(q, k, v, score_mod=lambda s, b, h, i, j: s * 0.5, block_mask=mask).square().sum()
+        return flex_attention(q, k, v, score_mod=score_mod, block_mask=mask).square().sum()
 
-    compiled = torch.compile(loss, backend="aot_eager")
-    eager = torch.autograd.grad(loss(q, k, v), (q, k, v))
-    got = torch.autograd.grad(compiled(q, k, v), (q, k, v))
-    for a, b in zip(got, eager):
-        torch.testing.assert_close(a, b)
+    compiled = torch.compile(loss, backend=backend, fullgraph=True)
+    for _ in range(2):  # a changed captured tensor is read, not baked in
+        eager = torch.autograd.grad(loss(q, k, v), (q, k, v, bias))
+        got = torch.autograd.grad(compiled(q, k, v), (q, k, v, bias))
+        for a, b in zip(got, eager):
+            torch.testing.assert_close(a, b)
+        LIVE["scale"] = LIVE["scale"] + 1
 
 
 def test_opcheck(gen):

@@ -27,6 +27,8 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
+import inspect
 import math
 
 import torch
@@ -165,11 +167,13 @@ def tile_maps(block_mask, seqlen_q: int, seqlen_k: int, block_q: int, block_k: i
 
 
 def _covered(tiles: int, tile: int, block: int, length: int, blocks: int) -> list[torch.Tensor]:
-    """For each kernel tile, the mask blocks it covers, as index tensors: one per offset."""
-    first = torch.arange(tiles) * tile // block
-    last = torch.clamp(torch.minimum(torch.arange(tiles) * tile + tile, torch.tensor(length)) - 1, min=0) // block
-    span = int((last - first).max()) + 1 if tiles else 1
-    return [torch.clamp(torch.minimum(first + o, last), max=blocks - 1) for o in range(span)]
+    """For each kernel tile, the mask blocks it covers, as index tensors: one per offset (plain
+    integer arithmetic, so that under torch.compile they are constants of the graph)."""
+    first = [t * tile // block for t in range(tiles)]
+    last = [max(min(t * tile + tile, length) - 1, 0) // block for t in range(tiles)]
+    span = max([0] + [b - a for a, b in zip(first, last)]) + 1
+    return [torch.tensor([min(a + o, b, blocks - 1) for a, b in zip(first, last)], dtype=torch.long)
+            for o in range(span)]
 
 
 # --- the ops -------------------------------------------------------------------------------------
@@ -183,7 +187,11 @@ def _register_spec(spec: AttentionSpec) -> str:
 
 
 def _kernels(q: torch.Tensor, spec_key: str) -> FlashKernels:
-    if q.device.type != "cpu":
+    return _kernels_for_device(q.device.type, spec_key)
+
+
+def _kernels_for_device(device: str, spec_key: str) -> FlashKernels:
+    if device != "cpu":
         raise NotImplementedError("tvmflash.flex_attention runs on CPU tensors (CUDA kernels with score/mask "
                                   "mods are not built yet)")
     return compiler.compile_spec({"kind": "llvm"}, _specs[spec_key])
@@ -260,8 +268,8 @@ def _autograd_backward(ctx, dout, _dlse):
 _flex_forward.register_autograd(_autograd_backward, setup_context=_setup_context)
 
 
-def _captured_tensors(mods) -> list[torch.Tensor]:
-    """The kernel inputs of the mods' captured tensors, in ``spec.mod_inputs`` order (one per name)."""
+def _captured_tensors(mods) -> dict[str, torch.Tensor]:
+    """The kernel inputs of the mods' captured tensors by name, in ``spec.mod_inputs`` order."""
     by_name: dict[str, torch.Tensor] = {}
     for mod in mods:
         for c in mod.captured:
@@ -269,13 +277,162 @@ def _captured_tensors(mods) -> list[torch.Tensor]:
                 raise ValueError(f"score_mod and mask_mod capture two different tensors named `{c.name}`; "
                                  "rename one of them")
             by_name[c.name] = c.tensor
-    return list(by_name.values())
+    return by_name
+
+
+# --- where captured tensors live (so that torch.compile can read them) -----------------------------
+# Tensors a mod creates in its own body (torch.arange(...) inside score_mod), by (spec key, name).
+_body_tensors: dict[tuple, torch.Tensor] = {}
+
+
+def _find_paths(fn, wanted: set[int]) -> dict[int, tuple]:
+    """id(tensor) -> the steps from ``fn`` to it: ("cell", i), ("default", i), ("global", name),
+    ("attr", name), ("self",), ("func",), ("arg", i), ("kwarg", name). Each step is plain attribute
+    or item access, which dynamo follows, so a compiled graph reads the tensors the user's
+    function holds *now* (as eager calls do) rather than copies from the first trace."""
+    found: dict[int, tuple] = {}
+    seen: set[int] = set()
+
+    def children(obj):
+        if isinstance(obj, functools.partial):
+            yield ("func",), obj.func
+            yield from ((("arg", i), a) for i, a in enumerate(obj.args))
+            yield from ((("kwarg", k), a) for k, a in obj.keywords.items())
+        elif inspect.ismethod(obj):
+            yield ("self",), obj.__self__
+            yield ("func",), obj.__func__
+        elif inspect.isfunction(obj):
+            for i, cell in enumerate(obj.__closure__ or ()):
+                try:
+                    yield ("cell", i), cell.cell_contents
+                except ValueError:  # an empty cell
+                    continue
+            yield from ((("default", i), d) for i, d in enumerate(obj.__defaults__ or ()))
+            yield from ((("global", n), obj.__globals__[n]) for n in obj.__code__.co_names if n in obj.__globals__)
+        elif isinstance(obj, (list, tuple)):
+            yield from ((("item", i), x) for i, x in enumerate(obj))
+        elif hasattr(obj, "__dict__") and not isinstance(obj, (type, torch.Tensor)) and not inspect.ismodule(obj):
+            if isinstance(obj, torch.nn.Module):
+                yield from ((("attr", n), t) for n, t in obj.named_parameters(recurse=False))
+                yield from ((("attr", n), t) for n, t in obj.named_buffers(recurse=False))
+                yield from ((("attr", n), m) for n, m in obj.named_children())
+            yield from ((("attr", n), v) for n, v in vars(obj).items() if not n.startswith("_"))
+            call = getattr(type(obj), "__call__", None)
+            if inspect.isfunction(call):
+                yield ("call",), call
+
+    frontier = [((), fn)]
+    for _ in range(5):  # depth
+        following = []
+        for path, obj in frontier:
+            for step, child in children(obj):
+                if isinstance(child, torch.Tensor):
+                    if id(child) in wanted:
+                        found.setdefault(id(child), (*path, step))
+                elif id(child) not in seen and not isinstance(child, _PRIMITIVES):
+                    seen.add(id(child))
+                    following.append(((*path, step), child))
+        frontier = following
+    return found
+
+
+def _follow(obj, path: tuple):
+    """The object at ``path`` from ``obj`` (see ``_find_paths``)."""
+    for step in path:
+        kind = step[0]
+        if kind == "cell":
+            obj = obj.__closure__[step[1]].cell_contents
+        elif kind == "default":
+            obj = obj.__defaults__[step[1]]
+        elif kind == "global":
+            obj = obj.__globals__[step[1]]
+        elif kind == "attr":
+            obj = getattr(obj, step[1])
+        elif kind in ("item", "arg"):
+            obj = (obj.args if kind == "arg" else obj)[step[1]]
+        elif kind == "kwarg":
+            obj = obj.keywords[step[1]]
+        elif kind == "self":
+            obj = obj.__self__
+        elif kind == "func":
+            obj = obj.__func__ if inspect.ismethod(obj) else obj.func
+        else:  # "call": the class's __call__ of a callable object
+            obj = type(obj).__call__
+    return obj
 
 
 # --- the public function -------------------------------------------------------------------------
-@torch.compiler.disable  # tracing the user's functions is Python work dynamo cannot follow
+def _meta(t: torch.Tensor) -> tuple:
+    return tuple(t.shape), t.dtype, t.device.type, tuple(t.stride())
+
+
+@torch._dynamo.assume_constant_result
+def _plan(*args) -> tuple:
+    # Under dynamo, leave its tracing context: our own tracer (make_fx in a fake mode of its own)
+    # would otherwise pick up dynamo's fake mode and refuse the real captured tensors.
+    with torch._guards.tracing(None):
+        return _plan_eagerly(*args)
+
+
+def _plan_eagerly(score_mod, mask_mod, block_sparse: bool, mask_lengths, q_meta, k_meta, v_meta, scale, enable_gqa,
+                  return_lse) -> tuple:
+    """Everything about a call that does not depend on tensor data: checks, the traced mods,
+    the spec (compiled here), the tile size, where the captured tensors live.
+
+    Under torch.compile this runs once, while dynamo traces, and its result is a constant of the
+    graph (dynamo guards on the functions and the tensors' shapes, dtypes and strides); the rest
+    of ``flex_attention`` is tensor code dynamo follows. Returns (spec key, scale, tile (block_q,
+    block_k), paths to the captured tensors: ("score_mod" | "mask_mod", steps...))."""
+    (q_shape, q_dtype, _, _), (k_shape, _, _, _) = q_meta, k_meta
+    if v_meta[0][-1] != q_shape[-1]:
+        raise NotImplementedError(f"value head dim {v_meta[0][-1]} differs from query/key head dim {q_shape[-1]}: "
+                                  "tvmflash needs them equal")
+    heads, heads_k = q_shape[1], k_shape[1]
+    if heads != heads_k and not checks.require_bool("enable_gqa", enable_gqa):
+        raise ValueError(f"query has {heads} heads and key {heads_k}: pass enable_gqa=True for grouped-query "
+                         "attention")
+    checks.require_bool("return_lse", return_lse)
+
+    def as_info(meta, name):  # kernel layout (B, N, H, D), metadata only
+        shape, dtype, device, stride = meta
+        perm = (0, 2, 1, 3)
+        return checks.TensorInfo(tuple(shape[i] for i in perm), str(dtype).removeprefix("torch."), device,
+                                 tuple(stride[i] for i in perm), 0, 1)
+
+    checks.check_qkv(*(as_info(m, n) for m, n in ((q_meta, "query"), (k_meta, "key"), (v_meta, "value"))))
+    scale = checks.softmax_scale(scale, q_shape[-1])
+    seqlen_q, seqlen_k = q_shape[2], k_shape[2]
+    if block_sparse and tuple(mask_lengths) != (seqlen_q, seqlen_k):
+        raise ValueError(f"block_mask was made for lengths {tuple(mask_lengths)}, the inputs have "
+                         f"({seqlen_q}, {seqlen_k})")
+    if getattr(mask_mod, "__name__", "") == "noop_mask":
+        mask_mod = None
+    traced_score = _traced("score_mod", score_mod)
+    traced_mask = _traced("mask_mod", mask_mod)
+    score_mods = (traced_score,) if traced_score is not None and not traced_score.is_identity else ()
+    spec = AttentionSpec(q_shape[-1], str(q_dtype).removeprefix("torch."), score_mods=score_mods,
+                         mask_mod=traced_mask, block_sparse=block_sparse)
+    spec_key = _register_spec(spec)
+    kernels = _kernels_for_device(q_meta[2], spec_key)
+    forward_cfg, backward_cfg = kernels.configs["forward"], kernels.configs["backward"]
+    tile = (forward_cfg.block_q, forward_cfg.block_k)
+    if block_sparse and tile != (backward_cfg.block_q, backward_cfg.block_k):
+        raise NotImplementedError("block masks need the forward and backward kernels on the same tiles")
+    paths = []
+    for name, tensor in _captured_tensors((*score_mods, *((traced_mask,) if traced_mask else ()))).items():
+        for kind, fn in (("score_mod", score_mod), ("mask_mod", mask_mod)):
+            path = _find_paths(fn, {id(tensor)}).get(id(tensor)) if fn is not None else None
+            if path is not None:
+                paths.append((kind, *path))
+                break
+        else:  # made inside the function body: the same values every call
+            _body_tensors[(spec_key, name)] = tensor
+            paths.append(("body", spec_key, name))
+    return spec_key, scale, tile, tuple(paths)
+
+
 def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=None, enable_gqa=False,
-                   return_lse=False, kernel_options=None):
+                   return_lse=False, kernel_options=None, *, return_aux=None):
     """torch's ``flex_attention`` (same arguments, layout (B, H, N, D), same results) with
     tvmflash's fused kernels: forward and backward, on CPU tensors.
 
@@ -283,49 +440,34 @@ def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=Non
     ``block_mask`` (``create_block_mask``, torch's or ours) says which tiles to compute and, on
     partial tiles, which scores to keep (its ``mask_mod``). Captured tensors that require grad
     get their gradients. Returns ``out`` (B, H, Nq, D), or ``(out, lse)`` with lse (B, H, Nq)
-    in natural-log units. ``kernel_options`` is accepted for compatibility and ignored.
+    in natural-log units, or with ``return_aux=AuxRequest(lse=True)`` ``(out, AuxOutput(lse=lse))``
+    (``max_scores`` is not computed). ``kernel_options`` is accepted for compatibility and ignored.
+    Works under ``torch.compile(fullgraph=True)``: the tracing and compiling happen once, when
+    dynamo traces the call.
     """
     for name, t in (("query", query), ("key", key), ("value", value)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
         if t.dim() != 4:
             raise ValueError(f"{name} must have 4 dimensions (batch, heads, seqlen, head_dim), got {tuple(t.shape)}")
-    if value.shape[-1] != query.shape[-1]:
-        raise NotImplementedError(f"value head dim {value.shape[-1]} differs from query/key head dim "
-                                  f"{query.shape[-1]}: tvmflash needs them equal")
-    heads, heads_k = query.shape[1], key.shape[1]
-    if heads != heads_k and not checks.require_bool("enable_gqa", enable_gqa):
-        raise ValueError(f"query has {heads} heads and key {heads_k}: pass enable_gqa=True for grouped-query "
-                         "attention")
-    checks.require_bool("return_lse", return_lse)
-    checks.check_qkv(*(checks.info(t.transpose(1, 2), n) for n, t in (("query", query), ("key", key),
-                                                                      ("value", value))))
-    scale = checks.softmax_scale(scale, query.shape[-1])
-    seqlen_q, seqlen_k = query.shape[2], key.shape[2]
-    mask_mod = None
-    if block_mask is not None:
-        q_len, kv_len = block_mask.seq_lengths
-        if (q_len, kv_len) != (seqlen_q, seqlen_k):
-            raise ValueError(f"block_mask was made for lengths ({q_len}, {kv_len}), the inputs have "
-                             f"({seqlen_q}, {seqlen_k})")
-        mask_mod = block_mask.mask_mod
-        if getattr(mask_mod, "__name__", "") == "noop_mask":
-            mask_mod = None
-    traced_score = _traced("score_mod", score_mod)
-    traced_mask = _traced("mask_mod", mask_mod)
-    score_mods = (traced_score,) if traced_score is not None and not traced_score.is_identity else ()
-    spec = AttentionSpec(query.shape[-1], str(query.dtype).removeprefix("torch."), score_mods=score_mods,
-                         mask_mod=traced_mask, block_sparse=block_mask is not None)
-    spec_key = _register_spec(spec)
-    captured = _captured_tensors((*score_mods, *((traced_mask,) if traced_mask else ())))
+    mask_mod = None if block_mask is None else block_mask.mask_mod
+    spec_key, scale, (block_q, block_k), paths = _plan(
+        score_mod, mask_mod, block_mask is not None, None if block_mask is None else tuple(block_mask.seq_lengths),
+        _meta(query), _meta(key), _meta(value), scale, enable_gqa, return_lse)
+    captured = [_body_tensors[tuple(path)] if kind == "body" else
+                _follow(score_mod if kind == "score_mod" else mask_mod, path) for kind, *path in paths]
     tile_state = kv_range = None
     if block_mask is not None:
-        kernels = _kernels(query, spec_key)
-        forward_cfg, backward_cfg = kernels.configs["forward"], kernels.configs["backward"]
-        if (forward_cfg.block_q, forward_cfg.block_k) != (backward_cfg.block_q, backward_cfg.block_k):
-            raise NotImplementedError("block masks need the forward and backward kernels on the same tiles")
-        tile_state, kv_range = tile_maps(block_mask, seqlen_q, seqlen_k, forward_cfg.block_q, forward_cfg.block_k)
+        tile_state, kv_range = tile_maps(block_mask, query.shape[2], key.shape[2], block_q, block_k)
     out, lse = _flex_forward(query, key, value, captured, tile_state, kv_range, scale, spec_key)
+    if return_aux is not None:
+        from torch.nn.attention.flex_attention import AuxOutput
+
+        if getattr(return_aux, "max_scores", False):
+            raise NotImplementedError("return_aux=AuxRequest(max_scores=True): tvmflash does not return max scores")
+        if return_lse:
+            raise ValueError("pass either return_lse or return_aux, not both")
+        return out, AuxOutput(lse=lse if return_aux.lse else None)
     return (out, lse) if return_lse else out
 
 
