@@ -2,6 +2,7 @@
 
     python benchmarks/ring_scaling.py             # B1 H8 D64 fp32 causal zigzag, N 8K and 16K, worlds 1 2 4 (~5 min)
     python benchmarks/ring_scaling.py --quick     # N 1K, worlds 1 2 (~1 min)
+    python benchmarks/ring_scaling.py --seqlens 8192 --dtypes float32 bfloat16   # memory table per dtype
 
 Each point starts ``world`` fresh processes on 127.0.0.1 (gloo), each running
 ``python -m tvmflash.distributed.demo --json --no-check`` on its shard; a world of 1 also runs
@@ -15,6 +16,9 @@ ranks time-share the cores. Per rank the demo reports:
 - bytes sent by the ring (counted at the send calls) against the formula: forward (world-1) K/V
   blocks, backward (world-1) K/V blocks + world fp32 dK/dV blocks;
 - forward+backward wall time, time in block kernels + merges, time blocked waiting for transfers.
+
+The memory table has one set of rows per ``--dtypes`` entry (16-bit inputs: K/V travel in 16
+bits, partial results stay fp32); the extrapolation and the paper columns use the first dtype.
 
 From the per-rank bytes per token (peak added + the shard's inputs) and the per-process baseline
 this extrapolates the longest sequence that fits in 20 GB, and on paper what 512K and 1M tokens
@@ -84,9 +88,9 @@ def launch(world: int, demo_args: list[str], timeout: float) -> dict:
     return json.loads(lines[-1])
 
 
-def demo_args(seqlen: int, args, impl: str = "ring", repeat: int = 1) -> list[str]:
+def demo_args(seqlen: int, args, dtype: str, impl: str = "ring", repeat: int = 1) -> list[str]:
     out = ["--seqlen", str(seqlen), "--batch", "1", "--heads", str(args.heads), "--kv-heads", str(args.heads),
-           "--head-dim", str(args.head_dim), "--dtype", args.dtype, "--layout", args.layout, "--impl", impl,
+           "--head-dim", str(args.head_dim), "--dtype", dtype, "--layout", args.layout, "--impl", impl,
            "--no-check", "--repeat", str(repeat)]
     return out + ([] if args.causal else ["--no-causal"])
 
@@ -97,7 +101,8 @@ def main() -> int:
     p.add_argument("--worlds", type=int, nargs="+", default=None, help="default 1 2 4")
     p.add_argument("--heads", type=int, default=8)
     p.add_argument("--head-dim", type=int, default=64)
-    p.add_argument("--dtype", default="float32")
+    p.add_argument("--dtypes", nargs="+", default=["float32"], choices=("float32", "float16", "bfloat16"),
+                   help="input dtypes to measure (the first one feeds the extrapolation)")
     p.add_argument("--layout", default="zigzag", choices=("zigzag", "ring"))
     p.add_argument("--no-causal", dest="causal", action="store_false")
     p.add_argument("--budget-gb", type=float, default=20.0)
@@ -115,39 +120,48 @@ def main() -> int:
         saved = json.loads(args.from_json.read_text())
         for key, value in saved.get("config", {}).items():
             setattr(args, key, value)
-        runs = [(d["impl"], d["world"], d["seqlen"], {"ranks": d["ranks"]}) for d in saved["runs"]]
+        if "dtypes" not in saved.get("config", {}):  # written before --dtypes
+            args.dtypes = [saved["config"]["dtype"]]
+        runs = [(d["impl"], d["world"], d["seqlen"], {"ranks": d["ranks"]}, d.get("dtype", args.dtypes[0]))
+                for d in saved["runs"]]
     else:
+        args.load_average = os.getloadavg()[0]
         runs = measure(args)
     body, data = render(args, runs)
-    config = {key: getattr(args, key) for key in ("seqlens", "worlds", "heads", "head_dim", "dtype", "layout", "causal",
-                                                   "budget_gb", "validate")}
+    config = {key: getattr(args, key, None) for key in ("seqlens", "worlds", "heads", "head_dim", "dtypes", "layout",
+                                                         "causal", "budget_gb", "validate", "load_average")}
     write_report(out_dir(args), "ring_scaling", "Ring attention: memory, traffic and time per rank", body,
                  data={"config": config, "runs": data})
     return 0
 
 
 def measure(args) -> list:
-    runs = []  # (label, world, N, rank 0's report)
-    for n_total in args.seqlens:
-        started = time.time()
-        runs.append(("single", 1, n_total, launch(1, demo_args(n_total, args, "single"), args.timeout)))
-        for world in args.worlds:
-            runs.append(("ring", world, n_total, launch(world, demo_args(n_total, args), args.timeout)))
-        print(f"N={n_total}: {time.time() - started:.0f} s", file=sys.stderr, flush=True)
+    runs = []  # (label, world, N, rank 0's report, dtype)
+    for dtype in args.dtypes:
+        for n_total in args.seqlens:
+            started = time.time()
+            runs.append(("single", 1, n_total, launch(1, demo_args(n_total, args, dtype, "single"), args.timeout),
+                         dtype))
+            for world in args.worlds:
+                runs.append(("ring", world, n_total, launch(world, demo_args(n_total, args, dtype), args.timeout),
+                             dtype))
+            print(f"{dtype} N={n_total}: {time.time() - started:.0f} s", file=sys.stderr, flush=True)
     if args.validate:
         n_total, world = args.validate
-        runs.append(("ring", world, n_total, launch(world, demo_args(n_total, args), args.timeout)))
+        dtype = args.dtypes[0]
+        runs.append(("ring", world, n_total, launch(world, demo_args(n_total, args, dtype), args.timeout), dtype))
     return runs
 
 
 def render(args, runs) -> tuple[str, list]:
     seqlens, worlds = args.seqlens, args.worlds
-    bytes_el = {"float32": 4, "float16": 2, "bfloat16": 2}[args.dtype]
+    element_bytes = {"float32": 4, "float16": 2, "bfloat16": 2}
+    bytes_el = element_bytes[args.dtypes[0]]
 
     # ---- memory and time table
     rows, data = [], []
-    single_time = {n: r["ranks"][0]["fwd_bwd_s"] for label, _, n, r in runs if label == "single"}
-    for label, world, n_total, report in runs:
+    single_time = {(n, dt): r["ranks"][0]["fwd_bwd_s"] for label, _, n, r, dt in runs if label == "single"}
+    for label, world, n_total, report, dtype in runs:
         ranks = report["ranks"]
         local = ranks[0]["local_tokens"]
         added = max(r["peak_added_mb"] for r in ranks)
@@ -160,17 +174,21 @@ def render(args, runs) -> tuple[str, list]:
                      for r in ranks)
         per_token = (added + inputs) * MB / local
         name = "flash_attn_func (1 process)" if label == "single" else f"{args.layout} ring"
-        rows.append((name, world, n_total, local, f"{added:,.1f}", f"{inputs:,.1f}", f"{per_token:,.0f}",
-                     f"{peak:,.0f}", f"{wall:.2f}", f"{wall / single_time[n_total]:.2f}x" if n_total in single_time else "",
+        # in units of one fp32 shard of q (ring.py counts its buffers in these units)
+        units = added * MB / (local * args.heads * args.head_dim * 4)
+        single = single_time.get((n_total, dtype))
+        rows.append((name, dtype, world, n_total, local, f"{added:,.1f}", f"{units:.1f}", f"{inputs:,.1f}",
+                     f"{per_token:,.0f}", f"{peak:,.0f}", f"{wall:.2f}", f"{wall / single:.2f}x" if single else "",
                      f"{compute:.2f}" if label == "ring" else "", f"{waited:.3f}" if label == "ring" else ""))
-        data.append({"impl": label, "world": world, "seqlen": n_total, "local_tokens": local, "peak_added_mb": added,
+        data.append({"impl": label, "dtype": dtype, "world": world, "seqlen": n_total, "local_tokens": local,
+                     "peak_added_mb": added, "peak_added_fp32_q_shards": units,
                      "inputs_mb": inputs, "bytes_per_token": per_token, "process_peak_mb": peak, "fwd_bwd_s": wall,
                      "compute_s_all_ranks": compute, "max_wait_s": waited,
                      "baseline_mb": peak - added - inputs, "ranks": ranks})
     table = markdown_table(
-        ("implementation", "world", "N total", "tokens / rank", "peak added MB / rank", "inputs MB / rank",
-         "bytes / token / rank (added + inputs)", "process peak MB", "fwd+bwd s (slowest rank)", "vs 1 process",
-         "kernel+merge s (all ranks)", "waited for transfers s"), rows)
+        ("implementation", "dtype", "world", "N total", "tokens / rank", "peak added MB / rank",
+         "peak added / fp32 q shard", "inputs MB / rank", "bytes / token / rank (added + inputs)", "process peak MB",
+         "fwd+bwd s (slowest rank)", "vs 1 process", "kernel+merge s (all ranks)", "waited for transfers s"), rows)
 
     # ---- traffic vs formula
     traffic_rows = []
@@ -178,15 +196,15 @@ def render(args, runs) -> tuple[str, list]:
         if d["impl"] != "ring" or d["world"] == 1:
             continue
         world, n = d["world"], d["local_tokens"]
-        kv = 2 * n * args.heads * args.head_dim * bytes_el
+        kv = 2 * n * args.heads * args.head_dim * element_bytes[d["dtype"]]
         dkv = 2 * n * args.heads * args.head_dim * 4
         fwd_formula, bwd_formula = (world - 1) * kv, (world - 1) * kv + world * dkv
         st = d["ranks"][0]["stats"]
-        traffic_rows.append((world, d["seqlen"], f"{kv / MB:.1f}", f"{dkv / MB:.1f}",
+        traffic_rows.append((d["dtype"], world, d["seqlen"], f"{kv / MB:.1f}", f"{dkv / MB:.1f}",
                              f"{st['forward']['bytes_sent'] / MB:.1f} / {fwd_formula / MB:.1f}",
                              f"{st['backward']['bytes_sent'] / MB:.1f} / {bwd_formula / MB:.1f}",
                              f"{st['forward']['messages']} / {st['backward']['messages']}"))
-    traffic = markdown_table(("world", "N total", "K/V block MB (fwd, per step)", "fp32 dK/dV block MB (bwd, per step)",
+    traffic = markdown_table(("dtype", "world", "N total", "K/V block MB (fwd, per step)", "fp32 dK/dV block MB (bwd, per step)",
                               "forward sent MB: measured / formula", "backward sent MB: measured / formula",
                               "messages fwd / bwd"), traffic_rows)
 
@@ -194,7 +212,7 @@ def render(args, runs) -> tuple[str, list]:
     largest = max(seqlens)
     fit = {}
     for d in data:
-        if d["seqlen"] == largest:
+        if d["seqlen"] == largest and d["dtype"] == args.dtypes[0]:
             fit[(d["impl"], d["world"])] = d
     budget = args.budget_gb * GB
     fit_rows = []
@@ -244,13 +262,21 @@ def render(args, runs) -> tuple[str, list]:
         paper += f"\n\n(per-core rate measured here: {core_rate / 1e9:.0f} GFLOP/s, from the single-process call at N={largest})"
 
     body = (f"CPU: {cpu_description()}\n\n"
-            f"Problem: B1 H{args.heads} (K/V heads {args.heads}) D{args.head_dim} {args.dtype}, "
+            f"Problem: B1 H{args.heads} (K/V heads {args.heads}) D{args.head_dim} {' and '.join(args.dtypes)}, "
             f"{'causal' if args.causal else 'non-causal'}, {args.layout} layout; one forward+backward per fresh set "
-            f"of processes on 127.0.0.1 (gloo); threads per rank = max(1, cores / world).\n\n"
+            f"of processes on 127.0.0.1 (gloo); threads per rank = max(1, cores / world)."
+            + (f" Load average (1 min) when measuring began: {args.load_average:.1f} on "
+               f"{len(os.sched_getaffinity(0))} CPUs (other work on the cores makes the times indicative only; "
+               f"the memory is per process)." if getattr(args, "load_average", None) is not None else "")
+            + "\n\n"
+            "*peak added / fp32 q shard*: the peak in units of one fp32 shard of q (n x H x D x 4 bytes), the unit "
+            "ring.py counts its buffers in (forward 6, backward 12; 16-bit K/V halve theirs), on top of which come "
+            "the kernels' workspace (backward: 3 fp32 copies of the call's q rows and 5 of its k rows) and the "
+            "outputs (out, dq, dk, dv).\n\n"
             f"#### Peak memory per rank and time\n\n{table}\n\n"
             f"#### Traffic per call (rank 0; per step: one block of each kind)\n\n{traffic}\n\n"
-            f"#### Longest sequence in {args.budget_gb:g} GB (extrapolated from N = {largest} with the per-rank bytes/token "
-            f"and baseline above)\n\n{fits}\n\n"
+            f"#### Longest sequence in {args.budget_gb:g} GB (extrapolated from N = {largest}, {args.dtypes[0]}, with the "
+            f"per-rank bytes/token and baseline above)\n\n{fits}\n\n"
             f"#### On paper: 512K and 1M tokens\n\n{paper}\n")
     return body, data
 

@@ -10,7 +10,9 @@
 
 ``ring_flash_attn_func`` takes contiguous shards (rank r: tokens r*n ... (r+1)*n - 1; see
 ``ring_shard``); ``zigzag_ring_flash_attn_func`` the zigzag ones, which balance causal work.
-How it works: ``tvmflash/distributed/ring.py``. Example and self-check:
+Both take ``flash_attn_func``'s causal mask, sliding ``window_size`` and ``alibi_slopes`` for the
+whole sequence; blocks the mask leaves empty are not computed. Partial results are float32 and
+rounded once. How it works: ``tvmflash/distributed/ring.py`` and ``_plan.py``. Example and self-check:
 ``torchrun --nproc-per-node 4 -m tvmflash.distributed.demo``.
 """
 

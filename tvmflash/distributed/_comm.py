@@ -15,6 +15,7 @@ destroyed.
 
 from __future__ import annotations
 
+import hashlib
 import math
 import struct
 import time
@@ -96,17 +97,26 @@ class Ring:
 # Up-front agreement: every rank describes its call; one all_gather; every rank checks all rows.
 
 _DTYPE_CODES = {torch.float32: 1, torch.float16: 2, torch.bfloat16: 3}
-_FIELDS = ("batch", "seqlen", "heads", "head_dim", "k batch", "k seqlen", "k heads", "k head_dim", "dtype", "causal", "layout", "softmax_scale", "deterministic")
+_FIELDS = ("batch", "seqlen", "heads", "head_dim", "k batch", "k seqlen", "k heads", "k head_dim", "dtype", "causal",
+           "layout", "softmax_scale", "deterministic", "window_size left", "window_size right", "alibi_slopes")
 
 
 def _float_bits(x: float) -> int:
     return struct.unpack("<q", struct.pack("<d", float(x)))[0]
 
 
-def _describe(q, k, v, softmax_scale, causal, layout, deterministic) -> list[int]:
+def slopes_digest(slopes) -> int:
+    """0 without ALiBi, else a 56-bit digest of the slopes' shape and values (ranks compare it)."""
+    if slopes is None:
+        return 0
+    data = repr(tuple(slopes.shape)).encode() + slopes.detach().to("cpu", torch.float32).contiguous().numpy().tobytes()
+    return 1 + int.from_bytes(hashlib.blake2b(data, digest_size=7).digest(), "little")
+
+
+def _describe(q, k, v, softmax_scale, causal, layout, deterministic, window, slopes) -> list[int]:
     # v's shape equals k's (checked on each rank before)
     return [*q.shape, *k.shape, _DTYPE_CODES.get(q.dtype, 0), int(causal),
-            layout, _float_bits(softmax_scale), int(deterministic)]
+            layout, _float_bits(softmax_scale), int(deterministic), *window, slopes_digest(slopes)]
 
 
 def _readable(field: str, value: int):
@@ -118,18 +128,20 @@ def _readable(field: str, value: int):
         return bool(value)
     if field == "layout":
         return ("contiguous", "zigzag")[value]
+    if field == "alibi_slopes":
+        return "None" if value == 0 else f"slopes with digest {value:x}"
     return value
 
 
 def agree(group, q, k, v, softmax_scale, causal, layout: int, deterministic: bool, local_error: Exception | None,
-          device: torch.device) -> None:
-    """One all_gather of each rank's (shapes, dtype, causal, layout, scale) and whether its own
-    checks passed. Raises on every rank, the same moment, if any rank's checks failed or the ranks
+          device: torch.device, window=(-1, -1), slopes=None) -> None:
+    """One all_gather of each rank's (shapes, dtype, causal, layout, scale, window, ALiBi slopes)
+    and whether its own checks passed. Raises on every rank, the same moment, if any rank's checks failed or the ranks
     disagree; so a bad call never leaves the others waiting in the ring."""
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     row = [0] * (1 + len(_FIELDS))
     if local_error is None:
-        row = [1, *_describe(q, k, v, softmax_scale, causal, layout, deterministic)]
+        row = [1, *_describe(q, k, v, softmax_scale, causal, layout, deterministic, window, slopes)]
     mine = torch.tensor(row, dtype=torch.int64, device=device)
     rows = [torch.empty_like(mine) for _ in range(world)]
     try:
@@ -152,7 +164,8 @@ def agree(group, q, k, v, softmax_scale, causal, layout: int, deterministic: boo
                 raise ValueError(
                     f"tvmflash ring attention: ranks disagree on {field}: rank {rank} has "
                     f"{_readable(field, ours)}, rank {i} has {_readable(field, theirs)} (every rank must "
-                    f"pass equally shaped shards, the same dtype, causal, softmax_scale and layout; q shapes "
+                    f"pass equally shaped shards, the same dtype, causal, softmax_scale, layout, window_size and "
+                    f"alibi_slopes; q shapes "
                     f"{[tuple(x[1:5]) for x in table]}, k shapes {[tuple(x[5:9]) for x in table]})")
 
 
