@@ -69,6 +69,18 @@ def random_inputs(gen: torch.Generator, batch, seqlen_q, seqlen_k, heads, heads_
             draw(batch, seqlen_k, heads_k, head_dim))
 
 
+def reference_magnitudes(q, k, v, dout, scale=None) -> dict:
+    """Size of the terms summed or cancelled on the way to each result (an upper bound under any
+    mask: masks only remove terms): out averages rows of v, dv sums P-weighted rows of dO;
+    dS = P (dP - Delta) subtracts two dot products dO . v and dO . o whose rounding scales with
+    sum_d |dO_d v_d|, which dq and dk then scale by |k| and |q|."""
+    group = q.shape[2] // k.shape[2]
+    dp = torch.einsum("bihd,bjhd->bhij", dout.double().abs(), v.double().abs().repeat_interleave(group, 2)).max()
+    sm_scale = scale or q.shape[-1] ** -0.5
+    return {"out": float(v.abs().max()), "lse": 1.0, "dv": float(dout.abs().max()),
+            "dq": float(sm_scale * dp * k.abs().max()), "dk": float(sm_scale * dp * q.abs().max())}
+
+
 def assert_matches_reference(tag: str, inputs, results, causal: bool, seed: int, scale=None, **variant):
     """out, lse, dq, dk, dv of (q, k, v, dout) vs float64, by the flash-attn rule (each tensor).
     ``variant``: reference_attention's window_size / softcap / alibi_slopes."""
@@ -79,15 +91,7 @@ def assert_matches_reference(tag: str, inputs, results, causal: bool, seed: int,
         leaves = [t.to(dt, copy=True).requires_grad_() for t in (q, k, v)]
         o, lse_ref = reference_attention(*leaves, causal, scale, dtype=dt, **variant)
         ref[name] = (o, lse_ref, *torch.autograd.grad(o, leaves, dout.to(dt)))
-    # Size of the terms summed or cancelled on the way to each result: out averages rows of v, dv
-    # sums P-weighted rows of dO; dS = P (dP - Delta) subtracts two dot products dO . v and dO . o
-    # whose rounding scales with sum_d |dO_d v_d|, which dq and dk then scale by |k| and |q|.
-    group = q.shape[2] // k.shape[2]
-    head_dim = q.shape[-1]
-    dp = torch.einsum("bihd,bjhd->bhij", dout.double().abs(), v.double().abs().repeat_interleave(group, 2)).max()
-    sm_scale = scale or head_dim**-0.5
-    magnitude = {"out": v.abs().max(), "dv": dout.abs().max(), "dq": sm_scale * dp * k.abs().max(),
-                 "dk": sm_scale * dp * q.abs().max()}
+    magnitude = reference_magnitudes(q, k, v, dout, scale)
     for i, (name, ours) in enumerate(zip(("out", "lse", "dq", "dk", "dv"), results)):
         f64, same = ref["f64"][i].detach(), ref["same"][i].detach()
         if name == "lse":  # -inf rows (no visible key) must match exactly; compare the rest

@@ -315,18 +315,8 @@ def _references(full, dout, causal, window, slopes):
     return refs
 
 
-def _magnitudes(q, k, v, dout) -> dict:
-    """conftest.assert_matches_reference's sizes of the terms summed or cancelled on the way to
-    each result (an upper bound here: the mask only removes terms)."""
-    group = q.shape[2] // k.shape[2]
-    dp = torch.einsum("bihd,bjhd->bhij", dout.double().abs(), v.double().abs().repeat_interleave(group, 2)).max()
-    scale = q.shape[-1] ** -0.5
-    return {"out": float(v.abs().max()), "lse": 1.0, "dv": float(dout.abs().max()),
-            "dq": float(scale * dp * k.abs().max()), "dk": float(scale * dp * q.abs().max())}
-
-
 def _check_case(index: int, case, seed: int, rank: int):
-    from conftest import DTYPES, assert_flash_rule, random_inputs
+    from conftest import DTYPES, assert_flash_rule, random_inputs, reference_magnitudes
 
     from tvmflash import flash_attn_func
     from tvmflash import distributed as tdist
@@ -355,7 +345,7 @@ def _check_case(index: int, case, seed: int, rank: int):
                                                 return_attn_probs=True)
     single = [single_out.detach(), single_lse, *torch.autograd.grad(single_out, leaves, dout)]
     refs = _references(full, dout, causal, window, slopes)
-    magnitude = _magnitudes(*full, dout)
+    magnitude = reference_magnitudes(*full, dout)
     accuracy = {}
     for i, name in enumerate(("out", "lse", "dq", "dk", "dv")):
         ours, theirs, f64, same = got[i], single[i], refs["f64"][i], refs["same"][i]
