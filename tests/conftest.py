@@ -13,7 +13,8 @@ import secrets
 import pytest
 import torch
 
-from tvmflash.reference import reference_attention, window_mask  # noqa: F401 - re-exported for the tests
+from tvmflash.reference import (flash_rule, reference_attention, reference_magnitudes,  # noqa: F401 - re-exported
+                                window_mask)
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -41,22 +42,11 @@ def ulp(dtype: torch.dtype) -> float:
 
 def assert_flash_rule(name: str, ours, ref64, same_dtype, dtype: torch.dtype, seed: int, ulps: float = 4.0,
                       magnitude: float = 1.0):
-    """error(ours vs float64) <= 2 * error(plain PyTorch in the same dtype) + a few ulps.
-
-    The ulps are those of the largest value involved: the result, or ``magnitude``, the size of
-    the terms summed or cancelled on the way to it. FlashAttention rounds differently from plain
-    attention at exactly those places: it recomputes P from the fp32 LSE (a relative error of a
-    few ulps on every P, times the rows of V or dO it weights), and dS = P (dP - Delta)
-    subtracts two numbers of size |dO| |V| even where the gradient is ~0.
-    """
-    assert not torch.isnan(ours).any(), f"{name}: NaN in the result (seed {seed})"
-    scale = max(1.0, magnitude, ref64.abs().max().item())
-    err = (ours.double() - ref64).abs().max().item()
-    err_torch = (same_dtype.double() - ref64).abs().max().item()
-    bound = 2 * err_torch + ulps * ulp(dtype) * scale
-    assert err <= bound, (
-        f"{name}: max error {err:.3g} > 2 x PyTorch's {err_torch:.3g} + {ulps} ulp(={bound:.3g}) (seed {seed})"
-    )
+    """``tvmflash.reference.flash_rule`` as an assertion (the seed in the message)."""
+    result = flash_rule(ours, ref64, same_dtype, dtype, magnitude, ulps)
+    assert "error" not in result, f"{name}: {result.get('error')} (seed {seed})"
+    assert result["ok"], (f"{name}: max error {result['err']:.3g} > 2 x PyTorch's {result['err_torch']:.3g} + "
+                          f"{ulps} ulp(={result['bound']:.3g}) (seed {seed})")
 
 
 def random_inputs(gen: torch.Generator, batch, seqlen_q, seqlen_k, heads, heads_k, head_dim, dtype,
@@ -67,18 +57,6 @@ def random_inputs(gen: torch.Generator, batch, seqlen_q, seqlen_k, heads, heads_
 
     return (draw(batch, seqlen_q, heads, head_dim), draw(batch, seqlen_k, heads_k, head_dim),
             draw(batch, seqlen_k, heads_k, head_dim))
-
-
-def reference_magnitudes(q, k, v, dout, scale=None) -> dict:
-    """Size of the terms summed or cancelled on the way to each result (an upper bound under any
-    mask: masks only remove terms): out averages rows of v, dv sums P-weighted rows of dO;
-    dS = P (dP - Delta) subtracts two dot products dO . v and dO . o whose rounding scales with
-    sum_d |dO_d v_d|, which dq and dk then scale by |k| and |q|."""
-    group = q.shape[2] // k.shape[2]
-    dp = torch.einsum("bihd,bjhd->bhij", dout.double().abs(), v.double().abs().repeat_interleave(group, 2)).max()
-    sm_scale = scale or q.shape[-1] ** -0.5
-    return {"out": float(v.abs().max()), "lse": 1.0, "dv": float(dout.abs().max()),
-            "dq": float(sm_scale * dp * k.abs().max()), "dk": float(sm_scale * dp * q.abs().max())}
 
 
 def assert_matches_reference(tag: str, inputs, results, causal: bool, seed: int, scale=None, **variant):

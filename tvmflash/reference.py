@@ -91,6 +91,44 @@ def reference_attention(q, k, v, causal: bool = False, scale: float | None = Non
     return (probs @ vt).transpose(1, 2), lse
 
 
+def reference_magnitudes(q, k, v, dout, scale=None) -> dict:
+    """Size of the terms summed or cancelled on the way to each result (an upper bound under any
+    mask: masks only remove terms): out averages rows of v, dv sums P-weighted rows of dO;
+    dS = P (dP - Delta) subtracts two dot products dO . v and dO . o whose rounding scales with
+    sum_d |dO_d v_d|, which dq and dk then scale by |k| and |q|. (B, N, H, D) tensors."""
+    with torch.no_grad():
+        group = q.shape[2] // k.shape[2]
+        dp = torch.einsum("bihd,bjhd->bhij", dout.float().abs(), v.float().abs().repeat_interleave(group, 2)).max()
+        sm_scale = scale or q.shape[-1] ** -0.5
+        return {"out": float(v.abs().max()), "lse": 1.0, "dv": float(dout.abs().max()),
+                "dq": float(sm_scale * dp * k.abs().max()), "dk": float(sm_scale * dp * q.abs().max())}
+
+
+def flash_rule(ours, ref64, same, dtype: torch.dtype, magnitude: float = 1.0, ulps: float = 4.0) -> dict:
+    """flash-attn's rule: err(ours vs float64) <= 2 * err(plain torch in the same dtype) + a few ulps.
+
+    The ulps are those of the largest value involved: the result, or ``magnitude``, the size of
+    the terms summed or cancelled on the way to it (``reference_magnitudes``). FlashAttention
+    rounds differently from plain attention at exactly those places: it recomputes P from the
+    fp32 LSE (a relative error of a few ulps on every P, times the rows of V or dO it weights),
+    and dS = P (dP - Delta) subtracts two numbers of size |dO| |V| even where the gradient is ~0.
+    Returns the numbers and ``ok`` (False on a NaN or a shape mismatch too).
+    """
+    ours, ref64, same = ours.detach(), ref64.detach(), same.detach()
+    if tuple(ours.shape) != tuple(ref64.shape):
+        return {"ok": False, "error": f"shape {tuple(ours.shape)} != {tuple(ref64.shape)}"}
+    if ours.numel() == 0:
+        return {"ok": True, "err": 0.0, "err_torch": 0.0, "bound": 0.0, "ratio": 0.0}
+    nan = bool(torch.isnan(ours).any())
+    scale = max(1.0, float(magnitude), float(ref64.abs().max()))
+    err = float((ours.double() - ref64).abs().max())
+    err_torch = float((same.double() - ref64).abs().max())
+    bound = 2 * err_torch + ulps * torch.finfo(dtype).eps * scale
+    ok = (not nan) and err <= bound
+    return {"ok": ok, "err": err, "err_torch": err_torch, "bound": bound,
+            "ratio": err / bound if bound > 0 else math.inf, **({"error": "NaN in result"} if nan else {})}
+
+
 def chunked_reference_f64(q, k, v, dout, causal: bool, scale: float | None = None, chunk: int = 1024):
     """float64 attention forward and backward, query chunk by query chunk: O(N * chunk) memory,
     for lengths where ``reference_attention``'s autograd would hold too much.

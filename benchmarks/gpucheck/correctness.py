@@ -8,46 +8,12 @@ from dataclasses import asdict
 
 import torch
 
-from tvmflash.reference import reference_attention
+from tvmflash.reference import flash_rule, reference_attention, reference_magnitudes
 
 from .cases import CorrectnessCase, correctness_cases, draw, sync
 from .stage import StageWriter, run_cases
 
-ULPS = 4.0
 GRADS = ("dq", "dk", "dv")
-
-
-def flash_rule(ours, ref64, same, dtype: torch.dtype, magnitude: float = 1.0, ulps: float = ULPS) -> dict:
-    """The flash-attn rule: err(ours) <= 2 * err(plain torch in the same dtype) + ulps * eps * scale.
-
-    scale = max(1, magnitude, max|ref64|). Returns the numbers and ``ok`` (False on any NaN or a
-    shape mismatch too).
-    """
-    ours, ref64, same = ours.detach(), ref64.detach(), same.detach()
-    if tuple(ours.shape) != tuple(ref64.shape):
-        return {"ok": False, "error": f"shape {tuple(ours.shape)} != {tuple(ref64.shape)}"}
-    if ours.numel() == 0:
-        return {"ok": True, "err": 0.0, "err_torch": 0.0, "bound": 0.0, "ratio": 0.0}
-    nan = bool(torch.isnan(ours).any())
-    scale = max(1.0, float(magnitude), float(ref64.abs().max()))
-    err = float((ours.double() - ref64).abs().max())
-    err_torch = float((same.double() - ref64).abs().max())
-    bound = 2 * err_torch + ulps * torch.finfo(dtype).eps * scale
-    ok = (not nan) and err <= bound
-    return {"ok": ok, "err": err, "err_torch": err_torch, "bound": bound,
-            "ratio": err / bound if bound > 0 else math.inf, **({"error": "NaN in result"} if nan else {})}
-
-
-def magnitudes(q, k, v, dout) -> dict[str, float]:
-    """Size of the terms summed or cancelled on the way to each result: out averages rows of v, dv
-    sums P-weighted rows of dO; dS = P (dP - Delta) subtracts dot products whose rounding scales
-    with sum_d |dO_d v_d|, which dq and dk then scale by |k| and |q|."""
-    with torch.no_grad():
-        group = q.shape[2] // k.shape[2]
-        dp = torch.einsum("bihd,bjhd->bhij", dout.float().abs(), v.float().abs().repeat_interleave(group, 2)).max()
-        sm_scale = q.shape[-1] ** -0.5
-        return {"out": float(v.abs().max()), "dv": float(dout.abs().max()),
-                "dq": float(sm_scale * dp * k.abs().max()), "dk": float(sm_scale * dp * q.abs().max())}
 
 
 def references(q, k, v, dout, causal: bool) -> dict[str, tuple]:
@@ -99,7 +65,7 @@ def check_case(case: CorrectnessCase, device: str, seed: int, deterministic: boo
     ours_s = time.perf_counter() - start
     results = {"out": out, "lse": lse, **dict(zip(GRADS, grads))}
     checks = compare(results, references(q, k, v, dout, case.causal), getattr(torch, case.dtype),
-                     magnitudes(q, k, v, dout))
+                     reference_magnitudes(q, k, v, dout))
     result = {"case": asdict(case), "label": case.label(), "seed": seed, "ours_s": ours_s, "checks": checks}
     if deterministic:
         again = torch.autograd.grad(ours()[0], leaves, dout)
