@@ -100,3 +100,42 @@ class CUDAKernelConfig:
 def config_from_json(d: dict):
     """A CPU or CUDA kernel config from its JSON (CUDA configs have no register tiles)."""
     return CPUKernelConfig.from_json(d) if "tiles" in d else CUDAKernelConfig.from_json(d)
+
+
+# --- decoding against a KV cache (kernels_decode.py) ---------------------------------------------
+@dataclass(frozen=True)
+class DecodeConfig:
+    """The ``flash_decode`` kernel's loop nest and schedule: query rows per block (the GQA
+    group's rows are processed ``block_rows`` at a time), keys per tile (a tile never straddles
+    a page: paged caches need ``page_size % block_k == 0``), vector lanes of the score products
+    (the head dim is split over them, then summed) and of the rest, and the register tile of
+    the P . V product."""
+
+    block_rows: int = 4
+    block_k: int = 64
+    score_lanes: int = 16
+    lanes: int = 16
+    pv: RegisterTile = RegisterTile(4, 4)
+    score_keys: int = 4  # keys per register tile of the score product (x block_rows accumulators)
+
+    kernel = "decode"
+
+    def tile(self, product: str) -> RegisterTile:
+        return {"pv": self.pv}[product]
+
+    def to_json(self) -> dict:
+        return {"kernel": "decode", "block_rows": self.block_rows, "block_k": self.block_k,
+                "score_lanes": self.score_lanes, "lanes": self.lanes, "pv": [self.pv.rows, self.pv.vectors],
+                "score_keys": self.score_keys}
+
+    @classmethod
+    def from_json(cls, d: dict) -> DecodeConfig:
+        return cls(int(d["block_rows"]), int(d["block_k"]), int(d["score_lanes"]), int(d["lanes"]),
+                   RegisterTile(*d["pv"]), int(d["score_keys"]))
+
+
+def default_decode_config(avx512: bool) -> DecodeConfig:
+    """Hand-written decode choices: 4 rows (a GQA group of 4 heads x 1 query) x 16 lanes."""
+    if avx512:
+        return DecodeConfig()
+    return DecodeConfig(score_lanes=8, lanes=8, pv=RegisterTile(4, 2))

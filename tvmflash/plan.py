@@ -133,3 +133,46 @@ def backward_workspace_bytes(seqs: Sequences, *, heads: int, heads_k: int, head_
     per_thread = (3 * block_k * head_dim + 4 * block_q * block_k + block_q * head_dim + 3 * block_q
                   + 2 * block_k * head_dim) * F32 + grad_input_elements * F32
     return packed + kv + threads * per_thread
+
+
+# --- decoding against a KV cache (kernels_decode.py) ---------------------------------------------
+# seq_info[b] = (k_start, k_end, first unit, end unit); units[u] = (sequence, first key tile, end key tile)
+DEC_K_START, DEC_K_END, DEC_UNIT_FIRST, DEC_UNIT_END = range(4)
+DECODE_SEQ_COLUMNS = 4
+DEC_U_SEQ, DEC_U_TILE_FIRST, DEC_U_TILE_END = range(3)
+DECODE_UNIT_COLUMNS = 3
+# Automatic splits (num_splits=0): about this many (unit, kv head) tasks per thread, so that the
+# cyclic distribution over threads stays balanced, and units of at least this many key tiles.
+DECODE_TASKS_PER_THREAD = 8
+DECODE_MIN_SPLIT_TILES = 4
+
+
+def decode_units(k_start, k_end, *, seqlen_q: int, window: tuple[int, int], block_k: int, heads_k: int,
+                 threads: int, num_splits: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """The tables of one ``flash_decode`` call: which key tiles each sequence's queries can see
+    (keys ``k_start <= k < k_end``, the window bottom-right aligned at ``k_end - seqlen_q``), cut
+    into units (splits). ``num_splits`` > 0: that many units per sequence (fewer if it has fewer
+    tiles); 0: units of equal size, enough for ``DECODE_TASKS_PER_THREAD`` tasks per thread."""
+    k_start, k_end = np.asarray(k_start, np.int64), np.asarray(k_end, np.int64)
+    left, right = window
+    lo = np.maximum(np.maximum(k_start, k_end - seqlen_q - left), 0)
+    hi = np.minimum(k_end, k_end + right)
+    first = lo // block_k
+    tiles = np.where(hi > lo, _ceildiv(hi, block_k) - first, 0)
+    if num_splits > 0:
+        splits = np.minimum(tiles, num_splits)
+        chunk = _ceildiv(tiles, np.maximum(splits, 1))
+    else:
+        wanted = max(1, threads * DECODE_TASKS_PER_THREAD // max(heads_k, 1))
+        chunk = np.full_like(tiles, max(DECODE_MIN_SPLIT_TILES, _ceildiv(int(tiles.sum()), wanted)))
+    counts = np.where(tiles > 0, _ceildiv(tiles, np.maximum(chunk, 1)), 0)
+    ends = np.cumsum(counts)
+    seq_info = np.stack([k_start, k_end, ends - counts, ends], axis=1)
+    seq = np.repeat(np.arange(len(tiles)), counts)
+    index = np.arange(int(ends[-1]) if len(ends) else 0) - np.repeat(ends - counts, counts)
+    t0 = np.repeat(first, counts) + index * np.repeat(chunk, counts)
+    t1 = np.minimum(t0 + np.repeat(chunk, counts), np.repeat(first + tiles, counts))
+    units = np.stack([seq, t0, t1], axis=1).reshape(-1, DECODE_UNIT_COLUMNS)
+    if max(np.abs(seq_info).max(initial=0), np.abs(units).max(initial=0)) >= 2**31:
+        raise ValueError("sequences too long for the kernels' int32 tables (2^31 keys)")
+    return seq_info.astype(np.int32), units.astype(np.int32)
