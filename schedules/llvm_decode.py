@@ -17,7 +17,7 @@ from tvm import s_tir
 from tvmflash.config import DecodeConfig
 from tvmflash.kernels_decode import score_lanes
 
-from .llvm import _extent, _largest_divisor, _vectorize_elementwise, register_tile
+from .llvm import _extent, _largest_divisor, _vectorize_elementwise, _vectorize_row_reduction, register_tile
 
 
 class _Knobs:
@@ -60,4 +60,6 @@ def schedule_decode(sch: s_tir.Schedule, cfg: DecodeConfig, head_dim: int) -> s_
     register_tile(sch, "decode", "pv", _Knobs(cfg), lanes)
     for name in ("load_q", "init_o", "probs", "merge_init", "merge_store"):
         _vectorize_elementwise(sch, name, lanes)
+    for name in ("row_max_lanes", "row_sum_lanes"):
+        _vectorize_row_reduction(sch, name, lanes)
     return sch

@@ -113,10 +113,10 @@ class DecodeConfig:
 
     block_rows: int = 4
     block_k: int = 64
-    score_lanes: int = 16
+    score_lanes: int = 8
     lanes: int = 16
     pv: RegisterTile = RegisterTile(4, 4)
-    score_keys: int = 4  # keys per register tile of the score product (x block_rows accumulators)
+    score_keys: int = 2  # keys per register tile of the score product (x block_rows accumulators)
 
     kernel = "decode"
 
@@ -135,7 +135,10 @@ class DecodeConfig:
 
 
 def default_decode_config(avx512: bool) -> DecodeConfig:
-    """Hand-written decode choices: 4 rows (a GQA group of 4 heads x 1 query) x 16 lanes."""
+    """Hand-written decode choices: 4 query rows (a GQA group of 4 heads x 1 query) at a time;
+    scores as 2 keys x 4 rows of 8-lane accumulators (Zen 4, L2-resident cache, 1 thread: 8
+    lanes beat 16, whose horizontal sums cost more, 2 keys ~ 4 keys; DEVELOPING.md); P . V as
+    4 rows x 4 vectors of 16 lanes (AVX-512) or 4 x 2 of 8 (AVX2)."""
     if avx512:
         return DecodeConfig()
-    return DecodeConfig(score_lanes=8, lanes=8, pv=RegisterTile(4, 2))
+    return DecodeConfig(lanes=8, pv=RegisterTile(4, 2))

@@ -86,6 +86,11 @@ def decode_kernel(spec: AttentionSpec, cfg: DecodeConfig) -> tirx.PrimFunc:
     """The ``flash_decode`` kernel of a spec (head dim, dtypes, softcap / ALiBi) and config."""
     D, Br, Bc, KJ = spec.head_dim, cfg.block_rows, cfg.block_k, cfg.score_keys
     L = score_lanes(cfg, D)
+    LINE_ELEMS = 64 // (DataType(spec.dtype).bits // 8)  # elements per 64-byte cache line
+    LINES = _ceildiv(D, LINE_ELEMS)
+    VL = min(cfg.lanes, Bc)  # lanes of the row max / row sum partials
+    if Bc % VL:
+        raise ValueError(f"block_k {Bc} must be a multiple of the lanes {VL}")
     if L < 2:
         raise ValueError(f"head_dim {D} must be even")
     dtype, out_dtype = spec.dtype, spec.out_dtype
@@ -144,7 +149,8 @@ def decode_kernel(spec: AttentionSpec, cfg: DecodeConfig) -> tirx.PrimFunc:
                             T.float32(0))
 
     @T.macro
-    def scores(ST: T.Buffer, QT: T.Buffer, K: T.Buffer, page: T.int64, prow: T.int64, last: T.int64, hk: T.int64):
+    def scores(ST: T.Buffer, QT: T.Buffer, K: T.Buffer, V: T.Buffer, page: T.int64, prow: T.int64, last: T.int64,
+               hk: T.int64, prefetch: T.int64, next_page: T.int64, next_prow: T.int64, next_last: T.int64):
         for unit in range(1):
             with T.sblock("scores_tile"):
                 T.reads(QT[0:Br, 0:D], K[page, prow:prow + Bc, hk, 0:D])
@@ -154,6 +160,13 @@ def decode_kernel(spec: AttentionSpec, cfg: DecodeConfig) -> tirx.PrimFunc:
                 folds = alloc_folds()
                 for jo in T.serial(Bc // KJ):
                     j0: T.let[T.int64] = T.Cast(I64, jo) * KJ
+                    if prefetch != 0:
+                        # the same keys of the next tile, into the caches while this one computes
+                        for j, line in T.grid(KJ, LINES):
+                            T.evaluate(T.call_llvm_intrin("void", "llvm.prefetch.p0", T.address_of(
+                                K[next_page, next_prow + T.min(j0 + j, next_last), hk, line * LINE_ELEMS]), 0, 3, 1))
+                            T.evaluate(T.call_llvm_intrin("void", "llvm.prefetch.p0", T.address_of(
+                                V[next_page, next_prow + T.min(j0 + j, next_last), hk, line * LINE_ELEMS]), 0, 3, 1))
                     for c, j, i, l in T.grid(D // L, KJ, Br, L):
                         with T.sblock("scores"):
                             vc, vj, vi, vl = T.axis.remap("RSSS", [c, j, i, l])
@@ -193,13 +206,22 @@ def decode_kernel(spec: AttentionSpec, cfg: DecodeConfig) -> tirx.PrimFunc:
                        c_hi: T.float32, c_lo: T.float32):
         for unit in range(1):
             with T.sblock("row_max_tile"):
-                for i, j in T.grid(Br, Bc):
+                # the raw scores' max per vector lane, then over the lanes, scaled once: the
+                # exponents below subtract it (2^(s c - max) <= 1; c > 0 keeps the order)
+                RM = T.sblock_alloc_buffer((Br, VL), F32)
+                for i, jo, l in T.grid(Br, Bc // VL, VL):
+                    with T.sblock("row_max_lanes"):
+                        vi, vjo, vl = T.axis.remap("SRS", [i, jo, l])
+                        with T.init():
+                            RM[vi, vl] = T.float32(NEG_INF)
+                        RM[vi, vl] = T.max(RM[vi, vl], ST[vi, vjo * VL + vl])
+                for i, l in T.grid(Br, VL):
                     with T.sblock("row_max"):
-                        vi, vj = T.axis.remap("SR", [i, j])
+                        vi, vl = T.axis.remap("SR", [i, l])
                         with T.init():
                             m_next[vi] = m[vi]
                         m_next[vi] = T.max(m_next[vi],
-                                           ST[vi, vj] * c_hi + T.max(ST[vi, vj], T.float32(-FLT_MAX)) * c_lo)
+                                           RM[vi, vl] * c_hi + T.max(RM[vi, vl], T.float32(-FLT_MAX)) * c_lo)
         for unit in range(1):
             with T.sblock("rescale_tile"):
                 for i in T.serial(Br):
@@ -233,12 +255,19 @@ def decode_kernel(spec: AttentionSpec, cfg: DecodeConfig) -> tirx.PrimFunc:
                         OP[u, hk, r0 + vi, vd] = OP[u, hk, r0 + vi, vd] * alpha[vi] + PV[vi, vd]
         for unit in range(1):
             with T.sblock("row_sum_tile"):
-                for i, j in T.grid(Br, Bc):
+                RS = T.sblock_alloc_buffer((Br, VL), F32)
+                for i, jo, l in T.grid(Br, Bc // VL, VL):
+                    with T.sblock("row_sum_lanes"):
+                        vi, vjo, vl = T.axis.remap("SRS", [i, jo, l])
+                        with T.init():
+                            RS[vi, vl] = T.float32(0)
+                        RS[vi, vl] = RS[vi, vl] + PT[vi, vjo * VL + vl]
+                for i, l in T.grid(Br, VL):
                     with T.sblock("row_sum"):
-                        vi, vj = T.axis.remap("SR", [i, j])
+                        vi, vl = T.axis.remap("SR", [i, l])
                         with T.init():
                             l_tile[vi] = T.float32(0)
-                        l_tile[vi] = l_tile[vi] + PT[vi, vj]
+                        l_tile[vi] = l_tile[vi] + RS[vi, vl]
         for unit in range(1):
             with T.sblock("store_stats_tile"):
                 for i in T.serial(Br):
@@ -294,7 +323,7 @@ def decode_kernel(spec: AttentionSpec, cfg: DecodeConfig) -> tirx.PrimFunc:
                 l_tile = T.sblock_alloc_buffer((Br,), F32)
                 alpha = T.sblock_alloc_buffer((Br,), F32)
                 # unit, kv head, sequence, page, row in page, tile state (not let chains: kernels.py)
-                at = T.sblock_alloc_buffer((6,), I64)
+                at = T.sblock_alloc_buffer((9,), I64)
                 for e in T.serial(_cyclic_count(vslot, U * Hk, n_threads)):
                     at[0] = (vslot + e * n_threads) // Hk
                     at[1] = (vslot + e * n_threads) % Hk
@@ -319,6 +348,10 @@ def decode_kernel(spec: AttentionSpec, cfg: DecodeConfig) -> tirx.PrimFunc:
                     for kt in T.serial(_i64(Units[u, U_TILE_FIRST]), _i64(Units[u, U_TILE_END])):
                         at[3] = _i64(Table[b, kt * Bc // P])
                         at[4] = kt * Bc % P
+                        # the next tile of this unit, prefetched during this one's scores
+                        at[6] = _i64(kt + 1 < _i64(Units[u, U_TILE_END]))
+                        at[7] = _i64(Table[b, T.min((kt + 1) * Bc // P, MB - 1)])
+                        at[8] = (kt + 1) * Bc % P
                         k0: T.let[T.int64] = kt * Bc
                         page: T.let[T.int64] = at[3]
                         prow: T.let[T.int64] = at[4]
@@ -342,7 +375,8 @@ def decode_kernel(spec: AttentionSpec, cfg: DecodeConfig) -> tirx.PrimFunc:
                                                 vi = T.axis.remap("S", [i])
                                                 m[vi] = SP[u, hk, 0, r0 + vi]
                                                 l[vi] = SP[u, hk, 1, r0 + vi]
-                                scores(ST, QT, K, page, prow, last, hk)
+                                scores(ST, QT, K, V, page, prow, last, hk, at[6] * _i64(rb == 0), at[7], at[8],
+                                       T.max(last - Bc, 0))
                                 if has_mods:
                                     score_mod(ST, T.Cast(F32, softmax_scale), b, hk, r0, k0, diag, G)
                                 if at[5] == PARTIAL:
