@@ -58,7 +58,7 @@ def schedule_decode(sch: s_tir.Schedule, cfg: DecodeConfig, head_dim: int) -> s_
     sch.parallel(sch.fuse(*merge_loops[-2:]))
     _scores(sch, cfg, head_dim)
     register_tile(sch, "decode", "pv", _Knobs(cfg), lanes)
-    for name in ("load_q", "init_o", "probs", "merge_init", "merge_store"):
+    for name in ("load_q", "init_o", "load_scores", "probs", "merge_init", "merge_store"):
         _vectorize_elementwise(sch, name, lanes)
     for name in ("row_max_lanes", "row_sum_lanes"):
         _vectorize_row_reduction(sch, name, lanes)

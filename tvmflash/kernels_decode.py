@@ -88,6 +88,10 @@ def decode_kernel(spec: AttentionSpec, cfg: DecodeConfig) -> tirx.PrimFunc:
     L = score_lanes(cfg, D)
     LINE_ELEMS = 64 // (DataType(spec.dtype).bits // 8)  # elements per 64-byte cache line
     LINES = _ceildiv(D, LINE_ELEMS)
+    import os
+    PF_LOCALITY = int(os.environ.get("PF_LOC", "2"))
+    PF_V = bool(int(os.environ.get("PF_V", "1")))
+    PF_K = int(os.environ.get("PF_K", "1"))
     VL = min(cfg.lanes, Bc)  # lanes of the row max / row sum partials
     if Bc % VL:
         raise ValueError(f"block_k {Bc} must be a multiple of the lanes {VL}")
@@ -120,61 +124,81 @@ def decode_kernel(spec: AttentionSpec, cfg: DecodeConfig) -> tirx.PrimFunc:
             w //= 2
         return folds
 
-    def sum_lanes(SL, folds, ST, j0):
-        """ST[i, j0 + j] = sum of SL[j, i, :] by halving folds (a vector's halves added, in
+    def sum_lanes(SL, folds, store):
+        """store(j, i, sum of SL[j, i, :]) by halving folds (a vector's halves added, in
         registers), a tree."""
-        for src, dst in zip([SL, *folds], [*folds, ST]):
+        for src, dst in zip([SL, *folds], [*folds, None]):
             w = int(src.shape[2]) // 2
-            if dst is ST:
+            if dst is None:
                 with T.grid(KJ, Br) as (j, i):
                     with T.sblock("scores_sum"):
                         vj, vi = T.axis.remap("SS", [j, i])
-                        T.buffer_store(ST, src[vj, vi, 0] + src[vj, vi, 1], [vi, j0 + vj])
+                        store(vj, vi, src[vj, vi, 0] + src[vj, vi, 1])
             else:
                 with T.grid(KJ, Br, w) as (j, i, l):
                     with T.sblock(f"scores_fold{w}"):
                         vj, vi, vl = T.axis.remap("SSS", [j, i, l])
                         T.buffer_store(dst, src[vj, vi, vl] + src[vj, vi, vl + w], [vj, vi, vl])
 
+    def prefetch(buf, page, row, head):
+        """The cache lines of one head's row, into L2 (prefetcht1)."""
+        for line in range(LINES):
+            T.evaluate(T.call_llvm_intrin("void", "llvm.prefetch.p0", T.address_of(
+                buf[page, row, head, line * LINE_ELEMS]), 0, PF_LOCALITY, 1))
+
     @T.macro
-    def load_q(QT: T.Buffer, Q: T.Buffer, b: T.int64, hk: T.int64, r0: T.int64, G: T.int64, R: T.int64):
+    def load_q(QF: T.Buffer, Q: T.Buffer, slot: T.int64, b: T.int64, G: T.int64, R: T.int64):
         for unit in range(1):
             with T.sblock("load_q_tile"):
-                for i, d in T.grid(Br, D):
+                for h, r, d in T.grid(QF.shape[1], QF.shape[2], D):
                     with T.sblock("load_q"):
-                        vi, vd = T.axis.remap("SS", [i, d])
-                        QT[vi, vd] = T.if_then_else(
-                            r0 + vi < R,
-                            T.Cast(F32, Q[b, T.min(r0 + vi, R - 1) // G, hk * G + T.min(r0 + vi, R - 1) % G, vd]),
+                        vh, vr, vd = T.axis.remap("SSS", [h, r, d])
+                        QF[slot, vh, vr, vd] = T.if_then_else(
+                            vr < R, T.Cast(F32, Q[b, T.min(vr, R - 1) // G, vh * G + T.min(vr, R - 1) % G, vd]),
                             T.float32(0))
 
     @T.macro
-    def scores(ST: T.Buffer, QT: T.Buffer, K: T.Buffer, V: T.Buffer, page: T.int64, prow: T.int64, last: T.int64,
-               hk: T.int64, prefetch: T.int64, next_page: T.int64, next_prow: T.int64, next_last: T.int64):
+    def scores(SA: T.Buffer, QF: T.Buffer, K: T.Buffer, V: T.Buffer, slot: T.int64, page: T.int64, prow: T.int64,
+               last: T.int64, next_tile: T.int64, next_page: T.int64, next_prow: T.int64, next_last: T.int64):
+        """S = Q . K^T for every kv head and row block of the tile, keys outermost: the tile's
+        rows are read in memory order (key, head). The same rows of V (and of the next tile's K)
+        are prefetched into L2 on the way, for the P . V passes that follow."""
         for unit in range(1):
             with T.sblock("scores_tile"):
-                T.reads(QT[0:Br, 0:D], K[page, prow:prow + Bc, hk, 0:D])
-                T.writes(ST[0:Br, 0:Bc])
+                T.reads(QF[slot, 0:QF.shape[1], 0:QF.shape[2], 0:D], K[page, prow:prow + Bc, 0:QF.shape[1], 0:D])
+                T.writes(SA[slot, 0:QF.shape[1], 0:QF.shape[2], 0:Bc])
                 # KJ keys x Br rows of dot products, per vector lane: register accumulators
                 SL = T.sblock_alloc_buffer((KJ, Br, L), F32, scope="local")
                 folds = alloc_folds()
                 for jo in T.serial(Bc // KJ):
                     j0: T.let[T.int64] = T.Cast(I64, jo) * KJ
-                    if prefetch != 0:
-                        # the same keys of the next tile, into the caches while this one computes
-                        for j, line in T.grid(KJ, LINES):
-                            T.evaluate(T.call_llvm_intrin("void", "llvm.prefetch.p0", T.address_of(
-                                K[next_page, next_prow + T.min(j0 + j, next_last), hk, line * LINE_ELEMS]), 0, 3, 1))
-                            T.evaluate(T.call_llvm_intrin("void", "llvm.prefetch.p0", T.address_of(
-                                V[next_page, next_prow + T.min(j0 + j, next_last), hk, line * LINE_ELEMS]), 0, 3, 1))
-                    for c, j, i, l in T.grid(D // L, KJ, Br, L):
-                        with T.sblock("scores"):
-                            vc, vj, vi, vl = T.axis.remap("RSSS", [c, j, i, l])
-                            with T.init():
-                                SL[vj, vi, vl] = T.float32(0)
-                            SL[vj, vi, vl] = SL[vj, vi, vl] + QT[vi, vc * L + vl] * T.Cast(
-                                F32, K[page, prow + T.min(j0 + vj, last), hk, vc * L + vl])
-                    sum_lanes(SL, folds, ST, j0)
+                    for hh in T.serial(QF.shape[1]):
+                        hk: T.let[T.int64] = T.Cast(I64, hh)
+                        for j in T.serial(KJ):
+                            if PF_V:
+                                prefetch(V, page, prow + T.min(j0 + j, last), hk)
+                            if next_tile * PF_K != 0:
+                                prefetch(K, next_page, next_prow + T.min(j0 + j, next_last), hk)
+                        for rb in T.serial(QF.shape[2] // Br):
+                            r0: T.let[T.int64] = T.Cast(I64, rb) * Br
+                            for c, j, i, l in T.grid(D // L, KJ, Br, L):
+                                with T.sblock("scores"):
+                                    vc, vj, vi, vl = T.axis.remap("RSSS", [c, j, i, l])
+                                    with T.init():
+                                        SL[vj, vi, vl] = T.float32(0)
+                                    SL[vj, vi, vl] = SL[vj, vi, vl] + QF[slot, hk, r0 + vi, vc * L + vl] * T.Cast(
+                                        F32, K[page, prow + T.min(j0 + vj, last), hk, vc * L + vl])
+                            sum_lanes(SL, folds, lambda vj, vi, value: T.buffer_store(
+                                SA, value, [slot, hk, r0 + vi, j0 + vj]))
+
+    @T.macro
+    def load_scores(ST: T.Buffer, SA: T.Buffer, slot: T.int64, hk: T.int64, r0: T.int64):
+        for unit in range(1):
+            with T.sblock("load_scores_tile"):
+                for i, j in T.grid(Br, Bc):
+                    with T.sblock("load_scores"):
+                        vi, vj = T.axis.remap("SS", [i, j])
+                        ST[vi, vj] = SA[slot, hk, r0 + vi, vj]
 
     @T.macro
     def score_mod(ST: T.Buffer, scale: T.float32, b: T.int64, hk: T.int64, r0: T.int64, k0: T.int64,
@@ -308,12 +332,14 @@ def decode_kernel(spec: AttentionSpec, cfg: DecodeConfig) -> tirx.PrimFunc:
         # each task's fp32 partial: unnormalized O, and (m, l) per row
         OP = T.alloc_buffer((U, Hk, RB * Br, D), F32)
         SP = T.alloc_buffer((U, Hk, 2, RB * Br), F32)
+        # each thread's query rows (fp32) and one tile's scores, for every kv head
+        QF = T.alloc_buffer((n_threads, Hk, RB * Br, D), F32)
+        SA = T.alloc_buffer((n_threads, Hk, RB * Br, Bc), F32)
         for slot in T.serial(n_threads):
             with T.sblock("slot"):
                 vslot = T.axis.remap("S", [slot])
                 T.reads()
                 T.writes()
-                QT = T.sblock_alloc_buffer((Br, D), F32)
                 ST = T.sblock_alloc_buffer((Br, Bc), F32)
                 PT = T.sblock_alloc_buffer((Br, Bc), F32)
                 PV = T.sblock_alloc_buffer((Br, D), F32)
@@ -322,33 +348,33 @@ def decode_kernel(spec: AttentionSpec, cfg: DecodeConfig) -> tirx.PrimFunc:
                 l = T.sblock_alloc_buffer((Br,), F32)
                 l_tile = T.sblock_alloc_buffer((Br,), F32)
                 alpha = T.sblock_alloc_buffer((Br,), F32)
-                # unit, kv head, sequence, page, row in page, tile state (not let chains: kernels.py)
+                # unit, -, sequence, page, row in page, tile state, next tile?, its page and row
+                # (small buffers, not let chains: kernels.py)
                 at = T.sblock_alloc_buffer((9,), I64)
-                for e in T.serial(_cyclic_count(vslot, U * Hk, n_threads)):
-                    at[0] = (vslot + e * n_threads) // Hk
-                    at[1] = (vslot + e * n_threads) % Hk
+                for e in T.serial(_cyclic_count(vslot, U, n_threads)):
+                    at[0] = vslot + e * n_threads
                     at[2] = _i64(Units[at[0], U_SEQ])
                     u: T.let[T.int64] = at[0]
-                    hk: T.let[T.int64] = at[1]
                     b: T.let[T.int64] = at[2]
                     k_start: T.let[T.int64] = _i64(SeqInfo[b, K_START])
                     k_end: T.let[T.int64] = _i64(SeqInfo[b, K_END])
                     diag: T.let[T.int64] = k_end - Nq
                     for unit in range(1):
                         with T.sblock("init_task_tile"):
-                            for r, d in T.grid(RB * Br, D):
+                            for h, r, d in T.grid(Hk, RB * Br, D):
                                 with T.sblock("init_o"):
-                                    vr, vd = T.axis.remap("SS", [r, d])
-                                    OP[u, hk, vr, vd] = T.float32(0)
-                            for r in T.serial(RB * Br):
+                                    vh, vr, vd = T.axis.remap("SSS", [h, r, d])
+                                    OP[u, vh, vr, vd] = T.float32(0)
+                            for h, r in T.grid(Hk, RB * Br):
                                 with T.sblock("init_stats"):
-                                    vr = T.axis.remap("S", [r])
-                                    SP[u, hk, 0, vr] = T.float32(-FLT_MAX)
-                                    SP[u, hk, 1, vr] = T.float32(0)
+                                    vh, vr = T.axis.remap("SS", [h, r])
+                                    SP[u, vh, 0, vr] = T.float32(-FLT_MAX)
+                                    SP[u, vh, 1, vr] = T.float32(0)
+                    load_q(QF, Q, vslot, b, G, R)
                     for kt in T.serial(_i64(Units[u, U_TILE_FIRST]), _i64(Units[u, U_TILE_END])):
                         at[3] = _i64(Table[b, kt * Bc // P])
                         at[4] = kt * Bc % P
-                        # the next tile of this unit, prefetched during this one's scores
+                        # the next tile of this unit (its K is prefetched during this one's scores)
                         at[6] = _i64(kt + 1 < _i64(Units[u, U_TILE_END]))
                         at[7] = _i64(Table[b, T.min((kt + 1) * Bc // P, MB - 1)])
                         at[8] = (kt + 1) * Bc % P
@@ -356,34 +382,36 @@ def decode_kernel(spec: AttentionSpec, cfg: DecodeConfig) -> tirx.PrimFunc:
                         page: T.let[T.int64] = at[3]
                         prow: T.let[T.int64] = at[4]
                         last: T.let[T.int64] = k_end - 1 - k0  # clamp: rows past the sequence are masked
-                        for rb in T.serial(RB):
-                            r0: T.let[T.int64] = rb * Br
-                            # queries i_lo .. i_hi of this row block (rows are query-major)
-                            at[5] = _i64(tirx.all(
-                                k0 < k_end, k0 + Bc > k_start,
-                                k0 <= T.min((r0 + Br - 1) // G, Nq - 1) + diag + window_right,
-                                k0 + Bc - 1 >= r0 // G + diag - window_left)) * (PARTIAL + _i64(tirx.all(
-                                    k0 >= k_start, k0 + Bc <= k_end,
-                                    k0 + Bc - 1 <= r0 // G + diag + window_right,
-                                    k0 >= T.min((r0 + Br - 1) // G, Nq - 1) + diag - window_left)))
-                            if at[5] != EMPTY:
-                                load_q(QT, Q, b, hk, r0, G, R)
-                                for unit in range(1):
-                                    with T.sblock("load_stats_tile"):
-                                        for i in T.serial(Br):
-                                            with T.sblock("load_stats"):
-                                                vi = T.axis.remap("S", [i])
-                                                m[vi] = SP[u, hk, 0, r0 + vi]
-                                                l[vi] = SP[u, hk, 1, r0 + vi]
-                                scores(ST, QT, K, V, page, prow, last, hk, at[6] * _i64(rb == 0), at[7], at[8],
-                                       T.max(last - Bc, 0))
-                                if has_mods:
-                                    score_mod(ST, T.Cast(F32, softmax_scale), b, hk, r0, k0, diag, G)
-                                if at[5] == PARTIAL:
-                                    mask(ST, r0, k0, k_start, k_end, diag, window_left, window_right, G)
-                                online_softmax(ST, PT, m, m_next, alpha, exponent_constant(softmax_scale)[0],
-                                               exponent_constant(softmax_scale)[1])
-                                accumulate(OP, SP, PV, PT, V, m_next, l, l_tile, alpha, u, hk, r0, page, prow, last)
+                        scores(SA, QF, K, V, vslot, page, prow, last, at[6], at[7], at[8], T.max(last - Bc, 0))
+                        for hh in T.serial(Hk):
+                            hk: T.let[T.int64] = T.Cast(I64, hh)
+                            for rb in T.serial(RB):
+                                r0: T.let[T.int64] = rb * Br
+                                # queries i_lo .. i_hi of this row block (rows are query-major)
+                                at[5] = _i64(tirx.all(
+                                    k0 < k_end, k0 + Bc > k_start,
+                                    k0 <= T.min((r0 + Br - 1) // G, Nq - 1) + diag + window_right,
+                                    k0 + Bc - 1 >= r0 // G + diag - window_left)) * (PARTIAL + _i64(tirx.all(
+                                        k0 >= k_start, k0 + Bc <= k_end,
+                                        k0 + Bc - 1 <= r0 // G + diag + window_right,
+                                        k0 >= T.min((r0 + Br - 1) // G, Nq - 1) + diag - window_left)))
+                                if at[5] != EMPTY:
+                                    for unit in range(1):
+                                        with T.sblock("load_stats_tile"):
+                                            for i in T.serial(Br):
+                                                with T.sblock("load_stats"):
+                                                    vi = T.axis.remap("S", [i])
+                                                    m[vi] = SP[u, hk, 0, r0 + vi]
+                                                    l[vi] = SP[u, hk, 1, r0 + vi]
+                                    load_scores(ST, SA, vslot, hk, r0)
+                                    if has_mods:
+                                        score_mod(ST, T.Cast(F32, softmax_scale), b, hk, r0, k0, diag, G)
+                                    if at[5] == PARTIAL:
+                                        mask(ST, r0, k0, k_start, k_end, diag, window_left, window_right, G)
+                                    online_softmax(ST, PT, m, m_next, alpha, exponent_constant(softmax_scale)[0],
+                                                   exponent_constant(softmax_scale)[1])
+                                    accumulate(OP, SP, PV, PT, V, m_next, l, l_tile, alpha, u, hk, r0, page, prow,
+                                               last)
         for b, hk in T.grid(B, Hk):
             with T.sblock("merge"):
                 vb, vhk = T.axis.remap("SS", [b, hk])

@@ -261,15 +261,23 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
 
 
 def _write_new_tokens(k_cache, v_cache, k, v, seqlens, cache_rows, block_table) -> None:
-    """k_cache[row(b), seqlens[b] + t] = k[b, t] (and v), in place; through the pages if paged."""
+    """k_cache[row(b), seqlens[b] + t] = k[b, t] (and v), in place; through the pages if paged.
+
+    One ``index_copy_`` into a (rows x positions, heads, dim) view of each cache (``index_put_``
+    with two index tensors took ~8 ms on a 16K x 4 cache, whatever the number of new tokens);
+    caches whose first two dims cannot be viewed as one are written sequence by sequence."""
     batch, seqlen_new = k.shape[:2]
-    pos = (torch.tensor(seqlens, dtype=torch.int64)[:, None] + torch.arange(seqlen_new)[None, :]).flatten()
+    pos = torch.tensor(seqlens, dtype=torch.int64)[:, None] + torch.arange(seqlen_new)[None, :]
     if block_table is None:
-        rows = torch.tensor(cache_rows, dtype=torch.int64).repeat_interleave(seqlen_new)
-        index = (rows, pos)
+        rows, offsets = torch.tensor(cache_rows, dtype=torch.int64)[:, None].expand(-1, seqlen_new), pos
     else:
-        page = k_cache.shape[1]
-        b = torch.arange(batch).repeat_interleave(seqlen_new)
-        index = (block_table[b, pos // page].long(), pos % page)
-    k_cache.index_put_(index, k.reshape(batch * seqlen_new, *k.shape[2:]))
-    v_cache.index_put_(index, v.reshape(batch * seqlen_new, *v.shape[2:]))
+        rows, offsets = block_table.long().gather(1, pos // k_cache.shape[1]), pos % k_cache.shape[1]
+    for cache, new in ((k_cache, k), (v_cache, v)):
+        rows_per_page = cache.shape[1]
+        try:
+            flat = cache.view(-1, *cache.shape[2:])
+        except RuntimeError:  # strides that do not merge: one slice per new token
+            for r, o, t in zip(rows.flatten().tolist(), offsets.flatten().tolist(), new.flatten(0, 1)):
+                cache[r, o] = t
+            continue
+        flat.index_copy_(0, (rows * rows_per_page + offsets).flatten(), new.reshape(batch * seqlen_new, *new.shape[2:]))

@@ -141,8 +141,9 @@ DEC_K_START, DEC_K_END, DEC_UNIT_FIRST, DEC_UNIT_END = range(4)
 DECODE_SEQ_COLUMNS = 4
 DEC_U_SEQ, DEC_U_TILE_FIRST, DEC_U_TILE_END = range(3)
 DECODE_UNIT_COLUMNS = 3
-# Automatic splits (num_splits=0): about this many (unit, kv head) tasks per thread, so that the
-# cyclic distribution over threads stays balanced, and units of at least this many key tiles.
+# Automatic splits (num_splits=0): about this many units (tasks: every kv head of a split) per
+# thread, so that the cyclic distribution over threads stays balanced, and units of at least this
+# many key tiles.
 DECODE_TASKS_PER_THREAD = 8
 DECODE_MIN_SPLIT_TILES = 4
 
@@ -151,8 +152,10 @@ def decode_units(k_start, k_end, *, seqlen_q: int, window: tuple[int, int], bloc
                  threads: int, num_splits: int = 0) -> tuple[np.ndarray, np.ndarray]:
     """The tables of one ``flash_decode`` call: which key tiles each sequence's queries can see
     (keys ``k_start <= k < k_end``, the window bottom-right aligned at ``k_end - seqlen_q``), cut
-    into units (splits). ``num_splits`` > 0: that many units per sequence (fewer if it has fewer
-    tiles); 0: units of equal size, enough for ``DECODE_TASKS_PER_THREAD`` tasks per thread."""
+    into units (splits, one kernel task each, all kv heads). ``num_splits`` > 0: that many units
+    per sequence (fewer if it has fewer tiles); 0: units of equal size, about
+    ``DECODE_TASKS_PER_THREAD`` per thread. ``heads_k`` is accepted for callers that plan per
+    head; the split does not depend on it."""
     k_start, k_end = np.asarray(k_start, np.int64), np.asarray(k_end, np.int64)
     left, right = window
     lo = np.maximum(np.maximum(k_start, k_end - seqlen_q - left), 0)
@@ -163,7 +166,7 @@ def decode_units(k_start, k_end, *, seqlen_q: int, window: tuple[int, int], bloc
         splits = np.minimum(tiles, num_splits)
         chunk = _ceildiv(tiles, np.maximum(splits, 1))
     else:
-        wanted = max(1, threads * DECODE_TASKS_PER_THREAD // max(heads_k, 1))
+        wanted = max(1, threads * DECODE_TASKS_PER_THREAD)
         chunk = np.full_like(tiles, max(DECODE_MIN_SPLIT_TILES, _ceildiv(int(tiles.sum()), wanted)))
     counts = np.where(tiles > 0, _ceildiv(tiles, np.maximum(chunk, 1)), 0)
     ends = np.cumsum(counts)
