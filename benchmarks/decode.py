@@ -77,8 +77,9 @@ def case(batch: int, lengths: list[int], dtype: torch.dtype, capacity: int, gen:
                        for b, n in enumerate(lengths)]
 
     def sdpa_bhld():
-        out["sdpa_bhld"] = [F.scaled_dot_product_attention(qt[b:b + 1], k_bhld[b:b + 1, :, :n], v_bhld[b:b + 1, :, :n],
-                                                           enable_gqa=True) for b, n in enumerate(lengths)]
+        out["sdpa_bhld"] = [F.scaled_dot_product_attention(qt[b:b + 1], k_bhld[b:b + 1, :, :n],
+                                                           v_bhld[b:b + 1, :, :n], enable_gqa=True)
+                            for b, n in enumerate(lengths)]
 
     def check():
         """The three agree (after the first call wrote the new token into both layouts)."""
@@ -119,7 +120,8 @@ def main():
             sdpa_best = max(rate["SDPA on cache views"], rate["SDPA on (B,H,L,D) copy"])
             speedup = rate["tvmflash"] / sdpa_best
             speedups.append(speedup)
-            name = f"{str(dtype).removeprefix('torch.')} B={batch} L={'/'.join(f'{n // 1024}K' if n % 1024 == 0 else str(n) for n in lengths)}"
+            sizes = "/".join(f"{n // 1024}K" if n % 1024 == 0 else str(n) for n in lengths)
+            name = f"{str(dtype).removeprefix('torch.')} B={batch} L={sizes}"
             rows.append([name, f"{cache_bytes / 2**20:.0f} MiB",
                          *(f"{times[c] * 1e3:.2f} ms, {rate[c] / 1e9:.1f} GB/s" for c in calls),
                          f"{speedup:.1f}x", f"{bandwidth / 1e9:.1f} GB/s", f"{rate['tvmflash'] / bandwidth:.0%}"])

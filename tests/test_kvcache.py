@@ -262,6 +262,38 @@ def test_inference_mode_and_full_cache(gen, seed):
     assert out.shape == out2.shape
 
 
+def test_strided_caches(gen, seed):
+    """Caches that are views (a window of a longer buffer, every other kv head of a wider one):
+    read in place through their strides, new tokens written into the views."""
+    batch, heads, heads_k, capacity = 2, 4, 2, 100
+    wide = torch.randn(batch, capacity + 7, 2 * heads_k, D, generator=gen)
+    k_cache, v_cache = wide[:, 3:capacity + 3, 0::2], wide[:, 3:capacity + 3, 1::2]
+    q = torch.randn(batch, 2, heads, D, generator=gen)
+    k_new = torch.randn(batch, 2, heads_k, D, generator=gen)
+    v_new = torch.randn(batch, 2, heads_k, D, generator=gen)
+    seqlens = torch.tensor([98, 40], dtype=torch.int32)
+    out, lse = flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new, cache_seqlens=seqlens, causal=True,
+                                       return_softmax_lse=True)
+    assert torch.equal(wide[0, 3 + 98:3 + 100, 0::2], k_new[0]) and torch.equal(wide[1, 3 + 40:3 + 42, 1::2], v_new[1])
+    check_against_reference("strided", out, lse, q, k_cache, v_cache, starts=[0, 0], ends=[100, 42], causal=True,
+                            seed=seed)
+
+
+def test_decode_benchmark_quick(tmp_path):
+    """benchmarks/decode.py runs (small sizes) and writes its table."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.run([sys.executable, "benchmarks/decode.py", "--quick", "--out-dir", str(tmp_path)], cwd=root,
+                          capture_output=True, text=True, env={**os.environ, "TVMFLASH_QUIET": "1"}, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    report = (tmp_path / "decode.md").read_text()
+    assert "Geomean speed-up" in report and "read bandwidth" in report and "| bfloat16 B=4" in report
+
+
 def test_errors(gen):
     q = torch.randn(1, 1, 4, D)
     k_cache = torch.randn(1, 64, 2, D)

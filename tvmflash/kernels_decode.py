@@ -1,8 +1,9 @@
 """Decoding against a KV cache (flash-decoding) for CPUs, in TensorIR (TVMScript).
 
 One kernel, ``flash_decode``, computes attention of a few new queries per sequence against a
-KV cache that may be paged. It is memory bound: every cache row is read once, and the keys
-are split over threads so that a single (batch, kv head) still uses every core.
+KV cache that may be paged. Decoding is memory bound (~2 FLOPs per byte of cache): every cache
+row is read once, in memory order, and the keys are split over threads so that one (batch,
+kv head) still uses every core.
 
 ``flash_decode(q, k_cache, v_cache, out, lse, softmax_scale, window_left, window_right,
 n_threads, seq_info, units, block_table, *mod_inputs)``::
@@ -11,28 +12,33 @@ n_threads, seq_info, units, block_table, *mod_inputs)``::
     seq_info[b] = (k_start, k_end, first unit, end unit)   keys k_start <= k < k_end are visible
     units[u] = (b, first key tile, end key tile)            one split of one sequence's keys
     block_table[b, k // page_size] = the page holding logical key k of sequence b
+    rows of a kv head hk: r = i * G + g (query i, head hk * G + g; G = H / Hk), block_rows at a time
 
     for slot in parallel(n_threads):                                               [slot]
-      for task (unit u, kv head hk) = slot, slot + n_threads, ...                  (cyclic)
-        [init_o, init_stats]  the task's fp32 partial: O = 0, m = -FLT_MAX, l = 0
+      for unit u = slot, slot + n_threads, ...                                     (cyclic)
+        [init_o, init_stats]  the unit's fp32 partials, every kv head: O = 0, m = -FLT_MAX, l = 0
+        [load_q]              Q rows of every kv head as fp32 (the thread's copy)
         for key tile kt of the unit (block_k keys, inside one page):
-          for row block of the GQA group's rows (block_rows rows r = i * G + g: query i, head hk * G + g):
-            [load_q] [load_stats]          Q rows as fp32, the rows' running m, l
-            [scores] [scores_sum]          S = Q . K_tile^T   (head dim in vector lanes, then summed)
+          [scores] [scores_fold*] [scores_sum]   for keys (score_keys at a time), kv head, row block:
+                   S = Q . K^T, head dim in vector lanes summed by halving folds in registers;
+                   the tile is read in memory order (key, head), V of the tile and K of the next
+                   tile are prefetched into L2 on the way (prefetcht1)
+          for kv head hk, row block:
+            [load_stats] [load_scores]     the rows' running m, l and scores
             [score_mod] [mask]             softcap / ALiBi; -inf outside the window / sequence
-            [row_max] [rescale] [probs]    online softmax in log2 units, fp32
-            [pv] [update_o]                O = O * alpha + P . V_tile
-            [row_sum] [store_stats]        l = l * alpha + sum P, m = m_next
+            [row_max_lanes] [row_max] [rescale] [probs]    online softmax in log2 units, fp32
+            [pv] [update_o]                O = O * alpha + P . V_tile (register tile; V from L2)
+            [row_sum_lanes] [row_sum] [store_stats]        l = l * alpha + sum P, m = m_next
     for (b, kv head) in parallel:                                                  [merge]
       out, lse = the partials of b's units combined through their (m, l)   (fp32, cast once)
 
-Every cache row a task reads is read once for all the query rows of its GQA group (the group
-is never expanded), converted to fp32 on load. The key tiles never straddle a page
-(``page_size % block_k == 0``; a dense cache is one page per sequence), so a tile's page is one
-table lookup. Row statistics, accumulators and the merge are fp32 (rule 1 and 3); the output
-is cast once and the LSE computed in float64 from (m, l) as in ``kernels.py``. The units (how
-each sequence's key tiles are split) are planned per call by ``kvcache.py``: the kernel just
-runs them, so any split (flash-attn's ``num_splits``) is one compiled kernel.
+Every cache row is read once for all the query rows of its GQA group (the group is never
+expanded), converted to fp32 on load. Key tiles never straddle a page (``page_size % block_k
+== 0``; a dense cache is one page per sequence), so a tile's page is one table lookup. Row
+statistics, accumulators and the merge are fp32 (rule 1 and 3); the output is cast once and the
+LSE computed in float64 from (m, l) as in ``kernels.py``. The units (how each sequence's visible
+key tiles are split) are planned per call (``plan.decode_units``): the kernel just runs them, so
+any split (flash-attn's ``num_splits``), length, window and batch is one compiled kernel.
 
 The structure follows ``kernels.py`` (named opaque stage blocks under unit loops, task indices
 in small buffers rather than let chains, the polynomial ``exp2`` with masked exponents and a
@@ -47,6 +53,7 @@ from tvm.script import tirx as T
 from tvm.script.ir_builder import IRBuilder
 
 from .attention_te import FLT_MAX, NEG_INF, exp2, lse_from_stats, masked_log2_exponent, normalizer, scale_log2_parts
+from . import plan
 from .config import DecodeConfig
 from .score_mods import ModContext, emitters
 from .spec import AttentionSpec
@@ -54,12 +61,11 @@ from .spec import AttentionSpec
 F32 = "float32"
 I64 = "int64"
 EMPTY, PARTIAL, FULL = 0, 1, 2
-# seq_info columns
-K_START, K_END, UNIT_FIRST, UNIT_END = range(4)
-SEQ_INFO_COLUMNS = 4
-# units columns
-U_SEQ, U_TILE_FIRST, U_TILE_END = range(3)
-UNIT_COLUMNS = 3
+# the call's tables (plan.decode_units)
+K_START, K_END, UNIT_FIRST, UNIT_END = (plan.DEC_K_START, plan.DEC_K_END, plan.DEC_UNIT_FIRST,
+                                        plan.DEC_UNIT_END)
+U_SEQ, U_TILE_FIRST, U_TILE_END = plan.DEC_U_SEQ, plan.DEC_U_TILE_FIRST, plan.DEC_U_TILE_END
+SEQ_INFO_COLUMNS, UNIT_COLUMNS = plan.DECODE_SEQ_COLUMNS, plan.DECODE_UNIT_COLUMNS
 
 
 def _i64(x):
@@ -88,10 +94,6 @@ def decode_kernel(spec: AttentionSpec, cfg: DecodeConfig) -> tirx.PrimFunc:
     L = score_lanes(cfg, D)
     LINE_ELEMS = 64 // (DataType(spec.dtype).bits // 8)  # elements per 64-byte cache line
     LINES = _ceildiv(D, LINE_ELEMS)
-    import os
-    PF_LOCALITY = int(os.environ.get("PF_LOC", "2"))
-    PF_V = bool(int(os.environ.get("PF_V", "1")))
-    PF_K = int(os.environ.get("PF_K", "1"))
     VL = min(cfg.lanes, Bc)  # lanes of the row max / row sum partials
     if Bc % VL:
         raise ValueError(f"block_k {Bc} must be a multiple of the lanes {VL}")
@@ -141,10 +143,11 @@ def decode_kernel(spec: AttentionSpec, cfg: DecodeConfig) -> tirx.PrimFunc:
                         T.buffer_store(dst, src[vj, vi, vl] + src[vj, vi, vl + w], [vj, vi, vl])
 
     def prefetch(buf, page, row, head):
-        """The cache lines of one head's row, into L2 (prefetcht1)."""
+        """The cache lines of one head's row, into L2: locality 2 is prefetcht1 on x86 (into L1,
+        prefetcht0, was no faster than no prefetch at all on Zen 4; DEVELOPING.md)."""
         for line in range(LINES):
             T.evaluate(T.call_llvm_intrin("void", "llvm.prefetch.p0", T.address_of(
-                buf[page, row, head, line * LINE_ELEMS]), 0, PF_LOCALITY, 1))
+                buf[page, row, head, line * LINE_ELEMS]), 0, 2, 1))
 
     @T.macro
     def load_q(QF: T.Buffer, Q: T.Buffer, slot: T.int64, b: T.int64, G: T.int64, R: T.int64):
@@ -175,9 +178,8 @@ def decode_kernel(spec: AttentionSpec, cfg: DecodeConfig) -> tirx.PrimFunc:
                     for hh in T.serial(QF.shape[1]):
                         hk: T.let[T.int64] = T.Cast(I64, hh)
                         for j in T.serial(KJ):
-                            if PF_V:
-                                prefetch(V, page, prow + T.min(j0 + j, last), hk)
-                            if next_tile * PF_K != 0:
+                            prefetch(V, page, prow + T.min(j0 + j, last), hk)
+                            if next_tile != 0:
                                 prefetch(K, next_page, next_prow + T.min(j0 + j, next_last), hk)
                         for rb in T.serial(QF.shape[2] // Br):
                             r0: T.let[T.int64] = T.Cast(I64, rb) * Br
