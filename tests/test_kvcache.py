@@ -320,3 +320,29 @@ def test_errors(gen):
         flash_attn_with_kvcache(q, k_cache, k_cache.clone(), torch.randn(1, 1, 2, D), torch.randn(1, 1, 2, D))
     with pytest.raises(RuntimeError, match="forward only"):
         flash_attn_with_kvcache(q.requires_grad_(), k_cache, k_cache.clone())
+
+
+def test_avx2_build(gen, seed):
+    """The kernel compiled for an AVX2-only CPU (8-lane vectors, 16 registers) runs here and
+    gives the same answer (this machine's CPU runs AVX2 code)."""
+    import numpy as np
+
+    from tvmflash import compiler
+    from tvmflash.spec import AttentionSpec, UNLIMITED_WINDOW
+
+    if "avx2" not in open("/proc/cpuinfo").read():
+        pytest.skip("no AVX2 on this CPU")
+    kernels = compiler.compile_decode({"kind": "llvm", "mcpu": "haswell"}, AttentionSpec(D, "float32"))
+    assert kernels.config.lanes == 8
+    batch, heads, heads_k, capacity = 2, 8, 2, 200
+    k_cache, v_cache = make_cache(gen, batch, capacity, heads_k, "float32")
+    q = torch.randn(batch, 1, heads, D, generator=gen)
+    ends = [200, 70]
+    window = (UNLIMITED_WINDOW, UNLIMITED_WINDOW)
+    seq_info, units = plan.decode_units([0, 0], ends, seqlen_q=1, window=window, block_k=kernels.config.block_k,
+                                        heads_k=heads_k, threads=2)
+    out, lse = torch.empty_like(q), torch.empty(batch, heads, 1)
+    kernels.decode(q, k_cache, v_cache, out, lse, D ** -0.5, window, 2, torch.from_numpy(seq_info),
+                   torch.from_numpy(units), torch.arange(batch, dtype=torch.int32)[:, None])
+    assert np.isfinite(lse.numpy()).all()
+    check_against_reference("avx2", out, lse, q, k_cache, v_cache, starts=[0, 0], ends=ends, seed=seed)

@@ -372,6 +372,11 @@ def decode_kernel(spec: AttentionSpec, cfg: DecodeConfig) -> tirx.PrimFunc:
                                     vh, vr = T.axis.remap("SS", [h, r])
                                     SP[u, vh, 0, vr] = T.float32(-FLT_MAX)
                                     SP[u, vh, 1, vr] = T.float32(0)
+                    # the unit's first tile into L2 (the following ones are prefetched a tile ahead)
+                    for jj, hh in T.grid(Bc, Hk):
+                        prefetch(K, _i64(Table[b, _i64(Units[u, U_TILE_FIRST]) * Bc // P]),
+                                 _i64(Units[u, U_TILE_FIRST]) * Bc % P + T.min(jj, T.max(
+                                     k_end - 1 - _i64(Units[u, U_TILE_FIRST]) * Bc, 0)), hh)
                     load_q(QF, Q, vslot, b, G, R)
                     for kt in T.serial(_i64(Units[u, U_TILE_FIRST]), _i64(Units[u, U_TILE_END])):
                         at[3] = _i64(Table[b, kt * Bc // P])

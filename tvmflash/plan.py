@@ -155,27 +155,27 @@ def decode_units(k_start, k_end, *, seqlen_q: int, window: tuple[int, int], bloc
     into units (splits, one kernel task each, all kv heads). ``num_splits`` > 0: that many units
     per sequence (fewer if it has fewer tiles); 0: units of equal size, about
     ``DECODE_TASKS_PER_THREAD`` per thread. ``heads_k`` is accepted for callers that plan per
-    head; the split does not depend on it."""
-    k_start, k_end = np.asarray(k_start, np.int64), np.asarray(k_end, np.int64)
+    head; the split does not depend on it. Plain Python: a decode step calls this every token,
+    and numpy's per-call overhead on a few sequences was ~100 us."""
     left, right = window
-    lo = np.maximum(np.maximum(k_start, k_end - seqlen_q - left), 0)
-    hi = np.minimum(k_end, k_end + right)
-    first = lo // block_k
-    tiles = np.where(hi > lo, _ceildiv(hi, block_k) - first, 0)
-    if num_splits > 0:
-        splits = np.minimum(tiles, num_splits)
-        chunk = _ceildiv(tiles, np.maximum(splits, 1))
-    else:
-        wanted = max(1, threads * DECODE_TASKS_PER_THREAD)
-        chunk = np.full_like(tiles, max(DECODE_MIN_SPLIT_TILES, _ceildiv(int(tiles.sum()), wanted)))
-    counts = np.where(tiles > 0, _ceildiv(tiles, np.maximum(chunk, 1)), 0)
-    ends = np.cumsum(counts)
-    seq_info = np.stack([k_start, k_end, ends - counts, ends], axis=1)
-    seq = np.repeat(np.arange(len(tiles)), counts)
-    index = np.arange(int(ends[-1]) if len(ends) else 0) - np.repeat(ends - counts, counts)
-    t0 = np.repeat(first, counts) + index * np.repeat(chunk, counts)
-    t1 = np.minimum(t0 + np.repeat(chunk, counts), np.repeat(first + tiles, counts))
-    units = np.stack([seq, t0, t1], axis=1).reshape(-1, DECODE_UNIT_COLUMNS)
-    if max(np.abs(seq_info).max(initial=0), np.abs(units).max(initial=0)) >= 2**31:
+    spans = []
+    for start, end in zip(k_start, k_end):
+        start, end = int(start), int(end)
+        lo = max(start, end - seqlen_q - left, 0)
+        hi = min(end, end + right)
+        first = lo // block_k
+        spans.append((first, _ceildiv(hi, block_k) - first if hi > lo else 0))
+    if num_splits <= 0:
+        total = sum(tiles for _, tiles in spans)
+        chunk = max(DECODE_MIN_SPLIT_TILES, _ceildiv(total, max(1, threads * DECODE_TASKS_PER_THREAD)))
+    seq_info, units = [], []
+    for b, ((start, end), (first, tiles)) in enumerate(zip(zip(k_start, k_end), spans)):
+        if num_splits > 0:
+            chunk = _ceildiv(tiles, max(1, min(tiles, num_splits)))
+        unit0 = len(units)
+        units += [(b, t, min(t + chunk, first + tiles)) for t in range(first, first + tiles, max(chunk, 1))]
+        seq_info.append((int(start), int(end), unit0, len(units)))
+    if max((abs(x) for row in seq_info + units for x in row), default=0) >= 2**31:
         raise ValueError("sequences too long for the kernels' int32 tables (2^31 keys)")
-    return seq_info.astype(np.int32), units.astype(np.int32)
+    return (np.array(seq_info, np.int32).reshape(-1, DECODE_SEQ_COLUMNS),
+            np.array(units, np.int32).reshape(-1, DECODE_UNIT_COLUMNS))
