@@ -363,12 +363,12 @@ def _decode_sources_digest() -> str:
     return h.hexdigest()[:16]
 
 
-def choose_decode_config(target: tvm.target.Target, config=None):
+def choose_decode_config(target: tvm.target.Target, spec: AttentionSpec, config=None):
     """The decode kernel's config: an explicit ``DecodeConfig`` or the default for the ISA."""
     from .config import DecodeConfig, default_decode_config
 
     if config is None:
-        return default_decode_config(_has_avx512(target))
+        return default_decode_config(_has_avx512(target), spec.dtype)
     if not isinstance(config, DecodeConfig):
         raise TypeError(f"config for the decode kernel must be a DecodeConfig, got {config!r}")
     return config
@@ -381,7 +381,7 @@ def compile_decode(target, spec: AttentionSpec, *, config=None, cache: bool = Tr
     target = targets.resolve(target)
     if target.kind.name != "llvm":
         raise NotImplementedError("flash_attn_with_kvcache runs on CPUs only so far")
-    cfg = choose_decode_config(target, config)
+    cfg = choose_decode_config(target, spec, config)
     request = {
         "kernel": "decode",
         "versions": {"tvmflash": __version__, "tvm": tvm.__version__, "tvm_ffi": tvm_ffi.__version__,

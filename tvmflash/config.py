@@ -134,11 +134,12 @@ class DecodeConfig:
                    RegisterTile(*d["pv"]), int(d["score_keys"]))
 
 
-def default_decode_config(avx512: bool) -> DecodeConfig:
+def default_decode_config(avx512: bool, dtype: str = "float32") -> DecodeConfig:
     """Hand-written decode choices: 4 query rows (a GQA group of 4 heads x 1 query) at a time;
-    scores as 2 keys x 4 rows of 8-lane accumulators (Zen 4, L2-resident cache, 1 thread: 8
-    lanes beat 16, whose horizontal sums cost more, 2 keys ~ 4 keys; DEVELOPING.md); P . V as
-    4 rows x 4 vectors of 16 lanes (AVX-512) or 4 x 2 of 8 (AVX2)."""
+    scores as (4 keys fp32, 2 keys 16-bit) x 4 rows of 8-lane accumulators (Zen 4, 1 thread:
+    8 lanes beat 16, whose horizontal sums cost more; the key count matters ~5 %, each way for
+    one dtype; DEVELOPING.md); P . V as 4 rows x 4 vectors of 16 lanes (AVX-512) or 4 x 2 of 8."""
+    keys = 4 if dtype == "float32" else 2
     if avx512:
-        return DecodeConfig()
-    return DecodeConfig(lanes=8, pv=RegisterTile(4, 2))
+        return DecodeConfig(score_keys=keys)
+    return DecodeConfig(lanes=8, pv=RegisterTile(4, 2), score_keys=keys)
