@@ -191,6 +191,23 @@ def test_paged_cache(gen, seed, dtype, seqlen_new):
                             block_table=block_table, causal=True, seed=seed)
 
 
+@pytest.mark.parametrize("head_dim,dtype", [(40, "float32"), (72, "bfloat16"), (256, "float32")])
+def test_head_dims(gen, seed, head_dim, dtype):
+    """Head dims that are not a multiple of the vector width (40, 72) and the largest (256); a
+    paged cache whose unused block_table entries are -1 (as vLLM leaves them)."""
+    batch, heads, heads_k, page = 2, 4, 1, 64
+    pool_k = torch.randn(6, page, heads_k, head_dim, generator=gen).to(DTYPES[dtype])
+    pool_v = torch.randn(6, page, heads_k, head_dim, generator=gen).to(DTYPES[dtype])
+    block_table = torch.tensor([[4, 1, 3], [0, -1, -1]], dtype=torch.int32)
+    q = torch.randn(batch, 2, heads, head_dim, generator=gen).to(DTYPES[dtype])
+    seqlens = torch.tensor([150, 60], dtype=torch.int32)
+    out, lse = flash_attn_with_kvcache(q, pool_k, pool_v, cache_seqlens=seqlens, block_table=block_table,
+                                       causal=True, return_softmax_lse=True)
+    table = block_table.clamp_min(0)
+    check_against_reference(f"d{head_dim}", out, lse, q, pool_k, pool_v, starts=[0, 0], ends=[150, 60],
+                            block_table=table, causal=True, seed=seed)
+
+
 def test_batch_idx_leftpad_scale(gen, seed):
     """cache_batch_idx picks cache rows (new tokens land there), cache_leftpad hides the first
     keys (masks and ALiBi stay aligned at the end), softmax_scale."""
@@ -313,6 +330,9 @@ def test_errors(gen):
         flash_attn_with_kvcache(q, k_cache.bfloat16(), k_cache.bfloat16())
     with pytest.raises(ValueError, match="multiple of the kv heads"):
         flash_attn_with_kvcache(torch.randn(1, 1, 3, D), k_cache, k_cache.clone())
+    with pytest.raises(ValueError, match="page indices"):
+        flash_attn_with_kvcache(q, k_cache, k_cache.clone(), cache_seqlens=10,
+                                block_table=torch.full((1, 1), 1, dtype=torch.int32))
     with pytest.raises(ValueError, match="page_block_size"):
         flash_attn_with_kvcache(q, torch.randn(2, 32, 2, D), torch.randn(2, 32, 2, D), cache_seqlens=10,
                                 block_table=torch.zeros(1, 1, dtype=torch.int32))

@@ -168,8 +168,6 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
             raise ValueError(f"paged cache: page_block_size {page} must be a multiple of {block_k}")
         capacity = block_table.shape[1] * page
         pages = block_table.contiguous()
-        if pages.numel() and (int(pages.min()) < 0 or int(pages.max()) >= num_blocks):
-            raise ValueError(f"block_table holds page indices outside [0, {num_blocks})")
         cache_rows = None
     else:
         capacity = k_cache.shape[1]
@@ -211,6 +209,11 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         what = (f"the capacity addressable by block_table (max_blocks * page_block_size = {capacity})" if paged
                 else f"the cache length {capacity}")
         raise ValueError(f"max(cache_seqlens){' + seqlen_new' if seqlen_new else ''} = {max(ends)} exceeds {what}")
+    if paged:  # the blocks each sequence uses must name pages (unused entries may hold anything)
+        used = torch.arange(pages.shape[1])[None, :] < torch.tensor([-(-n // page) for n in ends])[:, None]
+        named = pages[used]
+        if named.numel() and (int(named.min()) < 0 or int(named.max()) >= num_blocks):
+            raise ValueError(f"block_table holds page indices outside [0, {num_blocks}) for blocks in use")
     starts = [0] * batch if cache_leftpad is None else _int_vector("cache_leftpad", cache_leftpad, batch)
     if any(s < 0 or s > n for s, n in zip(starts, seqlens)):
         raise ValueError("cache_leftpad must lie in [0, cache_seqlens] for each sequence")
