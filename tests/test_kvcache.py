@@ -338,6 +338,11 @@ def test_errors(gen):
                                 block_table=torch.zeros(1, 1, dtype=torch.int32))
     with pytest.raises(ValueError, match="need cache_seqlens"):
         flash_attn_with_kvcache(q, k_cache, k_cache.clone(), torch.randn(1, 1, 2, D), torch.randn(1, 1, 2, D))
+    before = k_cache.clone()
+    with pytest.raises(ValueError, match="alibi_slopes"):  # checked before the cache is written
+        new = torch.randn(1, 1, 2, D)
+        flash_attn_with_kvcache(q, k_cache, k_cache.clone(), new, new, cache_seqlens=3, alibi_slopes=torch.ones(3))
+    assert torch.equal(k_cache, before)
     with pytest.raises(RuntimeError, match="forward only"):
         flash_attn_with_kvcache(q.requires_grad_(), k_cache, k_cache.clone())
 

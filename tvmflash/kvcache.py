@@ -218,6 +218,16 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     if any(s < 0 or s > n for s, n in zip(starts, seqlens)):
         raise ValueError("cache_leftpad must lie in [0, cache_seqlens] for each sequence")
 
+    mods = []  # the score mods' inputs (checked before anything is written)
+    if softcap > 0:
+        mods.append(torch.tensor([float(softcap)], dtype=torch.float32))
+    if alibi_slopes is not None:
+        slopes = _tensor("alibi_slopes", alibi_slopes)
+        if slopes.dtype != torch.float32 or tuple(slopes.shape) not in ((heads,), (batch, heads)):
+            raise ValueError(f"alibi_slopes must be float32 of shape ({heads},) or ({batch}, {heads}), got "
+                             f"{slopes.dtype} {tuple(slopes.shape)}")
+        mods.append(slopes.reshape(-1, heads).contiguous())
+
     # --- rotary embedding and the cache update (O(new tokens), plain torch) ----------------------
     q_in = q if q.stride(-1) == 1 else q.contiguous()
     if rotary_cos is not None or rotary_sin is not None:
@@ -242,15 +252,6 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         _write_new_tokens(k_cache, v_cache, k, v, seqlens, cache_rows, pages if paged else None)
 
     # --- attention ------------------------------------------------------------------------------
-    mods = []
-    if softcap > 0:
-        mods.append(torch.tensor([float(softcap)], dtype=torch.float32))
-    if alibi_slopes is not None:
-        slopes = _tensor("alibi_slopes", alibi_slopes)
-        if slopes.dtype != torch.float32 or tuple(slopes.shape) not in ((heads,), (batch, heads)):
-            raise ValueError(f"alibi_slopes must be float32 of shape ({heads},) or ({batch}, {heads}), got "
-                             f"{slopes.dtype} {tuple(slopes.shape)}")
-        mods.append(slopes.reshape(-1, heads).contiguous())
     threads = settings.num_threads()
     window = tuple(UNLIMITED_WINDOW if w < 0 else min(w, UNLIMITED_WINDOW) for w in (left, right))
     seq_info, units = plan.decode_units(starts, ends, seqlen_q=seqlen_q, window=window,
