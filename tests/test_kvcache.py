@@ -260,6 +260,22 @@ def test_splits_agree_and_empty_rows(gen, seed):
     assert len(units) >= 2 and units[:, 1].min() == 0 and units[:, 2].max() == 256
 
 
+def test_head_groups(gen, seed, monkeypatch):
+    """Units that cover a group of the kv heads (one head each here): the merge combines the
+    groups' partials; with windows, several new tokens and splits."""
+    monkeypatch.setattr(plan, "DECODE_TILE_BYTES", 1)
+    assert plan.decode_head_group(4, 64, D, 4) == 1
+    batch, heads, heads_k, capacity = 2, 8, 4, 300
+    k_cache, v_cache = make_cache(gen, batch, capacity, heads_k, "float32")
+    q = torch.randn(batch, 3, heads, D, generator=gen)
+    seqlens = torch.tensor([300, 150], dtype=torch.int32)
+    for splits in (0, 3):
+        out, lse = flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens, window_size=(100, 0),
+                                           num_splits=splits, return_softmax_lse=True)
+        check_against_reference(f"groups splits={splits}", out, lse, q, k_cache, v_cache, starts=[0, 0],
+                                ends=[300, 150], window_size=(100, 0), seed=seed)
+
+
 def test_inference_mode_and_full_cache(gen, seed):
     """Under torch.inference_mode (inference tensors, cache updated in place), and with
     cache_seqlens omitted: the whole cache is attended to."""

@@ -10,20 +10,23 @@ n_threads, seq_info, units, block_table, *mod_inputs)``::
 
     q (B, Nq, H, D)   k_cache, v_cache (pages, page_size, Hk, D)   out (B, Nq, H, D)   lse (B, H, Nq)
     seq_info[b] = (k_start, k_end, first unit, end unit)   keys k_start <= k < k_end are visible
-    units[u] = (b, first key tile, end key tile)            one split of one sequence's keys
+    units[u] = (b, first key tile, end key tile, first kv head, end kv head)   one task: a split
+                                                            of a sequence's keys, a group of kv heads
     block_table[b, k // page_size] = the page holding logical key k of sequence b
     rows of a kv head hk: r = i * G + g (query i, head hk * G + g; G = H / Hk), block_rows at a time
 
     for slot in parallel(n_threads):                                               [slot]
       for unit u = slot, slot + n_threads, ...                                     (cyclic)
         [init_o, init_stats]  the unit's fp32 partials, every kv head: O = 0, m = -FLT_MAX, l = 0
+                              (heads outside its group stay so: they weigh 0 in the merge)
         [load_q]              Q rows of every kv head as fp32 (the thread's copy)
         for key tile kt of the unit (block_k keys, inside one page):
-          [scores] [scores_fold*] [scores_sum]   for keys (score_keys at a time), kv head, row block:
+          [scores] [scores_fold*] [scores_sum]   for keys (score_keys at a time), kv head of the
+                                                 unit's group, row block:
                    S = Q . K^T, head dim in vector lanes summed by halving folds in registers;
                    the tile is read in memory order (key, head), V of the tile and K of the next
                    tile are prefetched into L2 on the way (prefetcht1)
-          for kv head hk, row block:
+          for kv head hk of the group, row block:
             [load_stats] [load_scores]     the rows' running m, l and scores
             [score_mod] [mask]             softcap / ALiBi; -inf outside the window / sequence
             [row_max_lanes] [row_max] [rescale] [probs]    online softmax in log2 units, fp32
@@ -33,7 +36,9 @@ n_threads, seq_info, units, block_table, *mod_inputs)``::
       out, lse = the partials of b's units combined through their (m, l)   (fp32, cast once)
 
 Every cache row is read once for all the query rows of its GQA group (the group is never
-expanded), converted to fp32 on load. Key tiles never straddle a page (``page_size % block_k
+expanded), converted to fp32 on load. A unit's kv heads are a group small enough that one key
+tile of them, the next tile's keys and this tile's values fit in L2 together
+(``plan.decode_head_group``); within a group the tile is one contiguous stretch per key. Key tiles never straddle a page (``page_size % block_k
 == 0``; a dense cache is one page per sequence), so a tile's page is one table lookup. Row
 statistics, accumulators and the merge are fp32 (rule 1 and 3); the output is cast once and the
 LSE computed in float64 from (m, l) as in ``kernels.py``. The units (how each sequence's visible
@@ -65,6 +70,7 @@ EMPTY, PARTIAL, FULL = 0, 1, 2
 K_START, K_END, UNIT_FIRST, UNIT_END = (plan.DEC_K_START, plan.DEC_K_END, plan.DEC_UNIT_FIRST,
                                         plan.DEC_UNIT_END)
 U_SEQ, U_TILE_FIRST, U_TILE_END = plan.DEC_U_SEQ, plan.DEC_U_TILE_FIRST, plan.DEC_U_TILE_END
+U_HEAD_FIRST, U_HEAD_END = plan.DEC_U_HEAD_FIRST, plan.DEC_U_HEAD_END
 SEQ_INFO_COLUMNS, UNIT_COLUMNS = plan.DECODE_SEQ_COLUMNS, plan.DECODE_UNIT_COLUMNS
 
 
@@ -162,7 +168,8 @@ def decode_kernel(spec: AttentionSpec, cfg: DecodeConfig) -> tirx.PrimFunc:
 
     @T.macro
     def scores(SA: T.Buffer, QF: T.Buffer, K: T.Buffer, V: T.Buffer, slot: T.int64, page: T.int64, prow: T.int64,
-               last: T.int64, next_tile: T.int64, next_page: T.int64, next_prow: T.int64, next_last: T.int64):
+               last: T.int64, next_tile: T.int64, next_page: T.int64, next_prow: T.int64, next_last: T.int64,
+               hk_first: T.int64, hk_end: T.int64):
         """S = Q . K^T for every kv head and row block of the tile, keys outermost: the tile's
         rows are read in memory order (key, head). The same rows of V (and of the next tile's K)
         are prefetched into L2 on the way, for the P . V passes that follow."""
@@ -175,8 +182,8 @@ def decode_kernel(spec: AttentionSpec, cfg: DecodeConfig) -> tirx.PrimFunc:
                 folds = alloc_folds()
                 for jo in T.serial(Bc // KJ):
                     j0: T.let[T.int64] = T.Cast(I64, jo) * KJ
-                    for hh in T.serial(QF.shape[1]):
-                        hk: T.let[T.int64] = T.Cast(I64, hh)
+                    for hh in T.serial(hk_end - hk_first):
+                        hk: T.let[T.int64] = hk_first + hh
                         for j in T.serial(KJ):
                             prefetch(V, page, prow + T.min(j0 + j, last), hk)
                             if next_tile != 0:
@@ -373,10 +380,10 @@ def decode_kernel(spec: AttentionSpec, cfg: DecodeConfig) -> tirx.PrimFunc:
                                     SP[u, vh, 0, vr] = T.float32(-FLT_MAX)
                                     SP[u, vh, 1, vr] = T.float32(0)
                     # the unit's first tile into L2 (the following ones are prefetched a tile ahead)
-                    for jj, hh in T.grid(Bc, Hk):
-                        prefetch(K, _i64(Table[b, _i64(Units[u, U_TILE_FIRST]) * Bc // P]),
-                                 _i64(Units[u, U_TILE_FIRST]) * Bc % P + T.min(jj, T.max(
-                                     k_end - 1 - _i64(Units[u, U_TILE_FIRST]) * Bc, 0)), hh)
+                    at[3] = _i64(Units[u, U_TILE_FIRST]) * Bc
+                    for jj, hh in T.grid(Bc, _i64(Units[u, U_HEAD_END]) - _i64(Units[u, U_HEAD_FIRST])):
+                        prefetch(K, _i64(Table[b, at[3] // P]), at[3] % P + T.min(jj, T.max(k_end - 1 - at[3], 0)),
+                                 _i64(Units[u, U_HEAD_FIRST]) + hh)
                     load_q(QF, Q, vslot, b, G, R)
                     for kt in T.serial(_i64(Units[u, U_TILE_FIRST]), _i64(Units[u, U_TILE_END])):
                         at[3] = _i64(Table[b, kt * Bc // P])
@@ -389,9 +396,10 @@ def decode_kernel(spec: AttentionSpec, cfg: DecodeConfig) -> tirx.PrimFunc:
                         page: T.let[T.int64] = at[3]
                         prow: T.let[T.int64] = at[4]
                         last: T.let[T.int64] = k_end - 1 - k0  # clamp: rows past the sequence are masked
-                        scores(SA, QF, K, V, vslot, page, prow, last, at[6], at[7], at[8], T.max(last - Bc, 0))
-                        for hh in T.serial(Hk):
-                            hk: T.let[T.int64] = T.Cast(I64, hh)
+                        scores(SA, QF, K, V, vslot, page, prow, last, at[6], at[7], at[8], T.max(last - Bc, 0),
+                               _i64(Units[u, U_HEAD_FIRST]), _i64(Units[u, U_HEAD_END]))
+                        for hh in T.serial(_i64(Units[u, U_HEAD_END]) - _i64(Units[u, U_HEAD_FIRST])):
+                            hk: T.let[T.int64] = _i64(Units[u, U_HEAD_FIRST]) + hh
                             for rb in T.serial(RB):
                                 r0: T.let[T.int64] = rb * Br
                                 # queries i_lo .. i_hi of this row block (rows are query-major)

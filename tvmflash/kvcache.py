@@ -254,9 +254,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     # --- attention ------------------------------------------------------------------------------
     threads = settings.num_threads()
     window = tuple(UNLIMITED_WINDOW if w < 0 else min(w, UNLIMITED_WINDOW) for w in (left, right))
-    seq_info, units = plan.decode_units(starts, ends, seqlen_q=seqlen_q, window=window,
-                                        block_k=block_k, heads_k=heads_k, threads=threads,
-                                        num_splits=num_splits)
+    group = plan.decode_head_group(heads_k, block_k, head_dim, q.element_size())
+    seq_info, units = plan.decode_units(starts, ends, seqlen_q=seqlen_q, window=window, block_k=block_k,
+                                        heads_k=heads_k, threads=threads, num_splits=num_splits, head_group=group)
     out = torch.empty(batch, seqlen_q, heads, head_dim, dtype=dtype)
     lse = torch.empty(batch, heads, seqlen_q, dtype=torch.float32)
     kernels.decode(q_in, k_cache, v_cache, out, lse, scale, window, threads, torch.from_numpy(seq_info),
