@@ -316,7 +316,6 @@ def _load_cuda_runtime() -> None:
                            "libcudart.so.13 must be loadable") from err
 
 
-
 # --- decoding against a KV cache ------------------------------------------------------------------
 DECODE_FUNCTIONS = ("flash_decode",)
 
