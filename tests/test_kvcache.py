@@ -255,6 +255,10 @@ def test_splits_agree_and_empty_rows(gen, seed):
         check_against_reference(f"splits={splits}", out[:1], lse[:1], q[:1], k_cache, v_cache, starts=[0],
                                 ends=[1000], seed=seed)
         assert torch.equal(out[1], torch.zeros_like(out[1])) and torch.isneginf(lse[1]).all()
+    # no unit at all: every sequence empty (or hidden by its left padding)
+    out, lse = flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=torch.tensor([0, 5], dtype=torch.int32),
+                                       cache_leftpad=torch.tensor([0, 5], dtype=torch.int32), return_softmax_lse=True)
+    assert torch.equal(out, torch.zeros_like(out)) and torch.isneginf(lse).all()
     _, units = plan.decode_units([0], [16384], seqlen_q=1, window=(1 << 40, 1 << 40), block_k=64, heads_k=1,
                                  threads=2)
     assert len(units) >= 2 and units[:, 1].min() == 0 and units[:, 2].max() == 256
