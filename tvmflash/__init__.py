@@ -33,6 +33,7 @@ _TORCH_API = {
     "flash_attn_varlen_kvpacked_func": "torch_op",
     "flex_attention": "flex", "create_block_mask": "flex",
 }
+_TORCH_API["flash_attn_with_kvcache"] = "kvcache"
 
 
 def __getattr__(name):

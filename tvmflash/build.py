@@ -170,3 +170,15 @@ def build_standard(head_dim: int, dtype: str, causal: bool) -> tvm.runtime.Modul
         "standard_bwd": llvm_schedules.schedule_standard(s_tir.Schedule(bwd)).mod["main"],
     })
     return tvm.compile(mod, target=targets.host_target())
+
+
+# --- decoding against a KV cache (kernels_decode.py, kvcache.py) ------------------------------
+def build_decode_module(target: tvm.target.Target, spec: AttentionSpec, cfg) -> tvm.runtime.Module:
+    """The ``flash_decode`` kernel scheduled for this CPU and compiled (no caching)."""
+    from . import kernels_decode
+    from .schedules import llvm_decode
+
+    sch = s_tir.Schedule(kernels_decode.decode_kernel(spec, cfg))
+    func = llvm_decode.schedule_decode(sch, cfg, spec.head_dim).mod["main"]
+    with tvm.transform.PassContext(config={"tirx.disable_cse_tir": True}):
+        return tvm.compile(tvm.IRModule({"flash_decode": func}), target=target)

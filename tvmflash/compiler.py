@@ -384,3 +384,75 @@ def compile_standard(head_dim: int = 64, dtype: str = "float32", causal: bool = 
 
         _standard_cache[key] = StandardAttention(build.build_standard(*key), *key)
     return _standard_cache[key]
+
+
+# --- decoding against a KV cache (kvcache.py) ---------------------------------------------------
+_cache = cache  # the module (compile_decode's ``cache`` argument is a flag)
+_DECODE_SOURCES = (*_SHARED, _PACKAGE / "kernels_decode.py", _PACKAGE / "score_mods.py", _SCHEDULES / "llvm.py",
+                   _SCHEDULES / "llvm_decode.py")
+
+
+@functools.lru_cache(maxsize=None)
+def _decode_sources_digest() -> str:
+    h = hashlib.sha256()
+    for p in _DECODE_SOURCES:
+        h.update(p.name.encode())
+        h.update(p.read_bytes())
+    return h.hexdigest()[:16]
+
+
+def choose_decode_config(target: tvm.target.Target, spec: AttentionSpec, config=None):
+    """The decode kernel's config: an explicit ``DecodeConfig`` or the default for the ISA."""
+    from .config import DecodeConfig, default_decode_config
+
+    if config is None:
+        return default_decode_config(_has_avx512(target), spec.dtype)
+    if not isinstance(config, DecodeConfig):
+        raise TypeError(f"config for the decode kernel must be a DecodeConfig, got {config!r}")
+    return config
+
+
+def compile_decode(target, spec: AttentionSpec, *, config=None, cache: bool = True) -> runtime.DecodeKernels:
+    """The ``flash_decode`` kernel (``kernels_decode.py``) for a CPU target and spec, from the
+    memory or disk cache or built. One kernel serves every batch, cache layout (dense or
+    paged), length, split and window; the spec fixes head dim, dtype and softcap / ALiBi."""
+    target = targets.resolve(target)
+    if target.kind.name != "llvm":
+        raise NotImplementedError("flash_attn_with_kvcache runs on CPUs only so far")
+    cfg = choose_decode_config(target, spec, config)
+    request = {
+        "kernel": "decode",
+        "versions": {"tvmflash": __version__, "tvm": tvm.__version__, "tvm_ffi": tvm_ffi.__version__,
+                     "sources": _decode_sources_digest()},
+        "target": json.loads(str(target)),
+        "isa_features": targets.isa_features(target),
+        "spec": spec.to_json(),
+        "config": cfg.to_json(),
+    }
+    key = _key(request)
+    meta = {**request, "cache_key": key}
+    with _lock:
+        found = _memory_cache.get(key) if cache else None
+    if found is not None:
+        return found
+    if cache:
+        loaded = _cache.load(key, request, runtime.DECODE_FUNCTIONS)
+        if loaded is not None:
+            module, source, so = loaded
+            found = runtime.DecodeKernels(module, meta, source, library=so)
+    if found is None:
+        settings.progress(f"compiling flash decode ({targets.key(target)}, {spec.describe()}) ...")
+        start = time.perf_counter()
+        from . import build
+
+        lib = build.build_decode_module(target, spec, cfg)
+        found = runtime.DecodeKernels(lib, meta, build.module_source(target, lib))
+        settings.progress(f"compiled in {time.perf_counter() - start:.1f} s")
+        if cache:
+            library = _cache.store(key, request, lib, found._source)
+            if library is not None:
+                found._library = library
+    if cache:
+        with _lock:
+            _memory_cache[key] = found
+    return found

@@ -100,3 +100,46 @@ class CUDAKernelConfig:
 def config_from_json(d: dict):
     """A CPU or CUDA kernel config from its JSON (CUDA configs have no register tiles)."""
     return CPUKernelConfig.from_json(d) if "tiles" in d else CUDAKernelConfig.from_json(d)
+
+
+# --- decoding against a KV cache (kernels_decode.py) ---------------------------------------------
+@dataclass(frozen=True)
+class DecodeConfig:
+    """The ``flash_decode`` kernel's loop nest and schedule: query rows per block (the GQA
+    group's rows are processed ``block_rows`` at a time), keys per tile (a tile never straddles
+    a page: paged caches need ``page_size % block_k == 0``), vector lanes of the score products
+    (the head dim is split over them, then summed) and of the rest, and the register tile of
+    the P . V product."""
+
+    block_rows: int = 4
+    block_k: int = 64
+    score_lanes: int = 8
+    lanes: int = 16
+    pv: RegisterTile = RegisterTile(4, 4)
+    score_keys: int = 2  # keys per register tile of the score product (x block_rows accumulators)
+
+    kernel = "decode"
+
+    def tile(self, product: str) -> RegisterTile:
+        return {"pv": self.pv}[product]
+
+    def to_json(self) -> dict:
+        return {"kernel": "decode", "block_rows": self.block_rows, "block_k": self.block_k,
+                "score_lanes": self.score_lanes, "lanes": self.lanes, "pv": [self.pv.rows, self.pv.vectors],
+                "score_keys": self.score_keys}
+
+    @classmethod
+    def from_json(cls, d: dict) -> DecodeConfig:
+        return cls(int(d["block_rows"]), int(d["block_k"]), int(d["score_lanes"]), int(d["lanes"]),
+                   RegisterTile(*d["pv"]), int(d["score_keys"]))
+
+
+def default_decode_config(avx512: bool, dtype: str = "float32") -> DecodeConfig:
+    """Hand-written decode choices: 4 query rows (a GQA group of 4 heads x 1 query) at a time;
+    scores as (4 keys fp32, 2 keys 16-bit) x 4 rows of 8-lane accumulators (Zen 4, 1 thread:
+    8 lanes beat 16, whose horizontal sums cost more; the key count matters ~5 %, each way for
+    one dtype; DEVELOPING.md); P . V as 4 rows x 4 vectors of 16 lanes (AVX-512) or 4 x 2 of 8."""
+    keys = 4 if dtype == "float32" else 2
+    if avx512:
+        return DecodeConfig(score_keys=keys)
+    return DecodeConfig(lanes=8, pv=RegisterTile(4, 2), score_keys=keys)

@@ -132,3 +132,64 @@ def backward_workspace_bytes(seqs: Sequences, *, heads: int, heads_k: int, head_
     tiles = (4 + score_mods) * block_q * block_k + 4 * block_k * head_dim + block_q * head_dim + 3 * block_q
     per_thread = (tiles + grad_input_elements) * F32 + 5 * I64
     return shared + threads * per_thread
+
+
+# --- decoding against a KV cache (kernels_decode.py) ---------------------------------------------
+# seq_info[b] = (k_start, k_end, first unit, end unit);
+# units[u] = (sequence, first key tile, end key tile, first kv head, end kv head)
+DEC_K_START, DEC_K_END, DEC_UNIT_FIRST, DEC_UNIT_END = range(4)
+DECODE_SEQ_COLUMNS = 4
+DEC_U_SEQ, DEC_U_TILE_FIRST, DEC_U_TILE_END, DEC_U_HEAD_FIRST, DEC_U_HEAD_END = range(5)
+DECODE_UNIT_COLUMNS = 5
+# Automatic splits (num_splits=0): about this many units (tasks: every kv head of a split) per
+# thread, so that the cyclic distribution over threads stays balanced, and units of at least this
+# many key tiles.
+DECODE_TASKS_PER_THREAD = 8
+DECODE_MIN_SPLIT_TILES = 4
+# A unit reads the kv heads of a group together, a key tile at a time (this many bytes of keys
+# at most, unless one head alone is more): the tile, this tile's values and the next tile's keys
+# (prefetched) live in L2 together. 256 KB keeps the 8 kv heads of 128 fp32 dims together (on
+# Zen 4, groups of 4 or 2 of them were slower: each unit then reads 2 KB or 1 KB of every 4 KB
+# cache row); it splits caches with many more heads.
+DECODE_TILE_BYTES = 256 * 1024
+
+
+def decode_head_group(heads_k: int, block_k: int, head_dim: int, elem_bytes: int) -> int:
+    """kv heads a unit reads together: as many as fit ``DECODE_TILE_BYTES`` per key tile."""
+    return max(1, min(heads_k, DECODE_TILE_BYTES // (block_k * head_dim * elem_bytes)))
+
+
+def decode_units(k_start, k_end, *, seqlen_q: int, window: tuple[int, int], block_k: int, heads_k: int,
+                 threads: int, num_splits: int = 0, head_group: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """The tables of one ``flash_decode`` call: which key tiles each sequence's queries can see
+    (keys ``k_start <= k < k_end``, the window bottom-right aligned at ``k_end - seqlen_q``), cut
+    into units (one kernel task each): a split of the tiles times a group of ``head_group`` kv
+    heads (default all). ``num_splits`` > 0: that many splits per sequence (fewer if it has
+    fewer tiles); 0: splits of equal size, about ``DECODE_TASKS_PER_THREAD`` units per thread.
+    Plain Python: a decode step calls this every token, and numpy's per-call overhead on a few
+    sequences was ~100 us."""
+    left, right = window
+    group = heads_k if head_group is None else max(1, min(head_group, heads_k))
+    groups = [(h, min(h + group, heads_k)) for h in range(0, heads_k, group)]
+    spans = []
+    for start, end in zip(k_start, k_end):
+        start, end = int(start), int(end)
+        lo = max(start, end - seqlen_q - left, 0)
+        hi = min(end, end + right)
+        first = lo // block_k
+        spans.append((first, _ceildiv(hi, block_k) - first if hi > lo else 0))
+    if num_splits <= 0:
+        total = sum(tiles for _, tiles in spans) * len(groups)
+        chunk = max(DECODE_MIN_SPLIT_TILES, _ceildiv(total, max(1, threads * DECODE_TASKS_PER_THREAD)))
+    seq_info, units = [], []
+    for b, ((start, end), (first, tiles)) in enumerate(zip(zip(k_start, k_end), spans)):
+        if num_splits > 0:
+            chunk = _ceildiv(tiles, max(1, min(tiles, num_splits)))
+        unit0 = len(units)
+        units += [(b, t, min(t + chunk, first + tiles), h0, h1)
+                  for t in range(first, first + tiles, max(chunk, 1)) for h0, h1 in groups]
+        seq_info.append((int(start), int(end), unit0, len(units)))
+    if max((abs(x) for row in seq_info + units for x in row), default=0) >= 2**31:
+        raise ValueError("sequences too long for the kernels' int32 tables (2^31 keys)")
+    return (np.array(seq_info, np.int32).reshape(-1, DECODE_SEQ_COLUMNS),
+            np.array(units, np.int32).reshape(-1, DECODE_UNIT_COLUMNS))

@@ -323,3 +323,47 @@ def _load_cuda_runtime() -> None:
         raise RuntimeError(f"cannot load TVM's CUDA runtime ({library}): {err}; a GPU driver (libcuda) and "
                            "libcudart.so.13 must be loadable") from err
 
+
+# --- decoding against a KV cache ------------------------------------------------------------------
+DECODE_FUNCTIONS = ("flash_decode",)
+
+
+class DecodeKernels:
+    """The compiled ``flash_decode`` kernel (``kernels_decode.py``) for one CPU and spec.
+
+    ``decode`` launches it on prepared arguments; ``tvmflash.flash_attn_with_kvcache`` (the
+    PyTorch function, ``kvcache.py``) checks the inputs, updates the cache and plans the splits.
+    """
+
+    def __init__(self, module, meta: dict, source_text: str | None = None, library: Path | None = None):
+        self._module = module
+        self._library = library
+        self.meta = meta
+        spec = meta["spec"]
+        self.head_dim, self.dtype, self.out_dtype = spec["head_dim"], spec["dtype"], spec["out_dtype"]
+        self.score_mods = tuple(spec["score_mods"])
+        self._source = source_text
+        self._function = module["flash_decode"]
+
+    @functools.cached_property
+    def config(self):
+        from .config import DecodeConfig
+
+        return DecodeConfig.from_json(self.meta["config"])
+
+    def __repr__(self):
+        from .target import key
+
+        mods = "".join(f", {m}" for m in self.score_mods)
+        return f"DecodeKernels({key(self.meta['target'])}, head_dim={self.head_dim}, {self.dtype}{mods})"
+
+    def decode(self, q, k_cache, v_cache, out, lse, softmax_scale: float, window: tuple[int, int], num_threads: int,
+               seq_info, units, block_table, mod_inputs=()) -> None:
+        """out, lse = attention of q against the cache (see ``kernels_decode.py`` for the tables)."""
+        self._function(q, k_cache, v_cache, out, lse, softmax_scale, window[0], window[1], num_threads, seq_info,
+                       units, block_table, *mod_inputs)
+
+    def source(self) -> str:
+        if self._source is None:
+            raise RuntimeError("this module was loaded without its source")
+        return self._source

@@ -1,0 +1,287 @@
+"""flash-attn 2's ``flash_attn_with_kvcache`` on CPUs: decoding against a KV cache.
+
+    from tvmflash import flash_attn_with_kvcache
+    out = flash_attn_with_kvcache(q, k_cache, v_cache, k=k_new, v=v_new, cache_seqlens=lengths)
+
+flash-attn's signature and semantics (``flash_attn_interface.flash_attn_with_kvcache``):
+
+* ``k``/``v`` (new tokens) are written into the caches *in place* at ``cache_seqlens`` (after
+  rotary embedding of ``k``), then the queries attend to keys ``cache_leftpad[b] <= j <
+  cache_seqlens[b] + seqlen_new`` of their sequence's cache (``cache_batch_idx`` picks the cache
+  row; a paged cache maps logical block ``j // page_size`` to a page through ``block_table``);
+* causal masks and sliding windows are bottom-right aligned at that length: query ``i`` sees
+  key ``j`` iff ``i + L - seqlen_q - window_left <= j <= i + L - seqlen_q + window_right``, with
+  ``L = cache_seqlens[b] + seqlen_new``; ALiBi adds ``-slope |i + L - seqlen_q - j|``;
+* rotary embedding (``rotary_cos``/``rotary_sin``, interleaved or GPT-NeoX) rotates the new keys
+  at positions ``cache_seqlens[b] + t`` and the queries at ``cache_seqlens[b] + i`` (causal or
+  local) or all at ``cache_seqlens[b]`` (otherwise);
+* GQA/MQA: the query heads of a kv head read its cache rows once (the cache is never expanded).
+
+The cache update and rotary embedding are plain torch ops on the new tokens only. Attention is
+one TIR kernel (``kernels_decode.py``): each (unit, kv head) task reads its keys once for the
+whole GQA group, with the keys split over threads (flash-decoding), and a merge combines the
+splits through their row statistics (fp32). Forward only, like flash-attn's; CPU tensors.
+"""
+
+from __future__ import annotations
+
+import operator
+import os
+
+import torch
+
+from . import checks, compiler, plan, settings
+from .spec import SUPPORTED_DTYPES, UNLIMITED_WINDOW, Alibi, AttentionSpec, Softcap
+
+__all__ = ["flash_attn_with_kvcache", "apply_rotary"]
+
+_STEERING_ENV = ("TVMFLASH_CACHE_DIR",)
+_kernels: dict[tuple, object] = {}
+
+
+def decode_kernels(head_dim: int, dtype: str, *, softcap: bool = False, alibi: bool = False):
+    """The compiled decode kernel for this CPU (cached per process, and on disk)."""
+    request = (head_dim, dtype, softcap, alibi, *(os.environ.get(n) for n in _STEERING_ENV))
+    found = _kernels.get(request)
+    if found is None:
+        mods = (Softcap(),) * softcap + (Alibi(),) * alibi
+        spec = AttentionSpec(head_dim, dtype, score_mods=mods)
+        found = _kernels[request] = compiler.compile_decode({"kind": "llvm"}, spec)
+    return found
+
+
+# --- rotary embedding ----------------------------------------------------------------------------
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
+                 interleaved: bool) -> torch.Tensor:
+    """flash-attn's rotary embedding of x (B, S, heads, D) at positions (B, S): the first
+    ``rotary_dim = 2 * cos.shape[1]`` dims rotate, in pairs (2k, 2k + 1) if ``interleaved``, else
+    (k, k + rotary_dim / 2) (GPT-NeoX); the rest pass through. Computed in fp32, cast once."""
+    rot = 2 * cos.shape[1]
+    c = cos[positions].float().unsqueeze(2)  # (B, S, 1, rot / 2)
+    s = sin[positions].float().unsqueeze(2)
+    xr = x[..., :rot].float()
+    if interleaved:
+        x1, x2 = xr[..., 0::2], xr[..., 1::2]
+        rotated = torch.stack((x1 * c - x2 * s, x1 * s + x2 * c), dim=-1).flatten(-2)
+    else:
+        x1, x2 = xr[..., : rot // 2], xr[..., rot // 2:]
+        rotated = torch.cat((x1 * c - x2 * s, x1 * s + x2 * c), dim=-1)
+    return torch.cat((rotated.to(x.dtype), x[..., rot:]), dim=-1)
+
+
+# --- checks ----------------------------------------------------------------------------------------
+def _tensor(name: str, t, ndim: int | None = None) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.device.type != "cpu":
+        raise ValueError(f"{name} is on {t.device}: tvmflash's flash_attn_with_kvcache runs on CPU tensors")
+    if ndim is not None and t.dim() != ndim:
+        raise ValueError(f"{name} must have {ndim} dims, got shape {tuple(t.shape)}")
+    return t
+
+
+def _int_vector(name: str, t, batch: int) -> list[int]:
+    t = _tensor(name, t)
+    if t.dtype not in (torch.int32, torch.int64) or tuple(t.shape) != (batch,):
+        raise ValueError(f"{name} must be an int32 tensor of shape ({batch},), got {t.dtype} {tuple(t.shape)}")
+    return t.tolist()
+
+
+def _window(window_size, causal: bool) -> tuple[int, int]:
+    try:
+        left, right = (operator.index(w) for w in window_size)
+    except (TypeError, ValueError):
+        raise TypeError(f"window_size must be a pair of integers (left, right), got {window_size!r}") from None
+    if left < -1 or right < -1:
+        raise ValueError(f"window_size entries must be >= -1 (-1: no limit), got {tuple(window_size)!r}")
+    return left, (0 if causal else right)
+
+
+# --- the function ----------------------------------------------------------------------------------
+def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None,
+                            cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None, block_table=None,
+                            softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                            rotary_interleaved=True, alibi_slopes=None, num_splits=0, return_softmax_lse=False):
+    """Attention of a few new queries per sequence against a KV cache, updating it in place.
+
+    q: (batch, seqlen_q, nheads, headdim). k_cache, v_cache: (batch_cache, seqlen_cache,
+    nheads_k, headdim), or (num_blocks, page_block_size, nheads_k, headdim) with ``block_table``
+    (batch, max_blocks) int32 (paged; ``page_block_size`` a multiple of the kernel's key tile,
+    64). k, v: (batch, seqlen_new, nheads_k, headdim) new tokens, written into the caches at
+    ``cache_seqlens`` (int or (batch,) int32; default: the caches are full). rotary_cos/sin:
+    (seqlen_ro, rotary_dim / 2) in q's dtype, with k and v. cache_batch_idx (batch,) int32: the
+    cache row of each sequence. cache_leftpad (batch,) int32: first valid key. softmax_scale
+    (default 1/sqrt(headdim)), causal, window_size, softcap, alibi_slopes ((nheads,) or (batch,
+    nheads) fp32): as in ``flash_attn_func``. num_splits: key splits per sequence (0: chosen
+    from the problem and the thread count). Returns out (batch, seqlen_q, nheads, headdim), and
+    softmax_lse (batch, nheads, seqlen_q) fp32 if ``return_softmax_lse``. Forward only.
+    """
+    q = _tensor("q", q, 4)
+    k_cache, v_cache = _tensor("k_cache", k_cache, 4), _tensor("v_cache", v_cache, 4)
+    dtype = q.dtype
+    dtype_name = str(dtype).removeprefix("torch.")
+    if dtype_name not in SUPPORTED_DTYPES:
+        raise TypeError(f"q has dtype {dtype}: use one of {', '.join(SUPPORTED_DTYPES)}")
+    batch, seqlen_q, heads, head_dim = q.shape
+    checks.check_kernel_params(head_dim, dtype_name)
+    if batch < 1 or seqlen_q < 1:
+        raise ValueError(f"q must have a positive batch size and seqlen, got shape {tuple(q.shape)}")
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if t.dtype != dtype:
+            raise TypeError(f"{name} has dtype {t.dtype}, q has {dtype}: they must match")
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name} must have a contiguous last dimension (stride 1), got strides {t.stride()}")
+    if k_cache.shape != v_cache.shape:
+        raise ValueError(f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} must have the same shape")
+    heads_k = k_cache.shape[2]
+    if k_cache.shape[3] != head_dim:
+        raise ValueError(f"k_cache has head dim {k_cache.shape[3]}, q has {head_dim}")
+    if heads_k < 1 or heads % heads_k:
+        raise ValueError(f"the number of query heads ({heads}) must be a multiple of the kv heads ({heads_k})")
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, k_cache, v_cache)):
+        raise RuntimeError("flash_attn_with_kvcache is forward only (as flash-attn's): call it under "
+                           "torch.no_grad() or torch.inference_mode(), or detach the inputs")
+    scale = checks.softmax_scale(softmax_scale, head_dim)
+    causal = checks.require_bool("causal", causal)
+    left, right = _window(window_size, causal)
+    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or softcap < 0:
+        raise ValueError(f"softcap must be a number >= 0 (0: off), got {softcap!r}")
+    if isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 0:
+        raise ValueError(f"num_splits must be an integer >= 0 (0: automatic), got {num_splits!r}")
+    return_softmax_lse = checks.require_bool("return_softmax_lse", return_softmax_lse)
+    rotary_interleaved = checks.require_bool("rotary_interleaved", rotary_interleaved)
+
+    kernels = decode_kernels(head_dim, dtype_name, softcap=softcap > 0, alibi=alibi_slopes is not None)
+    block_k = kernels.config.block_k
+
+    # --- the cache layout: dense rows or pages -------------------------------------------------
+    paged = block_table is not None
+    if paged:
+        block_table = _tensor("block_table", block_table, 2)
+        if block_table.dtype != torch.int32 or block_table.shape[0] != batch:
+            raise ValueError(f"block_table must be an int32 tensor of shape ({batch}, max_blocks), got "
+                             f"{block_table.dtype} {tuple(block_table.shape)}")
+        if cache_batch_idx is not None:
+            raise ValueError("a paged cache (block_table) does not take cache_batch_idx")
+        num_blocks, page = k_cache.shape[:2]
+        if page % block_k:
+            raise ValueError(f"paged cache: page_block_size {page} must be a multiple of {block_k}")
+        capacity = block_table.shape[1] * page
+        pages = block_table.contiguous()
+        cache_rows = None
+    else:
+        capacity = k_cache.shape[1]
+        if cache_batch_idx is None:
+            if k_cache.shape[0] < batch:
+                raise ValueError(f"k_cache has {k_cache.shape[0]} rows for a batch of {batch}: pass cache_batch_idx")
+            cache_rows = list(range(batch))
+        else:
+            cache_rows = _int_vector("cache_batch_idx", cache_batch_idx, batch)
+            if any(r < 0 or r >= k_cache.shape[0] for r in cache_rows):
+                raise ValueError(f"cache_batch_idx values must lie in [0, {k_cache.shape[0]})")
+        pages = torch.tensor(cache_rows, dtype=torch.int32).reshape(batch, 1)
+
+    # --- lengths ---------------------------------------------------------------------------------
+    seqlen_new = 0
+    if (k is None) != (v is None):
+        raise ValueError("k and v (new tokens) go together")
+    if k is not None:
+        k, v = _tensor("k", k, 4), _tensor("v", v, 4)
+        seqlen_new = k.shape[1]
+        for name, t in (("k", k), ("v", v)):
+            if t.dtype != dtype:
+                raise TypeError(f"{name} has dtype {t.dtype}, q has {dtype}: they must match")
+            if tuple(t.shape) != (batch, seqlen_new, heads_k, head_dim):
+                raise ValueError(f"{name} must have shape {(batch, seqlen_new, heads_k, head_dim)}, "
+                                 f"got {tuple(t.shape)}")
+        if cache_seqlens is None:
+            raise ValueError("new keys k, v need cache_seqlens (where to write them)")
+    if cache_seqlens is None:
+        seqlens = [capacity] * batch
+    elif isinstance(cache_seqlens, int) and not isinstance(cache_seqlens, bool):
+        seqlens = [cache_seqlens] * batch
+    else:
+        seqlens = _int_vector("cache_seqlens", cache_seqlens, batch)
+    ends = [n + seqlen_new for n in seqlens]
+    if min(seqlens) < 0:
+        raise ValueError(f"cache_seqlens must be >= 0, got {seqlens}")
+    if max(ends) > capacity:
+        what = (f"the capacity addressable by block_table (max_blocks * page_block_size = {capacity})" if paged
+                else f"the cache length {capacity}")
+        raise ValueError(f"max(cache_seqlens){' + seqlen_new' if seqlen_new else ''} = {max(ends)} exceeds {what}")
+    if paged:  # the blocks each sequence uses must name pages (unused entries may hold anything)
+        used = torch.arange(pages.shape[1])[None, :] < torch.tensor([-(-n // page) for n in ends])[:, None]
+        named = pages[used]
+        if named.numel() and (int(named.min()) < 0 or int(named.max()) >= num_blocks):
+            raise ValueError(f"block_table holds page indices outside [0, {num_blocks}) for blocks in use")
+    starts = [0] * batch if cache_leftpad is None else _int_vector("cache_leftpad", cache_leftpad, batch)
+    if any(s < 0 or s > n for s, n in zip(starts, seqlens)):
+        raise ValueError("cache_leftpad must lie in [0, cache_seqlens] for each sequence")
+
+    mods = []  # the score mods' inputs (checked before anything is written)
+    if softcap > 0:
+        mods.append(torch.tensor([float(softcap)], dtype=torch.float32))
+    if alibi_slopes is not None:
+        slopes = _tensor("alibi_slopes", alibi_slopes)
+        if slopes.dtype != torch.float32 or tuple(slopes.shape) not in ((heads,), (batch, heads)):
+            raise ValueError(f"alibi_slopes must be float32 of shape ({heads},) or ({batch}, {heads}), got "
+                             f"{slopes.dtype} {tuple(slopes.shape)}")
+        mods.append(slopes.reshape(-1, heads).contiguous())
+
+    # --- rotary embedding and the cache update (O(new tokens), plain torch) ----------------------
+    q_in = q if q.stride(-1) == 1 else q.contiguous()
+    if rotary_cos is not None or rotary_sin is not None:
+        if rotary_cos is None or rotary_sin is None:
+            raise ValueError("rotary_cos and rotary_sin go together")
+        if k is None:
+            raise ValueError("rotary embedding needs the new keys k and v (as in flash-attn)")
+        cos, sin = _tensor("rotary_cos", rotary_cos, 2), _tensor("rotary_sin", rotary_sin, 2)
+        if cos.shape != sin.shape or cos.shape[1] * 2 > head_dim or cos.shape[1] < 1:
+            raise ValueError(f"rotary_cos and rotary_sin must both be (seqlen_ro, rotary_dim / 2) with rotary_dim "
+                             f"<= headdim {head_dim}, got {tuple(cos.shape)} and {tuple(sin.shape)}")
+        local = causal or 0 <= left < capacity or 0 <= right < capacity
+        base = torch.tensor(seqlens, dtype=torch.int64)[:, None]
+        q_pos = base + (torch.arange(seqlen_q)[None, :] if local else 0) + torch.zeros(1, seqlen_q, dtype=torch.int64)
+        k_pos = base + torch.arange(seqlen_new)[None, :]
+        needed = max(int(q_pos.max()), int(k_pos.max()) if seqlen_new else 0) + 1
+        if needed > cos.shape[0]:
+            raise ValueError(f"rotary_cos/rotary_sin have {cos.shape[0]} positions, {needed} are needed")
+        q_in = apply_rotary(q, cos, sin, q_pos, rotary_interleaved)
+        k = apply_rotary(k, cos, sin, k_pos, rotary_interleaved)
+    if seqlen_new:
+        _write_new_tokens(k_cache, v_cache, k, v, seqlens, cache_rows, pages if paged else None)
+
+    # --- attention ------------------------------------------------------------------------------
+    threads = settings.num_threads()
+    window = tuple(UNLIMITED_WINDOW if w < 0 else min(w, UNLIMITED_WINDOW) for w in (left, right))
+    group = plan.decode_head_group(heads_k, block_k, head_dim, q.element_size())
+    seq_info, units = plan.decode_units(starts, ends, seqlen_q=seqlen_q, window=window, block_k=block_k,
+                                        heads_k=heads_k, threads=threads, num_splits=num_splits, head_group=group)
+    out = torch.empty(batch, seqlen_q, heads, head_dim, dtype=dtype)
+    lse = torch.empty(batch, heads, seqlen_q, dtype=torch.float32)
+    kernels.decode(q_in, k_cache, v_cache, out, lse, scale, window, threads, torch.from_numpy(seq_info),
+                   torch.from_numpy(units), pages, mods)
+    return (out, lse) if return_softmax_lse else out
+
+
+def _write_new_tokens(k_cache, v_cache, k, v, seqlens, cache_rows, block_table) -> None:
+    """k_cache[row(b), seqlens[b] + t] = k[b, t] (and v), in place; through the pages if paged.
+
+    One ``index_copy_`` into a (rows x positions, heads, dim) view of each cache (``index_put_``
+    with two index tensors took ~8 ms on a 16K x 4 cache, whatever the number of new tokens);
+    caches whose first two dims cannot be viewed as one are written sequence by sequence."""
+    batch, seqlen_new = k.shape[:2]
+    pos = torch.tensor(seqlens, dtype=torch.int64)[:, None] + torch.arange(seqlen_new)[None, :]
+    if block_table is None:
+        rows, offsets = torch.tensor(cache_rows, dtype=torch.int64)[:, None].expand(-1, seqlen_new), pos
+    else:
+        rows, offsets = block_table.long().gather(1, pos // k_cache.shape[1]), pos % k_cache.shape[1]
+    for cache, new in ((k_cache, k), (v_cache, v)):
+        rows_per_page = cache.shape[1]
+        try:
+            flat = cache.view(-1, *cache.shape[2:])
+        except RuntimeError:  # strides that do not merge: one slice per new token
+            for r, o, t in zip(rows.flatten().tolist(), offsets.flatten().tolist(), new.flatten(0, 1)):
+                cache[r, o] = t
+            continue
+        flat.index_copy_(0, (rows * rows_per_page + offsets).flatten(), new.reshape(batch * seqlen_new, *new.shape[2:]))
