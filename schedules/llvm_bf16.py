@@ -29,14 +29,15 @@ LANES = (16, 8)
 
 def _helper(lanes: int) -> str:
     width = 32 * lanes
+    f32, i32, bf16 = f"<{lanes} x float>", f"<{lanes} x i32>", f"<{2 * lanes} x bfloat>"
     return f"""
-define <{lanes} x float> @tvmflash_dpbf16ps_{width}(<{lanes} x float> %acc, <{lanes} x i32> %a, <{lanes} x i32> %b) {{
-  %a16 = bitcast <{lanes} x i32> %a to <{2 * lanes} x bfloat>
-  %b16 = bitcast <{lanes} x i32> %b to <{2 * lanes} x bfloat>
-  %r = call <{lanes} x float> @llvm.x86.avx512bf16.dpbf16ps.{width}(<{lanes} x float> %acc, <{2 * lanes} x bfloat> %a16, <{2 * lanes} x bfloat> %b16)
-  ret <{lanes} x float> %r
+define {f32} @tvmflash_dpbf16ps_{width}({f32} %acc, {i32} %a, {i32} %b) {{
+  %a16 = bitcast {i32} %a to {bf16}
+  %b16 = bitcast {i32} %b to {bf16}
+  %r = call {f32} @llvm.x86.avx512bf16.dpbf16ps.{width}({f32} %acc, {bf16} %a16, {bf16} %b16)
+  ret {f32} %r
 }}
-declare <{lanes} x float> @llvm.x86.avx512bf16.dpbf16ps.{width}(<{lanes} x float>, <{2 * lanes} x bfloat>, <{2 * lanes} x bfloat>)
+declare {f32} @llvm.x86.avx512bf16.dpbf16ps.{width}({f32}, {bf16}, {bf16})
 """
 
 

@@ -201,7 +201,8 @@ def test_the_search_space_covers_how_the_products_run():
     assert {(w.kernel, w.config.block_k, w.config.products) for w in found.values()} == {
         (kernel, block_k, products) for kernel in ("forward", "backward") for block_k in (64, 128)
         for products in (FP32_FMA, BF16_DOT)}
-    for target, spec in (({"kind": "llvm", "mcpu": "skylake-avx512"}, bf16), (BF16_TARGET, AttentionSpec(64, "float16"))):
+    skylake = {"kind": "llvm", "mcpu": "skylake-avx512"}
+    for target, spec in ((skylake, bf16), (BF16_TARGET, AttentionSpec(64, "float16"))):
         assert {w.config.products for w in tune.workloads_for(target, spec, **SHAPE).values()} == {FP32_FMA}
     # a task's function says what it is
     w = found["backward_q64_k128_bf16_dot"]

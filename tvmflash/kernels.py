@@ -12,10 +12,10 @@ right window 0), the thread count.
 Forward ``flash_fwd(q, k, v, out, lse, softmax_scale, window_left, window_right, n_threads,
 seq_table, q_tile_seq, k_tile_seq, *mod_inputs, [tile_state, kv_range])``::
 
-    [pack_kv]   Kp, Vp = K, V as fp32, each sequence zero-padded to whole key tiles
+    [pack_kv]   Kp, Vp = K, V as product operands, each sequence zero-padded to whole key tiles
     for slot in parallel(n_threads):                                          [slot]
       for task (query head h, query tile) = slot, slot + n_threads, ...       (cyclic: balanced)
-        [load_q] QT = query tile, transposed, fp32   [init_o, init_stats] OT = 0, m = -inf, l = 0
+        [load_q] QT = query tile, transposed         [init_o, init_stats] OT = 0, m = -inf, l = 0
         for each key tile the window (and block mask) leaves non-empty:
           [scores]       ST = K_tile . QT                     raw dot products
           [score_mod]    ST = score_mods(ST * scale, ...)     if the spec has any
@@ -23,7 +23,8 @@ seq_table, q_tile_seq, k_tile_seq, *mod_inputs, [tile_state, kv_range])``::
           [row_max]      m_next = max(m, max_j ST * c)        log2 units: c = scale * log2(e),
           [rescale]      alpha = 2^(m - m_next)                 or log2(e) after score mods
           [probs]        PT = 2^(ST * c - m_next)             0 where ST = -inf
-          [pv]           PVT = V_tile^T . PT
+          [pack_p]       PTw = PT rounded to bf16             bf16 products only
+          [pv]           PVT = V_tile^T . PTw
           [update_o]     OT = OT * alpha + PVT
           [row_sum]      l_tile = sum_j PT
           [update_stats] m = m_next, l = l * alpha + l_tile
@@ -33,7 +34,7 @@ Backward ``flash_bwd(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale, window_
 window_right, n_threads, n_rounds, super_tile, seq_table, q_tile_seq, k_tile_seq, k_super_seq,
 *mod_inputs, *mod_input_grads, [tile_state])``::
 
-    [pack_q_do]   Qp, dOp = Q, dO as fp32, zero-padded to whole query tiles
+    [pack_q_do]   Qp, dOp (, Qw, dOw) = Q, dO as product operands, zero-padded to whole query tiles
     [delta, lse_log2]  per query row: Delta = rowsum(dO * O); LSE * log2(e) as fp32 hi + lo
     [zero_dq, zero_dkv, zero_mod_grads]   fp32 accumulators = 0
     for round r in range(n_rounds):                         no two tasks of a round share rows
@@ -41,19 +42,21 @@ window_right, n_threads, n_rounds, super_tile, seq_table, q_tile_seq, k_tile_seq
         for task (kv head, key super tile J) = slot, slot + n_threads, ...:
           I = (J + r) mod M  (M: super tiles of the sequence; a super tile = super_tile tiles)
           for key tile j of J:
-            [load_k, load_kt, load_vt]  K_j, K_j^T, V_j^T as fp32
+            (K_j, K_j^T, V_j^T packed as product operands once per key tile: [pack_k, pack_kt, pack_vt])
             for query head h of the kv head's GQA group, query tile i of I, tile (i, j) not empty:
               [load_row_stats]
               [scores]      S = Q_i . K_j^T         P is recomputed once (rule 2) and
               [score_mod]   X = score_mods(S * scale)      everything comes from it
               [mask]        X = -inf where masked
               [probs]       P = 2^(X * c - LSE)
-              [dv] [update_dv]   dVacc_j += P^T . dO_i
+              [pack_p]      Pw = P rounded to bf16                        bf16 products only
+              [dv] [update_dv]   dVacc_j += Pw^T . dO_i
               [dprobs]      dP = dO_i . V_j^T
               [dscores]     dS = P (dP - Delta)   [dscores_mod]  dS *= d score_mods / d S
               [mod_grads]   captured-tensor gradients += upstream terms (into the slot's partial)
-              [dk] [update_dk]   dKacc_j += dS^T . Q_i
-              [dq] [update_dq]   dQacc_i += dS . K_j
+              [pack_ds]     dSw, dSb = dS rounded to bf16 (pairs of rows, rows)   bf16 products only
+              [dk] [update_dk]   dKacc_j += dSw^T . Q_i
+              [dq] [update_dq]   dQacc_i += dSb . K_j
     [store_dq]  dq = dQacc * scale    [store_dkv]  dk = dKacc * scale, dv = dVacc    (cast once)
     [sum_mod_grads]   captured-tensor gradients = the slots' partials, summed in slot order
 
@@ -62,7 +65,15 @@ query row and key row is updated by one task per round, in an order fixed by the
 races, results bitwise independent of the thread count, and scratch memory of a few fp32 copies
 of q and k at any thread count.
 
-All tile buffers are fp32 (rule 3). The forward keeps tiles transposed (query index innermost),
+Products (``config.products``): with fp32 FMAs (``fp32_fma``) the operands are fp32 copies and
+the packs only convert and pad; with bf16 dot products (``bf16_dot``, bf16 inputs on CPUs with
+AVX512-BF16) they stay bf16: bits of rows (uint16) where a product reads pairs along a row,
+pair words (uint32, ``pair_words.py``) where it reads pairs of rows, and every product block
+reduces over pairs ``(q, t)``, the form of the ``vdpbf16ps`` intrinsic it is tensorized into
+(``schedules/llvm_bf16.py``). P and dS are rounded to bf16 (round to nearest even) only as
+product inputs, as FlashAttention does on GPUs; their fp32 values feed the row sums and dS.
+
+All accumulators and row statistics are fp32 (rule 3). The forward keeps tiles transposed (query index innermost),
 so the row statistics are plain vector operations. Products sum one tile into a fresh partial
 and ``update_*`` stages add it to the running accumulator: error ~ block + N / block ulps
 instead of N. In-place stages (``update_*``, ``mask``, ``score_mod``, ``dscores_mod``) are plain

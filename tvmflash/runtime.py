@@ -92,8 +92,9 @@ class FlashKernels:
 
     def _check_runs_here(self) -> None:
         if self._missing_product_features:
-            raise RuntimeError(f"these kernels were compiled for {self.meta['target'].get('mcpu')} and their matrix "
-                               f"products use instructions this CPU lacks ({', '.join(self._missing_product_features)})")
+            raise RuntimeError(f"these kernels were compiled for {self.meta['target'].get('mcpu')} and their "
+                               f"matrix products use instructions this CPU lacks "
+                               f"({', '.join(self._missing_product_features)})")
 
     # --- planning ------------------------------------------------------------------------------
     def _window(self, causal, window_size) -> tuple[int, int]:
