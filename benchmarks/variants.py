@@ -2,7 +2,8 @@
 
 They are rewrites of the shipping kernels, made here and never shipped: the scheduled kernel is
 printed as TVMScript, edited, and parsed back (TVM 0.27 exposes no TIR mutator to Python; the
-printer and parser round-trip exactly). The real kernels carry no experiment knobs.
+printer and parser round-trip exactly, with ``show_meta``: the bf16 kernels' LLVM IR helper is a
+long string the printer otherwise leaves out). The real kernels carry no experiment knobs.
 
 * rule 1 (fp32 row statistics) needs no kernel: the experiment rounds the LSE the forward stored
   to fp16 before the backward reads it (``rule1_fp32_stats.py``);
@@ -45,7 +46,7 @@ def low_precision_accumulators(dtype: str):
         if kernel != "backward":
             return func
         lines, count = [], 0
-        for line in func.script().splitlines():
+        for line in func.script(show_meta=True).splitlines():
             m = re.match(r"^(\s*)((" + "|".join(ACCUMULATORS) + r")\[[^=]*\]) = (\3\[.*\] \+ .*)$", line)
             if m:
                 line, count = f"{m.group(1)}{m.group(2)} = {_rounded(m.group(4), dtype)}", count + 1
@@ -73,7 +74,7 @@ def recompute_twice(kernel: str, func):
     """A transform (for build.build_module): the backward recomputes S and P again before dP."""
     if kernel != "backward":
         return func
-    lines = func.script().splitlines()
+    lines = func.script(show_meta=True).splitlines()
     copies = []
     for stage in ("scores", "probs"):
         start, end = _stage_lines(lines, stage)

@@ -8,6 +8,11 @@ register-tiled micro-kernel: ``rows x cols`` fp32 accumulators held in vector re
 read are small (a 64 x 64 fp32 tile is 16 KB) and stay in L1/L2. Element-wise stages are
 vectorized along their innermost loop; the per-thread ``slot`` loops run in TVM's thread pool.
 
+With ``products="bf16_dot"`` the product blocks reduce over bf16 pairs (loops ``q``, ``t``) and
+the register tile's innermost step, one vector of accumulators times one pair, is tensorized
+into one ``vdpbf16ps`` (``llvm_bf16.py``); the kernel's function then imports that module's LLVM
+IR helper.
+
 The same code is the autotuner's search space. Every tunable choice goes through a ``Knobs``
 object: ``FixedKnobs`` reads it from a ``CPUKernelConfig`` (the hand-written schedule), while
 ``tune.SampledKnobs`` draws it with ``sch.sample_perfect_tile`` for MetaSchedule. Tile sizes
@@ -18,19 +23,23 @@ kernels rather than as knobs of one schedule.
 from __future__ import annotations
 
 import tvm
-import tvm_ffi
 from tvm import s_tir
 
-from tvmflash.config import MAX_TILE_ROWS, MAX_TILE_VECTORS, PRODUCTS, CPUKernelConfig, default_cpu_config
+from tvmflash import target as targets
+from tvmflash.config import (BF16_DOT, MAX_TILE_ROWS, MAX_TILE_VECTORS, PRODUCTS, CPUKernelConfig,
+                             default_cpu_config, default_products)
+
+from . import llvm_bf16
 
 
 def has_avx512(target: tvm.target.Target) -> bool:
-    return bool(tvm_ffi.get_global_func("target.llvm_cpu_has_feature")("avx512f", target))
+    return targets.has_features(target, "avx512f")
 
 
-def default_config(target: tvm.target.Target, kernel: str) -> CPUKernelConfig:
-    """The hand-written choices for this target's ISA (config.default_cpu_config)."""
-    return default_cpu_config(kernel, has_avx512(target))
+def default_config(target: tvm.target.Target, kernel: str, dtype: str = "float32") -> CPUKernelConfig:
+    """The hand-written choices for this target's ISA and the input dtype (config.default_cpu_config)."""
+    products = default_products(dtype, targets.supports_bf16_dot(target))
+    return default_cpu_config(kernel, has_avx512(target), products)
 
 
 def _largest_divisor(extent: int, at_most: int) -> int:
@@ -80,30 +89,46 @@ def _vectorize_row_reduction(sch: s_tir.Schedule, name: str, lanes: int) -> None
     _vectorize_loop(sch, sch.get_loops(init)[-1], lanes)
 
 
-def register_tile(sch: s_tir.Schedule, kernel: str, name: str, knobs, lanes: int, block_name=None) -> None:
+def register_tile(sch: s_tir.Schedule, kernel: str, name: str, knobs, lanes: int, block_name=None,
+                  bf16_pairs: bool = False) -> None:
     """Schedule a (row, col, reduction) block as a register-tiled micro-kernel.
 
     Knobs: ``<name>.rows`` (rows of the register tile) and ``<name>.vectors`` (vectors per row).
+    ``bf16_pairs``: the block is a bf16 dot product (row, col, pair q, t): the innermost
+    (lanes, t) step is tensorized into one ``vdpbf16ps``.
     """
     block = sch.get_sblock(block_name or name)
-    row, col, red = sch.get_loops(block)[-3:]
+    row, col, red, *pair = sch.get_loops(block)[-4 if bf16_pairs else -3:]
     width = _vector_width(_extent(sch, col), lanes)
     col_vectors, col_lanes = sch.split(col, [None, width])
     row_o, row_i = sch.split(row, knobs.split(sch, row, kernel, f"{name}.rows", MAX_TILE_ROWS))
     col_o, col_i = sch.split(col_vectors, knobs.split(sch, col_vectors, kernel, f"{name}.vectors",
                                                       MAX_TILE_VECTORS))
-    sch.reorder(row_o, col_o, red, row_i, col_i, col_lanes)
+    sch.reorder(row_o, col_o, red, row_i, col_i, col_lanes, *pair)
     acc = sch.cache_write(block, 0, "local")  # the accumulators: promoted to registers by LLVM
     sch.reverse_compute_at(acc, col_o, preserve_unit_loops=True)  # same loops for every tile shape
     sch.unroll(row_i)
     sch.unroll(col_i)
-    sch.vectorize(col_lanes)
     acc_row, acc_col = sch.get_loops(acc)[-2:]
     sch.unroll(acc_row)
     acc_vectors, acc_lanes = sch.split(acc_col, [None, width])
     sch.unroll(acc_vectors)
     sch.vectorize(acc_lanes)
-    sch.decompose_reduction(block, red)
+    if not bf16_pairs:
+        sch.vectorize(col_lanes)
+        sch.decompose_reduction(block, red)
+        return
+    # The intrinsic describes the update alone: split off the zeroing first, vectorized.
+    init = sch.decompose_reduction(block, red)
+    sch.vectorize(sch.get_loops(init)[-1])
+    sch.tensorize(col_lanes, llvm_bf16.intrinsic_name(width, _a_operand_dtype(sch, block)))
+
+
+def _a_operand_dtype(sch: s_tir.Schedule, block) -> str:
+    """uint16 where a bf16 dot product's broadcast operand is the bits of two bf16 elements,
+    uint32 where it is a pair word (its vector operand is always pair words)."""
+    dtypes = {str(region.source.dtype) for region in sch.get(block).reads}
+    return "uint16" if "uint16" in dtypes else "uint32"
 
 
 def _parallel(sch: s_tir.Schedule, name: str, n_outer: int, vectorize_inner: int | None = None):
@@ -113,45 +138,57 @@ def _parallel(sch: s_tir.Schedule, name: str, n_outer: int, vectorize_inner: int
         _vectorize_loop(sch, loops[-1], vectorize_inner)
 
 
-def _parallel_slots(sch: s_tir.Schedule, name: str) -> None:
+def _parallel_slots(sch: s_tir.Schedule, name: str, bf16_products: bool = False) -> None:
     """The per-thread slot loop in TVM's thread pool: last, after everything inside it is scheduled.
 
     Marking a loop parallel copies the loop but keeps its body: the block below is then shared
     with the module the schedule started from, and TVM 0.27's schedule state, which checks only
     the loops' and blocks' reference counts, edits later primitives inside it in place, changing
     that module too. MetaSchedule replays every candidate's trace on one task module, so there
-    that corrupted the search space.
+    that corrupted the search space. The bf16 products' LLVM helper is imported there too.
     """
-    sch.parallel(sch.get_loops(sch.get_sblock(name))[-1])
+    slots = sch.get_loops(sch.get_sblock(name))[-1]
+    if bf16_products:
+        llvm_bf16.import_helpers(sch, slots)
+    sch.parallel(slots)
+
+
+# Element-wise stages that differ between the product kinds: the operand packs (kernels.py).
+PACKS = {
+    ("forward", False): ("pack_kv",),
+    ("forward", True): ("pack_k", "pack_v", "pack_p"),
+    ("backward", False): ("pack_q_do", "pack_k", "pack_kt", "pack_vt"),
+    ("backward", True): ("pack_q_do", "pack_q_do_pairs", "pack_k", "pack_kt", "pack_vt", "pack_p", "pack_ds",
+                         "pack_ds_pairs"),
+}
 
 
 def schedule_forward(sch: s_tir.Schedule, cfg: CPUKernelConfig, knobs=None) -> s_tir.Schedule:
     knobs = knobs or FixedKnobs(cfg)
-    lanes = cfg.lanes
+    lanes, bf16 = cfg.lanes, cfg.products == BF16_DOT
     _parallel(sch, "pack_kv_tile", 2)
-    _vectorize_elementwise(sch, "pack_kv", lanes)
     for name in PRODUCTS["forward"]:
-        register_tile(sch, "forward", name, knobs, lanes)
-    for name in ("load_q", "init_o", "init_stats", "rescale", "probs", "store_o"):
+        register_tile(sch, "forward", name, knobs, lanes, bf16_pairs=bf16)
+    for name in (*PACKS["forward", bf16], "load_q", "init_o", "init_stats", "rescale", "probs", "store_o"):
         _vectorize_elementwise(sch, name, lanes)
     for name in ("row_max", "row_sum"):
         _vectorize_row_reduction(sch, name, lanes)
-    _parallel_slots(sch, "slot")
+    _parallel_slots(sch, "slot", bf16)
     return sch
 
 
 def schedule_backward(sch: s_tir.Schedule, cfg: CPUKernelConfig, knobs=None) -> s_tir.Schedule:
     knobs = knobs or FixedKnobs(cfg)
-    lanes = cfg.lanes
+    lanes, bf16 = cfg.lanes, cfg.products == BF16_DOT
     for tile_block in ("prepare_q_tile", "prepare_k_tile", "store_dq_tile", "store_dkv_tile"):
         _parallel(sch, tile_block, 2)  # (heads, tiles) in parallel
-    for name in ("pack_q_do", "zero_dq", "pack_k", "pack_kt", "pack_vt", "zero_dkv", "store_dq", "store_dkv"):
+    for name in (*PACKS["backward", bf16], "zero_dq", "zero_dkv", "store_dq", "store_dkv"):
         _vectorize_elementwise(sch, name, lanes)
     for name in PRODUCTS["backward"]:
-        register_tile(sch, "backward", name, knobs, lanes)
+        register_tile(sch, "backward", name, knobs, lanes, bf16_pairs=bf16)
     for name in ("init_dkv", "load_row_stats", "probs", "dscores"):
         _vectorize_elementwise(sch, name, lanes)
-    _parallel_slots(sch, "round_slot")
+    _parallel_slots(sch, "round_slot", bf16)
     return sch
 
 

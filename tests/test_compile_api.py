@@ -195,6 +195,7 @@ def test_avx2_schedule_runs_correctly(gen, seed):
         pytest.skip("this CPU cannot run AVX2 code")
     kernels = tvmflash.compile({"kind": "llvm", "mcpu": "haswell"}, head_dim=40, dtype="bfloat16", causal=True)
     assert kernels.configs["forward"].lanes == 8 and "<8 x float>" in kernels.source()
+    assert {cfg.products for cfg in kernels.configs.values()} == {"fp32_fma"}  # no AVX512-BF16 on Haswell
     q, k, v = random_inputs(gen, 1, 70, 100, 4, 2, 40, "bfloat16")
     dout = torch.randn(q.shape, generator=gen).to(torch.bfloat16)
     out, lse = torch.empty_like(q), torch.empty(1, 4, 70)

@@ -27,7 +27,7 @@ import tvm_ffi  # noqa: E402
 import tvmflash  # noqa: E402
 from conftest import random_inputs, reference_attention  # noqa: E402
 from tvmflash import plan, records, reference, tune  # noqa: E402
-from tvmflash.config import CPUKernelConfig  # noqa: E402
+from tvmflash.config import BF16_DOT, FP32_FMA, CPUKernelConfig  # noqa: E402
 from tvmflash.schedules import llvm as llvm_schedules  # noqa: E402
 from tvmflash.spec import AttentionSpec  # noqa: E402
 from tvmflash.target import key, resolve  # noqa: E402
@@ -159,14 +159,23 @@ def test_a_record_the_verification_found_slower_is_not_used(tuned, monkeypatch):
     assert kernels.configs["backward"] != CPUKernelConfig.from_json(written["backward"]["config"])
 
 
+# bf16 dot products are scheduled for an explicit AVX512-BF16 target: checkable on any CPU
+BF16_TARGET = {"kind": "llvm", "mcpu": "znver4"}
+
+
 @pytest.mark.parametrize("kernel", ["forward", "backward"])
-def test_decoded_knobs_reproduce_the_measured_schedule(kernel):
+@pytest.mark.parametrize("products", [FP32_FMA, BF16_DOT])
+def test_decoded_knobs_reproduce_the_measured_schedule(kernel, products):
     """A record's knob values, applied by the hand-written schedule, give the record's own program;
-    sampling the space leaves the task's module as it was (MetaSchedule replays every candidate on it)."""
+    sampling the space leaves the task's module as it was (MetaSchedule replays every candidate on it),
+    and replaying the record's trace gives the same program (bf16 dot products: with the tensorize)."""
     from tvm.s_tir import meta_schedule as ms
 
     tune.stub_tensor_intrin()
-    workload = tune.workloads_for("llvm", SPEC, kernels_to_tune=(kernel,), **SHAPE)[f"{kernel}_q64_k64"]
+    spec, target = (SPEC, "llvm") if products == FP32_FMA else (AttentionSpec(32, "bfloat16"), BF16_TARGET)
+    name = f"{kernel}_q64_k64" + ("" if products == FP32_FMA else f"_{products}")
+    workload = tune.workloads_for(target, spec, kernels_to_tune=(kernel,), **SHAPE)[name]
+    assert workload.config.products == products
     mod = tvm.IRModule({"main": workload.prim_func()})
     before = tvm_ffi.structural_hash(mod)
     sch = tvm.s_tir.Schedule(mod, seed=7)
@@ -175,9 +184,29 @@ def test_decoded_knobs_reproduce_the_measured_schedule(kernel):
     db = ms.database.MemoryDatabase()
     record = ms.database.TuningRecord(sch.trace, db.commit_workload(mod), [1e-3])
     config = tune.decode(record)
-    assert (config.block_q, config.block_k, config.lanes) == (64, 64, workload.config.lanes)
+    assert (config.block_q, config.block_k, config.lanes, config.products) == (64, 64, workload.config.lanes,
+                                                                               products)
     fixed = llvm_schedules.SCHEDULES[kernel](tvm.s_tir.Schedule(workload.prim_func()), config)
     tvm.ir.assert_structural_equal(fixed.mod["main"], sch.mod["main"])
+    replayed = tvm.s_tir.Schedule(workload.prim_func())
+    sch.trace.apply_to_schedule(replayed, remove_postproc=True)
+    tvm.ir.assert_structural_equal(replayed.mod["main"], sch.mod["main"])
+
+
+def test_the_search_space_covers_how_the_products_run():
+    """bf16 inputs on an AVX512-BF16 target: a task per tile shape with fp32 FMAs and with bf16
+    dot products; without AVX512-BF16 (or for fp16) fp32 FMAs only."""
+    bf16 = AttentionSpec(64, "bfloat16")
+    found = tune.workloads_for(BF16_TARGET, bf16, blocks=((64, 64), (64, 128)), **SHAPE)
+    assert {(w.kernel, w.config.block_k, w.config.products) for w in found.values()} == {
+        (kernel, block_k, products) for kernel in ("forward", "backward") for block_k in (64, 128)
+        for products in (FP32_FMA, BF16_DOT)}
+    skylake = {"kind": "llvm", "mcpu": "skylake-avx512"}
+    for target, spec in ((skylake, bf16), (BF16_TARGET, AttentionSpec(64, "float16"))):
+        assert {w.config.products for w in tune.workloads_for(target, spec, **SHAPE).values()} == {FP32_FMA}
+    # a task's function says what it is
+    w = found["backward_q64_k128_bf16_dot"]
+    assert tune.Workload.of(w.prim_func()) == w
 
 
 def test_measurement_arguments_are_those_of_a_real_call():

@@ -17,20 +17,22 @@ import tvm_ffi
 from tvm import s_tir, tirx
 
 from . import attention_te, kernels, plan
-from .config import CPUKernelConfig, default_cpu_config
+from .config import FP32_FMA, CPUKernelConfig, default_cpu_config
 from .spec import AttentionSpec
 
 
 def fused_kernels(head_dim: int = 64, dtype: str = "float32", block_q: int = 64, block_k: int = 64,
-                  spec: AttentionSpec | None = None):
-    """The unscheduled (forward, backward) PrimFuncs of a spec with the given tile sizes."""
+                  spec: AttentionSpec | None = None, products: str = FP32_FMA):
+    """The unscheduled (forward, backward) PrimFuncs of a spec with the given tile sizes and
+    products (config.py)."""
     spec = spec or AttentionSpec(head_dim, dtype)
-    return tuple(kernels.fused_kernel(kernel, spec, _config(kernel, block_q, block_k)) for kernel in ("forward", "backward"))
+    return tuple(kernels.fused_kernel(kernel, spec, _config(kernel, block_q, block_k, products))
+                 for kernel in ("forward", "backward"))
 
 
-def _config(kernel: str, block_q: int, block_k: int) -> CPUKernelConfig:
+def _config(kernel: str, block_q: int, block_k: int, products: str = FP32_FMA) -> CPUKernelConfig:
     cfg = default_cpu_config(kernel, avx512=True)
-    return CPUKernelConfig(kernel, block_q, block_k, cfg.lanes, cfg.tiles)
+    return CPUKernelConfig(kernel, block_q, block_k, cfg.lanes, cfg.tiles, products)
 
 
 def walk(stmt, visit) -> None:

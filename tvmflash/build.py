@@ -22,11 +22,11 @@ from .schedules import llvm as llvm_schedules
 from .spec import AttentionSpec
 
 
-def default_configs(target: tvm.target.Target) -> dict:
-    """The hand-written config of each kernel for this target."""
+def default_configs(target: tvm.target.Target, dtype: str = "float32") -> dict:
+    """The hand-written config of each kernel for this target and input dtype."""
     if target.kind.name == "cuda":
         return {kernel: CUDAKernelConfig(kernel) for kernel in KERNELS}
-    return {kernel: llvm_schedules.default_config(target, kernel) for kernel in KERNELS}
+    return {kernel: llvm_schedules.default_config(target, kernel, dtype) for kernel in KERNELS}
 
 
 def scheduled_kernel(kernel: str, spec: AttentionSpec, cfg: CPUKernelConfig) -> tvm.tirx.PrimFunc:

@@ -26,7 +26,7 @@ import tvm_ffi
 from . import cache, checks, records, runtime, settings
 from . import schedules as _schedules_package
 from . import target as targets
-from .config import KERNELS, CPUKernelConfig, CUDAKernelConfig, default_cpu_config
+from .config import BF16_DOT, KERNELS, CPUKernelConfig, CUDAKernelConfig, default_cpu_config, default_products
 from .runtime import FlashKernels
 from .spec import AttentionSpec
 from .version import __version__
@@ -38,7 +38,8 @@ _SCHEDULES = Path(_schedules_package.__file__).parent
 _SHARED = tuple(_PACKAGE / name for name in ("build.py", "attention_te.py", "spec.py", "config.py", "target.py"))
 _CODEGEN_SOURCES = {
     "llvm": (*_SHARED, _PACKAGE / "kernels.py", _PACKAGE / "score_mods.py", _PACKAGE / "plan.py",
-             _PACKAGE / "flex_trace.py", _SCHEDULES / "llvm.py"),
+             _PACKAGE / "flex_trace.py", _PACKAGE / "pair_words.py", _SCHEDULES / "llvm.py",
+             _SCHEDULES / "llvm_bf16.py"),
     "cuda": (*_SHARED, _PACKAGE / "kernels_cuda.py", _SCHEDULES / "cuda.py"),
 }
 _memory_cache: dict[str, FlashKernels] = {}
@@ -58,10 +59,6 @@ def _sources_digest(kind: str) -> str:
     return h.hexdigest()[:16]
 
 
-def _has_avx512(target: tvm.target.Target) -> bool:
-    return bool(tvm_ffi.get_global_func("target.llvm_cpu_has_feature")("avx512f", target))
-
-
 def choose_configs(target: tvm.target.Target, spec: AttentionSpec, *, config=None, tuned: bool = True,
                    seqlen: int | None = None) -> tuple[dict, dict | None]:
     """The config of each kernel, and the tuning records used (None if none).
@@ -69,11 +66,14 @@ def choose_configs(target: tvm.target.Target, spec: AttentionSpec, *, config=Non
     The one place this is decided. Per kernel: an explicit ``config`` (a dict kernel -> config,
     or one config applying to its own kernel) wins; else, on CPUs with ``tuned``, the verified
     tuning record for this target and spec (``records.py``; the one tuned at the sequence length
-    nearest ``seqlen``); else the hand-written default for the target's ISA.
+    nearest ``seqlen``); else the hand-written default for the target's ISA and the spec's dtype
+    (bf16 inputs: native bf16 dot products where the target has AVX512-BF16). A config whose
+    products the target cannot run is an error (explicit) or skipped (tuning record).
     """
     explicit = _explicit_configs(config)
     is_cuda = target.kind.name == "cuda"
     chosen, used = {}, {}
+    bf16_dot = not is_cuda and targets.supports_bf16_dot(target)
     for kernel in KERNELS:
         if kernel in explicit:
             chosen[kernel] = explicit[kernel]
@@ -82,14 +82,19 @@ def choose_configs(target: tvm.target.Target, spec: AttentionSpec, *, config=Non
             chosen[kernel] = CUDAKernelConfig(kernel)
             continue
         found = records.lookup(targets.key(target), spec, kernel, seqlen) if tuned else None
-        if found is not None:
+        if found is not None and (found[0].products != BF16_DOT or bf16_dot):
             chosen[kernel], used[kernel] = found
         else:
-            chosen[kernel] = default_cpu_config(kernel, _has_avx512(target))
+            chosen[kernel] = default_cpu_config(kernel, targets.has_features(target, "avx512f"),
+                                                default_products(spec.dtype, bf16_dot))
     wanted = CUDAKernelConfig if is_cuda else CPUKernelConfig
     for kernel, cfg in chosen.items():
         if not isinstance(cfg, wanted) or cfg.kernel != kernel:
             raise TypeError(f"config for the {kernel} kernel must be a {wanted.__name__}(kernel={kernel!r}), got {cfg!r}")
+        if not is_cuda and cfg.products == BF16_DOT and not (bf16_dot and spec.dtype == "bfloat16"):
+            raise ValueError(f"the {kernel} config asks for bf16_dot products, which need bfloat16 inputs (got "
+                             f"{spec.dtype}) and a target with AVX512-BF16 ({targets.key(target)}"
+                             f"{'' if bf16_dot else ' has none'})")
     return chosen, (used or None)
 
 

@@ -1,10 +1,19 @@
 """How a fused kernel is tiled: one frozen config per kernel (pure Python, no TVM).
 
 ``CPUKernelConfig`` holds every choice of a CPU kernel's loop nest and schedule: the tile shape
-(``block_q`` x ``block_k``, which the kernel's loops are built around) and the schedule's knobs
-(vector lanes, the register tile of each matrix product). The hand-written defaults follow
-from the ISA; the autotuner searches the same fields; ``compiler.choose_configs`` is the one
-place that decides which config a compile uses (tuned record or default).
+(``block_q`` x ``block_k``, which the kernel's loops are built around), how the matrix products
+run (``products``) and the schedule's knobs (vector lanes, the register tile of each matrix
+product). The hand-written defaults follow from the ISA and the input dtype; the autotuner
+searches the same fields; ``compiler.choose_configs`` is the one place that decides which config
+a compile uses (tuned record or default).
+
+``products``: ``"fp32_fma"`` converts the operands to fp32 tiles and multiplies with fp32 FMAs
+(any x86 CPU, any input dtype); ``"bf16_dot"`` keeps bf16 inputs in bf16 and multiplies with
+AVX512-BF16's ``vdpbf16ps`` (two bf16 products summed into each fp32 lane: twice the FMA's
+rate), rounding P and dS to bf16 as product inputs only (row statistics and accumulators stay
+fp32). It needs bf16 inputs and a CPU with AVX512-BF16 (``target.supports_bf16_dot``). fp16
+inputs use fp32 FMAs: no CPU of this project has an fp16 product that accumulates in fp32
+(AVX512-FP16 accumulates in fp16).
 
 Defaults: AVX-512 has 32 vector registers of 16 floats, AVX2 16 of 8; an FMA has a latency of ~4
 cycles and two issue ports, so at least 8 independent accumulators keep both busy, and
@@ -21,6 +30,8 @@ PRODUCTS = {"forward": ("scores", "pv"), "backward": ("scores", "dv", "dprobs", 
 KERNELS = tuple(PRODUCTS)
 MAX_TILE_ROWS = 8
 MAX_TILE_VECTORS = 4
+FP32_FMA, BF16_DOT = "fp32_fma", "bf16_dot"
+PRODUCT_KINDS = (FP32_FMA, BF16_DOT)
 
 
 @dataclass(frozen=True)
@@ -36,10 +47,17 @@ class CPUKernelConfig:
     block_k: int = 64  # key rows per tile
     lanes: int = 16  # fp32 lanes of one vector register
     tiles: tuple = ()  # ((product, RegisterTile), ...) for every product of the kernel
+    products: str = FP32_FMA  # how the matrix products run: one of PRODUCT_KINDS
 
     def __post_init__(self):
         if self.kernel not in PRODUCTS:
             raise ValueError(f"unknown kernel {self.kernel!r}: one of {KERNELS}")
+        if self.products not in PRODUCT_KINDS:
+            raise ValueError(f"unknown products {self.products!r}: one of {PRODUCT_KINDS}")
+        if self.products == BF16_DOT and (self.lanes != 16 or self.block_q % 8 or self.block_k % 8):
+            # bf16 pairs along every tile edge, 8- or 16-lane dot products (AVX-512)
+            raise ValueError(f"bf16_dot needs 16 lanes and tile sizes that are multiples of 8, got lanes="
+                             f"{self.lanes}, {self.block_q}x{self.block_k}")
         missing = set(PRODUCTS[self.kernel]) - {name for name, _ in self.tiles}
         if missing:
             raise ValueError(f"{self.kernel} config lacks register tiles for {sorted(missing)}")
@@ -52,22 +70,33 @@ class CPUKernelConfig:
 
     def to_json(self) -> dict:
         return {"kernel": self.kernel, "block_q": self.block_q, "block_k": self.block_k, "lanes": self.lanes,
-                "tiles": {name: [t.rows, t.vectors] for name, t in self.tiles}}
+                "tiles": {name: [t.rows, t.vectors] for name, t in self.tiles}, "products": self.products}
 
     @classmethod
     def from_json(cls, d: dict) -> CPUKernelConfig:
         tiles = tuple((name, RegisterTile(*rv)) for name, rv in d["tiles"].items())
-        return cls(d["kernel"], int(d["block_q"]), int(d["block_k"]), int(d["lanes"]), tiles)
+        return cls(d["kernel"], int(d["block_q"]), int(d["block_k"]), int(d["lanes"]), tiles,
+                   str(d.get("products", FP32_FMA)))
 
 
-def default_cpu_config(kernel: str, avx512: bool) -> CPUKernelConfig:
-    """The hand-written schedule's choices for a CPU with (or without) AVX-512."""
+def default_products(dtype: str, bf16_dot: bool) -> str:
+    """bf16 inputs on a CPU with AVX512-BF16 (``bf16_dot``): native bf16 dot products; else fp32 FMAs."""
+    return BF16_DOT if dtype == "bfloat16" and bf16_dot else FP32_FMA
+
+
+def default_cpu_config(kernel: str, avx512: bool, products: str = FP32_FMA) -> CPUKernelConfig:
+    """The hand-written schedule's choices for a CPU with (or without) AVX-512.
+
+    The register tiles hold 16 accumulators with either products: ``vdpbf16ps`` has a latency of
+    ~6 cycles at one per cycle (Zen 4, DEVELOPING.md), so it needs >= 6 independent ones.
+    """
     if avx512:
         tile = RegisterTile(4, 4) if kernel == "forward" else RegisterTile(8, 2)
         lanes = 16
     else:  # AVX2: 8 accumulators + 2 loads + 1 broadcast of 16 registers
         tile, lanes = RegisterTile(4, 2), 8
-    return CPUKernelConfig(kernel, lanes=lanes, tiles=tuple((name, tile) for name in PRODUCTS[kernel]))
+    return CPUKernelConfig(kernel, lanes=lanes, tiles=tuple((name, tile) for name in PRODUCTS[kernel]),
+                           products=products)
 
 
 # CUDA: the kernels' warp layout is fixed (kernels_cuda: 4 warps x 16 query rows per thread

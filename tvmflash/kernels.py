@@ -12,10 +12,10 @@ right window 0), the thread count.
 Forward ``flash_fwd(q, k, v, out, lse, softmax_scale, window_left, window_right, n_threads,
 seq_table, q_tile_seq, k_tile_seq, *mod_inputs, [tile_state, kv_range])``::
 
-    [pack_kv]   Kp, Vp = K, V as fp32, each sequence zero-padded to whole key tiles
+    [pack_kv]   Kp, Vp = K, V as product operands, each sequence zero-padded to whole key tiles
     for slot in parallel(n_threads):                                          [slot]
       for task (query head h, query tile) = slot, slot + n_threads, ...       (cyclic: balanced)
-        [load_q] QT = query tile, transposed, fp32   [init_o, init_stats] OT = 0, m = -inf, l = 0
+        [load_q] QT = query tile, transposed         [init_o, init_stats] OT = 0, m = -inf, l = 0
         for each key tile the window (and block mask) leaves non-empty:
           [scores]       ST = K_tile . QT                     raw dot products
           [score_mod]    ST = score_mods(ST * scale, ...)     if the spec has any
@@ -23,7 +23,8 @@ seq_table, q_tile_seq, k_tile_seq, *mod_inputs, [tile_state, kv_range])``::
           [row_max]      m_next = max(m, max_j ST * c)        log2 units: c = scale * log2(e),
           [rescale]      alpha = 2^(m - m_next)                 or log2(e) after score mods
           [probs]        PT = 2^(ST * c - m_next)             0 where ST = -inf
-          [pv]           PVT = V_tile^T . PT
+          [pack_p]       PTw = PT rounded to bf16             bf16 products only
+          [pv]           PVT = V_tile^T . PTw
           [update_o]     OT = OT * alpha + PVT
           [row_sum]      l_tile = sum_j PT
           [update_stats] m = m_next, l = l * alpha + l_tile
@@ -33,7 +34,7 @@ Backward ``flash_bwd(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale, window_
 window_right, n_threads, n_rounds, super_tile, seq_table, q_tile_seq, k_tile_seq, k_super_seq,
 *mod_inputs, *mod_input_grads, [tile_state])``::
 
-    [pack_q_do]   Qp, dOp = Q, dO as fp32, zero-padded to whole query tiles
+    [pack_q_do]   Qp, dOp (, Qw, dOw) = Q, dO as product operands, zero-padded to whole query tiles
     [delta, lse_log2]  per query row: Delta = rowsum(dO * O); LSE * log2(e) as fp32 hi + lo
     [zero_dq, zero_dkv, zero_mod_grads]   fp32 accumulators = 0
     for round r in range(n_rounds):                         no two tasks of a round share rows
@@ -41,19 +42,21 @@ window_right, n_threads, n_rounds, super_tile, seq_table, q_tile_seq, k_tile_seq
         for task (kv head, key super tile J) = slot, slot + n_threads, ...:
           I = (J + r) mod M  (M: super tiles of the sequence; a super tile = super_tile tiles)
           for key tile j of J:
-            [load_k, load_kt, load_vt]  K_j, K_j^T, V_j^T as fp32
+            (K_j, K_j^T, V_j^T packed as product operands once per key tile: [pack_k, pack_kt, pack_vt])
             for query head h of the kv head's GQA group, query tile i of I, tile (i, j) not empty:
               [load_row_stats]
               [scores]      S = Q_i . K_j^T         P is recomputed once (rule 2) and
               [score_mod]   X = score_mods(S * scale)      everything comes from it
               [mask]        X = -inf where masked
               [probs]       P = 2^(X * c - LSE)
-              [dv] [update_dv]   dVacc_j += P^T . dO_i
+              [pack_p]      Pw = P rounded to bf16                        bf16 products only
+              [dv] [update_dv]   dVacc_j += Pw^T . dO_i
               [dprobs]      dP = dO_i . V_j^T
               [dscores]     dS = P (dP - Delta)   [dscores_mod]  dS *= d score_mods / d S
               [mod_grads]   captured-tensor gradients += upstream terms (into the slot's partial)
-              [dk] [update_dk]   dKacc_j += dS^T . Q_i
-              [dq] [update_dq]   dQacc_i += dS . K_j
+              [pack_ds]     dSw, dSb = dS rounded to bf16 (pairs of rows, rows)   bf16 products only
+              [dk] [update_dk]   dKacc_j += dSw^T . Q_i
+              [dq] [update_dq]   dQacc_i += dSb . K_j
     [store_dq]  dq = dQacc * scale    [store_dkv]  dk = dKacc * scale, dv = dVacc    (cast once)
     [sum_mod_grads]   captured-tensor gradients = the slots' partials, summed in slot order
 
@@ -62,7 +65,15 @@ query row and key row is updated by one task per round, in an order fixed by the
 races, results bitwise independent of the thread count, and scratch memory of a few fp32 copies
 of q and k at any thread count.
 
-All tile buffers are fp32 (rule 3). The forward keeps tiles transposed (query index innermost),
+Products (``config.products``): with fp32 FMAs (``fp32_fma``) the operands are fp32 copies and
+the packs only convert and pad; with bf16 dot products (``bf16_dot``, bf16 inputs on CPUs with
+AVX512-BF16) they stay bf16: bits of rows (uint16) where a product reads pairs along a row,
+pair words (uint32, ``pair_words.py``) where it reads pairs of rows, and every product block
+reduces over pairs ``(q, t)``, the form of the ``vdpbf16ps`` intrinsic it is tensorized into
+(``schedules/llvm_bf16.py``). P and dS are rounded to bf16 (round to nearest even) only as
+product inputs, as FlashAttention does on GPUs; their fp32 values feed the row sums and dS.
+
+All accumulators and row statistics are fp32 (rule 3). The forward keeps tiles transposed (query index innermost),
 so the row statistics are plain vector operations. Products sum one tile into a fresh partial
 and ``update_*`` stages add it to the running accumulator: error ~ block + N / block ulps
 instead of N. In-place stages (``update_*``, ``mask``, ``score_mod``, ``dscores_mod``) are plain
@@ -96,11 +107,14 @@ from .attention_te import (
     scale_log2_parts,
     shifted_log2_exponent,
 )
-from .config import CPUKernelConfig
+from .config import BF16_DOT, CPUKernelConfig
+from .pair_words import bf16_bits, bits_value, half, pair_word, rounded_bits, rounded_pair_word
 from .score_mods import ModContext, emitters
 from .spec import AttentionSpec
 
 F32 = "float32"
+BF16 = "bfloat16"
+U16, U32 = "uint16", "uint32"  # bf16 bits and pair words (pair_words.py)
 I64 = "int64"
 # Tile states: block masks store them per tile (int8); the window mask is computed.
 EMPTY, PARTIAL, FULL = 0, 1, 2
@@ -274,6 +288,15 @@ def _exponent_constant(spec: AttentionSpec, softmax_scale):
     return scale_log2_parts(tirx.const(1.0, "float64") if spec.score_mods else softmax_scale)
 
 
+def _bf16_products(spec: AttentionSpec, cfg: CPUKernelConfig) -> bool:
+    """Whether the kernel's products are bf16 dot products (config.products)."""
+    if cfg.products != BF16_DOT:
+        return False
+    if spec.dtype != BF16 or spec.head_dim % 8:
+        raise ValueError(f"bf16_dot products need bfloat16 inputs, got {spec.dtype} (head dim {spec.head_dim})")
+    return True
+
+
 def _cyclic_count(slot, tasks, n_threads):
     """Tasks slot, slot + n_threads, ... below ``tasks``."""
     return tirx.max(_ceildiv(tasks - slot, n_threads), 0)
@@ -283,11 +306,27 @@ def fused_forward(spec: AttentionSpec, cfg: CPUKernelConfig) -> tirx.PrimFunc:
     D, Br, Bc, dtype, out_dtype = spec.head_dim, cfg.block_q, cfg.block_k, spec.dtype, spec.out_dtype
     elem, out_elem = DataType(dtype).bits // 8, DataType(out_dtype).bits // 8
     has_mods = bool(spec.score_mods)
+    bf16 = _bf16_products(spec, cfg)
+    pair = 2 if bf16 else 1  # reduction elements per operand word
     args = KernelArgs(spec, cfg, backward=False)
 
+    # --- the operands of the products, and the products: fp32 FMAs -----------------------------
     @T.macro
-    def load_q(QT: T.Buffer, Q: T.Buffer, q_batch: T.int64, q_start: T.int64, q0: T.int64, q_len: T.int64,
-               h: T.int64):
+    def pack_kv_fp32(Kp: T.Buffer, Vp: T.Buffer, K: T.Buffer, V: T.Buffer, k_batch: T.int64, k_start: T.int64,
+                     k0: T.int64, k_len: T.int64, hk: T.int64, t: T.int64):
+        for j, d in T.grid(Bc, D):
+            with T.sblock("pack_kv"):
+                vj, vd = T.axis.remap("SS", [j, d])
+                Kp[hk, t * Bc + vj, vd] = T.if_then_else(
+                    k0 + vj < k_len, T.Cast(F32, K[k_batch, k_start + T.min(k0 + vj, k_len - 1), hk, vd]),
+                    T.float32(0))
+                Vp[hk, t * Bc + vj, vd] = T.if_then_else(
+                    k0 + vj < k_len, T.Cast(F32, V[k_batch, k_start + T.min(k0 + vj, k_len - 1), hk, vd]),
+                    T.float32(0))
+
+    @T.macro
+    def load_q_fp32(QT: T.Buffer, Q: T.Buffer, q_batch: T.int64, q_start: T.int64, q0: T.int64, q_len: T.int64,
+                    h: T.int64):
         for unit in range(1):
             with T.sblock("load_q_tile"):
                 for d, i in T.grid(D, Br):
@@ -296,6 +335,95 @@ def fused_forward(spec: AttentionSpec, cfg: CPUKernelConfig) -> tirx.PrimFunc:
                         QT[vd, vi] = T.if_then_else(
                             q0 + vi < q_len, T.Cast(F32, Q[q_batch, q_start + T.min(q0 + vi, q_len - 1), h, vd]),
                             T.float32(0))
+
+    @T.macro
+    def scores_fp32(ST: T.Buffer, Kp: T.Buffer, QT: T.Buffer, hk: T.int64, krow: T.int64):
+        for unit in range(1):
+            with T.sblock("scores_tile"):
+                for j, i, d in T.grid(Bc, Br, D):
+                    with T.sblock("scores"):
+                        vj, vi, vd = T.axis.remap("SSR", [j, i, d])
+                        with T.init():
+                            ST[vj, vi] = T.float32(0)
+                        ST[vj, vi] = ST[vj, vi] + Kp[hk, krow + vj, vd] * QT[vd, vi]
+
+    @T.macro
+    def pv_fp32(PVT: T.Buffer, Vp: T.Buffer, PT: T.Buffer, hk: T.int64, krow: T.int64):
+        for unit in range(1):
+            with T.sblock("pv_tile"):
+                for d, i, j in T.grid(D, Br, Bc):
+                    with T.sblock("pv"):
+                        vd, vi, vj = T.axis.remap("SSR", [d, i, j])
+                        with T.init():
+                            PVT[vd, vi] = T.float32(0)
+                        PVT[vd, vi] = PVT[vd, vi] + Vp[hk, krow + vj, vd] * PT[vj, vi]
+
+    # --- ... and bf16 dot products: reductions in pairs (q, t), B operands as pair words ------
+    @T.macro
+    def pack_kv_bf16(Kp: T.Buffer, Vp: T.Buffer, K: T.Buffer, V: T.Buffer, k_batch: T.int64, k_start: T.int64,
+                     k0: T.int64, k_len: T.int64, hk: T.int64, t: T.int64):
+        for j, d in T.grid(Bc, D):
+            with T.sblock("pack_k"):  # K's bits, zero-padded
+                vj, vd = T.axis.remap("SS", [j, d])
+                Kp[hk, t * Bc + vj, vd] = T.if_then_else(
+                    k0 + vj < k_len, bf16_bits(K[k_batch, k_start + T.min(k0 + vj, k_len - 1), hk, vd]), T.uint16(0))
+        for p, d in T.grid(Bc // 2, D):
+            with T.sblock("pack_v"):  # V as pair words of rows 2p, 2p + 1
+                vp, vd = T.axis.remap("SS", [p, d])
+                Vp[hk, t * (Bc // 2) + vp, vd] = pair_word(
+                    T.if_then_else(k0 + 2 * vp < k_len,
+                                   bf16_bits(V[k_batch, k_start + T.min(k0 + 2 * vp, k_len - 1), hk, vd]), T.uint16(0)),
+                    T.if_then_else(k0 + 2 * vp + 1 < k_len,
+                                   bf16_bits(V[k_batch, k_start + T.min(k0 + 2 * vp + 1, k_len - 1), hk, vd]),
+                                   T.uint16(0)))
+
+    @T.macro
+    def load_q_bf16(QT: T.Buffer, Q: T.Buffer, q_batch: T.int64, q_start: T.int64, q0: T.int64, q_len: T.int64,
+                    h: T.int64):
+        for unit in range(1):
+            with T.sblock("load_q_tile"):
+                for p, i in T.grid(D // 2, Br):
+                    with T.sblock("load_q"):  # pair words of elements 2p, 2p + 1 of each query row
+                        vp, vi = T.axis.remap("SS", [p, i])
+                        QT[vp, vi] = T.if_then_else(q0 + vi < q_len, pair_word(
+                            bf16_bits(Q[q_batch, q_start + T.min(q0 + vi, q_len - 1), h, 2 * vp]),
+                            bf16_bits(Q[q_batch, q_start + T.min(q0 + vi, q_len - 1), h, 2 * vp + 1])), T.uint32(0))
+
+    @T.macro
+    def scores_bf16(ST: T.Buffer, Kp: T.Buffer, QT: T.Buffer, hk: T.int64, krow: T.int64):
+        for unit in range(1):
+            with T.sblock("scores_tile"):
+                for j, i, q, t in T.grid(Bc, Br, D // 2, 2):
+                    with T.sblock("scores"):
+                        vj, vi, vq, vt = T.axis.remap("SSRR", [j, i, q, t])
+                        with T.init():
+                            ST[vj, vi] = T.float32(0)
+                        ST[vj, vi] = ST[vj, vi] + bits_value(Kp[hk, krow + vj, 2 * vq + vt]) * half(QT[vq, vi], vt)
+
+    @T.macro
+    def pack_p(PTw: T.Buffer, PT: T.Buffer):
+        for unit in range(1):
+            with T.sblock("pack_p_tile"):
+                for q, i in T.grid(Bc // 2, Br):
+                    with T.sblock("pack_p"):  # P rounded to bf16 as a product input only (rule 3)
+                        vq, vi = T.axis.remap("SS", [q, i])
+                        PTw[vq, vi] = rounded_pair_word(PT[2 * vq, vi], PT[2 * vq + 1, vi])
+
+    @T.macro
+    def pv_bf16(PVT: T.Buffer, Vp: T.Buffer, PTw: T.Buffer, hk: T.int64, krow: T.int64):
+        for unit in range(1):
+            with T.sblock("pv_tile"):
+                for d, i, q, t in T.grid(D, Br, Bc // 2, 2):
+                    with T.sblock("pv"):
+                        vd, vi, vq, vt = T.axis.remap("SSRR", [d, i, q, t])
+                        with T.init():
+                            PVT[vd, vi] = T.float32(0)
+                        PVT[vd, vi] = PVT[vd, vi] + half(Vp[hk, krow // 2 + vq, vd], vt) * half(PTw[vq, vi], vt)
+
+    pack_kv, load_q, scores, pv = ((pack_kv_bf16, load_q_bf16, scores_bf16, pv_bf16) if bf16
+                                   else (pack_kv_fp32, load_q_fp32, scores_fp32, pv_fp32))
+
+    # --- softmax and accumulators ------------------------------------------------------------
 
     @T.macro
     def init_tile(OT: T.Buffer, m: T.Buffer, l: T.Buffer):
@@ -313,17 +441,6 @@ def fused_forward(spec: AttentionSpec, cfg: CPUKernelConfig) -> tirx.PrimFunc:
                         # not -inf: 2^(-inf - m) must be 0 for masked scores before a row sees any key
                         m[vi] = T.float32(-FLT_MAX)
                         l[vi] = T.float32(0)
-
-    @T.macro
-    def scores(ST: T.Buffer, Kp: T.Buffer, QT: T.Buffer, hk: T.int64, krow: T.int64):
-        for unit in range(1):
-            with T.sblock("scores_tile"):
-                for j, i, d in T.grid(Bc, Br, D):
-                    with T.sblock("scores"):
-                        vj, vi, vd = T.axis.remap("SSR", [j, i, d])
-                        with T.init():
-                            ST[vj, vi] = T.float32(0)
-                        ST[vj, vi] = ST[vj, vi] + Kp[hk, krow + vj, vd] * QT[vd, vi]
 
     @T.macro
     def score_mod(ST: T.Buffer, scale: T.float32, b: T.int64, h: T.int64, q0: T.int64, k0: T.int64):
@@ -372,16 +489,8 @@ def fused_forward(spec: AttentionSpec, cfg: CPUKernelConfig) -> tirx.PrimFunc:
                         PT[vj, vi] = exp2(shifted_log2_exponent(ST[vj, vi], m_next[vi], (c_hi, c_lo)))
 
     @T.macro
-    def accumulate(OT: T.Buffer, PVT: T.Buffer, PT: T.Buffer, Vp: T.Buffer, m: T.Buffer, m_next: T.Buffer,
-                   l: T.Buffer, l_tile: T.Buffer, alpha: T.Buffer, hk: T.int64, krow: T.int64):
-        for unit in range(1):
-            with T.sblock("pv_tile"):
-                for d, i, j in T.grid(D, Br, Bc):
-                    with T.sblock("pv"):
-                        vd, vi, vj = T.axis.remap("SSR", [d, i, j])
-                        with T.init():
-                            PVT[vd, vi] = T.float32(0)
-                        PVT[vd, vi] = PVT[vd, vi] + Vp[hk, krow + vj, vd] * PT[vj, vi]
+    def accumulate(OT: T.Buffer, PVT: T.Buffer, PT: T.Buffer, m: T.Buffer, m_next: T.Buffer, l: T.Buffer,
+                   l_tile: T.Buffer, alpha: T.Buffer):
         for unit in range(1):
             with T.sblock("update_o_tile"):
                 for d, i in T.grid(D, Br):
@@ -440,8 +549,9 @@ def fused_forward(spec: AttentionSpec, cfg: CPUKernelConfig) -> tirx.PrimFunc:
         O = T.match_buffer(o_h, (Bq, Nq, H, D), out_dtype, strides=(*so, 1), align=out_elem)
         LSE = T.match_buffer(lse_h, (Bq, H, Nq), F32, align=4)
         args.declare(H)
-        Kp = T.alloc_buffer((Hk, args.key_tiles() * Bc, D), F32)
-        Vp = T.alloc_buffer((Hk, args.key_tiles() * Bc, D), F32)
+        # K (rows) and V (pairs of rows with bf16 products), zero-padded to whole key tiles
+        Kp = T.alloc_buffer((Hk, args.key_tiles() * Bc, D), U16 if bf16 else F32)
+        Vp = T.alloc_buffer((Hk, args.key_tiles() * (Bc // pair), D), U32 if bf16 else F32)
         for hk, t in T.grid(Hk, args.key_tiles()):
             with T.sblock("pack_kv_tile"):
                 vhk, vt = T.axis.remap("SS", [hk, t])
@@ -452,23 +562,16 @@ def fused_forward(spec: AttentionSpec, cfg: CPUKernelConfig) -> tirx.PrimFunc:
                 k_len: T.let[T.int64] = args.k_len(b)
                 k_batch: T.let[T.int64] = args.col(b, plan.K_BATCH)
                 k_start: T.let[T.int64] = args.col(b, plan.K_START)
-                for j, d in T.grid(Bc, D):
-                    with T.sblock("pack_kv"):
-                        vj, vd = T.axis.remap("SS", [j, d])
-                        Kp[vhk, vt * Bc + vj, vd] = T.if_then_else(
-                            k0 + vj < k_len, T.Cast(F32, K[k_batch, k_start + T.min(k0 + vj, k_len - 1), vhk, vd]),
-                            T.float32(0))
-                        Vp[vhk, vt * Bc + vj, vd] = T.if_then_else(
-                            k0 + vj < k_len, T.Cast(F32, V[k_batch, k_start + T.min(k0 + vj, k_len - 1), vhk, vd]),
-                            T.float32(0))
+                pack_kv(Kp, Vp, K, V, k_batch, k_start, k0, k_len, vhk, vt)
         for slot in T.serial(n_threads):
             with T.sblock("slot"):
                 vslot = T.axis.remap("S", [slot])
                 T.reads()
                 T.writes()
-                QT = T.sblock_alloc_buffer((D, Br), F32)  # query tile, transposed
+                QT = T.sblock_alloc_buffer((D // pair, Br), U32 if bf16 else F32)  # query tile, transposed
                 ST = T.sblock_alloc_buffer((Bc, Br), F32)  # scores, transposed
                 PT = T.sblock_alloc_buffer((Bc, Br), F32)  # unnormalized probabilities
+                PTw = T.sblock_alloc_buffer((Bc // 2, Br), U32) if bf16 else PT  # P as the input of PV
                 OT = T.sblock_alloc_buffer((D, Br), F32)  # output accumulator
                 PVT = T.sblock_alloc_buffer((D, Br), F32)  # this key tile's P V
                 m = T.sblock_alloc_buffer((Br,), F32)  # running row max (log2 units)
@@ -505,7 +608,10 @@ def fused_forward(spec: AttentionSpec, cfg: CPUKernelConfig) -> tirx.PrimFunc:
                                 mask(ST, b, h, q0, k0, window_left, window_right)
                             online_softmax(ST, PT, m, m_next, alpha, _exponent_constant(spec, softmax_scale)[0],
                                            _exponent_constant(spec, softmax_scale)[1])
-                            accumulate(OT, PVT, PT, Vp, m, m_next, l, l_tile, alpha, hk, krow)
+                            if bf16:
+                                pack_p(PTw, PT)
+                            pv(PVT, Vp, PTw, hk, krow)
+                            accumulate(OT, PVT, PT, m, m_next, l, l_tile, alpha)
                     store(O, LSE, OT, m, l, _exponent_scale(spec, softmax_scale), args.col(b, plan.Q_BATCH),
                           args.col(b, plan.Q_START), q0, q_len, h)
 
@@ -519,8 +625,229 @@ def fused_backward(spec: AttentionSpec, cfg: CPUKernelConfig) -> tirx.PrimFunc:
     grad_inputs = spec.grad_inputs
     has_grads = bool(grad_inputs)
     grad_elements = max(sum(math.prod(i.shape) for i in grad_inputs), 1)
+    bf16 = _bf16_products(spec, cfg)
+    pair = 2 if bf16 else 1  # reduction elements per operand word
     args = KernelArgs(spec, cfg, backward=True)
 
+    # --- the operands of the products, and the products: fp32 FMAs -----------------------------
+    # Operands: Qp, dOp (rows of Q, dO), Qw, dOw (the same as B operands: pairs of rows with bf16
+    # products), Kp (rows of K for dQ), KTp, VTp (K^T, V^T per key tile), Pw, dSw, dSb (P and dS
+    # as product inputs). With fp32 FMAs: fp32 copies, Qw/dOw/Pw/dSw/dSb are Qp/dOp/P/dS.
+    @T.macro
+    def pack_q_do_fp32(Qp: T.Buffer, dOp: T.Buffer, Qw: T.Buffer, dOw: T.Buffer, Q: T.Buffer, dO: T.Buffer,
+                       q_batch: T.int64, q_start: T.int64, q0: T.int64, q_len: T.int64, h: T.int64, t: T.int64):
+        for i, d in T.grid(Br, D):
+            with T.sblock("pack_q_do"):
+                vi, vd = T.axis.remap("SS", [i, d])
+                Qp[h, t * Br + vi, vd] = T.if_then_else(
+                    q0 + vi < q_len, T.Cast(F32, Q[q_batch, q_start + T.min(q0 + vi, q_len - 1), h, vd]), T.float32(0))
+                dOp[h, t * Br + vi, vd] = T.if_then_else(
+                    q0 + vi < q_len, T.Cast(F32, dO[q_batch, q_start + T.min(q0 + vi, q_len - 1), h, vd]),
+                    T.float32(0))
+
+    @T.macro
+    def pack_k_v_fp32(Kp: T.Buffer, KTp: T.Buffer, VTp: T.Buffer, K: T.Buffer, V: T.Buffer, k_batch: T.int64,
+                      k_start: T.int64, k0: T.int64, k_len: T.int64, hk: T.int64, t: T.int64):
+        for j, d in T.grid(Bc, D):
+            with T.sblock("pack_k"):
+                vj, vd = T.axis.remap("SS", [j, d])
+                Kp[hk, t * Bc + vj, vd] = T.if_then_else(
+                    k0 + vj < k_len, T.Cast(F32, K[k_batch, k_start + T.min(k0 + vj, k_len - 1), hk, vd]),
+                    T.float32(0))
+        for d, j in T.grid(D, Bc):
+            with T.sblock("pack_kt"):
+                vd, vj = T.axis.remap("SS", [d, j])
+                KTp[hk, t, vd, vj] = Kp[hk, t * Bc + vj, vd]
+        for d, j in T.grid(D, Bc):
+            with T.sblock("pack_vt"):
+                vd, vj = T.axis.remap("SS", [d, j])
+                VTp[hk, t, vd, vj] = T.if_then_else(
+                    k0 + vj < k_len, T.Cast(F32, V[k_batch, k_start + T.min(k0 + vj, k_len - 1), hk, vd]),
+                    T.float32(0))
+
+    @T.macro
+    def scores_fp32(S: T.Buffer, Qp: T.Buffer, KTp: T.Buffer, h: T.int64, hk: T.int64, qrow: T.int64, gk: T.int64):
+        for unit in range(1):
+            with T.sblock("scores_tile"):
+                for i, j, d in T.grid(Br, Bc, D):
+                    with T.sblock("scores"):
+                        vi, vj, vd = T.axis.remap("SSR", [i, j, d])
+                        with T.init():
+                            S[vi, vj] = T.float32(0)
+                        S[vi, vj] = S[vi, vj] + Qp[h, qrow + vi, vd] * KTp[hk, gk, vd, vj]
+
+    @T.macro
+    def dv_fp32(dVtile: T.Buffer, P: T.Buffer, dOp: T.Buffer, h: T.int64, qrow: T.int64):
+        for unit in range(1):
+            with T.sblock("dv_tile"):
+                for j, d, i in T.grid(Bc, D, Br):
+                    with T.sblock("dv"):
+                        vj, vd, vi = T.axis.remap("SSR", [j, d, i])
+                        with T.init():
+                            dVtile[vj, vd] = T.float32(0)
+                        dVtile[vj, vd] = dVtile[vj, vd] + P[vi, vj] * dOp[h, qrow + vi, vd]
+
+    @T.macro
+    def dprobs_fp32(dP: T.Buffer, dOp: T.Buffer, VTp: T.Buffer, h: T.int64, hk: T.int64, qrow: T.int64, gk: T.int64):
+        for unit in range(1):
+            with T.sblock("dprobs_tile"):
+                for i, j, d in T.grid(Br, Bc, D):
+                    with T.sblock("dprobs"):
+                        vi, vj, vd = T.axis.remap("SSR", [i, j, d])
+                        with T.init():
+                            dP[vi, vj] = T.float32(0)
+                        dP[vi, vj] = dP[vi, vj] + dOp[h, qrow + vi, vd] * VTp[hk, gk, vd, vj]
+
+    @T.macro
+    def dk_fp32(dKtile: T.Buffer, dS: T.Buffer, Qp: T.Buffer, h: T.int64, qrow: T.int64):
+        for unit in range(1):
+            with T.sblock("dk_tile"):
+                for j, d, i in T.grid(Bc, D, Br):
+                    with T.sblock("dk"):
+                        vj, vd, vi = T.axis.remap("SSR", [j, d, i])
+                        with T.init():
+                            dKtile[vj, vd] = T.float32(0)
+                        dKtile[vj, vd] = dKtile[vj, vd] + dS[vi, vj] * Qp[h, qrow + vi, vd]
+
+    @T.macro
+    def dq_fp32(dQtile: T.Buffer, dS: T.Buffer, Kp: T.Buffer, hk: T.int64, krow: T.int64):
+        for unit in range(1):
+            with T.sblock("dq_tile"):
+                for i, d, j in T.grid(Br, D, Bc):
+                    with T.sblock("dq"):
+                        vi, vd, vj = T.axis.remap("SSR", [i, d, j])
+                        with T.init():
+                            dQtile[vi, vd] = T.float32(0)
+                        dQtile[vi, vd] = dQtile[vi, vd] + dS[vi, vj] * Kp[hk, krow + vj, vd]
+
+    # --- ... and bf16 dot products: reductions in pairs (q, t); A operands as bf16 bits or pair
+    # words, B operands as pair words --------------------------------------------------------
+    @T.macro
+    def pack_q_do_bf16(Qp: T.Buffer, dOp: T.Buffer, Qw: T.Buffer, dOw: T.Buffer, Q: T.Buffer, dO: T.Buffer,
+                       q_batch: T.int64, q_start: T.int64, q0: T.int64, q_len: T.int64, h: T.int64, t: T.int64):
+        for i, d in T.grid(Br, D):
+            with T.sblock("pack_q_do"):  # their bits, zero-padded
+                vi, vd = T.axis.remap("SS", [i, d])
+                Qp[h, t * Br + vi, vd] = T.if_then_else(
+                    q0 + vi < q_len, bf16_bits(Q[q_batch, q_start + T.min(q0 + vi, q_len - 1), h, vd]), T.uint16(0))
+                dOp[h, t * Br + vi, vd] = T.if_then_else(
+                    q0 + vi < q_len, bf16_bits(dO[q_batch, q_start + T.min(q0 + vi, q_len - 1), h, vd]), T.uint16(0))
+        for p, d in T.grid(Br // 2, D):
+            with T.sblock("pack_q_do_pairs"):  # pair words of rows 2p, 2p + 1
+                vp, vd = T.axis.remap("SS", [p, d])
+                Qw[h, t * (Br // 2) + vp, vd] = pair_word(Qp[h, t * Br + 2 * vp, vd], Qp[h, t * Br + 2 * vp + 1, vd])
+                dOw[h, t * (Br // 2) + vp, vd] = pair_word(dOp[h, t * Br + 2 * vp, vd],
+                                                           dOp[h, t * Br + 2 * vp + 1, vd])
+
+    @T.macro
+    def pack_k_v_bf16(Kp: T.Buffer, KTp: T.Buffer, VTp: T.Buffer, K: T.Buffer, V: T.Buffer, k_batch: T.int64,
+                      k_start: T.int64, k0: T.int64, k_len: T.int64, hk: T.int64, t: T.int64):
+        for p, d in T.grid(Bc // 2, D):
+            with T.sblock("pack_k"):  # pair words of rows 2p, 2p + 1
+                vp, vd = T.axis.remap("SS", [p, d])
+                Kp[hk, t * (Bc // 2) + vp, vd] = pair_word(
+                    T.if_then_else(k0 + 2 * vp < k_len,
+                                   bf16_bits(K[k_batch, k_start + T.min(k0 + 2 * vp, k_len - 1), hk, vd]), T.uint16(0)),
+                    T.if_then_else(k0 + 2 * vp + 1 < k_len,
+                                   bf16_bits(K[k_batch, k_start + T.min(k0 + 2 * vp + 1, k_len - 1), hk, vd]),
+                                   T.uint16(0)))
+        for p, j in T.grid(D // 2, Bc):
+            with T.sblock("pack_kt"):  # pair words of elements 2p, 2p + 1 of each key row
+                vp, vj = T.axis.remap("SS", [p, j])
+                KTp[hk, t, vp, vj] = T.if_then_else(k0 + vj < k_len, pair_word(
+                    bf16_bits(K[k_batch, k_start + T.min(k0 + vj, k_len - 1), hk, 2 * vp]),
+                    bf16_bits(K[k_batch, k_start + T.min(k0 + vj, k_len - 1), hk, 2 * vp + 1])), T.uint32(0))
+        for p, j in T.grid(D // 2, Bc):
+            with T.sblock("pack_vt"):
+                vp, vj = T.axis.remap("SS", [p, j])
+                VTp[hk, t, vp, vj] = T.if_then_else(k0 + vj < k_len, pair_word(
+                    bf16_bits(V[k_batch, k_start + T.min(k0 + vj, k_len - 1), hk, 2 * vp]),
+                    bf16_bits(V[k_batch, k_start + T.min(k0 + vj, k_len - 1), hk, 2 * vp + 1])), T.uint32(0))
+
+    @T.macro
+    def scores_bf16(S: T.Buffer, Qp: T.Buffer, KTp: T.Buffer, h: T.int64, hk: T.int64, qrow: T.int64, gk: T.int64):
+        for unit in range(1):
+            with T.sblock("scores_tile"):
+                for i, j, q, t in T.grid(Br, Bc, D // 2, 2):
+                    with T.sblock("scores"):
+                        vi, vj, vq, vt = T.axis.remap("SSRR", [i, j, q, t])
+                        with T.init():
+                            S[vi, vj] = T.float32(0)
+                        S[vi, vj] = S[vi, vj] + bits_value(Qp[h, qrow + vi, 2 * vq + vt]) * half(KTp[hk, gk, vq, vj], vt)
+
+    @T.macro
+    def pack_p(Pw: T.Buffer, P: T.Buffer):
+        for unit in range(1):
+            with T.sblock("pack_p_tile"):
+                for q, j in T.grid(Br // 2, Bc):
+                    with T.sblock("pack_p"):  # P rounded to bf16 as a product input only (rule 3)
+                        vq, vj = T.axis.remap("SS", [q, j])
+                        Pw[vq, vj] = rounded_pair_word(P[2 * vq, vj], P[2 * vq + 1, vj])
+
+    @T.macro
+    def dv_bf16(dVtile: T.Buffer, Pw: T.Buffer, dOw: T.Buffer, h: T.int64, qrow: T.int64):
+        for unit in range(1):
+            with T.sblock("dv_tile"):
+                for j, d, q, t in T.grid(Bc, D, Br // 2, 2):
+                    with T.sblock("dv"):
+                        vj, vd, vq, vt = T.axis.remap("SSRR", [j, d, q, t])
+                        with T.init():
+                            dVtile[vj, vd] = T.float32(0)
+                        dVtile[vj, vd] = dVtile[vj, vd] + half(Pw[vq, vj], vt) * half(dOw[h, qrow // 2 + vq, vd], vt)
+
+    @T.macro
+    def dprobs_bf16(dP: T.Buffer, dOp: T.Buffer, VTp: T.Buffer, h: T.int64, hk: T.int64, qrow: T.int64, gk: T.int64):
+        for unit in range(1):
+            with T.sblock("dprobs_tile"):
+                for i, j, q, t in T.grid(Br, Bc, D // 2, 2):
+                    with T.sblock("dprobs"):
+                        vi, vj, vq, vt = T.axis.remap("SSRR", [i, j, q, t])
+                        with T.init():
+                            dP[vi, vj] = T.float32(0)
+                        dP[vi, vj] = dP[vi, vj] + bits_value(dOp[h, qrow + vi, 2 * vq + vt]) * half(
+                            VTp[hk, gk, vq, vj], vt)
+
+    @T.macro
+    def pack_ds(dSw: T.Buffer, dSb: T.Buffer, dS: T.Buffer):
+        for unit in range(1):
+            with T.sblock("pack_ds_tile"):  # dS rounded to bf16 as a product input only (rule 3)
+                for q, j in T.grid(Br // 2, Bc):
+                    with T.sblock("pack_ds_pairs"):  # for dK: pairs of rows
+                        vq, vj = T.axis.remap("SS", [q, j])
+                        dSw[vq, vj] = rounded_pair_word(dS[2 * vq, vj], dS[2 * vq + 1, vj])
+                for i, j in T.grid(Br, Bc):
+                    with T.sblock("pack_ds"):  # for dQ: rows
+                        vi, vj = T.axis.remap("SS", [i, j])
+                        dSb[vi, vj] = rounded_bits(dS[vi, vj])
+
+    @T.macro
+    def dk_bf16(dKtile: T.Buffer, dSw: T.Buffer, Qw: T.Buffer, h: T.int64, qrow: T.int64):
+        for unit in range(1):
+            with T.sblock("dk_tile"):
+                for j, d, q, t in T.grid(Bc, D, Br // 2, 2):
+                    with T.sblock("dk"):
+                        vj, vd, vq, vt = T.axis.remap("SSRR", [j, d, q, t])
+                        with T.init():
+                            dKtile[vj, vd] = T.float32(0)
+                        dKtile[vj, vd] = dKtile[vj, vd] + half(dSw[vq, vj], vt) * half(Qw[h, qrow // 2 + vq, vd], vt)
+
+    @T.macro
+    def dq_bf16(dQtile: T.Buffer, dSb: T.Buffer, Kp: T.Buffer, hk: T.int64, krow: T.int64):
+        for unit in range(1):
+            with T.sblock("dq_tile"):
+                for i, d, q, t in T.grid(Br, D, Bc // 2, 2):
+                    with T.sblock("dq"):
+                        vi, vd, vq, vt = T.axis.remap("SSRR", [i, d, q, t])
+                        with T.init():
+                            dQtile[vi, vd] = T.float32(0)
+                        dQtile[vi, vd] = dQtile[vi, vd] + bits_value(dSb[vi, 2 * vq + vt]) * half(
+                            Kp[hk, krow // 2 + vq, vd], vt)
+
+    pack_q_do, pack_k_v, scores, dv, dprobs, dk, dq = (
+        (pack_q_do_bf16, pack_k_v_bf16, scores_bf16, dv_bf16, dprobs_bf16, dk_bf16, dq_bf16) if bf16
+        else (pack_q_do_fp32, pack_k_v_fp32, scores_fp32, dv_fp32, dprobs_fp32, dk_fp32, dq_fp32))
+
+    # --- the tile-pair stages --------------------------------------------------------------------
     @T.macro
     def recompute_probs(P: T.Buffer, S: T.Buffer, X: T.Buffer, row_stats: T.Buffer, RowStats: T.Buffer,
                         Qp: T.Buffer, KTp: T.Buffer, softmax_scale: T.float64, b: T.int64, h: T.int64, hk: T.int64,
@@ -532,14 +859,7 @@ def fused_backward(spec: AttentionSpec, cfg: CPUKernelConfig) -> tirx.PrimFunc:
                     with T.sblock("load_row_stats"):
                         vr, vi = T.axis.remap("SS", [r, i])
                         row_stats[vr, vi] = RowStats[h, vr, qrow + vi]
-        for unit in range(1):
-            with T.sblock("scores_tile"):
-                for i, j, d in T.grid(Br, Bc, D):
-                    with T.sblock("scores"):
-                        vi, vj, vd = T.axis.remap("SSR", [i, j, d])
-                        with T.init():
-                            S[vi, vj] = T.float32(0)
-                        S[vi, vj] = S[vi, vj] + Qp[h, qrow + vi, vd] * KTp[hk, gk, vd, vj]
+        scores(S, Qp, KTp, h, hk, qrow, gk)
         if has_mods:
             for unit in range(1):
                 with T.sblock("score_mod_tile"):
@@ -564,15 +884,8 @@ def fused_backward(spec: AttentionSpec, cfg: CPUKernelConfig) -> tirx.PrimFunc:
                             X[vi, vj], _exponent_constant(spec, softmax_scale), (row_stats[0, vi], row_stats[1, vi])))
 
     @T.macro
-    def accumulate_dv(dVtile: T.Buffer, dVrun: T.Buffer, P: T.Buffer, dOp: T.Buffer, h: T.int64, qrow: T.int64):
-        for unit in range(1):
-            with T.sblock("dv_tile"):
-                for j, d, i in T.grid(Bc, D, Br):
-                    with T.sblock("dv"):
-                        vj, vd, vi = T.axis.remap("SSR", [j, d, i])
-                        with T.init():
-                            dVtile[vj, vd] = T.float32(0)
-                        dVtile[vj, vd] = dVtile[vj, vd] + P[vi, vj] * dOp[h, qrow + vi, vd]
+    def accumulate_dv(dVtile: T.Buffer, dVrun: T.Buffer, Pw: T.Buffer, dOw: T.Buffer, h: T.int64, qrow: T.int64):
+        dv(dVtile, Pw, dOw, h, qrow)
         for unit in range(1):
             with T.sblock("update_dv_tile"):
                 for j, d in T.grid(Bc, D):
@@ -584,14 +897,7 @@ def fused_backward(spec: AttentionSpec, cfg: CPUKernelConfig) -> tirx.PrimFunc:
     def grad_scores_stage(dS: T.Buffer, dP: T.Buffer, P: T.Buffer, S: T.Buffer, VTp: T.Buffer, dOp: T.Buffer,
                           row_stats: T.Buffer, partials: T.Buffer, softmax_scale: T.float64, slot: T.int64,
                           b: T.int64, h: T.int64, hk: T.int64, q0: T.int64, k0: T.int64, qrow: T.int64, gk: T.int64):
-        for unit in range(1):
-            with T.sblock("dprobs_tile"):
-                for i, j, d in T.grid(Br, Bc, D):
-                    with T.sblock("dprobs"):
-                        vi, vj, vd = T.axis.remap("SSR", [i, j, d])
-                        with T.init():
-                            dP[vi, vj] = T.float32(0)
-                        dP[vi, vj] = dP[vi, vj] + dOp[h, qrow + vi, vd] * VTp[hk, gk, vd, vj]
+        dprobs(dP, dOp, VTp, h, hk, qrow, gk)
         for unit in range(1):
             with T.sblock("dscores_tile"):
                 for i, j in T.grid(Br, Bc):
@@ -617,30 +923,17 @@ def fused_backward(spec: AttentionSpec, cfg: CPUKernelConfig) -> tirx.PrimFunc:
                                 S[vi, vj] * T.Cast(F32, softmax_scale), b, h, q0 + vi, k0 + vj))
 
     @T.macro
-    def accumulate_dk_dq(dKtile: T.Buffer, dKrun: T.Buffer, dQtile: T.Buffer, dQacc: T.Buffer, dS: T.Buffer,
-                         Qp: T.Buffer, Kp: T.Buffer, h: T.int64, hk: T.int64, qrow: T.int64, krow: T.int64):
-        for unit in range(1):
-            with T.sblock("dk_tile"):
-                for j, d, i in T.grid(Bc, D, Br):
-                    with T.sblock("dk"):
-                        vj, vd, vi = T.axis.remap("SSR", [j, d, i])
-                        with T.init():
-                            dKtile[vj, vd] = T.float32(0)
-                        dKtile[vj, vd] = dKtile[vj, vd] + dS[vi, vj] * Qp[h, qrow + vi, vd]
+    def accumulate_dk_dq(dKtile: T.Buffer, dKrun: T.Buffer, dQtile: T.Buffer, dQacc: T.Buffer, dSw: T.Buffer,
+                         dSb: T.Buffer, Qw: T.Buffer, Kp: T.Buffer, h: T.int64, hk: T.int64, qrow: T.int64,
+                         krow: T.int64):
+        dk(dKtile, dSw, Qw, h, qrow)
         for unit in range(1):
             with T.sblock("update_dk_tile"):
                 for j, d in T.grid(Bc, D):
                     with T.sblock("update_dk"):
                         vj, vd = T.axis.remap("SS", [j, d])
                         dKrun[vj, vd] = dKrun[vj, vd] + dKtile[vj, vd]
-        for unit in range(1):
-            with T.sblock("dq_tile"):
-                for i, d, j in T.grid(Br, D, Bc):
-                    with T.sblock("dq"):
-                        vi, vd, vj = T.axis.remap("SSR", [i, d, j])
-                        with T.init():
-                            dQtile[vi, vd] = T.float32(0)
-                        dQtile[vi, vd] = dQtile[vi, vd] + dS[vi, vj] * Kp[hk, krow + vj, vd]
+        dq(dQtile, dSb, Kp, hk, krow)
         for unit in range(1):
             with T.sblock("update_dq_tile"):
                 for i, d in T.grid(Br, D):
@@ -700,16 +993,19 @@ def fused_backward(spec: AttentionSpec, cfg: CPUKernelConfig) -> tirx.PrimFunc:
         dK = T.match_buffer(dk_h, (Bk, Nk, Hk, D), out_dtype, strides=(*sdk, 1), align=out_elem)
         dV = T.match_buffer(dv_h, (Bk, Nk, Hk, D), out_dtype, strides=(*sdv, 1), align=out_elem)
         args.declare(H)
-        # Padded global rows: every sequence starts on a whole tile (plan.py).
-        Qp = T.decl_buffer((H, args.query_tiles() * Br, D), F32)
-        dOp = T.decl_buffer((H, args.query_tiles() * Br, D), F32)
+        # Padded global rows: every sequence starts on a whole tile (plan.py). The operand layouts
+        # the products read: fp32, or bf16 bits (U16) and pair words (U32) with bf16 products.
+        Qp = T.decl_buffer((H, args.query_tiles() * Br, D), U16 if bf16 else F32)
+        dOp = T.decl_buffer((H, args.query_tiles() * Br, D), U16 if bf16 else F32)
+        Qw = T.decl_buffer((H, args.query_tiles() * (Br // 2), D), U32) if bf16 else Qp
+        dOw = T.decl_buffer((H, args.query_tiles() * (Br // 2), D), U32) if bf16 else dOp
         # Per query row: LSE * log2(e) as fp32 hi + lo, and Delta = rowsum(dO * O).
         RowStats = T.decl_buffer((H, 3, args.query_tiles() * Br), F32)
         dQacc = T.decl_buffer((H, args.query_tiles() * Br, D), F32)
-        # K, K^T, V^T as fp32, per key tile: the operand layouts the products read
-        Kp = T.decl_buffer((Hk, args.key_tiles() * Bc, D), F32)
-        KTp = T.decl_buffer((Hk, args.key_tiles(), D, Bc), F32)
-        VTp = T.decl_buffer((Hk, args.key_tiles(), D, Bc), F32)
+        # K (pairs of rows with bf16 products), K^T, V^T per key tile
+        Kp = T.decl_buffer((Hk, args.key_tiles() * (Bc // pair), D), U32 if bf16 else F32)
+        KTp = T.decl_buffer((Hk, args.key_tiles(), D // pair, Bc), U32 if bf16 else F32)
+        VTp = T.decl_buffer((Hk, args.key_tiles(), D // pair, Bc), U32 if bf16 else F32)
         dKacc = T.decl_buffer((Hk, args.key_tiles() * Bc, D), F32)
         dVacc = T.decl_buffer((Hk, args.key_tiles() * Bc, D), F32)
         # each thread's partial gradients of captured tensors (summed in slot order at the end)
@@ -724,22 +1020,15 @@ def fused_backward(spec: AttentionSpec, cfg: CPUKernelConfig) -> tirx.PrimFunc:
                 q_len: T.let[T.int64] = args.q_len(b)
                 q_batch: T.let[T.int64] = args.col(b, plan.Q_BATCH)
                 q_start: T.let[T.int64] = args.col(b, plan.Q_START)
-                for i, d in T.grid(Br, D):
-                    with T.sblock("pack_q_do"):
-                        vi, vd = T.axis.remap("SS", [i, d])
-                        Qp[vh, vt * Br + vi, vd] = T.if_then_else(
-                            q0 + vi < q_len, T.Cast(F32, Q[q_batch, q_start + T.min(q0 + vi, q_len - 1), vh, vd]),
-                            T.float32(0))
-                        dOp[vh, vt * Br + vi, vd] = T.if_then_else(
-                            q0 + vi < q_len, T.Cast(F32, dO[q_batch, q_start + T.min(q0 + vi, q_len - 1), vh, vd]),
-                            T.float32(0))
+                pack_q_do(Qp, dOp, Qw, dOw, Q, dO, q_batch, q_start, q0, q_len, vh, vt)
                 for i, d in T.grid(Br, D):
                     with T.sblock("delta"):
                         vi, vd = T.axis.remap("SR", [i, d])
                         with T.init():
                             RowStats[vh, 2, vt * Br + vi] = T.float32(0)
-                        RowStats[vh, 2, vt * Br + vi] = RowStats[vh, 2, vt * Br + vi] + dOp[vh, vt * Br + vi, vd] * T.Cast(
-                            F32, O[q_batch, q_start + T.min(q0 + vi, q_len - 1), vh, vd])
+                        RowStats[vh, 2, vt * Br + vi] = RowStats[vh, 2, vt * Br + vi] + T.if_then_else(
+                            q0 + vi < q_len, T.Cast(F32, dO[q_batch, q_start + T.min(q0 + vi, q_len - 1), vh, vd]) * T.Cast(
+                                F32, O[q_batch, q_start + T.min(q0 + vi, q_len - 1), vh, vd]), T.float32(0))
                 for i in T.serial(Br):
                     with T.sblock("lse_log2"):
                         vi = T.axis.remap("S", [i])
@@ -765,22 +1054,7 @@ def fused_backward(spec: AttentionSpec, cfg: CPUKernelConfig) -> tirx.PrimFunc:
                 k_len: T.let[T.int64] = args.k_len(b)
                 k_batch: T.let[T.int64] = args.col(b, plan.K_BATCH)
                 k_start: T.let[T.int64] = args.col(b, plan.K_START)
-                for j, d in T.grid(Bc, D):
-                    with T.sblock("pack_k"):
-                        vj, vd = T.axis.remap("SS", [j, d])
-                        Kp[vhk, vt * Bc + vj, vd] = T.if_then_else(
-                            k0 + vj < k_len, T.Cast(F32, K[k_batch, k_start + T.min(k0 + vj, k_len - 1), vhk, vd]),
-                            T.float32(0))
-                for d, j in T.grid(D, Bc):
-                    with T.sblock("pack_kt"):
-                        vd, vj = T.axis.remap("SS", [d, j])
-                        KTp[vhk, vt, vd, vj] = Kp[vhk, vt * Bc + vj, vd]
-                for d, j in T.grid(D, Bc):
-                    with T.sblock("pack_vt"):
-                        vd, vj = T.axis.remap("SS", [d, j])
-                        VTp[vhk, vt, vd, vj] = T.if_then_else(
-                            k0 + vj < k_len, T.Cast(F32, V[k_batch, k_start + T.min(k0 + vj, k_len - 1), vhk, vd]),
-                            T.float32(0))
+                pack_k_v(Kp, KTp, VTp, K, V, k_batch, k_start, k0, k_len, vhk, vt)
                 for j, d in T.grid(Bc, D):
                     with T.sblock("zero_dkv"):
                         vj, vd = T.axis.remap("SS", [j, d])
@@ -803,6 +1077,10 @@ def fused_backward(spec: AttentionSpec, cfg: CPUKernelConfig) -> tirx.PrimFunc:
                     P = T.sblock_alloc_buffer((Br, Bc), F32)
                     dP = T.sblock_alloc_buffer((Br, Bc), F32)
                     dS = T.sblock_alloc_buffer((Br, Bc), F32)
+                    # P and dS as product inputs: pairs of rows (dV, dK) and rows (dQ) in bf16
+                    Pw = T.sblock_alloc_buffer((Br // 2, Bc), U32) if bf16 else P
+                    dSw = T.sblock_alloc_buffer((Br // 2, Bc), U32) if bf16 else dS
+                    dSb = T.sblock_alloc_buffer((Br, Bc), U16) if bf16 else dS
                     dKtile = T.sblock_alloc_buffer((Bc, D), F32)  # one query tile's share
                     dVtile = T.sblock_alloc_buffer((Bc, D), F32)
                     dKrun = T.sblock_alloc_buffer((Bc, D), F32)  # this task's share
@@ -849,11 +1127,15 @@ def fused_backward(spec: AttentionSpec, cfg: CPUKernelConfig) -> tirx.PrimFunc:
                                                 recompute_probs(P, S, X, row_stats, RowStats, Qp, KTp, softmax_scale,
                                                                 b, h, hk, q0, k0, qrow, gk, state[0], window_left,
                                                                 window_right)
-                                                accumulate_dv(dVtile, dVrun, P, dOp, h, qrow)
+                                                if bf16:
+                                                    pack_p(Pw, P)
+                                                accumulate_dv(dVtile, dVrun, Pw, dOw, h, qrow)
                                                 grad_scores_stage(dS, dP, P, S, VTp, dOp, row_stats, partials,
                                                                   softmax_scale, vslot, b, h, hk, q0, k0, qrow, gk)
-                                                accumulate_dk_dq(dKtile, dKrun, dQtile, dQacc, dS, Qp, Kp, h, hk, qrow,
-                                                                 krow)
+                                                if bf16:
+                                                    pack_ds(dSw, dSb, dS)
+                                                accumulate_dk_dq(dKtile, dKrun, dQtile, dQacc, dSw, dSb, Qw, Kp, h, hk,
+                                                                 qrow, krow)
                                     update_dkv(dKacc, dVacc, dKrun, dVrun, hk, krow)
         for h, t in T.grid(H, args.query_tiles()):
             with T.sblock("store_dq_tile"):

@@ -21,7 +21,7 @@ import tvm
 import tvm_ffi
 
 from . import checks, plan, settings
-from .config import config_from_json
+from .config import BF16_DOT, config_from_json
 
 CPU_FUNCTIONS = ("flash_fwd", "flash_bwd")
 CUDA_FUNCTIONS = ("flash_fwd", "flash_bwd_prep", "flash_bwd", "flash_bwd_dq")
@@ -81,6 +81,21 @@ class FlashKernels:
 
         return f"FlashKernels({key(self.meta['target'])}, head_dim={self.head_dim}, {self.dtype}, {mask}{extra})"
 
+    @functools.cached_property
+    def _missing_product_features(self) -> list[str]:
+        """The instruction-set extensions the products of these CPU kernels need and this CPU
+        lacks (kernels compiled here for another CPU model, e.g. to inspect their code)."""
+        from .target import BF16_DOT_FEATURES, missing_isa_features
+
+        needed = {f for cfg in self.configs.values() if cfg.products == BF16_DOT for f in BF16_DOT_FEATURES}
+        return missing_isa_features(sorted(needed)) if needed else []
+
+    def _check_runs_here(self) -> None:
+        if self._missing_product_features:
+            raise RuntimeError(f"these kernels were compiled for {self.meta['target'].get('mcpu')} and their "
+                               f"matrix products use instructions this CPU lacks "
+                               f"({', '.join(self._missing_product_features)})")
+
     # --- planning ------------------------------------------------------------------------------
     def _window(self, causal, window_size) -> tuple[int, int]:
         causal = self.causal if causal is None else checks.require_bool("causal", causal)
@@ -128,6 +143,7 @@ class FlashKernels:
             self._cuda_only(window_size, cu_seqlens_q, mod_inputs, block_mask, diagonal, causal)
             self._functions["flash_fwd"](q, k, v, out, lse, scale)
             return
+        self._check_runs_here()
         left, right = self._window(causal, window_size)
         seqs, tables = self._sequences("forward", batch, seqlen_q, _len(k), heads_k, cu_seqlens_q, cu_seqlens_k,
                                        diagonal)
@@ -148,6 +164,7 @@ class FlashKernels:
             self._cuda_only(window_size, cu_seqlens_q, mod_inputs, block_mask, diagonal, causal)
             self._cuda_backward(dout, q, k, v, out, lse, dq, dk, dv, scale, batch, seqlen_q, heads, heads_k)
             return
+        self._check_runs_here()
         left, right = self._window(causal, window_size)
         seqs, tables = self._sequences("backward", batch, seqlen_q, _len(k), heads_k, cu_seqlens_q, cu_seqlens_k,
                                        diagonal)
@@ -174,7 +191,7 @@ class FlashKernels:
         cfg = self.configs[kernel]
         seqs = plan.batched(batch, seqlen_q, seqlen_k, block_q=cfg.block_q, block_k=cfg.block_k, heads_k=heads_k)
         sizes = dict(heads=heads, heads_k=heads_k, head_dim=self.head_dim, block_q=cfg.block_q, block_k=cfg.block_k,
-                     threads=threads)
+                     threads=threads, bf16_products=cfg.products == BF16_DOT)
         if kernel == "forward":
             return plan.forward_workspace_bytes(seqs, **sizes)
         grad_elements = max(sum(math.prod(i[1]) for i in self._mod_inputs if i[3]), 1)
@@ -220,6 +237,13 @@ class FlashKernels:
             raise RuntimeError("this module was loaded from a library without its source; "
                                "compile it with tvmflash.compile(...) to see the generated code")
         return self._source
+
+    def assembly(self) -> str:
+        """The machine code of CPU kernels compiled in this process, as assembly."""
+        if self.is_cuda or self._library is not None or not hasattr(self._module, "mod"):
+            raise RuntimeError("assembly is kept for CPU kernels compiled in this process only: compile with "
+                               "tvmflash.compile(..., cache=False)")
+        return self._module.mod.inspect_source("asm")
 
 
 def _len(k) -> int:

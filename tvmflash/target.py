@@ -55,6 +55,26 @@ def resolve(target) -> tvm.target.Target:
     raise ValueError(f"unsupported target kind {kind!r}: tvmflash compiles for 'llvm' and 'cuda'")
 
 
+def has_features(target: tvm.target.Target, *features: str) -> bool:
+    """Whether LLVM compiles for all these features (LLVM names: "avx512f", "avx512bf16") on an
+    LLVM target (needs TVM's compiler)."""
+    has = tvm_ffi.get_global_func("target.llvm_cpu_has_feature")
+    return all(bool(has(name, target)) for name in features)
+
+
+# vdpbf16ps on zmm and (head dims of 8 * odd) ymm registers
+BF16_DOT_FEATURES = ("avx512f", "avx512vl", "avx512bf16")
+
+
+def supports_bf16_dot(target: tvm.target.Target) -> bool:
+    """AVX512-BF16 dot products for this target, and on this CPU when the target is this CPU's
+    model (a hypervisor may hide features its model has). LLVM aborts the process when it meets
+    the instruction for a target without the feature, so this gates every use."""
+    if target.kind.name != "llvm" or not has_features(target, *BF16_DOT_FEATURES):
+        return False
+    return str(target.attrs.get("mcpu", "")) != host_cpu() or not missing_isa_features(BF16_DOT_FEATURES)
+
+
 def key(target) -> str:
     """Short, file-name-safe name of a target (a Target or its JSON dict): 'llvm-emeraldrapids',
     'cuda-sm_90'."""

@@ -9,9 +9,11 @@ How it works:
   ``SampledKnobs``: each register-tile choice (``<product>.rows``, ``<product>.vectors``)
   becomes ``sch.sample_perfect_tile``. MetaSchedule (``tune_tir`` with a ``ScheduleFn`` space,
   XGBoost cost model, evolutionary search) samples, builds and measures candidates. Tile sizes
-  (``block_q`` x ``block_k``) shape the kernels' loop nests, so each candidate pair is a separate
-  task of the same run; tasks take turns (round robin) and each batch is measured to completion
-  before the next is built (two cores: builds would slow the measurements down).
+  (``block_q`` x ``block_k``) and how the products run (``products``: fp32 FMAs, or bf16 dot
+  products for bf16 inputs where the target has AVX512-BF16) shape the kernels' loop nests, so
+  each candidate (tile sizes, products) is a separate task of the same run; tasks take turns
+  (round robin) and each batch is measured to completion before the next is built (two cores:
+  builds would slow the measurements down).
 * The kernels are symbolic in sizes and read their sequence layout from int32 tables
   (``plan.py``); MetaSchedule measures concrete ones, so each task is the kernel specialized
   (``analysis.specialize``) to the workload ``--batch --heads --heads-k --seqlen``, the mask
@@ -54,7 +56,7 @@ from tvm import s_tir, tirx
 
 from . import analysis, kernels, plan, records, settings
 from . import target as targets
-from .config import KERNELS, PRODUCTS, CPUKernelConfig, RegisterTile, default_cpu_config
+from .config import BF16_DOT, FP32_FMA, KERNELS, PRODUCTS, CPUKernelConfig, RegisterTile, default_cpu_config
 from .schedules import llvm as llvm_schedules
 from .spec import UNLIMITED_WINDOW, AttentionSpec
 
@@ -118,7 +120,8 @@ class Workload:
     n_threads: int = 1
 
     def name(self) -> str:
-        return f"{self.kernel}_q{self.config.block_q}_k{self.config.block_k}"
+        products = "" if self.config.products == FP32_FMA else f"_{self.config.products}"
+        return f"{self.kernel}_q{self.config.block_q}_k{self.config.block_k}{products}"
 
     def flops(self) -> float:
         return analysis.model_flops(self.kernel, self.batch, self.heads, self.seqlen, self.seqlen,
@@ -140,6 +143,7 @@ class Workload:
         attrs = {
             "kernel": self.kernel, "head_dim": self.spec.head_dim, "dtype": self.spec.dtype,
             "causal": int(self.causal), "block_q": cfg.block_q, "block_k": cfg.block_k, "lanes": cfg.lanes,
+            "products": cfg.products,
             "batch": self.batch, "heads": self.heads, "heads_k": self.heads_k, "seqlen": self.seqlen,
             "n_threads": self.n_threads,
         }
@@ -155,27 +159,38 @@ class Workload:
 
         def attr(key):
             value = func.attrs[ATTR + key]
-            return str(value) if key in ("kernel", "dtype") else int(value)
+            return str(value) if key in ("kernel", "dtype", "products") else int(value)
 
         kernel = attr("kernel")
         lanes = attr("lanes")
-        cfg = replace(default_cpu_config(kernel, avx512=lanes >= 16), block_q=attr("block_q"),
+        products = attr("products") if ATTR + "products" in func.attrs else FP32_FMA
+        cfg = replace(default_cpu_config(kernel, avx512=lanes >= 16, products=products), block_q=attr("block_q"),
                       block_k=attr("block_k"), lanes=lanes)
         return cls(kernel, AttentionSpec(attr("head_dim"), attr("dtype")), cfg, attr("batch"), attr("heads"),
                    attr("heads_k"), attr("seqlen"), bool(attr("causal")), attr("n_threads"))
 
 
+def product_choices(target, dtype: str) -> tuple[str, ...]:
+    """How the products may run for this target and input dtype (config.py): fp32 FMAs always;
+    bf16 dot products for bf16 inputs where the target has AVX512-BF16."""
+    bf16_dot = dtype == "bfloat16" and targets.supports_bf16_dot(targets.resolve(target))
+    return (FP32_FMA, BF16_DOT) if bf16_dot else (FP32_FMA,)
+
+
 def workloads_for(target, spec: AttentionSpec, *, seqlen: int, batch: int, heads: int, heads_k: int | None = None,
-                  causal: bool = False, kernels_to_tune=KERNELS, blocks=BLOCK_CANDIDATES) -> dict[str, Workload]:
-    """One task per kernel and tile shape, seeded with the hand-written register tiles."""
+                  causal: bool = False, kernels_to_tune=KERNELS, blocks=BLOCK_CANDIDATES,
+                  products=None) -> dict[str, Workload]:
+    """One task per kernel, tile shape and products (default: every choice of the target and
+    dtype), seeded with the hand-written register tiles."""
     target = targets.resolve(target)
     found = {}
     for kernel in kernels_to_tune:
         base = llvm_schedules.default_config(target, kernel)
-        for block_q, block_k in blocks:
-            w = Workload(kernel, spec, replace(base, block_q=block_q, block_k=block_k), batch, heads,
-                         heads_k or heads, seqlen, causal, settings.num_threads())
-            found[w.name()] = w
+        for kind in products or product_choices(target, spec.dtype):
+            for block_q, block_k in blocks:
+                w = Workload(kernel, spec, replace(base, block_q=block_q, block_k=block_k, products=kind), batch,
+                             heads, heads_k or heads, seqlen, causal, settings.num_threads())
+                found[w.name()] = w
     return found
 
 
@@ -434,7 +449,7 @@ def database_dir(log_dir: Path, target, spec: AttentionSpec) -> Path:
 
 def tune(target, spec: AttentionSpec, *, seqlen: int, batch: int, heads: int, heads_k: int | None = None,
          causal: bool = False, trials: int, log_dir: Path, kernels_to_tune=KERNELS, blocks=BLOCK_CANDIDATES,
-         rpc_tracker: str | None = None, rpc_key: str | None = None, seed: int | None = None,
+         products=None, rpc_tracker: str | None = None, rpc_key: str | None = None, seed: int | None = None,
          verbose: bool = False) -> Path:
     """Run MetaSchedule over the schedule spaces; returns the database directory.
 
@@ -459,7 +474,7 @@ def tune(target, spec: AttentionSpec, *, seqlen: int, batch: int, heads: int, he
     # Our progress lines instead of MetaSchedule's task tables and XGBoost logs.
     ms_logger.setLevel(logging.DEBUG if verbose else logging.WARNING)
     workloads = workloads_for(target, spec, seqlen=seqlen, batch=batch, heads=heads, heads_k=heads_k, causal=causal,
-                              kernels_to_tune=kernels_to_tune, blocks=blocks)
+                              kernels_to_tune=kernels_to_tune, blocks=blocks, products=products)
     mod = tvm.IRModule({name: w.prim_func() for name, w in workloads.items()})
     directory = database_dir(log_dir, target, spec)
     directory.mkdir(parents=True, exist_ok=True)
@@ -557,12 +572,12 @@ def verify(target, spec: AttentionSpec, *, seqlen: int, batch: int, heads: int, 
     target = targets.resolve(target)
     heads_k = heads_k or heads
     directory = database_dir(log_dir, target, spec)
-    probe = Workload("forward", spec, llvm_schedules.default_config(target, "forward"), batch, heads, heads_k, seqlen,
-                     causal, settings.num_threads())
+    probe = Workload("forward", spec, llvm_schedules.default_config(target, "forward", spec.dtype), batch, heads,
+                     heads_k, seqlen, causal, settings.num_threads())
     best = {k: v for k, v in best_configs(directory, probe).items() if k in kernels_to_tune}
     if not best:
         return {}
-    defaults = {kernel: llvm_schedules.default_config(target, kernel) for kernel in KERNELS}
+    defaults = {kernel: llvm_schedules.default_config(target, kernel, spec.dtype) for kernel in KERNELS}
     tuned = {**defaults, **{kernel: cfg for kernel, (cfg, _) in best.items()}}
     dtype = getattr(torch, spec.dtype)
     gen = torch.Generator().manual_seed(0)
@@ -649,6 +664,8 @@ def main(argv=None) -> int:
     parser.add_argument("--kernels", nargs="+", default=list(KERNELS), choices=list(KERNELS))
     parser.add_argument("--blocks", nargs="+", default=[f"{q}x{k}" for q, k in BLOCK_CANDIDATES],
                         help="tile sizes to try, QxK (query rows x key rows)")
+    parser.add_argument("--products", nargs="+", default=None, choices=[FP32_FMA, BF16_DOT],
+                        help="how the products may run (default: every choice of the target and dtype)")
     parser.add_argument("--log-dir", type=Path, default=None,
                         help="MetaSchedule databases (working files) and, by default, the records; "
                              "default: $TVMFLASH_TUNE_LOGS or <cache dir>/tune_logs")
@@ -684,7 +701,7 @@ def main(argv=None) -> int:
         try:
             if not args.verify_only:
                 directory = tune(target, spec, trials=args.trials, log_dir=log_dir, kernels_to_tune=args.kernels,
-                                 blocks=blocks, rpc_tracker=args.rpc_tracker, rpc_key=args.rpc_key, seed=args.seed,
+                                 blocks=blocks, products=args.products, rpc_tracker=args.rpc_tracker, rpc_key=args.rpc_key, seed=args.seed,
                                  verbose=args.verbose, **shape)
                 print(f"databases: {directory}", flush=True)
             print(f"same-run comparison ({args.rounds} rounds) ...", flush=True)
