@@ -1,6 +1,6 @@
 """Training evidence for rules 1 and 3: one small Llama trained four times, same init, same batches.
 
-    python benchmarks/train_tiny_llama.py                      # the real run (500 steps, ~1.5 h on 2 cores): docs/
+    python benchmarks/train_tiny_llama.py                      # the real run (300 steps, ~2 h on a busy 2-core VM): docs/
     python benchmarks/train_tiny_llama.py --quick --out-dir D  # seq 128, 2 layers, 3 steps (< 1 min)
 
 Model: transformers' ``LlamaConfig`` with random weights (seed 0, no download), byte-level
@@ -51,7 +51,7 @@ RUNS = (SDPA, TVMFLASH, LSE16, ACC16)
 EXPERIMENT_NAMES = {LSE16: "tvm_rule1_lse_fp16", ACC16: "tvm_rule3_bf16_acc", "control": "tvm_experiment_control"}
 AUTOCAST = torch.bfloat16
 
-FULL = dict(hidden=256, intermediate=688, layers=4, heads=4, kv_heads=2, seq=1024, batch=4, steps=500,
+FULL = dict(hidden=256, intermediate=688, layers=4, heads=4, kv_heads=2, seq=1024, batch=4, steps=300,
             warmup=30, lr=2e-3, eval_every=25, eval_batches=8)
 QUICK = dict(hidden=128, intermediate=256, layers=2, heads=2, kv_heads=1, seq=128, batch=2, steps=3,
              warmup=1, lr=2e-3, eval_every=3, eval_batches=2)
@@ -353,7 +353,7 @@ def plot(runs: dict, val_steps: list[int], title: str):
             delta = [x - r for x, r in zip(run.losses, runs[SDPA].losses)]
             bottom.plot(delta, color=color, linewidth=0.4, alpha=0.4)
             span = max(1, min(25, len(delta) // 10))  # steps per moving average
-            smooth = [sum(delta[max(0, i - span + 1):i + 1]) / (i + 1 - max(0, i - span + 1)) for i in range(len(delta))]
+            smooth = [sum(delta[max(0, i + 1 - span):i + 1]) / min(span, i + 1) for i in range(len(delta))]
             bottom.plot(smooth, color=color, linestyle=line, linewidth=1.5, label=f"{name} - sdpa ({span}-step mean)")
     top.set_ylabel("loss (nats per byte)")
     top.set_title(title)
@@ -370,7 +370,7 @@ def plot(runs: dict, val_steps: list[int], title: str):
 
 def main() -> int:
     p = parser(__doc__)
-    p.add_argument("--steps", type=int, default=None, help="training steps (default: 500, quick: 3)")
+    p.add_argument("--steps", type=int, default=None, help="training steps (default: 300, quick: 3)")
     p.add_argument("--batch", type=int, default=None, help="sequences per step (default: 4, quick: 2)")
     p.add_argument("--seq", type=int, default=None, help="tokens per sequence (default: 1024, quick: 128)")
     p.add_argument("--eval-every", type=int, default=None, help="steps between validations")
