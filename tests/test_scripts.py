@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -107,3 +108,42 @@ def test_experiment_quick(name, tmp_path):
     if name != "rule2_one_recompute":
         assert (tmp_path / f"{name}.png").stat().st_size > 10_000
     EXPERIMENTS[name](json.loads((tmp_path / f"{name}.json").read_text()))
+
+
+def test_train_tiny_llama_quick(tmp_path):
+    """The training experiment's --quick mode (2 layers, seq 128, 3 steps of each run): from one
+    init, sdpa and tvmflash give the same loss and gradients (fp32) and the same step-0 loss
+    (bf16); the experiment's attention wrapper is the integration bit for bit; the rule-1 and
+    rule-3 variants really change the gradients; every loss is finite; the tables, CSVs and plot
+    are written."""
+    pytest.importorskip("transformers")
+    out = _run("benchmarks/train_tiny_llama.py", "--quick", "--out-dir", str(tmp_path))
+    assert "**Conclusion:**" in out
+    data = json.loads((tmp_path / "train_tiny_llama.json").read_text())
+    runs, checks, steps = data["runs"], data["checks"], data["size"]["steps"]
+    assert all(data["finite"].values()), data["finite"]
+    assert all(len(r["loss"]) == steps and len(r["val"]) == len(data["val_steps"]) for r in runs.values())
+
+    fp32 = checks["sdpa_vs_tvmflash_fp32"]
+    assert fp32["loss_rel"] <= 1e-4 and fp32["grad_rel"] <= 1e-3, fp32
+    assert checks["sdpa_vs_tvmflash_bf16"]["loss_rel"] <= 1e-3, checks["sdpa_vs_tvmflash_bf16"]
+    assert abs(runs["tvmflash"]["loss"][0] - runs["sdpa"]["loss"][0]) <= 1e-3 * runs["sdpa"]["loss"][0]
+    assert checks["control_vs_tvmflash_bf16"]["bit_identical"], checks["control_vs_tvmflash_bf16"]
+    for variant in ("fp16 LSE", "bf16 accumulators"):
+        changed = checks[f"{variant}_vs_tvmflash_bf16"]
+        assert not changed["bit_identical"] and 0 < changed["grad_rel"] < 0.1, (variant, changed)
+    # the stored LSE was rounded, and to fp16: within half an fp16 ulp of |LSE| (2^-11 relative)
+    lse = data["lse_per_step"]
+    assert len(lse["max_rounding"]) == steps
+    for largest, rounding in zip(lse["max_abs_lse"], lse["max_rounding"]):
+        assert 0 < rounding <= largest * 2.0 ** -11, (rounding, largest)
+    assert all(t > 0 for t in data["tokens_per_second"].values())
+
+    report = (tmp_path / "train_tiny_llama.md").read_text()
+    assert "command:" in report and "machine:" in report and "| tvmflash - sdpa |" in report
+    with open(tmp_path / "train_tiny_llama_steps.csv") as f:
+        assert len(f.read().splitlines()) == steps + 1
+    with open(tmp_path / "train_tiny_llama_val.csv") as f:
+        assert len(f.read().splitlines()) == len(data["val_steps"]) + 1
+    if importlib.util.find_spec("matplotlib"):
+        assert (tmp_path / "train_tiny_llama.png").stat().st_size > 10_000
