@@ -163,6 +163,9 @@ def test_generate_greedy_matches_eager(model, gen, monkeypatch):
         return decode(q, k, v, key_mask, **kw)
 
     monkeypatch.setattr(tvm_hf, "decode_attention", counting_decode)
+    kernel_calls = []
+    kvcache = tvm_hf.flash_attn_with_kvcache
+    monkeypatch.setattr(tvm_hf, "flash_attn_with_kvcache", lambda *a, **kw: kernel_calls.append(1) or kvcache(*a, **kw))
     kwargs = dict(attention_mask=mask, max_new_tokens=16, do_sample=False, pad_token_id=0, output_scores=True,
                   return_dict_in_generate=True)
     with torch.no_grad():
@@ -172,6 +175,7 @@ def test_generate_greedy_matches_eager(model, gen, monkeypatch):
     assert max(_rel(a, b) for a, b in zip(got.scores, want.scores)) <= LOSS_RTOL
     layers = ours.config.num_hidden_layers
     assert len(decode_calls) == 15 * layers and any(decode_calls)  # every new token went through decode_attention
+    assert len(kernel_calls) == len(decode_calls)  # left-padded caches: all on the KV-cache kernel
 
     with torch.no_grad():  # one prompt, no padding: no mask at all
         single = ids[1:2]
@@ -257,3 +261,36 @@ def test_prefill_in_chunks_matches_eager(model, gen):
         logits[tag] = torch.cat([first.logits, second.logits], dim=1)
     real = mask.bool()
     assert _rel(logits["ours"][real], logits["eager"][real]) <= LOSS_RTOL
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_attention_on_every_kind_of_cache(gen, dtype):
+    """decode_attention against float64 attention over each row's real keys: a full cache, left
+    padding (the KV-cache kernel), a mask with holes and a cache that requires grad (the
+    varlen fallback), a sliding window and softcap; GQA, a cache longer than the mask."""
+    batch, n_cache, n, heads, heads_k, dim = 3, 150, 131, 4, 2, 32
+    q = torch.randn(batch, 1, heads, dim, generator=gen).to(dtype)
+    k, v = (torch.randn(batch, n_cache, heads_k, dim, generator=gen).to(dtype) for _ in range(2))
+    left = torch.ones(batch, n, dtype=torch.bool)
+    left[0, :70], left[2, :1] = False, False
+    holes = left.clone()
+    holes[1, 20:90] = False
+    for mask, window, softcap, grad in ((None, (-1, -1), 0.0, False), (left, (-1, -1), 0.0, False),
+                                        (left, (40, 0), 5.0, False), (holes, (-1, -1), 0.0, False),
+                                        (left, (-1, -1), 0.0, True)):
+        keys = torch.ones(batch, n_cache if mask is None else n, dtype=torch.bool) if mask is None else mask
+        with torch.set_grad_enabled(grad):
+            kk = k.clone().requires_grad_(grad)
+            out = tvm_hf.decode_attention(q, kk, v, mask, softmax_scale=None, causal=True, window_size=window,
+                                          softcap=softcap)
+        for b in range(batch):
+            idx = keys[b].nonzero()[:, 0]
+            if window[0] >= 0:
+                idx = idx[-(window[0] + 1):]
+            kb, vb = (t[b, idx].double().repeat_interleave(heads // heads_k, 1) for t in (k, v))
+            s = torch.einsum("hd,khd->hk", q[b, 0].double(), kb) / dim ** 0.5
+            if softcap:
+                s = softcap * torch.tanh(s / softcap)
+            want = torch.einsum("hk,khd->hd", s.softmax(-1), vb)
+            tol = 2e-5 if dtype == torch.float32 else 2e-2
+            assert (out[b, 0].double() - want).abs().max() <= tol, (b, window, softcap, grad)

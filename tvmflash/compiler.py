@@ -411,7 +411,7 @@ def choose_decode_config(target: tvm.target.Target, spec: AttentionSpec, config=
     from .config import DecodeConfig, default_decode_config
 
     if config is None:
-        return default_decode_config(_has_avx512(target), spec.dtype)
+        return default_decode_config(targets.has_features(target, "avx512f"), spec.dtype)
     if not isinstance(config, DecodeConfig):
         raise TypeError(f"config for the decode kernel must be a DecodeConfig, got {config!r}")
     return config

@@ -56,6 +56,7 @@ import logging
 
 import torch
 
+from ..kvcache import flash_attn_with_kvcache
 from ..torch_op import flash_attn_func, flash_attn_varlen_func
 
 NAME = "tvm_attention"
@@ -188,22 +189,37 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask
     q ``(batch, 1, heads, head_dim)``, k and v ``(batch, n_cache, heads_kv, head_dim)`` (any
     strides with unit head_dim stride); ``key_mask`` ``(batch, n)`` bool, n <= n_cache, or None
     when every cached key is a real token. The query sees all real keys of its sequence (or the
-    last ``window_size[0] + 1`` of them): flash-attn's bottom-right alignment. Today this runs
-    ``flash_attn_func``, or ``flash_attn_varlen_func`` on the gathered real keys; a dedicated
-    KV-cache kernel (``flash_attn_with_kvcache`` with ``cache_seqlens``/``cache_leftpad``) can
-    replace both here.
+    last ``window_size[0] + 1`` of them): flash-attn's bottom-right alignment.
+
+    CPU caches without gradients, full or left-padded (each row's real keys one run ending at
+    key n - 1, as ``generate()`` builds them): ``flash_attn_with_kvcache``'s decode kernel reads
+    the cache in place (``cache_seqlens = n``, ``cache_leftpad``: the first real key), each
+    cached row once per GQA group, keys split over the threads. Otherwise (holes in the mask,
+    gradients, CUDA tensors): ``flash_attn_func``, or ``flash_attn_varlen_func`` on the gathered
+    real keys.
     """
     opts = {"softmax_scale": softmax_scale, "causal": causal, "window_size": window_size, "softcap": softcap}
+    n = k.shape[1] if key_mask is None else key_mask.shape[1]
+    plan = None if key_mask is None else _unpad_plan(key_mask, 1)
+    left_pad = None if plan is None else plan.left_pad
+    if _decode_kernel_applies(q, k, v) and (plan is None or left_pad is not None):
+        return flash_attn_with_kvcache(q, k, v, cache_seqlens=n, cache_leftpad=left_pad, **opts)
     if key_mask is None:
         return flash_attn_func(q, k, v, **opts)
-    n = key_mask.shape[1]
     k, v = k[:, :n], v[:, :n]
-    plan = _unpad_plan(key_mask, 1)
     batch = q.shape[0]
     cu_q = torch.arange(batch + 1, dtype=torch.int32, device=q.device)
     out = flash_attn_varlen_func(q[:, 0], k[plan.key_index], v[plan.key_index], cu_q, plan.cu_k, 1, plan.max_k,
                                  **opts)
     return out.unsqueeze(1)
+
+
+def _decode_kernel_applies(q, k, v) -> bool:
+    """Whether ``flash_attn_with_kvcache`` can serve this decode step (it is forward-only, CPU)."""
+    tensors = (q, k, v)
+    if any(t.device.type != "cpu" or t.dtype != q.dtype or t.stride(-1) != 1 for t in tensors):
+        return False
+    return not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
 
 
 # --- padding, packing, windows -----------------------------------------------------------------------
@@ -225,13 +241,19 @@ def _window(sliding_window: int | None, causal: bool, len_k: int) -> tuple[int, 
 class _Unpad:
     """Where the real tokens of a padded batch are, and their sequences' boundaries."""
 
-    __slots__ = ("len_q", "key_index", "cu_k", "max_k", "query_index", "cu_q", "max_q", "_blind")
+    __slots__ = ("len_q", "key_index", "cu_k", "max_k", "query_index", "cu_q", "max_q", "left_pad", "_blind")
 
     def __init__(self, key_mask: torch.Tensor, len_q: int):
         self.len_q = len_q
         self.key_index, self.cu_k, self.max_k = _nonzero_and_cu(key_mask)
         # The queries are the last len_q keys (transformers' flash-attention convention).
         self.query_index, self.cu_q, self.max_q = _nonzero_and_cu(key_mask[:, -len_q:])
+        # (batch,) int32 first real key where every row's real keys are one run ending at the
+        # last key (left padding, or none; what decode's KV-cache kernel reads), else None
+        n = key_mask.shape[1]
+        first = n - (self.cu_k[1:] - self.cu_k[:-1])
+        run = torch.arange(n, device=first.device)[None, :] >= first[:, None]
+        self.left_pad = first.to(torch.int32) if torch.equal(run, key_mask.bool()) else None
         self._blind = {}
 
     def rows_without_keys(self, key_mask: torch.Tensor, causal: bool, sliding_window: int | None
