@@ -155,6 +155,9 @@ def cpu_test_file(source: str) -> str:
     source = re.sub(r'torch\.cuda\.get_device_properties\("cuda"\)\.total_memory', "(1 << 40)", source)
     source = source.replace('device="cuda"', 'device="cpu"').replace("device = \"cuda\"", "device = \"cpu\"")
     source = source.replace("torch.cuda.synchronize()", "None")
+    # test_flash_attn_race_condition repeats a batch-60 call 250 times to catch GPU races
+    # (~100 TFLOP per case on a CPU); 3 repeats still check that repeated calls agree bitwise
+    source = source.replace("for i in range(250):", "for i in range(3):")
     return source
 
 

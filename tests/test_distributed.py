@@ -370,9 +370,22 @@ def _check_case(index: int, case, seed: int, rank: int):
 #     the 1-ulp differences of the 16-bit out through Delta = rowsum(dO * O)), <= 0.5 in fp32.
 #     Partials rounded to 16 bits before the merge (the ring before fp32 partials, emulated)
 #     give 16 to 160 here, and exceed (a) by up to 0.56 ulp.
+#     bf16 on CPUs with AVX512-BF16 multiplies P and dS rounded to bf16 (FlashAttention's GPU
+#     recipe): each weight carries half a bf16 ulp of relative rounding, against the block's max
+#     in the ring and the row's in one process, so (b) allows one bf16 ulp x the magnitude more
+#     there (measured up to ~94 roundings without it); fp16 and fp32 keep the sharp check.
 RING_EXCESS_ULPS = {torch.float32: 3.0, torch.float16: 1.0, torch.bfloat16: 1.0}
 RING_ROUNDINGS = 4.0
 RING_FP32_ULPS = 8.0
+
+
+def _product_input_ulps(dtype) -> float:
+    """Relative rounding of P and dS as product inputs, in ulps of ``dtype`` (0: fp32 products)."""
+    if dtype != torch.bfloat16:
+        return 0.0
+    from tvmflash import target
+
+    return 1.0 if target.supports_bf16_dot(target.host_target()) else 0.0
 
 
 def ulp(dtype) -> float:
@@ -396,7 +409,7 @@ def _as_accurate(tag, ours, single, f64, dtype, magnitude) -> dict:
         f"{tag}: ring error {err:.3g} > single-process {err_single:.3g} + {RING_EXCESS_ULPS[dtype]} ulp x {scale:.3g}")
     diff = (ours.double() - single.double()).abs()
     rounding = ulp_at(torch.maximum(ours.double().abs(), single.double().abs()), dtype) \
-        + RING_FP32_ULPS * ulp(torch.float32) * scale
+        + (RING_FP32_ULPS * ulp(torch.float32) + _product_input_ulps(dtype) * ulp(dtype)) * scale
     worst = (diff / rounding).max().item()
     assert worst <= RING_ROUNDINGS, f"{tag}: ring and single-process differ by {worst:.3g} roundings"
     return {"ring": err / unit, "single": err_single / unit, "diff": diff.max().item() / unit,
