@@ -139,7 +139,7 @@ def backward_workspace_bytes(seqs: Sequences, *, heads: int, heads_k: int, head_
     shared = (rows_q * head_dim + 3 * rows_q + 2 * rows_k * head_dim) * F32
     shared += (4 if bf16_products else 2) * rows_q * head_dim * operand + 3 * rows_k * head_dim * operand
     tiles = (4 + score_mods) * block_q * block_k + 4 * block_k * head_dim + block_q * head_dim + 3 * block_q
-    per_thread = (tiles + grad_input_elements) * F32 + 5 * I64 + (3 * block_q * block_k * 2 if bf16_products else 0)
+    per_thread = (tiles + grad_input_elements) * F32 + 6 * I64 + (3 * block_q * block_k * 2 if bf16_products else 0)
     return shared + threads * per_thread
 
 
