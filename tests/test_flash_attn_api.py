@@ -166,3 +166,22 @@ def test_bad_cu_seqlens_raise_clear_errors(gen):
                        (torch.tensor([0, 8, 20], dtype=torch.int64), "int32")):
         with pytest.raises((ValueError, TypeError), match=match):
             tvmflash.flash_attn_varlen_func(q, q, q, bad, good, 12, 12)
+
+
+@pytest.mark.parametrize("head_dim,dtype", [(59, "float32"), (111, "bfloat16"), (3, "float32")])
+def test_head_dims_off_the_kernel_unit_are_padded(gen, seed, head_dim, dtype):
+    """flash-attn accepts any head dim up to 256 (padding it to a multiple of 8): the output keeps
+    the head dim, the default scale is 1/sqrt(head_dim) of the original, gradients match, and the
+    varlen form agrees."""
+    q, k, v = random_inputs(gen, 2, 37, 45, 4, 2, head_dim, dtype)
+    dout = torch.randn(q.shape, generator=gen).to(q.dtype)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out, lse, _ = tvmflash.flash_attn_func(*leaves, causal=True, window_size=(20, 0), return_attn_probs=True)
+    assert out.shape == q.shape
+    grads = torch.autograd.grad(out, leaves, dout)
+    assert_matches_reference(f"head_dim {head_dim}", (q, k, v, dout), (out, lse, *grads), True, seed,
+                             window_size=(20, 0))
+    cu_q, cu_k = (torch.tensor([0, n, 2 * n], dtype=torch.int32) for n in (37, 45))
+    packed = tvmflash.flash_attn_varlen_func(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), cu_q, cu_k, 37, 45,
+                                    causal=True, window_size=(20, 0))
+    torch.testing.assert_close(packed.view_as(out), out.detach(), rtol=0, atol=0)

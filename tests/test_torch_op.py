@@ -103,7 +103,7 @@ def test_empty_sizes():
         ((torch.randn(1, 5, 2, 64), torch.randn(2, 5, 2, 64), torch.randn(2, 5, 2, 64)), {}, ValueError, "batch"),
         ((torch.randn(1, 5, 4, 64), torch.randn(1, 5, 3, 64), torch.randn(1, 5, 3, 64)), {}, ValueError, "multiple"),
         ((torch.randn(1, 5, 2, 64), torch.randn(1, 5, 2, 32), torch.randn(1, 5, 2, 32)), {}, ValueError, "head dims"),
-        ((torch.randn(1, 5, 2, 12),) * 3, {}, ValueError, "head_dim 12"),
+        ((torch.randn(1, 5, 2, 0),) * 3, {}, ValueError, "head_dim 0"),
         ((torch.randn(1, 5, 2, 264),) * 3, {}, ValueError, "head_dim 264"),
         ((torch.randn(1, 5, 2, 64, dtype=torch.float64),) * 3, {}, TypeError, "float64"),
         ((torch.randn(1, 5, 2, 64), torch.randn(1, 5, 2, 64).half(), torch.randn(1, 5, 2, 64)), {}, TypeError,

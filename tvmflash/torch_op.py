@@ -19,7 +19,7 @@ import torch
 
 from . import checks, compiler
 from .runtime import FlashKernels
-from .spec import SUPPORTED_DTYPES, Alibi, AttentionSpec, Softcap
+from .spec import MAX_HEAD_DIM, SUPPORTED_DTYPES, Alibi, AttentionSpec, Softcap
 
 def _dtype_name(t: torch.Tensor) -> str:
     return str(t.dtype).removeprefix("torch.")
@@ -214,6 +214,10 @@ def _attention(q, k, v, cu_seqlens_q, cu_seqlens_k, dropout_p, softmax_scale, ca
     batch = (cu_seqlens_q.shape[0] - 1 if cu_seqlens_q.dim() == 1 else None) if varlen else (
         q.shape[0] if q.dim() == 4 else None)
     softcap = _check_common(tensors, dropout_p, softcap, alibi_slopes, heads, batch)
+    head_dim = q.shape[-1] if q.dim() else 0
+    scale = checks.softmax_scale(softmax_scale, head_dim) if head_dim else None
+    q, k, v = _padded_head_dims(q, k, v)
+    tensors = {"q": q, "k": k, "v": v}
     causal = checks.require_bool("causal", causal)
     checks.require_bool("deterministic", deterministic)
     checks.require_bool("return_attn_probs", return_attn_probs)
@@ -227,7 +231,6 @@ def _attention(q, k, v, cu_seqlens_q, cu_seqlens_k, dropout_p, softmax_scale, ca
         checks.check_qkv(*(checks.info(t, n) for n, t in tensors.items()))
     if q.dtype not in tuple(getattr(torch, d) for d in SUPPORTED_DTYPES):
         raise TypeError(f"dtype {q.dtype} is not supported")
-    scale = checks.softmax_scale(softmax_scale, q.shape[-1])
     left, right = window_size_pair(window_size, causal)
     if q.device.type == "cuda" and (left >= 0 or (right >= 0 and right != 0) or softcap or alibi_slopes is not None
                                     or varlen):
@@ -235,7 +238,18 @@ def _attention(q, k, v, cu_seqlens_q, cu_seqlens_k, dropout_p, softmax_scale, ca
     q, k, v = (_kernel_layout(t) for t in (q, k, v))
     out, lse = _forward(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, scale, left, right, softcap,
                         bool(deterministic), fp32_results, diagonal)
+    out = out[..., :head_dim]
     return (out, lse, None) if return_attn_probs else out
+
+
+def _padded_head_dims(q, k, v):
+    """flash-attn's rule for a head dim that is no multiple of 8 (the kernels' unit): q, k and v
+    zero-padded to the next one. The scores and the first head_dim columns of the output are
+    unchanged; autograd through the padding slices the gradients back. Costs a copy of each."""
+    dims = {t.shape[-1] for t in (q, k, v) if t.dim()}
+    if len(dims) != 1 or not 0 < (d := dims.pop()) < MAX_HEAD_DIM or d % 8 == 0:
+        return q, k, v  # nothing to pad, or the checks will name the problem
+    return tuple(torch.nn.functional.pad(t, (0, -d % 8)) for t in (q, k, v))
 
 
 def window_size_pair(window_size, causal: bool) -> tuple[int, int]:
@@ -250,8 +264,9 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     """Exact attention ``softmax(q k^T * scale + masks) v``, FlashAttention style (flash-attn 2's API).
 
     q ``(batch, seqlen_q, heads, head_dim)``, k and v ``(batch, seqlen_k, heads_k, head_dim)``
-    with ``heads % heads_k == 0`` (GQA/MQA); float32/float16/bfloat16; head_dim a multiple of 8
-    up to 256. ``softmax_scale`` defaults to ``1/sqrt(head_dim)`` (any finite value > 0).
+    with ``heads % heads_k == 0`` (GQA/MQA); float32/float16/bfloat16; head_dim up to 256 (other
+    than multiples of 8 zero-padded to one, as flash-attn does: a copy). ``softmax_scale``
+    defaults to ``1/sqrt(head_dim)`` (any finite value > 0).
     Masks align to the bottom-right corner: query i sees key j iff ``i + seqlen_k - seqlen_q -
     left <= j <= i + seqlen_k - seqlen_q + right`` for ``window_size = (left, right)`` (-1: no
     limit); ``causal`` is right = 0. ``softcap > 0``: scores become ``softcap * tanh(s /
