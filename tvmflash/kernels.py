@@ -43,8 +43,8 @@ window_right, n_threads, n_rounds, super_tile, seq_table, q_tile_seq, k_tile_seq
           I = (J + r) mod M  (M: super tiles of the sequence; a super tile = super_tile tiles)
           for key tile j of J:
             (K_j, K_j^T, V_j^T packed as product operands once per key tile: [pack_k, pack_kt, pack_vt])
-            (the task's dK_j, dV_j sums: [init_dkv] at the round's first non-empty tile (i, j),
-             [update_dkv] into dKacc_j, dVacc_j after the last; rounds without one skip both)
+            [init_dkv] the task's dK_j, dV_j sums = 0; [update_dkv] after the loop below adds
+            them into dKacc_j, dVacc_j, only if some tile (i, j) of the round was not empty
             for query head h of the kv head's GQA group, query tile i of I, tile (i, j) not empty:
               [load_row_stats]
               [scores]      S = Q_i . K_j^T         P is recomputed once (rule 2) and
@@ -1114,8 +1114,9 @@ def fused_backward(spec: AttentionSpec, cfg: CPUKernelConfig) -> tirx.PrimFunc:
                                     k0: T.let[T.int64] = kt * Bc
                                     gk: T.let[T.int64] = args.col(b, plan.K_TILE0) + kt
                                     krow: T.let[T.int64] = gk * Bc
-                                    # dK/dV running sums only where the round has work for this
-                                    # key tile (most rounds have none under windows and causal masks)
+                                    init_dkv(dKrun, dVrun)
+                                    # added into dKacc/dVacc only if the round has work for this key
+                                    # tile (most rounds have none under windows and causal masks)
                                     state[1] = T.int64(0)
                                     for g in T.serial(H // Hk):
                                         h: T.let[T.int64] = hk * (H // Hk) + g
@@ -1128,9 +1129,7 @@ def fused_backward(spec: AttentionSpec, cfg: CPUKernelConfig) -> tirx.PrimFunc:
                                                 args.tile_state(b, h, q0, k0, (window_left, window_right)),
                                                 T.int64(EMPTY))
                                             if state[0] != EMPTY:
-                                                if state[1] == 0:
-                                                    init_dkv(dKrun, dVrun)
-                                                    state[1] = T.int64(1)
+                                                state[1] = T.int64(1)
                                                 recompute_probs(P, S, X, row_stats, RowStats, Qp, KTp, softmax_scale,
                                                                 b, h, hk, q0, k0, qrow, gk, state[0], window_left,
                                                                 window_right)
