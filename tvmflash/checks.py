@@ -104,6 +104,14 @@ def softmax_scale(value, head_dim: int) -> float:
     return value
 
 
+def window_pair(window_size, causal: bool) -> tuple[int, int]:
+    """flash-attn's (left, right) as the user gave it, -1 = no limit, causal folded in as right = 0
+    (validated as by ``window``)."""
+    window(window_size, causal)
+    left, right = (operator.index(w) for w in window_size)
+    return left, 0 if causal else right
+
+
 def window(window_size, causal: bool) -> tuple[int, int]:
     """flash-attn's (left, right) window, -1 = no limit; causal means right = 0."""
     try:

@@ -25,7 +25,6 @@ splits through their row statistics (fp32). Forward only, like flash-attn's; CPU
 
 from __future__ import annotations
 
-import operator
 import os
 
 import torch
@@ -87,16 +86,6 @@ def _int_vector(name: str, t, batch: int) -> list[int]:
     return t.tolist()
 
 
-def _window(window_size, causal: bool) -> tuple[int, int]:
-    try:
-        left, right = (operator.index(w) for w in window_size)
-    except (TypeError, ValueError):
-        raise TypeError(f"window_size must be a pair of integers (left, right), got {window_size!r}") from None
-    if left < -1 or right < -1:
-        raise ValueError(f"window_size entries must be >= -1 (-1: no limit), got {tuple(window_size)!r}")
-    return left, (0 if causal else right)
-
-
 # --- the function ----------------------------------------------------------------------------------
 def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None,
                             cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None, block_table=None,
@@ -143,7 +132,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                            "torch.no_grad() or torch.inference_mode(), or detach the inputs")
     scale = checks.softmax_scale(softmax_scale, head_dim)
     causal = checks.require_bool("causal", causal)
-    left, right = _window(window_size, causal)
+    left, right = checks.window_pair(window_size, causal)
     if isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or softcap < 0:
         raise ValueError(f"softcap must be a number >= 0 (0: off), got {softcap!r}")
     if isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 0:

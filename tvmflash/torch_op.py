@@ -231,7 +231,7 @@ def _attention(q, k, v, cu_seqlens_q, cu_seqlens_k, dropout_p, softmax_scale, ca
         checks.check_qkv(*(checks.info(t, n) for n, t in tensors.items()))
     if q.dtype not in tuple(getattr(torch, d) for d in SUPPORTED_DTYPES):
         raise TypeError(f"dtype {q.dtype} is not supported")
-    left, right = window_size_pair(window_size, causal)
+    left, right = checks.window_pair(window_size, causal)
     if q.device.type == "cuda" and (left >= 0 or (right >= 0 and right != 0) or softcap or alibi_slopes is not None
                                     or varlen):
         raise NotImplementedError("on CUDA tensors tvmflash supports full and causal attention only so far")
@@ -250,13 +250,6 @@ def _padded_head_dims(q, k, v):
     if len(dims) != 1 or not 0 < (d := dims.pop()) < MAX_HEAD_DIM or d % 8 == 0:
         return q, k, v  # nothing to pad, or the checks will name the problem
     return tuple(torch.nn.functional.pad(t, (0, -d % 8)) for t in (q, k, v))
-
-
-def window_size_pair(window_size, causal: bool) -> tuple[int, int]:
-    """flash-attn's (left, right) with -1 for "no limit", causal folded in as right = 0."""
-    checks.window(window_size, causal)  # validates
-    left, right = (int(x) for x in window_size)
-    return left, 0 if causal else right
 
 
 def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
