@@ -104,6 +104,13 @@ def softmax_scale(value, head_dim: int) -> float:
     return value
 
 
+def softcap(value) -> float:
+    """flash-attn's ``softcap``: scores become ``softcap * tanh(s / softcap)``; 0 is off."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0 or value == float("inf"):
+        raise ValueError(f"softcap must be a finite number >= 0 (0: off), got {value!r}")
+    return float(value)
+
+
 def window_pair(window_size, causal: bool) -> tuple[int, int]:
     """flash-attn's (left, right) as the user gave it, -1 = no limit, causal folded in as right = 0
     (validated as by ``window``)."""

@@ -133,8 +133,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     scale = checks.softmax_scale(softmax_scale, head_dim)
     causal = checks.require_bool("causal", causal)
     left, right = checks.window_pair(window_size, causal)
-    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or softcap < 0:
-        raise ValueError(f"softcap must be a number >= 0 (0: off), got {softcap!r}")
+    softcap = checks.softcap(softcap)
     if isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 0:
         raise ValueError(f"num_splits must be an integer >= 0 (0: automatic), got {num_splits!r}")
     return_softmax_lse = checks.require_bool("return_softmax_lse", return_softmax_lse)

@@ -192,8 +192,7 @@ def _check_tensors(tensors: dict) -> None:
 def _check_common(tensors: dict, dropout_p, softcap, alibi_slopes, heads: int, batch: int | None) -> float:
     if dropout_p:
         raise ValueError(f"dropout is not supported by tvmflash (dropout_p={dropout_p}); use 0.0")
-    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not softcap >= 0 or softcap == float("inf"):
-        raise ValueError(f"softcap must be a finite number >= 0 (0: off), got {softcap!r}")
+    softcap = checks.softcap(softcap)
     if alibi_slopes is not None:
         if not isinstance(alibi_slopes, torch.Tensor) or alibi_slopes.dtype != torch.float32:
             raise TypeError("alibi_slopes must be a float32 tensor of shape (heads,) or (batch, heads)")
@@ -202,7 +201,7 @@ def _check_common(tensors: dict, dropout_p, softcap, alibi_slopes, heads: int, b
             raise ValueError(f"alibi_slopes must have shape {' or '.join(map(str, allowed))}, got {tuple(alibi_slopes.shape)}")
         if alibi_slopes.device != next(iter(tensors.values())).device:
             raise ValueError(f"alibi_slopes is on {alibi_slopes.device}, q on {next(iter(tensors.values())).device}")
-    return float(softcap)
+    return softcap
 
 
 def _attention(q, k, v, cu_seqlens_q, cu_seqlens_k, dropout_p, softmax_scale, causal, window_size, softcap,
