@@ -159,12 +159,13 @@ def test_fast_math_changes_only_subnormal_flushing(dtype, head_dim, causal, dete
     assert "rcp.rn.ftz.f32" in fast["flash_fwd_kernel"] and "rcp.approx.ftz.f32" not in fast["flash_fwd_kernel"]
 
 
-def test_flushing_subnormals_changes_no_result(gen, seed):
+def test_flushing_subnormals_moves_no_result_beyond_2_pow_minus_100(gen, seed):
     """-ftz=true flushes fp32 subnormals (|x| < 2^-126) to zero. The kernels' math run on the CPU
     with its flush-to-zero and denormals-are-zero modes (the same flush, on inputs and results
-    of every float op) gives bit-identical outputs, on inputs where hundreds of probabilities
-    P = 2^(s - lse) fall into the subnormal range: such a P only ever meets terms more than
-    2^24 times larger (the row's largest P is 1), or is rounded to fp16/bf16 next to them."""
+    of every float op) moves no output by more than 2^-100, on inputs where hundreds of
+    probabilities P = 2^(s - lse) fall into the subnormal range: such a P only ever meets terms
+    far larger (the row's largest P is 1), or is rounded to fp16/bf16 next to them; only results
+    that are themselves ~1e-38 can change."""
     tiny = 2.0**-126
     for dtype in ("float16", "bfloat16"):
         lib = emulated(64, dtype, True)
@@ -187,7 +188,12 @@ def test_flushing_subnormals_changes_no_result(gen, seed):
         finally:
             torch.set_flush_denormal(False)
         for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), plain, flushed):
-            assert torch.equal(a, b), f"{dtype} {name}: flushing subnormals changed the result (seed {seed})"
+            # Flushed terms are < 2^-126; the sums and factors they meet here (61 queries, |dS|,
+            # |q| x scale of ~1e2 each) cannot move a result by 2^-100. They did move results that
+            # are themselves ~1e-38 (a key row that one query sees with P ~ 2^-130: dk ~ 1e-38
+            # became 0), so results agree within 2^-100, not bit for bit.
+            moved = (a.double() - b.double()).abs().max().item()
+            assert moved <= 2.0**-100, f"{dtype} {name}: flushing subnormals moved a result by {moved:.3g} (seed {seed})"
 
 
 def test_cuda_parameter_errors():
