@@ -92,14 +92,30 @@ def test_fully_masked_rows_stay_zero_not_nan(kernels, gen):
 
 
 # --- 7. softmax_scale: any finite scale > 0 works, everything else is a clear error ----------------
-def _sdpa_flash_grads(q, k, v, dout, scale):
-    from torch.nn.attention import SDPBackend, sdpa_kernel
+def _fp32_recompute_error_bound(q, k, v, dout, scale, lse):
+    """First-order bounds on |dq|, |dk|, |dv - exact| for a backward that recomputes P from an fp32
+    LSE (B, H, Nq), with bottom-right causal masking, elementwise, in float64.
 
-    leaves = [t.transpose(1, 2).clone().requires_grad_() for t in (q, k, v)]
-    mask = torch.ones(q.shape[1], k.shape[1], dtype=torch.bool).tril(k.shape[1] - q.shape[1])
-    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-        out = torch.nn.functional.scaled_dot_product_attention(*leaves, attn_mask=mask, scale=scale)
-    return [g.transpose(1, 2) for g in torch.autograd.grad(out, leaves, dout.transpose(1, 2))]
+    Each exponent s_ij * scale - lse_i carries rounding of about u (|lse_i| + |s_ij scale| + D scale
+    |q_i|.|k_j|) (the stored LSE, the score, its D-term dot product), and the sums add u (D + Nk):
+    gamma_ij. Then |dP_ij| error <= gamma_ij P_ij, O and Delta_i = dO_i . O_i inherit it, and
+    dS_ij = P_ij (dP_ij - Delta_i) carries gamma_ij P_ij (|dP_ij - Delta_i| + A_ij) + P_ij sum_j'
+    gamma_ij' P_ij' A_ij', A_ij = |dO_i| . |v_j|; dq, dk, dv are its products with |k|, |q|, |dO|."""
+    q, k, v, dout = (t.double().transpose(1, 2) for t in (q, k, v, dout))  # (B, H, N, D)
+    n, m, d = q.shape[2], k.shape[2], q.shape[3]
+    visible = torch.ones(n, m, dtype=torch.bool).tril(m - n)
+    scores = (q @ k.transpose(-1, -2) * scale).masked_fill(~visible, float("-inf"))
+    p = torch.softmax(scores, -1)
+    u = torch.finfo(torch.float32).eps / 2
+    gamma = u * (lse.double().abs().unsqueeze(-1) + scores.masked_fill(~visible, 0).abs()
+                 + d * scale * (q.abs() @ k.abs().transpose(-1, -2)) + d + m)
+    dp = dout @ v.transpose(-1, -2)
+    delta = (dp * p).sum(-1, keepdim=True)
+    a = dout.abs() @ v.abs().transpose(-1, -2)
+    ds_error = gamma * p * ((dp - delta).abs() + a) + p * (gamma * p * a).sum(-1, keepdim=True)
+    bounds = (scale * ds_error @ k.abs(), scale * ds_error.transpose(-1, -2) @ q.abs(),
+              (gamma * p).transpose(-1, -2) @ dout.abs())
+    return [b.transpose(1, 2) for b in bounds]
 
 
 def _plain_fp32_worst_order(q, k, v, scale, ref64, orders: int = 4):
@@ -125,9 +141,9 @@ def _plain_fp32_worst_order(q, k, v, scale, ref64, orders: int = 4):
 def test_any_finite_positive_scale_works_or_says_why_not(kernels, gen, seed, scale):
     """Tiny scales (uniform attention) to huge ones (an argmax). The forward matches float64 at
     any scale. The backward recomputes P from the fp32 LSE, whose rounding grows with |lse|: up
-    to 72 (normal logits) it meets the flash-attn rule against plain fp32 attention; beyond, it
-    stays within 2x of PyTorch's own fused attention (SDPA FLASH, which recomputes from an fp32
-    LSE too); from |lse| = 2^16 on it is a clear error, never NaN or silently wrong gradients."""
+    to 80 (normal logits) it meets the flash-attn rule against plain fp32 attention; beyond, it
+    stays within the first-order error bound of that recompute; from |lse| = 2^16 on it is a
+    clear error, never NaN or silently wrong gradients."""
     q, k, v = random_inputs(gen, 1, 50, 70, 2, 2, 32, "float32")
     dout = torch.randn(q.shape, generator=gen)
     out, lse = torch.empty_like(q), torch.empty(1, 2, 50)
@@ -146,11 +162,17 @@ def test_any_finite_positive_scale_works_or_says_why_not(kernels, gen, seed, sca
     if lse.abs().max() <= 80:
         assert_matches_reference(f"scale {scale}", (q, k, v, dout), (out, lse, *grads), True, seed, scale)
         return
+    # Beyond: the LSE's own fp32 rounding (half an ulp of |lse|) scales each recomputed row of P,
+    # and the gradients' error grows with it. Against PyTorch's SDPA FLASH (the same recompute) the
+    # ratio of errors is chance, 1/16 to 16 on single seeds at scale 300; both stay within the
+    # first-order bound of that rounding (over 3,000 seeds at scales 3-300: ours <= 0.16 of it,
+    # PyTorch's <= 0.21), so that bound is the assertion.
     ref_grads = torch.autograd.grad(ref, leaves, dout.double())
-    theirs = _sdpa_flash_grads(q, k, v, dout, scale)
-    for name, ours, fused, r in zip(("dq", "dk", "dv"), grads, theirs, ref_grads):
-        error, fused_error = ((t.double() - r).abs().max().item() for t in (ours, fused))
-        assert error <= 2 * fused_error + 1e-6, (name, scale, error, fused_error)
+    bounds = _fp32_recompute_error_bound(q, k, v, dout, scale, lse)
+    for name, ours, r, bound in zip(("dq", "dk", "dv"), grads, ref_grads, bounds):
+        ulps = 2 * torch.finfo(torch.float32).eps * r.abs().max()  # 4 units of roundoff
+        excess = ((ours.double() - r).abs() / (bound + ulps)).max().item()
+        assert excess <= 1, (name, scale, excess, seed)
 
 
 @pytest.mark.parametrize("scale,error,match", [
