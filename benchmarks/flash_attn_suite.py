@@ -16,8 +16,7 @@ them is copied into tvmflash), and runs them in a temporary directory where
 * each test function runs a deterministic random sample of ``--per-test`` of its parametrizations
   (the full grid is ~100k cases, days of CPU time); cases we do not support by design are
   deselected and counted: dropout > 0 (tvmflash has no dropout), paged KV outside
-  ``flash_attn_with_kvcache``, flash-attn's private C++ entry points, ``flash_attn_with_kvcache``
-  with head dims that are no multiple of 8 (flash_attn_func pads those, a cache cannot be).
+  ``flash_attn_with_kvcache``, flash-attn's private C++ entry points.
 
 The tests' own assertions are flash-attn's rule: error vs an fp32 reference <= 2x (3x for the
 gradients) the error of PyTorch in the same 16-bit dtype. Prints a table of passed / failed /
@@ -121,8 +120,6 @@ UNSUPPORTED = (
     (lambda p: p["__name__"] in ("test_flash_attn_varlen_paged_kv_num_splits",
                                  "test_flash_attn_generator_arg_must_be_none"),
      "flash-attn's private C++ entry points (_flash_attn_varlen_forward, flash_attn_gpu)"),
-    (lambda p: "kvcache" in p["__name__"] and int(p.get("d", 8)) % 8,
-     "flash_attn_with_kvcache with a head dim that is no multiple of 8 (would copy the cache)"),
 )
 
 

@@ -208,6 +208,38 @@ def test_head_dims(gen, seed, head_dim, dtype):
                             block_table=table, causal=True, seed=seed)
 
 
+@pytest.mark.parametrize("head_dim,dtype,paged", [(59, "float32", False), (111, "bfloat16", True)])
+def test_head_dims_padded_to_a_multiple_of_8(gen, seed, head_dim, dtype, paged):
+    """Head dims that are no multiple of 8 (flash-attn's test uses 59): q, the caches and the new
+    tokens are zero-padded as flash-attn pads them; the new tokens land in the caller's cache
+    (rotated), nothing else in it changes, and the scale defaults to 1/sqrt(true head dim)."""
+    batch, heads, heads_k, seqlen_q, rotary_dim = 2, 4, 2, 2, 32
+    draw = lambda *shape: torch.randn(*shape, head_dim, generator=gen).to(DTYPES[dtype])  # noqa: E731
+    block_table = torch.tensor([[3, 0], [1, 4]], dtype=torch.int32) if paged else None
+    k_cache, v_cache = (draw(5, 64, heads_k) if paged else draw(batch, 128, heads_k) for _ in range(2))
+    q, k_new, v_new = draw(batch, seqlen_q, heads), draw(batch, seqlen_q, heads_k), draw(batch, seqlen_q, heads_k)
+    angle = torch.rand(128, rotary_dim // 2, generator=gen) * 2 * math.pi
+    cos, sin = torch.cos(angle).to(DTYPES[dtype]), torch.sin(angle).to(DTYPES[dtype])
+    seqlens = torch.tensor([100, 17], dtype=torch.int32)
+    positions = seqlens.long()[:, None] + torch.arange(seqlen_q)[None]
+    expected_k, expected_v = k_cache.clone(), v_cache.clone()
+    for b in range(batch):
+        n = int(seqlens[b])
+        rows = [(block_table[b, (n + t) // 64].item(), (n + t) % 64) if paged else (b, n + t) for t in range(seqlen_q)]
+        k_rotated = rotary_ref(k_new, cos, sin, positions, False)[b]
+        for t, (row, col) in enumerate(rows):
+            expected_k[row, col], expected_v[row, col] = k_rotated[t], v_new[b, t]
+    out, lse = flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new, rotary_cos=cos, rotary_sin=sin,
+                                       cache_seqlens=seqlens, block_table=block_table, causal=True,
+                                       rotary_interleaved=False, return_softmax_lse=True)
+    assert out.shape == q.shape and lse.shape == (batch, heads, seqlen_q)
+    torch.testing.assert_close(k_cache, expected_k, rtol=1e-3, atol=1e-3)
+    assert torch.equal(v_cache, expected_v)
+    q_ro = rotary_ref(q, cos, sin, positions, False)
+    check_against_reference(f"d{head_dim}", out, lse, q_ro, k_cache, v_cache, starts=[0, 0],
+                            ends=[int(n) + seqlen_q for n in seqlens], block_table=block_table, causal=True, seed=seed)
+
+
 def test_batch_idx_leftpad_scale(gen, seed):
     """cache_batch_idx picks cache rows (new tokens land there), cache_leftpad hides the first
     keys (masks and ALiBi stay aligned at the end), softmax_scale."""
@@ -337,7 +369,7 @@ def test_errors(gen):
     with pytest.raises(ValueError, match="block_table"):  # flash-attn's bounds test: capacity 64 per sequence
         flash_attn_with_kvcache(q, k_cache, k_cache.clone(), cache_seqlens=torch.tensor([65], dtype=torch.int32),
                                 block_table=torch.zeros(1, 1, dtype=torch.int32))
-    with pytest.raises(ValueError, match="block_table"):
+    with pytest.raises(RuntimeError, match="block_table"):  # the class flash-attn raises (and a ValueError)
         new = torch.randn(1, 1, 2, D)
         flash_attn_with_kvcache(q, k_cache, k_cache.clone(), new, new, cache_seqlens=64,
                                 block_table=torch.zeros(1, 1, dtype=torch.int32))

@@ -18,6 +18,11 @@ import tvm_ffi
 from .spec import MAX_HEAD_DIM, SUPPORTED_DTYPES, UNLIMITED_WINDOW
 
 
+class CapacityError(ValueError, RuntimeError):
+    """A KV cache too short for the sequence lengths asked for: a ValueError, and also the
+    RuntimeError that flash-attn's extension raises there (its tests and users catch that)."""
+
+
 @dataclass(frozen=True)
 class TensorInfo:
     shape: tuple
@@ -82,6 +87,16 @@ def check_kernel_params(head_dim, dtype) -> None:
         raise ValueError(f"head_dim {head_dim} is not supported: use a multiple of 8 from 8 to {MAX_HEAD_DIM}")
     if str(dtype) not in SUPPORTED_DTYPES:
         raise TypeError(f"dtype {dtype!r} is not supported: use one of {', '.join(SUPPORTED_DTYPES)}")
+
+
+def head_dim_padding(head_dims) -> int:
+    """Zero columns that flash-attn's rule adds to a head dim that is no multiple of 8 (the
+    kernels' unit) when every tensor has the same one, below MAX_HEAD_DIM; else 0 (nothing to
+    pad, or the checks will name the problem)."""
+    dims = set(head_dims)
+    if len(dims) != 1 or not 0 < (d := dims.pop()) < MAX_HEAD_DIM:
+        return 0
+    return -d % 8
 
 
 def require_bool(name: str, value) -> bool:

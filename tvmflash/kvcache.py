@@ -93,8 +93,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                             rotary_interleaved=True, alibi_slopes=None, num_splits=0, return_softmax_lse=False):
     """Attention of a few new queries per sequence against a KV cache, updating it in place.
 
-    q: (batch, seqlen_q, nheads, headdim). k_cache, v_cache: (batch_cache, seqlen_cache,
-    nheads_k, headdim), or (num_blocks, page_block_size, nheads_k, headdim) with ``block_table``
+    q: (batch, seqlen_q, nheads, headdim), headdim up to 256 (other than multiples of 8
+    zero-padded to one, caches included: copies, as flash-attn makes). k_cache, v_cache:
+    (batch_cache, seqlen_cache, nheads_k, headdim), or (num_blocks, page_block_size, nheads_k, headdim) with ``block_table``
     (batch, max_blocks) int32 (paged; ``page_block_size`` a multiple of the kernel's key tile,
     64). k, v: (batch, seqlen_new, nheads_k, headdim) new tokens, written into the caches at
     ``cache_seqlens`` (int or (batch,) int32; default: the caches are full). rotary_cos/sin:
@@ -107,6 +108,15 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     """
     q = _tensor("q", q, 4)
     k_cache, v_cache = _tensor("k_cache", k_cache, 4), _tensor("v_cache", v_cache, 4)
+    new_tokens = [t for t in (k, v) if isinstance(t, torch.Tensor)]
+    padding = checks.head_dim_padding(t.shape[-1] for t in (q, k_cache, v_cache, *new_tokens))
+    if padding:
+        return _with_padded_head_dim(
+            padding, q=q, k_cache=k_cache, v_cache=v_cache, k=k, v=v, rotary_cos=rotary_cos, rotary_sin=rotary_sin,
+            cache_seqlens=cache_seqlens, cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad,
+            block_table=block_table, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
+            softcap=softcap, rotary_interleaved=rotary_interleaved, alibi_slopes=alibi_slopes, num_splits=num_splits,
+            return_softmax_lse=return_softmax_lse)
     dtype = q.dtype
     dtype_name = str(dtype).removeprefix("torch.")
     if dtype_name not in SUPPORTED_DTYPES:
@@ -196,7 +206,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     if max(ends) > capacity:
         what = (f"the capacity addressable by block_table (max_blocks * page_block_size = {capacity})" if paged
                 else f"the cache length {capacity}")
-        raise ValueError(f"max(cache_seqlens){' + seqlen_new' if seqlen_new else ''} = {max(ends)} exceeds {what}")
+        raise checks.CapacityError(f"max(cache_seqlens){' + seqlen_new' if seqlen_new else ''} = {max(ends)} exceeds "
+                                   f"{what}")
     if paged:  # the blocks each sequence uses must name pages (unused entries may hold anything)
         used = torch.arange(pages.shape[1])[None, :] < torch.tensor([-(-n // page) for n in ends])[:, None]
         named = pages[used]
@@ -250,6 +261,26 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     kernels.decode(q_in, k_cache, v_cache, out, lse, scale, window, threads, torch.from_numpy(seq_info),
                    torch.from_numpy(units), pages, mods)
     return (out, lse) if return_softmax_lse else out
+
+
+def _with_padded_head_dim(padding: int, **args):
+    """flash-attn's rule for a head dim that is no multiple of 8: q, the caches and the new tokens
+    zero-padded to one (copies of the whole caches, as flash-attn makes), the default scale and the
+    rotary limit from the true head dim, the updated caches copied back into the caller's."""
+    head_dim = args["q"].shape[-1]
+    cos = args["rotary_cos"]
+    if isinstance(cos, torch.Tensor) and cos.dim() == 2 and cos.shape[1] * 2 > head_dim:
+        raise ValueError(f"rotary_cos has rotary_dim / 2 = {cos.shape[1]}: rotary_dim must be <= headdim {head_dim}")
+    padded = {name: torch.nn.functional.pad(args[name], (0, padding)) if isinstance(args[name], torch.Tensor)
+              else args[name] for name in ("q", "k_cache", "v_cache", "k", "v")}
+    result = flash_attn_with_kvcache(**{**args, **padded,
+                                        "softmax_scale": checks.softmax_scale(args["softmax_scale"], head_dim)})
+    if args["k"] is not None:  # the new tokens (rotated if asked) went into the padded caches
+        args["k_cache"].copy_(padded["k_cache"][..., :head_dim])
+        args["v_cache"].copy_(padded["v_cache"][..., :head_dim])
+    if isinstance(result, tuple):
+        return result[0][..., :head_dim], result[1]
+    return result[..., :head_dim]
 
 
 def _write_new_tokens(k_cache, v_cache, k, v, seqlens, cache_rows, block_table) -> None:

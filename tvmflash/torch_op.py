@@ -19,7 +19,7 @@ import torch
 
 from . import checks, compiler
 from .runtime import FlashKernels
-from .spec import MAX_HEAD_DIM, SUPPORTED_DTYPES, Alibi, AttentionSpec, Softcap
+from .spec import SUPPORTED_DTYPES, Alibi, AttentionSpec, Softcap
 
 def _dtype_name(t: torch.Tensor) -> str:
     return str(t.dtype).removeprefix("torch.")
@@ -245,10 +245,10 @@ def _padded_head_dims(q, k, v):
     """flash-attn's rule for a head dim that is no multiple of 8 (the kernels' unit): q, k and v
     zero-padded to the next one. The scores and the first head_dim columns of the output are
     unchanged; autograd through the padding slices the gradients back. Costs a copy of each."""
-    dims = {t.shape[-1] for t in (q, k, v) if t.dim()}
-    if len(dims) != 1 or not 0 < (d := dims.pop()) < MAX_HEAD_DIM or d % 8 == 0:
-        return q, k, v  # nothing to pad, or the checks will name the problem
-    return tuple(torch.nn.functional.pad(t, (0, -d % 8)) for t in (q, k, v))
+    padding = checks.head_dim_padding(t.shape[-1] for t in (q, k, v) if t.dim())
+    if not padding:
+        return q, k, v
+    return tuple(torch.nn.functional.pad(t, (0, padding)) for t in (q, k, v))
 
 
 def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
