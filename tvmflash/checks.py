@@ -353,10 +353,10 @@ def check_lse_recomputable(lse) -> None:
     q . k in the tens of thousands or more; the forward itself is exact at any scale)."""
     import numpy as np
 
-    if hasattr(lse, "detach"):  # torch
-        finite = lse.detach()
-        finite = finite[finite.isfinite()]
-        largest = float(finite.abs().max()) if finite.numel() else 0.0
+    if hasattr(lse, "detach"):  # torch: element-wise ops only (a masked select wakes torch's
+        # OpenMP workers, whose spinning then takes cores from the kernel that follows)
+        magnitudes = lse.detach().abs().nan_to_num(nan=0.0, posinf=0.0)
+        largest = float(magnitudes.max()) if magnitudes.numel() else 0.0
     else:
         values = np.from_dlpack(lse) if not isinstance(lse, np.ndarray) else lse
         finite = values[np.isfinite(values)]
