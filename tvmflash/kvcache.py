@@ -93,17 +93,18 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                             rotary_interleaved=True, alibi_slopes=None, num_splits=0, return_softmax_lse=False):
     """Attention of a few new queries per sequence against a KV cache, updating it in place.
 
-    q: (batch, seqlen_q, nheads, headdim), headdim up to 256 (other than multiples of 8
-    zero-padded to one, caches included: copies, as flash-attn makes). k_cache, v_cache:
-    (batch_cache, seqlen_cache, nheads_k, headdim), or (num_blocks, page_block_size, nheads_k, headdim) with ``block_table``
-    (batch, max_blocks) int32 (paged; ``page_block_size`` a multiple of the kernel's key tile,
-    64). k, v: (batch, seqlen_new, nheads_k, headdim) new tokens, written into the caches at
-    ``cache_seqlens`` (int or (batch,) int32; default: the caches are full). rotary_cos/sin:
-    (seqlen_ro, rotary_dim / 2) in q's dtype, with k and v. cache_batch_idx (batch,) int32: the
-    cache row of each sequence. cache_leftpad (batch,) int32: first valid key. softmax_scale
-    (default 1/sqrt(headdim)), causal, window_size, softcap, alibi_slopes ((nheads,) or (batch,
-    nheads) fp32): as in ``flash_attn_func``. num_splits: key splits per sequence (0: chosen
-    from the problem and the thread count). Returns out (batch, seqlen_q, nheads, headdim), and
+    q: (batch, seqlen_q, nheads, headdim), headdim up to 256 (other than multiples of 8 zero-
+    padded to one, caches included: copies, as flash-attn makes). k_cache, v_cache:
+    (batch_cache, seqlen_cache, nheads_k, headdim), or (num_blocks, page_block_size, nheads_k,
+    headdim) with ``block_table`` (batch, max_blocks) int32 (paged; ``page_block_size`` a
+    multiple of the kernel's key tile, 64). k, v: (batch, seqlen_new, nheads_k, headdim) new
+    tokens, written into the caches at ``cache_seqlens`` (int or (batch,) int32; default: the
+    caches are full). rotary_cos/sin: (seqlen_ro, rotary_dim / 2) in q's dtype, with k and v.
+    cache_batch_idx (batch,) int32: the cache row of each sequence. cache_leftpad (batch,)
+    int32: first valid key. softmax_scale (default 1/sqrt(headdim)), causal, window_size,
+    softcap, alibi_slopes ((nheads,) or (batch, nheads) fp32): as in ``flash_attn_func``.
+    num_splits: key splits per sequence (0: chosen from the problem and the thread count).
+    Returns out (batch, seqlen_q, nheads, headdim), and
     softmax_lse (batch, nheads, seqlen_q) fp32 if ``return_softmax_lse``. Forward only.
     """
     q = _tensor("q", q, 4)
