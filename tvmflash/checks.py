@@ -353,12 +353,13 @@ def check_lse_recomputable(lse) -> None:
     q . k in the tens of thousands or more; the forward itself is exact at any scale)."""
     import numpy as np
 
-    if hasattr(lse, "detach"):  # torch: element-wise ops only (a masked select wakes torch's
-        # OpenMP workers, whose spinning then takes cores from the kernel that follows)
+    if hasattr(lse, "detach") and lse.device.type != "cpu":  # torch, on its device
         magnitudes = lse.detach().abs().nan_to_num(nan=0.0, posinf=0.0)
         largest = float(magnitudes.max()) if magnitudes.numel() else 0.0
-    else:
-        values = np.from_dlpack(lse) if not isinstance(lse, np.ndarray) else lse
+    else:  # numpy on the CPU, never torch: a parallel torch op would wake torch's OpenMP
+        # workers, whose spinning then takes cores from the kernel that follows (DEVELOPING.md)
+        values = lse.detach().numpy() if hasattr(lse, "detach") else (
+            lse if isinstance(lse, np.ndarray) else np.from_dlpack(lse))
         finite = values[np.isfinite(values)]
         largest = float(np.abs(finite).max()) if finite.size else 0.0
     if largest >= MAX_RECOMPUTABLE_LSE:

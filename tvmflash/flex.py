@@ -250,9 +250,12 @@ def _setup_context(ctx, inputs, output):
     ctx.save_for_backward(q, k, v, out, lse, tile_state, *captured)
     ctx.scale, ctx.spec_key, ctx.n_captured = scale, spec_key, len(captured)
     ctx.mark_non_differentiable(lse)
+    ctx.set_materialize_grads(False)  # no zero-filled lse gradient (torch_op._setup_context says why)
 
 
 def _autograd_backward(ctx, dout, _dlse):
+    if dout is None:  # nothing downstream used out
+        return None, None, None, [None] * ctx.n_captured, None, None, None, None
     q, k, v, out, lse, tile_state, *captured = ctx.saved_tensors
     spec = _specs[ctx.spec_key]
     dq, dk, dv, grads = _flex_backward(dout.contiguous(), q, k, v, out, lse, captured, tile_state, ctx.scale,

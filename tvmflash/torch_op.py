@@ -146,9 +146,14 @@ def _setup_context(ctx, inputs, output):
     ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k, alibi)
     ctx.scalars = scalars
     ctx.mark_non_differentiable(lse)
+    # No zero-filled gradient for lse: filling it ran on torch's OpenMP workers right before the
+    # backward kernel, and their spinning then took cores from it (DEVELOPING.md)
+    ctx.set_materialize_grads(False)
 
 
 def _autograd_backward(ctx, dout, _dlse):
+    if dout is None:  # nothing downstream used out
+        return (None,) * 13
     q, k, v, out, lse, cu_q, cu_k, alibi = ctx.saved_tensors
     dq, dk, dv = _backward(_kernel_layout(dout), q, k, v, out, lse, cu_q, cu_k, alibi, *ctx.scalars)
     return dq, dk, dv, None, None, None, None, None, None, None, None, None, None
