@@ -238,6 +238,11 @@ def test_head_dims_padded_to_a_multiple_of_8(gen, seed, head_dim, dtype, paged):
     q_ro = rotary_ref(q, cos, sin, positions, False)
     check_against_reference(f"d{head_dim}", out, lse, q_ro, k_cache, v_cache, starts=[0, 0],
                             ends=[int(n) + seqlen_q for n in seqlens], block_table=block_table, causal=True, seed=seed)
+    before = k_cache.clone()
+    with pytest.raises(ValueError, match=f"must have shape .* zero-padded to {head_dim + 8 - head_dim % 8}"):
+        flash_attn_with_kvcache(q, k_cache, v_cache, k_new[:, :, :1], v_new[:, :, :1], cache_seqlens=seqlens,
+                                block_table=block_table)
+    assert torch.equal(k_cache, before), "a refused call leaves the cache alone"
 
 
 def test_batch_idx_leftpad_scale(gen, seed):

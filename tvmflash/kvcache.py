@@ -274,8 +274,12 @@ def _with_padded_head_dim(padding: int, **args):
         raise ValueError(f"rotary_cos has rotary_dim / 2 = {cos.shape[1]}: rotary_dim must be <= headdim {head_dim}")
     padded = {name: torch.nn.functional.pad(args[name], (0, padding)) if isinstance(args[name], torch.Tensor)
               else args[name] for name in ("q", "k_cache", "v_cache", "k", "v")}
-    result = flash_attn_with_kvcache(**{**args, **padded,
-                                        "softmax_scale": checks.softmax_scale(args["softmax_scale"], head_dim)})
+    try:
+        result = flash_attn_with_kvcache(**{**args, **padded,
+                                            "softmax_scale": checks.softmax_scale(args["softmax_scale"], head_dim)})
+    except (ValueError, TypeError) as err:  # its shapes are the padded ones: say so
+        raise type(err)(f"{err} (head dim {head_dim} zero-padded to {head_dim + padding}, as flash-attn pads "
+                        "it)") from None
     if args["k"] is not None:  # the new tokens (rotated if asked) went into the padded caches
         args["k_cache"].copy_(padded["k_cache"][..., :head_dim])
         args["v_cache"].copy_(padded["v_cache"][..., :head_dim])
