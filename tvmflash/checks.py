@@ -127,15 +127,7 @@ def softcap(value) -> float:
 
 
 def window_pair(window_size, causal: bool) -> tuple[int, int]:
-    """flash-attn's (left, right) as the user gave it, -1 = no limit, causal folded in as right = 0
-    (validated as by ``window``)."""
-    window(window_size, causal)
-    left, right = (operator.index(w) for w in window_size)
-    return left, 0 if causal else right
-
-
-def window(window_size, causal: bool) -> tuple[int, int]:
-    """flash-attn's (left, right) window, -1 = no limit; causal means right = 0."""
+    """flash-attn's (left, right) as the user gave it, -1 = no limit, causal folded in as right = 0."""
     try:
         left, right = window_size
         left, right = operator.index(left), operator.index(right)
@@ -143,10 +135,12 @@ def window(window_size, causal: bool) -> tuple[int, int]:
         raise TypeError(f"window_size must be a pair of integers (left, right), got {window_size!r}") from None
     if left < -1 or right < -1:
         raise ValueError(f"window_size entries must be >= -1 (-1: no limit), got {window_size!r}")
-    if causal:
-        right = 0
-    return (UNLIMITED_WINDOW if left < 0 else min(left, UNLIMITED_WINDOW),
-            UNLIMITED_WINDOW if right < 0 else min(right, UNLIMITED_WINDOW))
+    return left, 0 if causal else right
+
+
+def window(window_size, causal: bool) -> tuple[int, int]:
+    """``window_pair`` as the kernels take it: no limit (-1) and larger ones as UNLIMITED_WINDOW."""
+    return tuple(UNLIMITED_WINDOW if w < 0 else min(w, UNLIMITED_WINDOW) for w in window_pair(window_size, causal))
 
 
 CUDA_DTYPES = ("float16", "bfloat16")
