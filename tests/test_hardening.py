@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import tvmflash
-from conftest import assert_flash_rule, assert_matches_reference, random_inputs, reference_attention
+from conftest import assert_flash_rule, assert_matches_reference, causal_mask, random_inputs, reference_attention
 from tvmflash import cache, checks, compiler
 from tvmflash.settings import TvmflashWarning
 from tvmflash.spec import AttentionSpec
@@ -103,7 +103,7 @@ def _fp32_recompute_error_bound(q, k, v, dout, scale, lse):
     gamma_ij' P_ij' A_ij', A_ij = |dO_i| . |v_j|; dq, dk, dv are its products with |k|, |q|, |dO|."""
     q, k, v, dout = (t.double().transpose(1, 2) for t in (q, k, v, dout))  # (B, H, N, D)
     n, m, d = q.shape[2], k.shape[2], q.shape[3]
-    visible = torch.ones(n, m, dtype=torch.bool).tril(m - n)
+    visible = causal_mask(n, m)
     scores = (q @ k.transpose(-1, -2) * scale).masked_fill(~visible, float("-inf"))
     p = torch.softmax(scores, -1)
     u = torch.finfo(torch.float32).eps / 2
