@@ -3,8 +3,9 @@ compiles them when a GPU machine loads the module (no GPU needed).
 
     python benchmarks/cuda_resources.py [--arch sm_90] [--no-fast-math] [--nvdisasm PATH]
 
-Compiles every variant with ``tvmflash.compile`` (fp16/bf16, head dim 64/128, causal or not,
-atomic or deterministic dQ) and hands its CUDA source to TVM's own ``compile_cuda`` (the nvcc
+Compiles every variant with ``tvmflash.compile_spec`` (fp16/bf16, head dim 64/128, score mods:
+none, softcap + ALiBi, flex's traced mods with a block mask (``variant_spec``), atomic or
+deterministic dQ; masks are runtime arguments) and hands its CUDA source to TVM's own ``compile_cuda`` (the nvcc
 path of ``tvm_callback_cuda_compile``: ``--use_fast_math``, ``-O3``, ptxas
 ``--register-usage-level=10``, ``-gencode`` for the target's arch), then prints one markdown row
 per variant and kernel from ptxas's report and the PTX.
@@ -30,7 +31,38 @@ from collections import Counter
 from pathlib import Path
 from unittest import mock
 
+import torch
+
 KERNELS = ("flash_fwd_kernel", "flash_bwd_kernel")
+MODS = ("none", "softcap+alibi", "flex")
+
+
+BIAS = torch.randn(8, 64, generator=torch.Generator().manual_seed(0))
+DOCS = (torch.arange(1024) // 45) % 3
+
+
+def relative_bias(score, b, h, q_idx, kv_idx):
+    """A traced score_mod reading a captured table (up to 8 heads) by relative position."""
+    return score + BIAS[h, (q_idx - kv_idx).clamp(-31, 32) + 31].to(score.dtype)
+
+
+def same_document(b, h, q_idx, kv_idx):
+    """A traced mask_mod reading captured document ids (positions up to 1024)."""
+    return DOCS[q_idx] == DOCS[kv_idx]
+
+
+def variant_spec(head_dim: int, dtype: str, mods: str):
+    """The AttentionSpec of a CUDA variant: "none"; flash-attn's "softcap+alibi"; "flex" (the
+    traced ``relative_bias`` and ``same_document`` with a block mask)."""
+    from tvmflash import flex_trace
+    from tvmflash.spec import Alibi, AttentionSpec, Softcap
+
+    if mods == "softcap+alibi":
+        return AttentionSpec(head_dim, dtype, score_mods=(Softcap(), Alibi()))
+    if mods == "flex":
+        return AttentionSpec(head_dim, dtype, score_mods=(flex_trace.trace_score_mod(relative_bias),),
+                             mask_mod=flex_trace.trace_mask_mod(same_document), block_sparse=True)
+    return AttentionSpec(head_dim, dtype)
 
 
 class _RecordingSubprocess:
@@ -159,8 +191,8 @@ def local_memory_in_mma_loops(cubin: Path, nvdisasm: str) -> dict[str, tuple[int
     return found
 
 
-VARIANTS = [(dtype, head_dim, causal, deterministic) for dtype in ("float16", "bfloat16") for head_dim in (64, 128)
-            for causal in (False, True) for deterministic in (False, True)]
+VARIANTS = [(dtype, head_dim, mods, deterministic) for dtype in ("float16", "bfloat16") for head_dim in (64, 128)
+            for mods in MODS for deterministic in (False, True)]
 
 
 def main() -> None:
@@ -172,13 +204,13 @@ def main() -> None:
     import tvmflash
 
     local_column = " local mem instr. (in mma loop) |" if args.nvdisasm else ""
-    print("| dtype | D | mask | dQ | kernel | registers | spill bytes | barriers | shfl | mma.sync | ldmatrix | "
+    print("| dtype | D | mods | dQ | kernel | registers | spill bytes | barriers | shfl | mma.sync | ldmatrix | "
           f"global stores (bytes: count) |{local_column}")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if args.nvdisasm else ""))
-    for dtype, head_dim, causal, deterministic in VARIANTS:
+    for dtype, head_dim, mods, deterministic in VARIANTS:
         with contextlib.redirect_stderr(io.StringIO()):
-            kern = tvmflash.compile({"kind": "cuda", "arch": args.arch}, head_dim=head_dim, dtype=dtype,
-                                    causal=causal, deterministic=deterministic)
+            kern = tvmflash.compile_spec({"kind": "cuda", "arch": args.arch}, variant_spec(head_dim, dtype, mods),
+                                         deterministic=deterministic)
         with tempfile.TemporaryDirectory() as tmp:
             cubin = Path(tmp) / "k.cubin"
             entries, report, _ = compile_like_tvm(kern.source(), args.arch, fast_math=not args.no_fast_math,
@@ -189,7 +221,7 @@ def main() -> None:
                 continue  # the same forward as the atomic variant
             r = kernel_resources(entries, report, kernel)
             stores = ", ".join(f"{width}: {n}" for width, n in r["stores"].items())
-            print(f"| {dtype} | {head_dim} | {'causal' if causal else 'full'} | "
+            print(f"| {dtype} | {head_dim} | {mods} | "
                   f"{'deterministic' if deterministic else 'atomic'} | {kernel} | {r['registers']} | "
                   f"{r['spill_bytes']} | {r['barriers']} | {r['shuffles']} | {r['mma']} | {r['ldmatrix']} | "
                   f"{stores} |" + (" {} ({}) |".format(*local[kernel]) if args.nvdisasm else ""), flush=True)

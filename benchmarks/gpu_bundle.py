@@ -7,8 +7,9 @@ wheel (100 MB, mostly its LLVM-based compiler library) is larger than what may t
 working tree (64 MiB). The kernels do not need the compiler to run: this script
 
 1. compiles and exports the CUDA kernels gpu_check's runs use (``BUNDLED_RUNS``: the whole check,
-   fp16/bf16, head dim 64/128, causal or not; and ``--deterministic`` on the bf16 non-causal speed
-   cases and the long one) with ``tvmflash.prebuild``; without a GPU here they hold their CUDA
+   fp16/bf16, head dim 64/128 (masks are runtime arguments); and ``--deterministic`` on the bf16 non-causal speed
+   cases and the long one) with ``tvmflash.prebuild``, and those with softcap/ALiBi that the
+   correctness stage's flash-attn variants call; without a GPU here they hold their CUDA
    source, which TVM compiles (nvcc or NVRTC) when they load there;
 2. packs TVM's Python package without ``libtvm_compiler.so`` (TVM then runs in its runtime-only
    mode) and downloads the tvm-ffi wheel for the GPU machine's Python (3.12);
@@ -31,7 +32,8 @@ import tvm
 import tvm_ffi
 
 import tvmflash
-from gpucheck.cases import variants_needed
+from tvmflash.spec import Alibi, AttentionSpec, Softcap
+from gpucheck.cases import mod_variants_needed, variants_needed
 from gpucheck.cli import parse_args
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -67,11 +69,23 @@ def bundled_variants() -> list[tuple[str, int, bool, bool]]:
     return list(dict.fromkeys(found))
 
 
+def bundled_mod_variants() -> list[tuple[str, int, bool, bool]]:
+    """(dtype, head_dim, softcap, alibi) of every CUDA kernel with score mods the bundled runs call."""
+    return list(dict.fromkeys(v for argv in BUNDLED_RUNS for v in mod_variants_needed(parse_args(argv))))
+
+
 def export_kernels(directory: Path, arch: str) -> list[Path]:
     target = {"kind": "cuda", "arch": arch}
-    return [path for dtype, head_dim, causal, deterministic in bundled_variants()
-            for path in tvmflash.prebuild(directory, target, head_dims=(head_dim,), dtypes=(dtype,), causal=(causal,),
-                                          deterministic=(deterministic,))]
+    written = [path for dtype, head_dim, causal, deterministic in bundled_variants()
+               for path in tvmflash.prebuild(directory, target, head_dims=(head_dim,), dtypes=(dtype,),
+                                             deterministic=(deterministic,))]
+    for dtype, head_dim, softcap, alibi in bundled_mod_variants():
+        spec = AttentionSpec(head_dim, dtype, score_mods=(Softcap(),) * softcap + (Alibi(),) * alibi)
+        kern = tvmflash.compile_spec(target, spec)
+        path = directory / f"cuda-{arch}-d{head_dim}-{dtype}" f"{'-softcap' * softcap}{'-alibi' * alibi}.so"
+        kern.export_library(path)
+        written.append(path)
+    return written
 
 
 def pack_tvm_runtime(path: Path) -> None:

@@ -25,6 +25,7 @@ from tvm.s_tir import TensorIntrin
 
 from tvmflash.config import CUDAKernelConfig
 from tvmflash.kernels_cuda import frag
+from tvmflash.spec import AttentionSpec
 
 WARP = 32
 SHORT_NAMES = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32"}
@@ -235,7 +236,8 @@ def _set_scopes(sch, fragments) -> None:
         sch.set_scope(sch.get_sblock(name), index, "warp")
 
 
-def schedule_forward(sch: s_tir.Schedule, cfg: CUDAKernelConfig, dtype: str, warps: int) -> None:
+def schedule_forward(sch: s_tir.Schedule, cfg: CUDAKernelConfig, spec: AttentionSpec, warps: int) -> None:
+    dtype = spec.dtype
     dtype_bytes = tvm.runtime.DataType(dtype).bits // 8
     _set_scopes(sch, FORWARD_FRAGMENTS)
     _bind_grid(sch, "q_tile")
@@ -248,7 +250,7 @@ def schedule_forward(sch: s_tir.Schedule, cfg: CUDAKernelConfig, dtype: str, war
     sch.tensorize(loops[2], intrinsic("ldmatrix", dtype, "A", "shared.dyn"))
     for name, loads, b_transposed in FORWARD_PRODUCTS:
         _schedule_product(sch, name, loads, b_transposed, dtype)
-    for name in FORWARD_LANE_STAGES:
+    for name in FORWARD_LANE_STAGES + (("score_mod",) if spec.score_mods else ()):
         _schedule_lane_stage(sch, name)
     _schedule_tile_store(sch, "store_o", warps)
 
@@ -287,8 +289,11 @@ def _schedule_row_load(sch, name: str, warps: int) -> None:
     sch.bind(lane, "threadIdx.x")
 
 
-def schedule_backward(sch: s_tir.Schedule, cfg: CUDAKernelConfig, dtype: str, warps: int) -> None:
+def schedule_backward(sch: s_tir.Schedule, cfg: CUDAKernelConfig, spec: AttentionSpec, warps: int) -> None:
+    dtype = spec.dtype
     dtype_bytes = tvm.runtime.DataType(dtype).bits // 8
+    # with score mods the modded scores X^T are a fragment of their own (S^T becomes d mods / dS)
+    modded = (("score_mod", "score_grad") if spec.score_mods else ())
     for name, index in BACKWARD_SHARED:
         sch.set_scope(sch.get_sblock(name), index, "shared.dyn")
     sch.set_scope(sch.get_sblock("load_stats"), 0, "shared")
@@ -296,7 +301,7 @@ def schedule_backward(sch: s_tir.Schedule, cfg: CUDAKernelConfig, dtype: str, wa
     # insertion then sees that the per-sub-tile stores cannot conflict with the tile reads in
     # the same loop (in the merged buffer it syncs twice per sub-tile).
     sch.set_scope(sch.get_sblock("store_ds"), 0, "shared")
-    for name, index in BACKWARD_FRAGMENTS:
+    for name, index in BACKWARD_FRAGMENTS + tuple((name, 0) for name in modded[:1]):
         sch.set_scope(sch.get_sblock(name), index, "warp")
     _bind_grid(sch, "kv_tile", names=("s", "bh"))
     for name in ("load_q", "load_do", "load_k", "load_v"):
@@ -313,7 +318,7 @@ def schedule_backward(sch: s_tir.Schedule, cfg: CUDAKernelConfig, dtype: str, wa
         _schedule_product(sch, name, loads, b_transposed, dtype)
     for name, operand, scope in BACKWARD_FRAGMENT_STAGES:
         _schedule_fragment_stage(sch, name, operand, scope, dtype)
-    for name in BACKWARD_LANE_STAGES:
+    for name in BACKWARD_LANE_STAGES + modded:
         _schedule_lane_stage(sch, name)
     _schedule_tile_store(sch, "store_dkv", warps)
 

@@ -6,7 +6,6 @@ TVMFLASH_TEST_SEED=<seed> to replay one.
 
 from __future__ import annotations
 
-import math
 import os
 import secrets
 

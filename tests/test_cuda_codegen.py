@@ -1,7 +1,7 @@
 """The CUDA kernels without a GPU: generated code, nvcc/ptxas, and their math run on the CPU.
 
-* Every variant (fp16/bf16, head dim 64/128, causal or not, sm_80/sm_90) compiles with
-  ``tvmflash.compile`` here, and its CUDA C compiles the way TVM compiles it when a GPU machine
+* Every variant (fp16/bf16, head dim 64/128, sm_80/sm_90; softcap + ALiBi; a traced score_mod,
+  mask_mod and block mask) compiles with ``tvmflash.compile_spec`` here, and its CUDA C compiles the way TVM compiles it when a GPU machine
   loads the module (TVM's ``compile_cuda``: ``--use_fast_math``, its ptxas options), into code
   whose every matrix product is a tensor-core ``mma`` (the exact count is asserted), with the
   registers, spills, barriers and store widths asserted from ptxas's report and the PTX.
@@ -10,6 +10,8 @@
   plain loops), they run against the float64 reference. This checks the fragment layouts, the
   masks, the online softmax and the backward's index arithmetic without a GPU; the schedule
   then only binds loops and swaps in ldmatrix/mma (whose descriptions TVM matches exactly).
+* The generated CUDA C itself runs in the CUDA emulator (tools/cuda_emu), which also checks
+  barriers, shuffles and memory accesses.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -29,6 +32,7 @@ from conftest import assert_matches_reference, causal_mask, random_inputs
 from tvmflash import kernels_cuda, runtime
 from tvmflash import torch_op
 from tvmflash.checks import check_cuda_grid, check_cuda_layout, cuda_layout_problem, info
+from tvmflash.spec import UNLIMITED_WINDOW, Alibi, AttentionSpec, Softcap
 from tvmflash.target import host_target
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
@@ -40,8 +44,10 @@ finally:
 
 # TVM calls nvcc by name (and nvcc its ptxas): the tests need them where TVM looks.
 needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed (on PATH)")
-VARIANTS = [(dtype, head_dim, causal) for dtype in ("float16", "bfloat16") for head_dim in (64, 128)
-            for causal in (False, True)]
+# Masks (causal, windows) are runtime arguments: one build per dtype, head dim and score/mask mods.
+VARIANTS = [(arch, dtype, head_dim, "none") for arch in ("sm_80", "sm_90") for dtype in ("float16", "bfloat16")
+            for head_dim in (64, 128)] + [("sm_90", "bfloat16", 64, "softcap+alibi"), ("sm_90", "float16", 128, "softcap+alibi"),
+                                          ("sm_90", "bfloat16", 64, "flex"), ("sm_90", "float16", 128, "flex")]
 SHORT = {"float16": "f16", "bfloat16": "bf16"}
 
 
@@ -51,11 +57,13 @@ def compile_like_tvm(source: str, arch: str, fast_math: bool = True) -> tuple[di
     return entries, report
 
 
+cuda_spec = cuda_resources.variant_spec
+
+
 @needs_nvcc
-@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
-@pytest.mark.parametrize("dtype,head_dim,causal", VARIANTS)
-def test_cuda_kernels_assemble_with_tensor_cores(arch, dtype, head_dim, causal):
-    kern = tvmflash.compile({"kind": "cuda", "arch": arch}, head_dim=head_dim, dtype=dtype, causal=causal)
+@pytest.mark.parametrize("arch,dtype,head_dim,mods", VARIANTS)
+def test_cuda_kernels_assemble_with_tensor_cores(arch, dtype, head_dim, mods):
+    kern = tvmflash.compile_spec({"kind": "cuda", "arch": arch}, cuda_spec(head_dim, dtype, mods))
     assert kern.is_cuda and "flash_bwd_kernel" in kern.source()
     entries, report = compile_like_tvm(kern.source(), arch)
     mma = f"mma.sync.aligned.m16n8k16.row.col.f32.{SHORT[dtype]}.{SHORT[dtype]}.f32"
@@ -69,7 +77,10 @@ def test_cuda_kernels_assemble_with_tensor_cores(arch, dtype, head_dim, causal):
         assert "ex2.approx" in entries[name]  # exp2 with log2(e) folded into the scale
     assert re.search(r"(red|atom)\.global\.add\.f32", entries["flash_bwd_kernel"])  # dQ, FA2-style
     fwd = cuda_resources.kernel_resources(entries, report, "flash_fwd_kernel")
-    assert fwd["spill_bytes"] == 0
+    # Score mods keep more values live (the mods' inputs; in the backward the modded scores and
+    # their derivative, 16 registers per lane): at D = 128 ptxas spills a little in both kernels.
+    modded_d128 = mods != "none" and head_dim == 128
+    assert fwd["spill_bytes"] <= (32 if modded_d128 else 0)
     # Row max and row sum combine the 4 lanes that share a row with 2 shuffles each (both rows of
     # a lane: 8), so the only block-wide barriers are one after the Q tile, two per key tile
     # (K/V tile written, K/V tile read before the next one overwrites it; was 20) and two
@@ -82,7 +93,8 @@ def test_cuda_kernels_assemble_with_tensor_cores(arch, dtype, head_dim, causal):
     # values of the outer (key tile, GQA head) loops, reloaded once per outer step
     # (`cuda_resources.py --nvdisasm`: no local memory access in the query-tile loop); it was
     # 72-216 bytes at D = 128, up to 29 local loads/stores inside the loop.
-    assert bwd["spill_bytes"] <= 96
+    # (72-216 before the sub-tiles, 64-96 with them; runtime window and diagonal added 8 at sm_80)
+    assert bwd["spill_bytes"] <= (128 if modded_d128 else 104)
     # per key tile: tiles free, then per query tile: Q/dO/stats tile free, written, dS^T written;
     # at the end of a key tile: dK/dV staged, read back
     assert bwd["barriers"] == 4 + 2
@@ -124,13 +136,14 @@ NVDISASM = os.environ.get("NVDISASM") or shutil.which("nvdisasm")
 @needs_nvcc
 @pytest.mark.skipif(NVDISASM is None, reason="nvdisasm not installed (set NVDISASM=path, e.g. from the "
                                             "nvidia-cuda-nvdisasm wheel)")
-@pytest.mark.parametrize("head_dim,causal,deterministic", [(64, True, False), (128, True, True)])
-def test_no_local_memory_in_the_mma_loops(head_dim, causal, deterministic, tmp_path):
+@pytest.mark.parametrize("head_dim,mods,deterministic", [(64, "none", False), (128, "none", True),
+                                                         (128, "softcap+alibi", False), (128, "flex", True)])
+def test_no_local_memory_in_the_mma_loops(head_dim, mods, deterministic, tmp_path):
     """What ptxas still spills are loop invariants of the outer loops: no local-memory load or
     store inside the forward's key-tile loop or the backward's query-tile loop (D = 128 causal
     deterministic had 29 there before the backward worked in 16-query sub-tiles)."""
-    kern = tvmflash.compile({"kind": "cuda", "arch": "sm_90"}, head_dim=head_dim, dtype="bfloat16", causal=causal,
-                            deterministic=deterministic)
+    kern = tvmflash.compile_spec({"kind": "cuda", "arch": "sm_90"}, cuda_spec(head_dim, "bfloat16", mods),
+                                 deterministic=deterministic)
     cuda_resources.compile_like_tvm(kern.source(), "sm_90", cubin=tmp_path / "k.cubin")
     local = cuda_resources.local_memory_in_mma_loops(tmp_path / "k.cubin", NVDISASM)
     assert local["flash_fwd_kernel"][1] == 0 and local["flash_bwd_kernel"][1] == 0
@@ -143,13 +156,12 @@ def test_no_local_memory_in_the_mma_loops(head_dim, causal, deterministic, tmp_p
 # (exp2 is ex2.approx either way, 1/l is __frcp_rn, the LSE is float64, mma has no .ftz), and
 # the flush cannot change a result: the two tests below.
 @needs_nvcc
-@pytest.mark.parametrize("dtype,head_dim,causal,deterministic", [("float16", 64, True, False),
-                                                                 ("bfloat16", 128, False, True)])
-def test_fast_math_changes_only_subnormal_flushing(dtype, head_dim, causal, deterministic):
+@pytest.mark.parametrize("dtype,head_dim,deterministic", [("float16", 64, False), ("bfloat16", 128, True)])
+def test_fast_math_changes_only_subnormal_flushing(dtype, head_dim, deterministic):
     """The PTX with TVM's flags equals the PTX without --use_fast_math (TVM's own switch,
     TVM_CUDA_NVCC_NO_FAST_MATH) up to the .ftz suffix: no approximate division, reciprocal,
     square root or math function is left to the flag (a plain 1 / l became rcp.approx)."""
-    kern = tvmflash.compile({"kind": "cuda", "arch": "sm_90"}, head_dim=head_dim, dtype=dtype, causal=causal,
+    kern = tvmflash.compile({"kind": "cuda", "arch": "sm_90"}, head_dim=head_dim, dtype=dtype,
                             deterministic=deterministic)
     fast, _ = compile_like_tvm(kern.source(), "sm_90")
     precise, _ = compile_like_tvm(kern.source(), "sm_90", fast_math=False)
@@ -157,6 +169,29 @@ def test_fast_math_changes_only_subnormal_flushing(dtype, head_dim, causal, dete
     for name in fast:
         assert fast[name].replace(".ftz", "") == precise[name].replace(".ftz", ""), name
     assert "rcp.rn.ftz.f32" in fast["flash_fwd_kernel"] and "rcp.approx.ftz.f32" not in fast["flash_fwd_kernel"]
+
+
+FLOAT_MATH = re.compile(r"\b((?:div|rcp|sqrt|rsqrt|tanh|ex2|lg2|sin|cos)\.[a-z0-9.]+)")
+
+
+@needs_nvcc
+@pytest.mark.parametrize("mods", ["softcap+alibi", "flex"])
+def test_fast_math_leaves_score_mods_accurate(mods):
+    """With score mods --use_fast_math also turns their fp32 divisions (s / softcap) into
+    div.approx (2 ulp), and nothing else: CUDA's own tanhf would become tanh.approx (relative
+    error 2^-11, 1.5 % of P at softcap 30), so tanh, exp and sigmoid are written on ex2."""
+    import collections
+
+    kern = tvmflash.compile_spec({"kind": "cuda", "arch": "sm_90"}, cuda_spec(64, "float16", mods))
+    fast, _ = compile_like_tvm(kern.source(), "sm_90")
+    precise, _ = compile_like_tvm(kern.source(), "sm_90", fast_math=False)
+    for name in ("flash_fwd_kernel", "flash_bwd_kernel"):
+        ops = {tag: collections.Counter(op.replace(".ftz", "") for op in FLOAT_MATH.findall(ptx[name]))
+               for tag, ptx in (("fast", fast), ("precise", precise))}
+        assert not any(op.startswith("tanh") for op in ops["fast"]), name
+        divisions = ops["precise"].pop("div.rn.f32", 0)
+        assert ops["fast"].pop("div.approx.f32", 0) == divisions, name
+        assert ops["fast"] == ops["precise"], name
 
 
 def test_flushing_subnormals_moves_no_result_beyond_2_pow_minus_100(gen, seed):
@@ -168,17 +203,17 @@ def test_flushing_subnormals_moves_no_result_beyond_2_pow_minus_100(gen, seed):
     that are themselves ~1e-38 can change."""
     tiny = 2.0**-126
     for dtype in ("float16", "bfloat16"):
-        lib = emulated(64, dtype, True)
+        lib = emulated(64, dtype)
         q, k, v = random_inputs(gen, 1, 61, 97, 2, 1, 64, dtype)
         dout = torch.randn(q.shape, generator=gen).to(q.dtype)
         scale = 3.0  # logits of spread ~150: many probabilities between 2^-149 and 2^-126
         probs = torch.softmax(torch.einsum("bihd,bjhd->bhij", q.double(), k.double().repeat_interleave(2, 2))
                               * scale + torch.where(causal_mask(61, 97), 0.0, float("-inf")), -1)
         assert ((probs >= 2.0**-149) & (probs < tiny)).sum() > 100
-        plain = run_emulated(lib, q, k, v, dout, 2, scale)
+        plain = run_emulated(lib, q, k, v, dout, 2, scale, CAUSAL_WINDOW)
         assert torch.set_flush_denormal(True), "this CPU cannot flush subnormals"
         try:
-            flushed = run_emulated(lib, q, k, v, dout, 2, scale)
+            flushed = run_emulated(lib, q, k, v, dout, 2, scale, CAUSAL_WINDOW)
             # control: the mode reaches the kernels (a subnormal Delta = dO . O is flushed)
             stats = torch.zeros(1, 2, 3, runtime.cuda_stats_rows(61))
             small_dout = torch.full_like(dout, 2.0**-70)
@@ -254,9 +289,14 @@ def test_deterministic_splits_bound_the_workspace():
 
 
 # --- the kernels' math, emulated on the CPU ---------------------------------------------------
-def emulated(head_dim: int, dtype: str, causal: bool):
+U = UNLIMITED_WINDOW
+FULL_WINDOW, CAUSAL_WINDOW = (U, U), (U, 0)
+
+
+def emulated(head_dim: int, dtype: str, score_mods=(), mask_mod=None, block_sparse=False):
     """The unscheduled CUDA kernels compiled for this CPU (dQ partials without atomics)."""
-    spec = kernels_cuda.CUDASpec(head_dim, dtype, causal, 64, 64)
+    spec = kernels_cuda.CUDASpec(AttentionSpec(head_dim, dtype, score_mods=tuple(score_mods), mask_mod=mask_mod,
+                                               block_sparse=block_sparse), 64, 64)
     mod = tvm.IRModule({
         "flash_fwd": kernels_cuda.cuda_forward(spec, on_cpu=True),
         "flash_bwd_prep": kernels_cuda.cuda_backward_prep(head_dim, dtype),
@@ -270,17 +310,21 @@ def emulated(head_dim: int, dtype: str, causal: bool):
     return tvm.compile(mod, target=target)
 
 
-def run_emulated(lib, q, k, v, dout, splits: int, scale: float):
-    """What FlashKernels.forward/backward launch on a GPU, with poisoned outputs and workspaces."""
+def run_emulated(lib, q, k, v, dout, splits: int, scale: float, window=FULL_WINDOW, diagonal=None, mod_inputs=(),
+                 block_mask=()):
+    """What FlashKernels.forward/backward launch on a GPU, with poisoned outputs and workspaces.
+    ``window``: (left, right) in the kernels' form (UNLIMITED_WINDOW for no limit);
+    ``block_mask``: (tile states, kv ranges, query ranges) at the kernels' tiles."""
     batch, seqlen_q, heads, head_dim = q.shape
+    mask = (*window, k.shape[1] - seqlen_q if diagonal is None else diagonal)
     nan = float("nan")
     out, lse = torch.full_like(q, nan), torch.full((batch, heads, seqlen_q), nan)
-    lib["flash_fwd"](q, k, v, out, lse, scale)
+    lib["flash_fwd"](q, k, v, out, lse, scale, *mask, *mod_inputs, *block_mask[:2])
     stats = torch.full((batch, heads, 3, runtime.cuda_stats_rows(seqlen_q)), nan)
     dq_acc = torch.full((splits, batch, seqlen_q, heads, head_dim), nan)
     dq, dk, dv = (torch.full_like(t, nan) for t in (q, k, v))
     lib["flash_bwd_prep"](dout, out, lse, stats, dq_acc)
-    lib["flash_bwd"](dout, q, k, v, stats, dq_acc, dk, dv, scale, splits)
+    lib["flash_bwd"](dout, q, k, v, stats, dq_acc, dk, dv, scale, splits, *mask, *mod_inputs, *block_mask[::2])
     lib["flash_bwd_dq"](dq_acc, dq, scale)
     return out, lse, dq, dk, dv
 
@@ -288,11 +332,11 @@ def run_emulated(lib, q, k, v, dout, splits: int, scale: float):
 def test_backward_prep_writes_no_nan_for_rows_without_keys(gen):
     """Causal with more queries than keys: the first rows see no key (LSE = -inf). The pre-pass
     must give them lse2 = (-inf, 0), not a NaN lo part ((-inf) - (-inf))."""
-    lib = emulated(64, "float16", True)
+    lib = emulated(64, "float16")
     batch, seqlen_q, seqlen_k, heads = 1, 83, 29, 2
     q, k, v = random_inputs(gen, batch, seqlen_q, seqlen_k, heads, heads, 64, "float16")
     out, lse = torch.empty_like(q), torch.empty(batch, heads, seqlen_q)
-    lib["flash_fwd"](q, k, v, out, lse, 0.125)
+    lib["flash_fwd"](q, k, v, out, lse, 0.125, *CAUSAL_WINDOW, seqlen_k - seqlen_q)
     blind = seqlen_q - seqlen_k  # rows 0 .. blind - 1 see no key
     assert torch.isinf(lse[..., :blind]).all() and torch.isfinite(lse[..., blind:]).all()
     stats = torch.full((batch, heads, 3, runtime.cuda_stats_rows(seqlen_q)), float("nan"))
@@ -306,7 +350,7 @@ def test_backward_prep_writes_no_nan_for_rows_without_keys(gen):
 @pytest.mark.parametrize("dtype,head_dim,causal,splits", [
     ("float16", 64, True, 2), ("bfloat16", 64, False, 3), ("float16", 128, False, 1), ("bfloat16", 32, True, 2)])
 def test_cuda_kernel_math_on_the_cpu(dtype, head_dim, causal, splits, gen, seed):
-    lib = emulated(head_dim, dtype, causal)
+    lib = emulated(head_dim, dtype)
     shapes = [dict(batch=2, seqlen_q=70, seqlen_k=133, heads=4, heads_k=2),  # GQA, odd lengths
               dict(batch=1, seqlen_q=150, seqlen_k=37, heads=3, heads_k=1),  # causal: rows without keys
               dict(batch=1, seqlen_q=1, seqlen_k=65, heads=2, heads_k=2)]  # one query, one key past a tile
@@ -314,6 +358,139 @@ def test_cuda_kernel_math_on_the_cpu(dtype, head_dim, causal, splits, gen, seed)
         q, k, v = random_inputs(gen, head_dim=head_dim, dtype=dtype, **shape)
         dout = torch.randn(q.shape, generator=gen).to(q.dtype)
         scale = head_dim**-0.5
-        results = run_emulated(lib, q, k, v, dout, splits, scale)
+        results = run_emulated(lib, q, k, v, dout, splits, scale, CAUSAL_WINDOW if causal else FULL_WINDOW)
         assert_matches_reference(f"emulated {shape} {dtype} d={head_dim} causal={causal}", (q, k, v, dout),
                                  results, causal, seed, scale)
+
+
+def _random_window(gen, seqlen: int):
+    """flash-attn's (left, right): -1 = no limit on that side."""
+    def side():
+        return -1 if torch.rand(1, generator=gen).item() < 0.3 else int(torch.randint(0, seqlen + 8, (1,), generator=gen))
+    return side(), side()
+
+
+def _kernel_window(window):
+    return tuple(U if w < 0 else w for w in window)
+
+
+@pytest.mark.parametrize("dtype,head_dim,mods", [("float16", 64, ()), ("bfloat16", 32, (Softcap(), Alibi())),
+                                                 ("float16", 128, (Alibi(),))])
+def test_windows_softcap_alibi_on_the_cpu(dtype, head_dim, mods, gen, seed):
+    """Sliding windows on both sides (runtime arguments: one build serves every window), the tile
+    ranges they skip, softcap and ALiBi (per head and per batch x head), against float64."""
+    lib = emulated(head_dim, dtype, mods)
+    shapes = [dict(batch=2, seqlen_q=131, seqlen_k=70, heads=4, heads_k=2),
+              dict(batch=1, seqlen_q=70, seqlen_k=200, heads=2, heads_k=1)]
+    for shape in shapes:
+        q, k, v = random_inputs(gen, head_dim=head_dim, dtype=dtype, **shape)
+        dout = torch.randn(q.shape, generator=gen).to(q.dtype)
+        for _ in range(3):
+            window = _random_window(gen, max(shape["seqlen_q"], shape["seqlen_k"]))
+            variant, inputs = {"window_size": window}, []
+            if any(isinstance(m, Softcap) for m in mods):
+                variant["softcap"] = float(torch.empty(1).uniform_(0.5, 8, generator=gen))
+                inputs.append(torch.tensor([variant["softcap"]]))
+            if any(isinstance(m, Alibi) for m in mods):
+                per_batch = bool(torch.randint(0, 2, (1,), generator=gen))
+                slopes = torch.rand((shape["batch"],) * per_batch + (shape["heads"],), generator=gen)
+                variant["alibi_slopes"] = slopes
+                inputs.append(slopes.reshape(-1, shape["heads"]))
+            scale = head_dim**-0.5
+            results = run_emulated(lib, q, k, v, dout, 2, scale, _kernel_window(window), mod_inputs=inputs)
+            assert_matches_reference(f"emulated {shape} {dtype} d={head_dim} {variant}", (q, k, v, dout), results,
+                                     False, seed, scale, **variant)
+
+
+_relative_bias = cuda_resources.relative_bias  # reads a captured relative-position table
+
+
+def _soft_clip(score, b, h, q_idx, kv_idx):  # transcendental functions: CUDA's own (tanhf, expf)
+    return 3.0 * torch.tanh(score / 3.0) + torch.sigmoid(score) * 0.5
+
+
+@pytest.mark.parametrize("score_mod", [_relative_bias, _soft_clip])
+def test_flex_mods_and_block_masks_on_the_cpu(score_mod, gen, seed):
+    """Traced score_mod and mask_mod (a captured document-id tensor) fused into the CUDA kernels,
+    with a block mask at their 64 x 64 tiles (empty tiles skipped in the forward, full tiles
+    skip the mask_mod), torch flex's indexing (diagonal 0); against float64."""
+    from tvmflash import flex_trace
+    from tvmflash.flex import create_block_mask, query_ranges, tile_maps
+
+    batch, heads, heads_k, seqlen_q, seqlen_k = 2, 4, 2, 150, 203
+    # three documents per sequence, the first long enough for tiles that are wholly inside it
+    starts = torch.randint(130, 170, (batch, 1), generator=gen)
+    positions = torch.arange(max(seqlen_q, seqlen_k))
+    docs = (positions >= starts).long() + (positions >= starts + 20).long()
+
+    def same_document(b, h, q_idx, kv_idx):
+        return (docs[b, q_idx] == docs[b, kv_idx]) & (kv_idx <= q_idx + 40)
+
+    spec_mods = (flex_trace.trace_score_mod(score_mod),)
+    mask_mod = flex_trace.trace_mask_mod(same_document)
+    lib = emulated(64, "bfloat16", spec_mods, mask_mod, block_sparse=True)
+    block_mask = create_block_mask(same_document, batch, None, seqlen_q, seqlen_k, BLOCK_SIZE=64)
+    tiles = tile_maps(block_mask, seqlen_q, seqlen_k, 64, 64)
+    assert all((tiles[0] == state).any() for state in (0, 1, 2))  # empty, partial and full tiles occur
+    q, k, v = random_inputs(gen, batch, seqlen_q, seqlen_k, heads, heads_k, 64, "bfloat16")
+    dout = torch.randn(q.shape, generator=gen).to(q.dtype)
+    captured = [c.tensor.contiguous() for c in (*spec_mods[0].captured, *mask_mod.captured)]
+    ranges = query_ranges(tiles[0])
+    assert (ranges[..., 0] > 0).any()  # the backward skips the query tiles before each key tile's documents
+    results = run_emulated(lib, q, k, v, dout, 2, 0.125, diagonal=0, mod_inputs=captured,
+                           block_mask=(*tiles, ranges))
+    mask = flex_trace.dense_mask(same_document, batch, heads, seqlen_q, seqlen_k)
+    assert_matches_reference(f"emulated flex {score_mod.__name__}", (q, k, v, dout), results, False, seed, 0.125,
+                             score_mod=score_mod, mask=mask)
+
+
+# --- the generated CUDA itself, run by the CUDA emulator ------------------------------------------
+EMULATOR = Path(__file__).resolve().parents[1] / "tools" / "cuda_emu" / "check.py"
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="the CUDA emulator is built with g++")
+@pytest.mark.parametrize("args", [
+    ["--head-dim", "128", "--dtype", "bfloat16", "--mods", "none", "--window=-1,0", "--pad", "8",
+     "--shape", "B=1,Nq=150,Nk=37,H=3,Hk=1"],
+    ["--head-dim", "64", "--dtype", "float16", "--mods", "softcap+alibi", "--window=40,7", "--deterministic",
+     "--shape", "B=2,Nq=70,Nk=133,H=4,Hk=2"],
+    ["--head-dim", "64", "--dtype", "bfloat16", "--mods", "flex", "--window=-1,0",
+     "--shape", "B=1,Nq=200,Nk=300,H=2,Hk=1"]])
+def test_generated_cuda_runs_in_the_emulator(args):
+    """The scheduled kernels' CUDA C (tensorized ldmatrix/mma, warp shuffles, barriers) run on the
+    CPU by tools/cuda_emu, one fiber per CUDA thread: results by the flash-attn rule against
+    float64, and no race, uninitialised shared read, out-of-bounds or misaligned access, deadlock
+    or divergent barrier (the unscheduled kernels above check the math; this checks the code)."""
+    run = subprocess.run([sys.executable, str(EMULATOR), *args], capture_output=True, text=True, timeout=900)
+    lines = [ln for ln in run.stdout.splitlines() if "emu stats" in ln]
+    assert run.returncode == 0 and lines and all(": OK |" in ln for ln in lines), run.stdout + run.stderr[-3000:]
+    assert all("races=0 uninit=0 oob=0 misaligned=0 deadlock=0 divergent=0" in ln for ln in lines), run.stdout
+
+
+def test_one_cuda_build_serves_every_mask():
+    """Causal and windows are runtime arguments of the CUDA kernels too: ``causal`` is only the
+    default of the calls, and both defaults share one compiled module."""
+    full = tvmflash.compile("cuda", head_dim=64, dtype="float16")
+    causal = tvmflash.compile("cuda", head_dim=64, dtype="float16", causal=True)
+    assert causal.causal and not full.causal
+    assert causal.meta["cache_key"] == full.meta["cache_key"] and causal._module is full._module
+    assert "window_left" in full.source() and "diagonal" in full.source()
+
+
+def test_what_the_cuda_kernels_do_not_support_yet_says_so():
+    from tvmflash import flex_trace
+
+    table = torch.zeros(4, 64, requires_grad=True)
+
+    def learnable(score, b, h, q_idx, kv_idx):
+        return score + table[h, (q_idx - kv_idx).clamp(-31, 32) + 31]
+
+    trained = AttentionSpec(64, "float16", score_mods=(flex_trace.trace_score_mod(learnable),))
+    with pytest.raises(NotImplementedError, match="gradients of captured tensors .*table"):
+        tvmflash.compile_spec("cuda", trained)
+    with pytest.raises(NotImplementedError, match="float32 results"):
+        tvmflash.compile_spec("cuda", AttentionSpec(64, "float16", "float32"))
+    with pytest.raises(NotImplementedError, match="varlen"):
+        runtime._cuda_batched_only([0, 3])
+    with pytest.raises(ValueError, match="diagonal"):
+        runtime._cuda_diagonal(2**31, 4, 4)

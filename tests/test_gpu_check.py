@@ -99,18 +99,22 @@ def test_correctness_cases_cover_odd_lengths_masks_gqa_dtypes():
     quick = cases.correctness_cases("cuda", True)
     assert len(quick) < len(grid)
     assert {(c.dtype, c.head_dim, c.causal) for c in quick} == {(c.dtype, c.head_dim, c.causal) for c in grid}
+    # flash-attn's variants: windows on both sides, softcap and ALiBi, with and without causal
+    variants = [c for c in grid if c.variant() != cases.CorrectnessCase(1, 1, 1, 1, 1, 64, "float16", False).variant()]
+    assert any(c.window[0] >= 0 and c.window[1] > 0 for c in variants) and any(c.softcap and c.alibi for c in variants)
+    assert all(c in quick for c in variants)
     for c in grid:
         assert c.heads % c.heads_k == 0
 
 
 def test_variants_needed_are_what_the_stages_use():
-    # CPU kernels take the mask per call: one kernel per (dtype, head dim)
+    # kernels take the mask per call: one kernel per (dtype, head dim)
     args = cli.parse_args(["--device", "cpu", "--quick"])
     assert set(cases.variants_needed(args)) == {("float32", 64, False), ("bfloat16", 64, False)}
     args = cli.parse_args(["--stages", "long"])
     assert cases.variants_needed(args) == [("bfloat16", 128, False)]
-    full = cases.variants_needed(cli.parse_args([]))  # CUDA kernels build the mask in
-    assert set(full) == {(dt, d, c) for dt in ("bfloat16", "float16") for d in (64, 128) for c in (False, True)}
+    full = cases.variants_needed(cli.parse_args([]))
+    assert set(full) == {(dt, d, False) for dt in ("bfloat16", "float16") for d in (64, 128)}
     assert cases.parse_variant(cases.format_variant(("float16", 64, True))) == ("float16", 64, True)
 
 
@@ -336,7 +340,10 @@ def test_the_bundle_has_the_kernels_of_its_runs():
     for argv in gpu_bundle.BUNDLED_RUNS:
         args = cli.parse_args(argv)
         assert {(*v, args.deterministic) for v in cases.variants_needed(args)} <= bundled
-    assert len(bundled) == 8 + 2  # fp16/bf16 x D64/128 x causal or not; bf16 deterministic D64/128
+    assert len(bundled) == 4 + 2  # fp16/bf16 x D64/128 (any mask); bf16 deterministic D64/128
+    mods = gpu_bundle.bundled_mod_variants()  # the correctness stage's softcap/ALiBi cases
+    assert set(mods) == {(c.dtype, c.head_dim, bool(c.softcap), c.alibi)
+                         for c in cases.correctness_cases("cuda", False) if c.softcap or c.alibi}
     assert "exec python3 benchmarks/gpu_check.py \"$@\"" in gpu_bundle.RUN_SH
     assert (ROOT / "benchmarks" / "gpu_check.py").is_file()
 

@@ -35,8 +35,8 @@ print("ok", errors)
 
 
 def test_prebuilt_cpu_kernels_run_with_the_tvm_runtime_alone(tmp_path, seed):
-    written = tvmflash.prebuild(tmp_path, "llvm", head_dims=(32,), dtypes=("float32",), causal=(True,))
-    # CPU kernels take the mask per call: one library serves causal and full attention
+    written = tvmflash.prebuild(tmp_path, "llvm", head_dims=(32,), dtypes=("float32",))
+    # kernels take the mask per call: one library serves causal and full attention
     assert [p.name for p in written] == [f"{written[0].name.split('-d32')[0]}-d32-float32.so"]
     env = dict(os.environ, TVM_USE_RUNTIME_LIB="1", TVMFLASH_PREBUILT=str(tmp_path))
     run = subprocess.run([sys.executable, "-c", RUNTIME_ONLY_CHECK, str(Path(__file__).parent), str(seed)],
@@ -48,7 +48,7 @@ def test_prebuilt_cpu_kernels_run_with_the_tvm_runtime_alone(tmp_path, seed):
 def test_cuda_kernels_export_for_a_gpu_machine(tmp_path):
     """Without a GPU TVM keeps the CUDA source in the module; it exports (and compiles at load)."""
     written = tvmflash.prebuild(tmp_path, {"kind": "cuda", "arch": "sm_90"}, head_dims=(64,), dtypes=("float16",),
-                                causal=(False,), deterministic=(False, True))
+                                deterministic=(False, True))
     assert [p.name for p in written] == ["cuda-sm_90-d64-float16.so", "cuda-sm_90-d64-float16-deterministic.so"]
     for path in written:
         meta = json.loads(Path(str(path) + ".json").read_text())

@@ -35,17 +35,17 @@ def scheduled_kernel(kernel: str, spec: AttentionSpec, cfg: CPUKernelConfig) -> 
     return llvm_schedules.SCHEDULES[kernel](sch, cfg).mod["main"]
 
 
-def build_module(target: tvm.target.Target, spec: AttentionSpec, configs: dict, *, causal: bool = False,
-                 deterministic: bool = False, transform=None) -> tvm.runtime.Module:
+def build_module(target: tvm.target.Target, spec: AttentionSpec, configs: dict, *, deterministic: bool = False,
+                 transform=None) -> tvm.runtime.Module:
     """Schedule and compile the kernels into one module (no caching).
 
-    CPU: ``flash_fwd`` and ``flash_bwd`` (masks are runtime arguments). CUDA: forward, backward
-    pre-pass, backward and dQ conversion, with ``causal`` and ``deterministic`` built in.
+    CPU: ``flash_fwd`` and ``flash_bwd``. CUDA: forward, backward pre-pass, backward and dQ
+    conversion, with ``deterministic`` built in. Masks (causal, windows) are runtime arguments.
     ``transform(kernel, prim_func)``: a rewrite applied to each scheduled CPU kernel (the
     experiment variants in benchmarks/variants.py); None for the real kernels.
     """
     if target.kind.name == "cuda":
-        return build_cuda_module(target, spec, configs, causal, deterministic)
+        return build_cuda_module(target, spec, configs, deterministic)
     funcs = {kernel: scheduled_kernel(kernel, spec, configs[kernel]) for kernel in KERNELS}
     if transform is not None:
         funcs = {kernel: transform(kernel, func) for kernel, func in funcs.items()}
@@ -90,13 +90,13 @@ _CUDA_PIPELINE = "tvmflash_cuda"
 _CUDA_PASS_CONFIG = {"tirx.disable_cse_tir": True, "tirx.UnrollLoop": {"explicit_unroll": False}}
 
 
-def cuda_kernels(spec: AttentionSpec, configs: dict, causal: bool, deterministic: bool) -> tvm.IRModule:
+def cuda_kernels(spec: AttentionSpec, configs: dict, deterministic: bool) -> tvm.IRModule:
     """The four CUDA kernels (forward; backward pre-pass, main, dQ conversion), scheduled."""
     fwd_cfg, bwd_cfg = configs["forward"], configs["backward"]
     if bwd_cfg.block_k != CUDA_BLOCK_Q:
         raise ValueError(f"the CUDA backward needs block_k = {CUDA_BLOCK_Q}, got {bwd_cfg.block_k}")
-    fwd_spec = kernels_cuda.CUDASpec(spec.head_dim, spec.dtype, causal, CUDA_BLOCK_Q, fwd_cfg.block_k)
-    bwd_spec = kernels_cuda.CUDASpec(spec.head_dim, spec.dtype, causal, CUDA_BLOCK_Q, bwd_cfg.block_k)
+    fwd_spec = kernels_cuda.CUDASpec(spec, CUDA_BLOCK_Q, fwd_cfg.block_k)
+    bwd_spec = kernels_cuda.CUDASpec(spec, CUDA_BLOCK_Q, bwd_cfg.block_k)
     mod = tvm.IRModule({
         "flash_fwd": kernels_cuda.cuda_forward(fwd_spec),
         "flash_bwd_prep": kernels_cuda.cuda_backward_prep(spec.head_dim, spec.dtype),
@@ -104,10 +104,8 @@ def cuda_kernels(spec: AttentionSpec, configs: dict, causal: bool, deterministic
         "flash_bwd_dq": kernels_cuda.cuda_backward_dq(spec.head_dim, spec.dtype),
     })
     sch = s_tir.Schedule(mod, enable_check=False)  # the tensorized fragments defeat TVM's checks
-    for name, apply in (("flash_fwd", lambda: cuda_schedules.schedule_forward(sch, fwd_cfg, spec.dtype,
-                                                                              kernels_cuda.WARPS)),
-                        ("flash_bwd", lambda: cuda_schedules.schedule_backward(sch, bwd_cfg, spec.dtype,
-                                                                               kernels_cuda.WARPS)),
+    for name, apply in (("flash_fwd", lambda: cuda_schedules.schedule_forward(sch, fwd_cfg, spec, kernels_cuda.WARPS)),
+                        ("flash_bwd", lambda: cuda_schedules.schedule_backward(sch, bwd_cfg, spec, kernels_cuda.WARPS)),
                         ("flash_bwd_prep", lambda: cuda_schedules.schedule_backward_prep(sch)),
                         ("flash_bwd_dq", lambda: cuda_schedules.schedule_backward_dq(sch))):
         sch.work_on(name)
@@ -145,13 +143,13 @@ def _cuda_source_postproc(fn):
                 tvm_ffi.register_global_func(_POSTPROC, previous, override=True)
 
 
-def build_cuda_module(target: tvm.target.Target, spec: AttentionSpec, configs: dict, causal: bool,
+def build_cuda_module(target: tvm.target.Target, spec: AttentionSpec, configs: dict,
                       deterministic: bool) -> tvm.runtime.Module:
     from tvm.tirx import compilation_pipeline
 
     compilation_pipeline.PIPELINE_MAP.setdefault(_CUDA_PIPELINE, _cuda_pipeline)
     with tvm.transform.PassContext(config=_CUDA_PASS_CONFIG), _cuda_source_postproc(_one_block_per_sm_suffices):
-        return tvm.compile(cuda_kernels(spec, configs, causal, deterministic), target=target,
+        return tvm.compile(cuda_kernels(spec, configs, deterministic), target=target,
                            tir_pipeline=_CUDA_PIPELINE)
 
 

@@ -163,6 +163,16 @@ def check_cuda_params(head_dim, dtype, arch: str = "sm_90") -> None:
                          f"{CUDA_MAX_HEAD_DIM} (64 and 128 are the tested ones)")
 
 
+def check_cuda_spec(spec) -> None:
+    """What the CUDA kernels compute of an ``AttentionSpec`` so far: windows, softcap, ALiBi,
+    traced score/mask mods and block masks, fused; not gradients of captured tensors, fp32 results."""
+    missing = [what for what, asked in (
+        (f"gradients of captured tensors ({', '.join(i.name for i in spec.grad_inputs)})", spec.grad_inputs),
+        ("float32 results of 16-bit inputs", spec.out_dtype != spec.dtype)) if asked]
+    if missing:
+        raise NotImplementedError(f"the CUDA kernels do not support {' or '.join(missing)} yet (the CPU kernels do)")
+
+
 CUDA_MAX_GRID_Y = 65535
 
 

@@ -40,7 +40,8 @@ _CODEGEN_SOURCES = {
     "llvm": (*_SHARED, _PACKAGE / "kernels.py", _PACKAGE / "score_mods.py", _PACKAGE / "plan.py",
              _PACKAGE / "flex_trace.py", _PACKAGE / "pair_words.py", _SCHEDULES / "llvm.py",
              _SCHEDULES / "llvm_bf16.py"),
-    "cuda": (*_SHARED, _PACKAGE / "kernels_cuda.py", _SCHEDULES / "cuda.py"),
+    "cuda": (*_SHARED, _PACKAGE / "kernels_cuda.py", _PACKAGE / "score_mods.py", _PACKAGE / "flex_trace.py",
+             _SCHEDULES / "cuda.py"),
 }
 _memory_cache: dict[str, FlashKernels] = {}
 # (target, spec, options, steering environment) -> the kernels compile_spec returned: the ops ask
@@ -108,8 +109,7 @@ def _explicit_configs(config) -> dict:
     raise TypeError(f"config must be a CPUKernelConfig/CUDAKernelConfig or a dict of them by kernel, got {config!r}")
 
 
-def _request(target: tvm.target.Target, spec: AttentionSpec, configs: dict, causal: bool, deterministic: bool,
-             record) -> dict:
+def _request(target: tvm.target.Target, spec: AttentionSpec, configs: dict, deterministic: bool, record) -> dict:
     """Everything a build depends on (JSON): the cache key and the metadata of the result."""
     kind = target.kind.name
     is_cuda = kind == "cuda"
@@ -120,8 +120,8 @@ def _request(target: tvm.target.Target, spec: AttentionSpec, configs: dict, caus
         "spec": spec.to_json(),
         "mod_inputs": [[i.name, list(i.shape), i.dtype, i.requires_grad] for i in spec.mod_inputs],
         "configs": {kernel: cfg.to_json() for kernel, cfg in configs.items()},
-        # CUDA builds the mask in; CPU kernels take it per call (this is their default)
-        "causal": bool(causal) if is_cuda else False,
+        # kernels take the mask per call; an export records its object's default (runtime.py)
+        "causal": False,
         "deterministic": bool(deterministic) and is_cuda,
         "tuning_record": record,
     }
@@ -152,8 +152,8 @@ def compile(  # noqa: A001 - the public name the API promises
     ``{"kind": "cuda", "arch": "sm_80"}`` or a ``tvm.target.Target``. CUDA kernels compile
     without a GPU (``source()`` shows the CUDA C); they need float16/bfloat16 and a head dim that
     is a multiple of 16 up to 128.
-    ``causal``: the default mask of the returned kernels' calls (CPU kernels take any mask per
-    call: ``causal=``, ``window_size=``; CUDA kernels build it in).
+    ``causal``: the default mask of the returned kernels' calls (they take any mask per call:
+    ``causal=``, ``window_size=``).
     ``config``: a ``CPUKernelConfig``/``CUDAKernelConfig`` or a dict of them by kernel; default
     chosen by ``choose_configs`` (``tuned=False``: the hand-written defaults, ignoring tuning
     records; the record used is ``kernels.tuning_record``). ``cache=False`` skips every cache
@@ -197,18 +197,16 @@ def clear_memory_cache() -> None:
 def _compile_spec(target, spec: AttentionSpec, *, causal: bool, config, tuned: bool, seqlen: int | None,
                   cache: bool, deterministic: bool) -> FlashKernels:
     if cache:
-        prebuilt = _find_prebuilt(target, spec, causal, deterministic, config, tuned)
+        prebuilt = _find_prebuilt(target, spec, deterministic, config, tuned)
         if prebuilt is not None:
             return prebuilt.with_causal(causal)
     target = targets.resolve(target)
     is_cuda = target.kind.name == "cuda"
     if is_cuda:
         checks.check_cuda_params(spec.head_dim, spec.dtype, target.attrs.get("arch", "sm_90"))
-        if spec.score_mods or spec.mask_mod is not None or spec.block_sparse or spec.out_dtype != spec.dtype:
-            raise NotImplementedError("the CUDA kernels do not support score/mask mods, block masks or fp32 "
-                                      "results yet")
+        checks.check_cuda_spec(spec)
     configs, record = choose_configs(target, spec, config=config, tuned=tuned, seqlen=seqlen)
-    request = _request(target, spec, configs, causal, deterministic, record)
+    request = _request(target, spec, configs, deterministic, record)
     key = _key(request)
     meta = {**request, "cache_key": key}
     if not cache:
@@ -248,14 +246,12 @@ def _can_load(target: tvm.target.Target) -> bool:
 
 
 def _build(target: tvm.target.Target, spec: AttentionSpec, configs: dict, meta: dict, transform=None) -> FlashKernels:
-    desc = f"{targets.key(target)}, {spec.describe()}" + (", causal" if meta["causal"] else "") + (
-        ", deterministic" if meta["deterministic"] else "")
+    desc = f"{targets.key(target)}, {spec.describe()}" + (", deterministic" if meta["deterministic"] else "")
     settings.progress(f"compiling flash attention forward+backward ({desc}) ...")
     start = time.perf_counter()
     from . import build
 
-    lib = build.build_module(target, spec, configs, causal=meta["causal"], deterministic=meta["deterministic"],
-                             transform=transform)
+    lib = build.build_module(target, spec, configs, deterministic=meta["deterministic"], transform=transform)
     source_text = build.module_source(target, lib)
     settings.progress(f"compiled in {time.perf_counter() - start:.1f} s")
     return FlashKernels(lib, meta, source_text)
@@ -266,19 +262,19 @@ def build_transformed(spec: AttentionSpec, transform, description: str, target="
     with the hand-written configs and never cached: the experiment variants of benchmarks/."""
     target = targets.resolve(target)
     configs, _ = choose_configs(target, spec, tuned=False)
-    meta = {**_request(target, spec, configs, False, False, None), "variant": description}
+    meta = {**_request(target, spec, configs, False, None), "variant": description}
     return _build(target, spec, configs, meta, transform=transform)
 
 
 # --- prebuilt kernels: built on one machine, loaded on another with TVM's runtime alone ---------
 def prebuild(directory, target="cuda", head_dims=(64, 128), dtypes=("float16", "bfloat16"),
-             causal=(False, True), deterministic=(False,)) -> list[Path]:
+             deterministic=(False,)) -> list[Path]:
     """Compile and export every combination into ``directory`` (``<target>-d<D>-<dtype>...so``).
 
     Point ``$TVMFLASH_PREBUILT`` at the directory and ``compile()`` (hence the torch op) loads
     matching kernels from it before trying to compile: a machine without TVM's compiler library
-    (``TVM_USE_RUNTIME_LIB=1``, or a runtime-only TVM) can then run them. CPU kernels take the
-    mask per call, so one library serves both masks. CUDA kernels built on a machine without a
+    (``TVM_USE_RUNTIME_LIB=1``, or a runtime-only TVM) can then run them. Kernels take the mask
+    per call (causal, windows), so one library serves every mask. CUDA kernels built on a machine without a
     GPU hold their CUDA source; TVM compiles it (NVRTC or nvcc) when they load.
     """
     directory = Path(directory)
@@ -287,13 +283,12 @@ def prebuild(directory, target="cuda", head_dims=(64, 128), dtypes=("float16", "
     is_cuda = targets.resolve(target).kind.name == "cuda"
     for head_dim in head_dims:
         for dtype in dtypes:
-            for mask in (causal if is_cuda else (False,)):
-                for det in (deterministic if is_cuda else (False,)):
-                    kern = compile(target, head_dim=head_dim, dtype=dtype, causal=mask, deterministic=det)
-                    name = (f"{targets.key(kern.meta['target'])}-d{head_dim}-{dtype}" + ("-causal" if mask else "")
-                            + ("-deterministic" if kern.deterministic else "") + ".so")
-                    kern.export_library(directory / name)
-                    written.append(directory / name)
+            for det in (deterministic if is_cuda else (False,)):
+                kern = compile(target, head_dim=head_dim, dtype=dtype, deterministic=det)
+                name = (f"{targets.key(kern.meta['target'])}-d{head_dim}-{dtype}"
+                        + ("-deterministic" if kern.deterministic else "") + ".so")
+                kern.export_library(directory / name)
+                written.append(directory / name)
     return written
 
 
@@ -311,11 +306,11 @@ def _target_wish(target) -> dict:
     return {"kind": target.kind.name, **{k: str(attrs[k]) for k in ("arch", "mcpu") if k in attrs}}
 
 
-def _find_prebuilt(target, spec: AttentionSpec, causal: bool, deterministic: bool, config, tuned: bool):
+def _find_prebuilt(target, spec: AttentionSpec, deterministic: bool, config, tuned: bool):
     """Kernels from ``$TVMFLASH_PREBUILT`` that are exactly what the call asks for, or None.
 
     A library matches if its target has the requested kind and, where the call names them, the
-    same CUDA arch or CPU model; its spec equals the request's; CUDA: the same mask and
+    same CUDA arch or CPU model; its spec equals the request's; CUDA: the same
     determinism; an explicit ``config`` equals its configs; ``tuned=False`` wants it built
     without tuning records. CPU libraries are only used where every instruction-set extension
     they were compiled for is present on this CPU.
@@ -325,7 +320,7 @@ def _find_prebuilt(target, spec: AttentionSpec, causal: bool, deterministic: boo
         return None
     wish = _target_wish(target)
     explicit = {k: c.to_json() for k, c in _explicit_configs(config).items()}
-    wanted = json.dumps([wish, spec.to_json(), causal, deterministic, explicit, tuned], sort_keys=True)
+    wanted = json.dumps([wish, spec.to_json(), deterministic, explicit, tuned], sort_keys=True)
     with _lock:
         if wanted in _prebuilt_cache:
             return _prebuilt_cache[wanted]
@@ -338,7 +333,7 @@ def _find_prebuilt(target, spec: AttentionSpec, causal: bool, deterministic: boo
             continue
         if meta["spec"] != spec.to_json():
             continue
-        if is_cuda and (meta.get("causal") != causal or meta.get("deterministic", False) != (deterministic and is_cuda)):
+        if is_cuda and meta.get("deterministic", False) != deterministic:
             continue
         if any(meta["configs"].get(kernel) != cfg for kernel, cfg in explicit.items()):
             continue

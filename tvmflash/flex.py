@@ -33,7 +33,7 @@ import math
 
 import torch
 
-from . import checks, compiler, flex_trace
+from . import checks, compiler, flex_trace, torch_op
 from .runtime import FlashKernels
 from .spec import AttentionSpec
 
@@ -68,13 +68,13 @@ def _signature(fn) -> tuple:
 _traces: dict = {}
 
 
-def _traced(kind: str, fn):
+def _traced(kind: str, fn, device: str = "cpu"):
     """``flex_trace.trace_score_mod``/``trace_mask_mod`` of ``fn``, reusing an earlier trace of
     the same signature with this call's captured tensors (found by the names the trace uses)."""
     trace = flex_trace.trace_score_mod if kind == "score_mod" else flex_trace.trace_mask_mod
     if fn is None:
         return None
-    key = (kind, _signature(fn))
+    key = (kind, device, _signature(fn))
     cached = _traces.get(key)
     if cached is not None:
         current = {name: t for t_id, name in flex_trace._closure_names(fn).items()
@@ -83,7 +83,7 @@ def _traced(kind: str, fn):
             rebound = copy.copy(cached)
             rebound.captured = [dataclasses.replace(c, tensor=current[c.name]) for c in cached.captured]
             return rebound
-    traced = trace(fn)
+    traced = trace(fn, device=device)
     _traces[key] = traced
     return traced
 
@@ -166,6 +166,18 @@ def tile_maps(block_mask, seqlen_q: int, seqlen_k: int, block_q: int, block_k: i
     return tiles.contiguous(), ranges.contiguous()
 
 
+def query_ranges(tile_state: torch.Tensor) -> torch.Tensor:
+    """For each key tile of the tile states (B, H, q tiles, kv tiles): the first and
+    past-the-last query tile that is not empty, int32 (B, H, kv tiles, 2). The CUDA backward
+    walks only those (it works per key tile); computed where the states are (torch ops)."""
+    nonempty = tile_state != EMPTY
+    q_tiles = tile_state.shape[2]
+    q_index = torch.arange(q_tiles, dtype=torch.int32, device=tile_state.device)[:, None]
+    first = torch.where(nonempty, q_index, q_tiles).amin(-2)
+    end = torch.where(nonempty, q_index + 1, 0).amax(-2)
+    return torch.stack([first, torch.maximum(end, first)], -1).to(torch.int32).contiguous()
+
+
 def _covered(tiles: int, tile: int, block: int, length: int, blocks: int) -> list[torch.Tensor]:
     """For each kernel tile, the mask blocks it covers, as index tensors: one per offset (plain
     integer arithmetic, so that under torch.compile they are constants of the graph)."""
@@ -191,16 +203,12 @@ def _kernels(q: torch.Tensor, spec_key: str) -> FlashKernels:
 
 
 def _kernels_for_device(device: str, spec_key: str) -> FlashKernels:
-    if device != "cpu":
-        raise NotImplementedError("tvmflash.flex_attention runs on CPU tensors (CUDA kernels with score/mask "
-                                  "mods are not built yet)")
-    return compiler.compile_spec({"kind": "llvm"}, _specs[spec_key])
+    return compiler.compile_spec(torch_op.device_target(torch.device(device)), _specs[spec_key])
 
 
 def _layout(t: torch.Tensor) -> torch.Tensor:
-    """(B, H, N, D) -> the kernels' (B, N, H, D), a view (the head dim must be contiguous)."""
-    t = t.transpose(1, 2)
-    return t if t.stride(-1) == 1 else t.contiguous()
+    """(B, H, N, D) -> the kernels' (B, N, H, D): a view where the kernels can read it in place."""
+    return torch_op.kernel_layout(t.transpose(1, 2))
 
 
 @torch.library.custom_op("tvmflash::flex_forward", mutates_args=())
@@ -208,8 +216,8 @@ def _flex_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, captured: l
                   tile_state: torch.Tensor | None, kv_range: torch.Tensor | None, scale: float,
                   spec_key: str) -> tuple[torch.Tensor, torch.Tensor]:
     batch, heads, seqlen_q, _ = q.shape
-    out = torch.empty(q.shape, dtype=q.dtype)
-    lse = torch.empty((batch, heads, seqlen_q), dtype=torch.float32)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    lse = torch.empty((batch, heads, seqlen_q), dtype=torch.float32, device=q.device)
     kernels = _kernels(q, spec_key)
     kernels.forward(_layout(q), _layout(k), _layout(v), out.transpose(1, 2), lse, scale,
                     window_size=(-1, -1), mod_inputs=[c.contiguous() for c in captured],
@@ -226,15 +234,22 @@ def _(q, k, v, captured, tile_state, kv_range, scale, spec_key):
 def _flex_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                    lse: torch.Tensor, captured: list[torch.Tensor], tile_state: torch.Tensor | None,
                    scale: float, spec_key: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor]]:
-    dq, dk, dv = (torch.empty(t.shape, dtype=t.dtype) for t in (q, k, v))
+    dq, dk, dv = (torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
     spec = _specs[spec_key]
-    grads = [torch.empty(math.prod(i.shape), dtype=torch.float32) for i in spec.grad_inputs]
+    grads = [torch.empty(math.prod(i.shape), dtype=torch.float32, device=q.device) for i in spec.grad_inputs]
     kernels = _kernels(q, spec_key)
     kernels.backward(*(_layout(t) for t in (dout, q, k, v)), out.transpose(1, 2), lse, dq.transpose(1, 2),
                      dk.transpose(1, 2), dv.transpose(1, 2), scale, window_size=(-1, -1),
                      mod_inputs=[c.contiguous() for c in captured], mod_grads=grads,
-                     block_mask=None if tile_state is None else (tile_state,), diagonal=0)
+                     block_mask=_backward_block_mask(tile_state), diagonal=0)
     return dq, dk, dv, grads
+
+
+def _backward_block_mask(tile_state: torch.Tensor | None):
+    """The CPU backward reads the tile states; the CUDA one also each key tile's query range."""
+    if tile_state is None:
+        return None
+    return (tile_state, query_ranges(tile_state)) if tile_state.device.type == "cuda" else (tile_state,)
 
 
 @_flex_backward.register_fake
@@ -410,8 +425,8 @@ def _plan_eagerly(score_mod, mask_mod, block_sparse: bool, mask_lengths, q_meta,
                          f"({seqlen_q}, {seqlen_k})")
     if getattr(mask_mod, "__name__", "") == "noop_mask":
         mask_mod = None
-    traced_score = _traced("score_mod", score_mod)
-    traced_mask = _traced("mask_mod", mask_mod)
+    traced_score = _traced("score_mod", score_mod, q_meta[2])
+    traced_mask = _traced("mask_mod", mask_mod, q_meta[2])
     score_mods = (traced_score,) if traced_score is not None and not traced_score.is_identity else ()
     spec = AttentionSpec(q_shape[-1], str(q_dtype).removeprefix("torch."), score_mods=score_mods,
                          mask_mod=traced_mask, block_sparse=block_sparse)
@@ -437,7 +452,8 @@ def _plan_eagerly(score_mod, mask_mod, block_sparse: bool, mask_lengths, q_meta,
 def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=None, enable_gqa=False,
                    return_lse=False, kernel_options=None, *, return_aux=None):
     """torch's ``flex_attention`` (same arguments, layout (B, H, N, D), same results) with
-    tvmflash's fused kernels: forward and backward, on CPU tensors.
+    tvmflash's fused kernels: forward and backward, on CPU tensors and (float16/bfloat16, no
+    gradients of captured tensors yet) CUDA tensors.
 
     ``score_mod(score, b, h, q_idx, kv_idx) -> score`` modifies each scaled score;
     ``block_mask`` (``create_block_mask``, torch's or ours) says which tiles to compute and, on
@@ -461,7 +477,8 @@ def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=Non
                 _follow(score_mod if kind == "score_mod" else mask_mod, path) for kind, *path in paths]
     tile_state = kv_range = None
     if block_mask is not None:
-        tile_state, kv_range = tile_maps(block_mask, query.shape[2], key.shape[2], block_q, block_k)
+        tile_state, kv_range = (t.to(query.device) for t in tile_maps(block_mask, query.shape[2], key.shape[2],
+                                                                       block_q, block_k))
     out, lse = _flex_forward(query, key, value, captured, tile_state, kv_range, scale, spec_key)
     if return_aux is not None:
         from torch.nn.attention.flex_attention import AuxOutput
@@ -474,4 +491,4 @@ def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=Non
     return (out, lse) if return_lse else out
 
 
-__all__ = ["create_block_mask", "flex_attention", "tile_maps"]
+__all__ = ["create_block_mask", "flex_attention", "query_ranges", "tile_maps"]

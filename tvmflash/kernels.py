@@ -92,7 +92,6 @@ import math
 from tvm import tirx
 from tvm.runtime import DataType
 from tvm.script import tirx as T
-from tvm.script.ir_builder import IRBuilder
 
 from . import plan
 from .attention_te import (
@@ -106,12 +105,11 @@ from .attention_te import (
     lse_from_raw_max,
     lse_log2_parts,
     normalizer,
-    scale_log2_parts,
     shifted_log2_exponent,
 )
 from .config import BF16_DOT, CPUKernelConfig
 from .pair_words import bf16_bits, bits_value, half, pair_word, rounded_bits, rounded_pair_word
-from .score_mods import ModContext, emitters
+from .score_mods import ModContext, declare_inputs, emitters, exponent_constant, kernel_argument
 from .spec import AttentionSpec
 
 F32 = "float32"
@@ -142,10 +140,7 @@ class KernelArgs:
         self.mod_buffers: dict = {}
         self.grad_buffers: dict = {}
 
-    def _buffer(self, name: str, shape, dtype: str):
-        buf = T.match_buffer(T.arg(name, T.handle()), shape, dtype)
-        IRBuilder.name(name, buf)
-        return buf
+    _buffer = staticmethod(kernel_argument)
 
     def declare(self, heads) -> None:
         """Called once inside the kernel body, after its own parameters."""
@@ -155,13 +150,7 @@ class KernelArgs:
         self.k_tile_seq = self._buffer("k_tile_seq", (tk,), "int32")
         if self.backward:
             self.k_super_seq = self._buffer("k_super_seq", (tirx.Var("key_super_tiles", I64),), "int32")
-        for i in self.spec.mod_inputs:
-            shape = tuple(tirx.Var(f"{i.name}_d{d}", I64) if n is None else n for d, n in enumerate(i.shape))
-            self.mod_buffers[i.name] = self._buffer(i.name, shape, i.dtype)
-        if self.backward:
-            for i in self.spec.grad_inputs:
-                numel = math.prod(i.shape)
-                self.grad_buffers[i.name] = self._buffer(f"{i.name}_grad", (numel,), F32)
+        self.mod_buffers, self.grad_buffers = declare_inputs(self.spec, grads=self.backward)
         if self.spec.block_sparse:
             dims = tuple(tirx.Var(n, I64) for n in ("mask_batch", "mask_heads", "mask_q_tiles", "mask_k_tiles"))
             self.tile_states = self._buffer("tile_state", dims, "int8")
@@ -283,11 +272,6 @@ def _exponent_scale(spec: AttentionSpec, softmax_scale):
     folds into c), the modded natural-log score with them."""
     return (tirx.const(1.0, "float64") if spec.score_mods else tirx.Cast("float64", softmax_scale)) * tirx.const(
         LOG2E, "float64")
-
-
-def _exponent_constant(spec: AttentionSpec, softmax_scale):
-    """c as an fp32 hi + lo pair (attention_te.scale_log2_parts)."""
-    return scale_log2_parts(tirx.const(1.0, "float64") if spec.score_mods else softmax_scale)
 
 
 def _bf16_products(spec: AttentionSpec, cfg: CPUKernelConfig) -> bool:
@@ -608,8 +592,8 @@ def fused_forward(spec: AttentionSpec, cfg: CPUKernelConfig) -> tirx.PrimFunc:
                                 score_mod(ST, T.Cast(F32, softmax_scale), b, h, q0, k0)
                             if state[0] == PARTIAL:
                                 mask(ST, b, h, q0, k0, window_left, window_right)
-                            online_softmax(ST, PT, m, m_next, alpha, _exponent_constant(spec, softmax_scale)[0],
-                                           _exponent_constant(spec, softmax_scale)[1])
+                            online_softmax(ST, PT, m, m_next, alpha, exponent_constant(spec, softmax_scale)[0],
+                                           exponent_constant(spec, softmax_scale)[1])
                             if bf16:
                                 pack_p(PTw, PT)
                             pv(PVT, Vp, PTw, hk, krow)
@@ -883,7 +867,7 @@ def fused_backward(spec: AttentionSpec, cfg: CPUKernelConfig) -> tirx.PrimFunc:
                     with T.sblock("probs"):
                         vi, vj = T.axis.remap("SS", [i, j])
                         P[vi, vj] = exp2(masked_log2_exponent(
-                            X[vi, vj], _exponent_constant(spec, softmax_scale), (row_stats[0, vi], row_stats[1, vi])))
+                            X[vi, vj], exponent_constant(spec, softmax_scale), (row_stats[0, vi], row_stats[1, vi])))
 
     @T.macro
     def accumulate_dv(dVtile: T.Buffer, dVrun: T.Buffer, Pw: T.Buffer, dOw: T.Buffer, h: T.int64, qrow: T.int64):

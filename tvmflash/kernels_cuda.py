@@ -16,7 +16,13 @@ indexed through ``frag(row, col) -> (lane, slot)`` (TVM's ``shared_16x16_to_ldma
   (lane ^ 1, then lane ^ 2), which TVM lowers to warp shuffles: no block-wide barrier;
 * tile loads clamp the row index instead of testing it: rows past the end repeat the last
   row, whose scores are masked (keys) or whose results are never stored (queries), so the
-  copies stay plain 16-byte vector loads.
+  copies stay plain 16-byte vector loads;
+* masks are runtime arguments (``Masks``): a window on both sides around a diagonal (causal is
+  right = 0; flash-attn's bottom-right alignment by default), so one build serves every mask;
+  the forward walks only the key tiles its query tile's window (and block mask) reaches, the
+  backward only the query tiles that see its key tile. Score mods (softcap, ALiBi, a traced
+  score_mod) rewrite the score fragment in place, a traced mask_mod joins the window test:
+  the same ``score_mods`` emitters as the CPU kernels, with the GPU's exp2.
 
 Unscheduled, the skeleton is ordinary TIR: the tests run it on the CPU (warps and lanes as
 plain loops) against float64 PyTorch, which checks the layouts and the math without a GPU.
@@ -33,28 +39,38 @@ from tvm.script import tirx as T
 from .attention_te import (
     NEG_INF,
     grad_scores,
+    in_window,
     log2_exponent,
     lse_from_stats,
     lse_log2_parts,
-    scale_log2_parts,
-    visible,
 )
 from .config import CUDA_ROWS_PER_WARP as ROWS_PER_WARP
 from .config import CUDA_WARPS as WARPS
+from .score_mods import NATIVE_INTRINSICS, ModContext, declare_inputs, emitters, exponent_constant, kernel_argument
+from .spec import AttentionSpec
 
 F32 = "float32"
 VEC = 8  # elements per 16-byte copy
+EMPTY, PARTIAL, FULL = 0, 1, 2  # block-mask tile states (flex.tile_maps)
 
 
 @dataclass(frozen=True)
 class CUDASpec:
-    """What one CUDA build computes, with the tile shape its loops are built around."""
+    """What one CUDA build computes (``attention``: head dim, dtype, score and mask mods), with
+    the tile shape its loops are built around. The mask rectangle (causal, sliding window) is a
+    runtime argument, as in the CPU kernels."""
 
-    head_dim: int
-    dtype: str
-    causal: bool
+    attention: AttentionSpec
     block_q: int
     block_k: int
+
+    @property
+    def head_dim(self) -> int:
+        return self.attention.head_dim
+
+    @property
+    def dtype(self) -> str:
+        return self.attention.dtype
 
     @staticmethod
     def exp2_fn():
@@ -65,21 +81,112 @@ def _ceildiv(a, b):
     return (a + b - 1) // b
 
 
-def _key_tiles_for_query_tile(q0, spec: CUDASpec, seqlen_q, seqlen_k):
-    """Number of key tiles a query tile [q0, q0 + block_q) needs (causal: skip masked ones)."""
-    n_kt = _ceildiv(seqlen_k, spec.block_k)
-    if not spec.causal:
-        return n_kt
-    last_row = tirx.min(q0 + spec.block_q, seqlen_q) - 1
-    last_key = last_row + (seqlen_k - seqlen_q)  # bottom-right aligned mask
-    return tirx.max(tirx.min(_ceildiv(last_key + 1, spec.block_k), n_kt), 0)
+class Masks:
+    """The window mask and the score/mask mods of a CUDA kernel, as index expressions.
 
+    Sequences are batched; query q's diagonal is key ``q + diagonal`` (a runtime argument,
+    ``Nk - Nq`` for flash-attn's bottom-right alignment), and q sees key k iff
+    ``diagonal - left <= k - q <= diagonal + right`` (``attention_te.in_window``; causal is
+    right = 0). ``declare`` binds the sizes and the window and adds the mod inputs (and the
+    block mask) to the kernel's arguments. Mods see indices clamped into the sequences, so a
+    mod never reads past its tensors on the padding rows and keys of a tile (those are masked).
 
-def _first_query_tile_for_key_tile(k0, spec: CUDASpec, seqlen_q, seqlen_k):
-    """First query tile that sees key k0 (causal); 0 otherwise."""
-    if not spec.causal:
-        return tirx.const(0, "int64")
-    return tirx.max(k0 - (seqlen_k - seqlen_q), 0) // spec.block_q
+    Block masks (``spec.block_sparse``, ``flex.tile_maps`` at these tiles): the forward walks
+    only the key tiles of its query tile's ``kv_range``, the backward only the query tiles of its
+    key tile's ``q_range``; every tile's state masks all of it (empty), none of it (full: the
+    mask_mod is not evaluated) or applies the mask_mod."""
+
+    def __init__(self, spec: CUDASpec, backward: bool = False):
+        self.spec = spec.attention
+        self.block_q, self.block_k = spec.block_q, spec.block_k
+        self.backward = backward
+        self.mods = emitters(self.spec, NATIVE_INTRINSICS)
+        self.buffers: dict = {}
+
+    @property
+    def has_score_mods(self) -> bool:
+        return bool(self.spec.score_mods)
+
+    def declare(self, seqlen_q, seqlen_k, window_left, window_right, diagonal) -> None:
+        """Called inside the kernel body, after its own parameters."""
+        self.seqlen_q, self.seqlen_k = seqlen_q, seqlen_k
+        self.left, self.right, self.diagonal = window_left, window_right, diagonal
+        self.buffers, _ = declare_inputs(self.spec, grads=False)
+        if self.spec.block_sparse:
+            dims = tuple(tirx.Var(n, "int64") for n in ("mask_batch", "mask_heads", "mask_q_tiles", "mask_k_tiles"))
+            self.tile_states = kernel_argument("tile_state", dims, "int8")
+            if self.backward:
+                self.q_range = kernel_argument("q_range", (*dims[:2], dims[3], 2), "int32")
+            else:
+                self.kv_range = kernel_argument("kv_range", (*dims[:3], 2), "int32")
+
+    def _mask_at(self, b, h, *rest):
+        dims = self.tile_states.shape
+        return (tirx.min(b, dims[0] - 1), tirx.min(h, dims[1] - 1), *rest)
+
+    def key_tiles(self, b, h, q0):
+        """Key tiles [first, end) holding a key some row of the query tile at q0 sees."""
+        first = tirx.max(tirx.floordiv(q0 + self.diagonal - self.left, self.block_k), 0)
+        last_row = tirx.min(q0 + self.block_q, self.seqlen_q) - 1
+        end = tirx.min(tirx.floordiv(last_row + self.diagonal + self.right, self.block_k) + 1,
+                       _ceildiv(self.seqlen_k, self.block_k))
+        if self.spec.block_sparse:
+            qt = q0 // self.block_q
+            first = tirx.max(first, tirx.Cast("int64", self.kv_range[self._mask_at(b, h, qt, 0)]))
+            end = tirx.min(end, tirx.Cast("int64", self.kv_range[self._mask_at(b, h, qt, 1)]))
+        return first, tirx.max(end, first)
+
+    def query_tiles(self, b, h, k0):
+        """Query tiles [first, end) holding a query (of head h) that sees some key of the key tile at k0."""
+        first = tirx.floordiv(tirx.max(k0 - self.diagonal - self.right, 0), self.block_q)
+        last_key = tirx.min(k0 + self.block_k, self.seqlen_k) - 1
+        end = tirx.min(tirx.floordiv(last_key - self.diagonal + self.left, self.block_q) + 1,
+                       _ceildiv(self.seqlen_q, self.block_q))
+        if self.spec.block_sparse:
+            kt = k0 // self.block_k
+            first = tirx.max(first, tirx.Cast("int64", self.q_range[self._mask_at(b, h, kt, 0)]))
+            end = tirx.min(end, tirx.Cast("int64", self.q_range[self._mask_at(b, h, kt, 1)]))
+        return first, tirx.max(end, first)
+
+    def _context(self, b, h, q, k) -> ModContext:
+        return ModContext(b, h, tirx.min(q, self.seqlen_q - 1), tirx.min(k, self.seqlen_k - 1), self.diagonal,
+                          self.buffers)
+
+    def sees(self, b, h, q, k):
+        """Whether query q attends to key k (k may be padding past the last key)."""
+        keep = in_window(q, k, self.seqlen_k, self.diagonal, self.left, self.right)
+        mask_mod = None if self.spec.mask_mod is None else self.mods.mask(self._context(b, h, q, k))
+        if self.spec.block_sparse:
+            state = self.tile_states[self._mask_at(b, h, q // self.block_q, k // self.block_k)]
+            if mask_mod is None:
+                by_state = state != tirx.const(EMPTY, "int8")
+            else:
+                by_state = tirx.Or(state == tirx.const(FULL, "int8"),
+                                   tirx.all(state == tirx.const(PARTIAL, "int8"), mask_mod))
+            return tirx.all(keep, by_state)
+        return keep if mask_mod is None else tirx.all(keep, mask_mod)
+
+    def kept(self, sees, x):
+        """Whether a score enters the softmax: seen, and not -inf (which a score_mod may return)."""
+        return tirx.all(sees, x > tirx.const(NEG_INF, F32)) if self.has_score_mods else sees
+
+    def score(self, s, b, h, q, k):
+        """The modded score of the scaled dot product s (natural-log units)."""
+        return self.mods.score(s, self._context(b, h, q, k))
+
+    def score_grad(self, s, b, h, q, k):
+        """d mods(s) / d s."""
+        return self.mods.score_grad(s, self._context(b, h, q, k))
+
+    def chain_rule(self, ds, grad):
+        """dL/ds = dL/dx * dx/ds, x = mods(s). Masked and underflowed entries have dL/dx = 0: keep
+        it 0 even where the mods' derivative is not finite there."""
+        if not self.has_score_mods:
+            return ds
+        return tirx.Select(ds == tirx.const(0, F32), tirx.const(0, F32), ds * grad)
+
+    def exponent_scale(self, softmax_scale):
+        return exponent_constant(self.spec, softmax_scale)
 
 
 def aligned_strides(strides):
@@ -119,10 +226,13 @@ def reciprocal(x, on_cpu: bool):
 
 
 def cuda_forward(spec: CUDASpec, on_cpu: bool = False) -> tirx.PrimFunc:
-    """flash_fwd(q, k, v, out, lse, softmax_scale) for tensor cores (fp16/bf16 inputs).
+    """flash_fwd(q, k, v, out, lse, softmax_scale, window_left, window_right, diagonal,
+    *mod_inputs) for tensor cores (fp16/bf16 inputs).
 
     ``on_cpu``: the unscheduled kernel for the CPU tests (no CUDA-only intrinsics)."""
-    D, Bc, dtype, causal = spec.head_dim, spec.block_k, spec.dtype, spec.causal
+    D, Bc, dtype = spec.head_dim, spec.block_k, spec.dtype
+    masks = Masks(spec)
+    has_mods = masks.has_score_mods
     Br = WARPS * ROWS_PER_WARP
     if spec.block_q != Br or D % 16 or Bc % 16:
         raise ValueError(f"CUDA kernels need block_q = {Br} and multiples of 16 (got {spec})")
@@ -132,7 +242,8 @@ def cuda_forward(spec: CUDASpec, on_cpu: bool = False) -> tirx.PrimFunc:
 
     @T.prim_func(s_tir=True)
     def flash_fwd(q_h: T.handle, k_h: T.handle, v_h: T.handle, o_h: T.handle, lse_h: T.handle,
-                  softmax_scale: T.float64):
+                  softmax_scale: T.float64, window_left: T.int64, window_right: T.int64,
+                  diagonal: T.int64):
         T.func_attr({"global_symbol": "flash_fwd", "tirx.noalias": True})
         B = T.int64()
         Nq = T.int64()
@@ -148,6 +259,7 @@ def cuda_forward(spec: CUDASpec, on_cpu: bool = False) -> tirx.PrimFunc:
         V = T.match_buffer(v_h, (B, Nk, Hk, D), dtype, strides=(*sv, 1), align=elem)
         O = T.match_buffer(o_h, (B, Nq, H, D), dtype, strides=(*so, 1), align=elem)
         LSE = T.match_buffer(lse_h, (B, H, Nq), F32, align=4)
+        masks.declare(Nq, Nk, window_left, window_right, diagonal)
         # The same inputs with strides written as multiples of VEC (the Python side checks that
         # they are): the tile copies become 16-byte vector loads only if TVM's codegen can see
         # the alignment in the index expression (otherwise it emits element-wise int64 index
@@ -200,7 +312,7 @@ def cuda_forward(spec: CUDASpec, on_cpu: bool = False) -> tirx.PrimFunc:
                         vw, vtx, vhf = T.axis.remap("SSS", [w, tx, hf])
                         m[vw, vtx, vhf] = T.float32(NEG_INF)
                         l[vw, vtx, vhf] = T.float32(0)
-                for kt in T.serial(_key_tiles_for_query_tile(q0, spec, Nq, Nk)):
+                for kt in T.serial(*masks.key_tiles(b, h, q0)):
                     k0: T.let[T.int64] = kt * Bc
                     for r, c in T.grid(T.int64(Bc), T.int64(D)):
                         with T.sblock("load_k"):
@@ -227,15 +339,22 @@ def cuda_forward(spec: CUDASpec, on_cpu: bool = False) -> tirx.PrimFunc:
                             b_lane, b_slot = T.meta_var(frag(vj, vk))
                             Sw[vw, vtj, c_lane, c_slot] = Sw[vw, vtj, c_lane, c_slot] + T.Cast(
                                 F32, Qw[vw, vtk, a_lane, a_slot]) * T.Cast(F32, Kw[vw, vtj, vtk, b_lane, b_slot])
+                    if has_mods:
+                        for w, tx, tj, s in T.grid(WARPS, 32, TC, 8):
+                            with T.sblock("score_mod"):  # in place: natural-log scores, modded
+                                vw, vtj, vtx, vs = T.axis.remap("SSSS", [w, tj, tx, s])
+                                Sw[vw, vtj, vtx, vs] = masks.score(
+                                    Sw[vw, vtj, vtx, vs] * T.Cast(F32, softmax_scale), b, h,
+                                    q0 + vw * 16 + frag_row(vtx, vs), k0 + vtj * 16 + frag_col(vtx, vs))
                     for w, tx, hf, tj, qq in T.grid(WARPS, 32, 2, TC, 4):
                         with T.sblock("row_max_lane"):
                             vw, vtx, vhf, vtj, vq = T.axis.remap("SSSRR", [w, tx, hf, tj, qq])
                             with T.init():
                                 Red[vw, vtx, vhf] = T.float32(NEG_INF)
                             Red[vw, vtx, vhf] = T.max(Red[vw, vtx, vhf], T.Select(
-                                visible(q0 + vw * 16 + frag_row(vtx, half_slot(vhf, vq)),
-                                        k0 + vtj * 16 + frag_col(vtx, half_slot(vhf, vq)), Nq, Nk, causal),
-                                Sw[vw, vtj, vtx, half_slot(vhf, vq)] * scale_log2_parts(softmax_scale)[0],
+                                masks.sees(b, h, q0 + vw * 16 + frag_row(vtx, half_slot(vhf, vq)),
+                                           k0 + vtj * 16 + frag_col(vtx, half_slot(vhf, vq))),
+                                Sw[vw, vtj, vtx, half_slot(vhf, vq)] * masks.exponent_scale(softmax_scale)[0],
                                 T.float32(NEG_INF)))
                     for w, tx, hf in T.grid(WARPS, 32, 2):
                         with T.sblock("row_max_pair"):  # the 4 lanes sharing a row: a butterfly
@@ -254,10 +373,11 @@ def cuda_forward(spec: CUDASpec, on_cpu: bool = False) -> tirx.PrimFunc:
                     for w, tx, tj, s in T.grid(WARPS, 32, TC, 8):
                         with T.sblock("probs"):  # in place: S becomes P (fp32)
                             vw, vtj, vtx, vs = T.axis.remap("SSSS", [w, tj, tx, s])
+                            # a score_mod may itself return -inf: 0 there, also where the whole row is -inf
                             Sw[vw, vtj, vtx, vs] = T.Select(
-                                visible(q0 + vw * 16 + frag_row(vtx, vs), k0 + vtj * 16 + frag_col(vtx, vs),
-                                        Nq, Nk, causal),
-                                exp2_(log2_exponent(Sw[vw, vtj, vtx, vs], scale_log2_parts(softmax_scale),
+                                masks.kept(masks.sees(b, h, q0 + vw * 16 + frag_row(vtx, vs),
+                                                      k0 + vtj * 16 + frag_col(vtx, vs)), Sw[vw, vtj, vtx, vs]),
+                                exp2_(log2_exponent(Sw[vw, vtj, vtx, vs], masks.exponent_scale(softmax_scale),
                                                     (m_new[vw, vtx, vs % 4 // 2], T.float32(0)))),
                                 T.float32(0))
                     for w, tx, tj, s in T.grid(WARPS, 32, TC, 8):
@@ -477,7 +597,8 @@ def cuda_backward_dq(head_dim: int, dtype: str) -> tirx.PrimFunc:
 
 
 def cuda_backward(spec: CUDASpec, atomic_dq: bool = True, on_cpu: bool = False) -> tirx.PrimFunc:
-    """flash_bwd(dout, q, k, v, stats, dq_acc, dk, dv, softmax_scale, n_split).
+    """flash_bwd(dout, q, k, v, stats, dq_acc, dk, dv, softmax_scale, n_split, window_left,
+    window_right, diagonal, *mod_inputs).
 
     ``atomic_dq``: blocks add their dQ tiles into one fp32 accumulator (``n_split`` = number
     of key tiles, one per block). Otherwise (deterministic mode) block ``s`` walks key tiles
@@ -489,7 +610,9 @@ def cuda_backward(spec: CUDASpec, atomic_dq: bool = True, on_cpu: bool = False) 
     216 bytes with the load + add + store). ``on_cpu``: plain adds instead (the unscheduled
     kernel run on the CPU by the tests, one thread, the same arithmetic).
     """
-    D, Bc, dtype, causal = spec.head_dim, spec.block_k, spec.dtype, spec.causal
+    D, Bc, dtype = spec.head_dim, spec.block_k, spec.dtype
+    masks = Masks(spec, backward=True)
+    has_mods = masks.has_score_mods
     Br = WARPS * ROWS_PER_WARP
     if spec.block_q != Br or Bc != Br or D % 16:
         raise ValueError(f"the CUDA backward needs 64 x 64 tiles and a multiple of 16 as head dim (got {spec})")
@@ -499,7 +622,8 @@ def cuda_backward(spec: CUDASpec, atomic_dq: bool = True, on_cpu: bool = False) 
 
     @T.prim_func(s_tir=True)
     def flash_bwd(do_h: T.handle, q_h: T.handle, k_h: T.handle, v_h: T.handle, stats_h: T.handle,
-                  acc_h: T.handle, dk_h: T.handle, dv_h: T.handle, softmax_scale: T.float64, n_split: T.int64):
+                  acc_h: T.handle, dk_h: T.handle, dv_h: T.handle, softmax_scale: T.float64, n_split: T.int64,
+                  window_left: T.int64, window_right: T.int64, diagonal: T.int64):
         T.func_attr({"global_symbol": "flash_bwd", "tirx.noalias": True})
         B = T.int64()
         Nq = T.int64()
@@ -522,6 +646,7 @@ def cuda_backward(spec: CUDASpec, atomic_dq: bool = True, on_cpu: bool = False) 
         dQacc = T.match_buffer(acc_h, (P, B, Nq, H, D), F32)
         dK = T.match_buffer(dk_h, (B, Nk, Hk, D), dtype, strides=(*sdk, 1), align=elem)
         dV = T.match_buffer(dv_h, (B, Nk, Hk, D), dtype, strides=(*sdv, 1), align=elem)
+        masks.declare(Nq, Nk, window_left, window_right, diagonal)
         dOa = T.decl_buffer((B, Nq, H, D), dtype, data=dO.data, strides=aligned_strides(sdo))
         Qa = T.decl_buffer((B, Nq, H, D), dtype, data=Q.data, strides=aligned_strides(sq))
         Ka = T.decl_buffer((B, Nk, Hk, D), dtype, data=K.data, strides=aligned_strides(sk))
@@ -543,6 +668,8 @@ def cuda_backward(spec: CUDASpec, atomic_dq: bool = True, on_cpu: bool = False) 
                 Ka_f = T.sblock_alloc_buffer((WARPS, TD, 32, 8), dtype)
                 Qbt = T.sblock_alloc_buffer((WARPS, TI, TD, 32, 8), dtype)
                 St = T.sblock_alloc_buffer((WARPS, 32, 8), F32)  # S^T, then P^T (fp32), of one sub-tile
+                # with score mods: X^T = mods(S^T) becomes P^T, and S^T becomes d mods / d S^T
+                Xt = T.sblock_alloc_buffer((WARPS, 32, 8), F32) if has_mods else St
                 Ph = T.sblock_alloc_buffer((WARPS, 32, 8), dtype)
                 dOb = T.sblock_alloc_buffer((WARPS, TI, TD, 32, 8), dtype)
                 Va_f = T.sblock_alloc_buffer((WARPS, TD, 32, 8), dtype)
@@ -579,7 +706,7 @@ def cuda_backward(spec: CUDASpec, atomic_dq: bool = True, on_cpu: bool = False) 
                                 dVw[vw, vtd, vtx, vs8] = T.float32(0)
                         for g in T.serial(group):
                             h: T.let[T.int64] = hk * group + g
-                            for qt in T.serial(_first_query_tile_for_key_tile(k0, spec, Nq, Nk), _ceildiv(Nq, Br)):
+                            for qt in T.serial(*masks.query_tiles(b, h, k0)):
                                 q0: T.let[T.int64] = qt * Br
                                 for r, c in T.grid(T.int64(Br), T.int64(D)):
                                     with T.sblock("load_q"):
@@ -642,21 +769,36 @@ def cuda_backward(spec: CUDASpec, atomic_dq: bool = True, on_cpu: bool = False) 
                                             St[vw, c_lane, c_slot] = St[vw, c_lane, c_slot] + T.Cast(
                                                 F32, Ka_f[vw, vtk, a_lane, a_slot]) * T.Cast(
                                                     F32, Qbt[vw, vti, vtk, b_lane, b_slot])
+                                    if has_mods:
+                                        for w, tx, s8 in T.grid(WARPS, 32, 8):
+                                            with T.sblock("score_mod"):  # X^T = mods(S^T * scale)
+                                                vw, vtx, vs8 = T.axis.remap("SSS", [w, tx, s8])
+                                                vti = T.axis.spatial(TI, ti)
+                                                Xt[vw, vtx, vs8] = masks.score(
+                                                    St[vw, vtx, vs8] * T.Cast(F32, softmax_scale), b, h,
+                                                    q0 + vti * 16 + frag_col(vtx, vs8), k0 + vw * 16 + frag_row(vtx, vs8))
+                                        for w, tx, s8 in T.grid(WARPS, 32, 8):
+                                            with T.sblock("score_grad"):  # in place, for dS (read last there)
+                                                vw, vtx, vs8 = T.axis.remap("SSS", [w, tx, s8])
+                                                vti = T.axis.spatial(TI, ti)
+                                                St[vw, vtx, vs8] = masks.score_grad(
+                                                    St[vw, vtx, vs8] * T.Cast(F32, softmax_scale), b, h,
+                                                    q0 + vti * 16 + frag_col(vtx, vs8), k0 + vw * 16 + frag_row(vtx, vs8))
                                     for w, tx, s8 in T.grid(WARPS, 32, 8):
-                                        with T.sblock("probs"):  # P^T = 2^(S^T * scale2 - lse2), masked; in place
+                                        with T.sblock("probs"):  # P^T = 2^(X^T * c - lse2), masked; in place
                                             vw, vtx, vs8 = T.axis.remap("SSS", [w, tx, s8])
                                             vti = T.axis.spatial(TI, ti)
                                             col: T.let[T.int32] = vti * 16 + frag_col(vtx, vs8)
-                                            St[vw, vtx, vs8] = T.Select(
-                                                tirx.all(q0 + col < Nq, visible(q0 + col, k0 + vw * 16 + frag_row(vtx, vs8),
-                                                                                Nq, Nk, causal)),
-                                                exp2_(log2_exponent(St[vw, vtx, vs8], scale_log2_parts(softmax_scale),
+                                            Xt[vw, vtx, vs8] = T.Select(
+                                                masks.kept(tirx.all(q0 + col < Nq, masks.sees(
+                                                    b, h, q0 + col, k0 + vw * 16 + frag_row(vtx, vs8))), Xt[vw, vtx, vs8]),
+                                                exp2_(log2_exponent(Xt[vw, vtx, vs8], masks.exponent_scale(softmax_scale),
                                                                     (Ls[0, col], Ls[1, col]))),
                                                 T.float32(0))
                                     for w, tx, s8 in T.grid(WARPS, 32, 8):
                                         with T.sblock("cast_p"):
                                             vw, vtx, vs8 = T.axis.remap("SSS", [w, tx, s8])
-                                            Ph[vw, vtx, vs8] = T.Cast(dtype, St[vw, vtx, vs8])
+                                            Ph[vw, vtx, vs8] = T.Cast(dtype, Xt[vw, vtx, vs8])
                                     for w, td, j, n, kk in T.grid(WARPS, TD, 16, 16, 16):
                                         with T.sblock("dv"):  # dV += P^T dO
                                             vw, vtd, vj, vn, vk = T.axis.remap("SSSSR", [w, td, j, n, kk])
@@ -684,8 +826,9 @@ def cuda_backward(spec: CUDASpec, atomic_dq: bool = True, on_cpu: bool = False) 
                                         with T.sblock("dscores"):  # dS^T = P^T (dP^T - Delta), cast once for the mma
                                             vw, vtx, vs8 = T.axis.remap("SSS", [w, tx, s8])
                                             vti = T.axis.spatial(TI, ti)
-                                            dSh[vw, vtx, vs8] = T.Cast(dtype, grad_scores(
-                                                St[vw, vtx, vs8], dPt[vw, vtx, vs8], Ls[2, vti * 16 + frag_col(vtx, vs8)]))
+                                            dSh[vw, vtx, vs8] = T.Cast(dtype, masks.chain_rule(
+                                                grad_scores(Xt[vw, vtx, vs8], dPt[vw, vtx, vs8],
+                                                            Ls[2, vti * 16 + frag_col(vtx, vs8)]), St[vw, vtx, vs8]))
                                     for w, td, j, n, kk in T.grid(WARPS, TD, 16, 16, 16):
                                         with T.sblock("dk"):  # dK += dS^T Q (scaled at the end)
                                             vw, vtd, vj, vn, vk = T.axis.remap("SSSSR", [w, td, j, n, kk])

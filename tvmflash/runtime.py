@@ -51,8 +51,8 @@ class FlashKernels:
         self.is_cuda = self.target_kind == "cuda"
         spec = meta["spec"]
         self.head_dim, self.dtype, self.out_dtype = spec["head_dim"], spec["dtype"], spec["out_dtype"]
-        # CPU kernels take the mask at run time: ``causal`` is only the default of the calls.
-        self.causal = bool(meta["causal"]) if self.is_cuda else causal
+        # Kernels take the mask at run time: ``causal`` is only the default of the calls.
+        self.causal = causal
         self.deterministic = bool(meta.get("deterministic", False))
         self.tuning_record = meta.get("tuning_record")
         self._source = source_text
@@ -60,8 +60,8 @@ class FlashKernels:
         self._mod_inputs = [tuple(i) for i in meta.get("mod_inputs", [])]
 
     def with_causal(self, causal: bool) -> FlashKernels:
-        """The same module with another default mask (CPU kernels only: CUDA builds it in)."""
-        if self.is_cuda or causal == self.causal:
+        """The same module with another default mask."""
+        if causal == self.causal:
             return self
         return FlashKernels(self._module, self.meta, self._source, self._library, causal)
 
@@ -139,12 +139,14 @@ class FlashKernels:
         depend on it)."""
         batch, seqlen_q, heads, heads_k = checks.check_forward_args(self, q, k, v, out, lse)
         scale = checks.softmax_scale(softmax_scale, self.head_dim)
+        left, right = self._window(causal, window_size)
         if self.is_cuda:
-            self._cuda_only(window_size, cu_seqlens_q, mod_inputs, block_mask, diagonal, causal)
-            self._functions["flash_fwd"](q, k, v, out, lse, scale)
+            _cuda_batched_only(cu_seqlens_q)
+            self._functions["flash_fwd"](q, k, v, out, lse, scale, left, right,
+                                         _cuda_diagonal(diagonal, seqlen_q, _len(k)), *self._mods(mod_inputs),
+                                         *(block_mask or ()))
             return
         self._check_runs_here()
-        left, right = self._window(causal, window_size)
         seqs, tables = self._sequences("forward", batch, seqlen_q, _len(k), heads_k, cu_seqlens_q, cu_seqlens_k,
                                        diagonal)
         self._functions["flash_fwd"](q, k, v, out, lse, scale, left, right, _threads(num_threads), *tables[:3],
@@ -160,12 +162,15 @@ class FlashKernels:
         batch, seqlen_q, heads, heads_k = checks.check_backward_args(self, dout, q, k, v, out, lse, dq, dk, dv)
         scale = checks.softmax_scale(softmax_scale, self.head_dim)
         checks.check_lse_recomputable(lse)
+        left, right = self._window(causal, window_size)
         if self.is_cuda:
-            self._cuda_only(window_size, cu_seqlens_q, mod_inputs, block_mask, diagonal, causal)
-            self._cuda_backward(dout, q, k, v, out, lse, dq, dk, dv, scale, batch, seqlen_q, heads, heads_k)
+            _cuda_batched_only(cu_seqlens_q)
+            mask = (left, right, _cuda_diagonal(diagonal, seqlen_q, _len(k)))
+            self._cuda_backward(dout, q, k, v, out, lse, dq, dk, dv, scale, mask,
+                                [*self._mods(mod_inputs), *(block_mask or ())],
+                                batch, seqlen_q, heads, heads_k)
             return
         self._check_runs_here()
-        left, right = self._window(causal, window_size)
         seqs, tables = self._sequences("backward", batch, seqlen_q, _len(k), heads_k, cu_seqlens_q, cu_seqlens_k,
                                        diagonal)
         self._functions["flash_bwd"](dout, q, k, v, out, lse, dq, dk, dv, scale, left, right, _threads(num_threads),
@@ -198,14 +203,8 @@ class FlashKernels:
         return plan.backward_workspace_bytes(seqs, grad_input_elements=grad_elements, **sizes)
 
     # --- CUDA --------------------------------------------------------------------------------
-    def _cuda_only(self, window_size, cu_seqlens, mod_inputs, block_mask, diagonal, causal) -> None:
-        if tuple(window_size) != (-1, -1) or cu_seqlens is not None or mod_inputs or block_mask or diagonal is not None:
-            raise NotImplementedError("the CUDA kernels support full and causal attention only so far "
-                                      "(no window, varlen, score/mask mods)")
-        if causal is not None and checks.require_bool("causal", causal) != self.causal:
-            raise ValueError(f"these CUDA kernels were compiled with causal={self.causal}")
-
-    def _cuda_backward(self, dout, q, k, v, out, lse, dq, dk, dv, scale, batch, seqlen_q, heads, heads_k) -> None:
+    def _cuda_backward(self, dout, q, k, v, out, lse, dq, dk, dv, scale, mask, mods, batch, seqlen_q, heads,
+                       heads_k) -> None:
         # FlashAttention-2's three launches (kernels_cuda.py): row statistics + zeroed fp32 dQ
         # accumulator, the fused backward, the dQ conversion. Workspace: O(N) fp32.
         cfg = self.configs["backward"]
@@ -217,7 +216,7 @@ class FlashKernels:
         stats = _workspace(dq, (batch, heads, 3, cuda_stats_rows(seqlen_q)))
         dq_acc = _workspace(dq, (partials, batch, seqlen_q, heads, self.head_dim))
         self._functions["flash_bwd_prep"](dout, out, lse, stats, dq_acc)
-        self._functions["flash_bwd"](dout, q, k, v, stats, dq_acc, dk, dv, scale, splits)
+        self._functions["flash_bwd"](dout, q, k, v, stats, dq_acc, dk, dv, scale, splits, *mask, *mods)
         self._functions["flash_bwd_dq"](dq_acc, dq, scale)
 
     # --- export --------------------------------------------------------------------------------
@@ -248,6 +247,20 @@ class FlashKernels:
 
 def _len(k) -> int:
     return int(k.shape[1])
+
+
+def _cuda_batched_only(cu_seqlens) -> None:
+    if cu_seqlens is not None:
+        raise NotImplementedError("the CUDA kernels take batched sequences so far (no varlen cu_seqlens)")
+
+
+def _cuda_diagonal(diagonal, seqlen_q: int, seqlen_k: int) -> int:
+    """The key query 0 is aligned with: flash-attn's bottom-right corner unless given."""
+    if diagonal is None:
+        return seqlen_k - seqlen_q
+    if isinstance(diagonal, bool) or not isinstance(diagonal, int) or abs(diagonal) >= 2**31:
+        raise ValueError(f"diagonal must be an integer of magnitude below 2^31, got {diagonal!r}")
+    return diagonal
 
 
 def _threads(num_threads) -> int:

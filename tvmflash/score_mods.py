@@ -15,12 +15,15 @@ buffers of the mod inputs by name.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
 from tvm import tirx
+from tvm.script import tirx as T
+from tvm.script.ir_builder import IRBuilder
 
-from .attention_te import LOG2E, exp2
+from .attention_te import LOG2E, exp2, scale_log2_parts
 from .spec import Alibi, AttentionSpec, Softcap
 
 
@@ -52,11 +55,14 @@ _TANH_SMALL = 0.625
 _TANH_COEFFS = _odd_tanh_coefficients(_TANH_SMALL)
 
 
-def tanh(x: tirx.PrimExpr) -> tirx.PrimExpr:
-    """tanh for float32 that vectorizes (``T.tanh`` becomes a libm call per element on CPUs).
+def tanh(x: tirx.PrimExpr, exp2_fn=exp2) -> tirx.PrimExpr:
+    """tanh for float32 that vectorizes (``T.tanh`` becomes a libm call per element on CPUs) and
+    stays accurate under ``nvcc --use_fast_math`` (which makes CUDA's ``tanhf`` the
+    ``tanh.approx`` instruction, relative error 2^-11: 1.5 % of P at softcap 30).
 
     |x| < 0.625: x (1 + x^2 p(x^2)), an odd polynomial (no cancellation near 0); beyond,
-    1 - 2 / (2^(2|x| log2 e) + 1) with the kernels' exp2, sign restored; |x| > 9 is +-1 in fp32.
+    1 - 2 / (2^(2|x| log2 e) + 1) with ``exp2_fn`` (the kernels' polynomial; the GPU's ex2),
+    sign restored; |x| > 9 is +-1 in fp32.
     Relative error ~1e-7 (tested against float64).
     """
     ax = tirx.abs(x)
@@ -65,7 +71,7 @@ def tanh(x: tirx.PrimExpr) -> tirx.PrimExpr:
     for c in reversed(_TANH_COEFFS[:-1]):
         poly = poly * t + _f32(c)
     small = x + x * t * poly
-    e = exp2(tirx.min(ax, _f32(9.0)) * _f32(2.0 * LOG2E))
+    e = exp2_fn(tirx.min(ax, _f32(9.0)) * _f32(2.0 * LOG2E))
     large = _f32(1.0) - _f32(2.0) / (e + _f32(1.0))
     signed = tirx.Select(x < _f32(0.0), -large, large)
     return tirx.Select(ax < _f32(_TANH_SMALL), small, signed)
@@ -75,35 +81,38 @@ _LOG2E_HI = float(np.float32(LOG2E))
 _LOG2E_LO = LOG2E - _LOG2E_HI
 
 
-def fast_exp(x: tirx.PrimExpr) -> tirx.PrimExpr:
+def fast_exp(x: tirx.PrimExpr, exp2_fn=exp2) -> tirx.PrimExpr:
     """e^x through the kernels' polynomial exp2 (vectorizes; ``T.exp`` is a libm call per element):
     x log2(e) with log2(e) as an fp32 hi + lo pair, relative error ~1e-7."""
-    return exp2(x * _f32(_LOG2E_HI) + x * _f32(_LOG2E_LO))
+    return exp2_fn(x * _f32(_LOG2E_HI) + x * _f32(_LOG2E_LO))
 
 
-def fast_sigmoid(x: tirx.PrimExpr) -> tirx.PrimExpr:
-    return _f32(1.0) / (_f32(1.0) + fast_exp(-x))
+def fast_sigmoid(x: tirx.PrimExpr, exp2_fn=exp2) -> tirx.PrimExpr:
+    return _f32(1.0) / (_f32(1.0) + fast_exp(-x, exp2_fn))
 
 
 # Vectorizable versions of the transcendental functions traced score_mods use most (the rest
 # stay libm calls: correct, slower).
 FAST_INTRINSICS = {"exp": fast_exp, "exp2": exp2, "tanh": tanh, "sigmoid": fast_sigmoid}
+# GPUs: the same formulas on the hardware's exp2 (ex2.approx, 2 ulp), whatever nvcc's flags.
+NATIVE_INTRINSICS = {"exp": lambda x: fast_exp(x, tirx.exp2), "exp2": tirx.exp2, "tanh": lambda x: tanh(x, tirx.exp2),
+                     "sigmoid": lambda x: fast_sigmoid(x, tirx.exp2)}
 
 
 class _Softcap:
     """s -> c tanh(s / c), c = softcap[0]."""
 
-    def __init__(self):
-        self.cap = None
+    def __init__(self, intrinsics):
+        self.tanh = intrinsics["tanh"]
 
     def _c(self, ctx):
         return ctx.buffers["softcap"][0]
 
     def score(self, s, ctx):
-        return self._c(ctx) * tanh(s / self._c(ctx))
+        return self._c(ctx) * self.tanh(s / self._c(ctx))
 
     def grad(self, s, ctx):
-        t = tanh(s / self._c(ctx))
+        t = self.tanh(s / self._c(ctx))
         return _f32(1.0) - t * t
 
     def captured_grads(self, s, ctx, upstream):
@@ -132,32 +141,33 @@ class _Alibi:
 class _Traced:
     """A mod traced by ``flex_trace``: it emits its own expressions."""
 
-    def __init__(self, traced):
-        self.traced = traced
+    def __init__(self, traced, intrinsics):
+        self.traced, self.intrinsics = traced, intrinsics
 
     def score(self, s, ctx):
-        return self.traced.emit(s, ctx.b, ctx.h, ctx.q_idx, ctx.kv_idx, ctx.buffers, intrinsics=FAST_INTRINSICS)
+        return self.traced.emit(s, ctx.b, ctx.h, ctx.q_idx, ctx.kv_idx, ctx.buffers, intrinsics=self.intrinsics)
 
     def grad(self, s, ctx):
-        return self.traced.emit_grad(s, ctx.b, ctx.h, ctx.q_idx, ctx.kv_idx, ctx.buffers, intrinsics=FAST_INTRINSICS)
+        return self.traced.emit_grad(s, ctx.b, ctx.h, ctx.q_idx, ctx.kv_idx, ctx.buffers, intrinsics=self.intrinsics)
 
     def captured_grads(self, s, ctx, upstream):
         return self.traced.emit_captured_grads(s, ctx.b, ctx.h, ctx.q_idx, ctx.kv_idx, upstream, ctx.buffers,
-                                               intrinsics=FAST_INTRINSICS)
+                                               intrinsics=self.intrinsics)
 
 
-def _emitter(mod):
+def _emitter(mod, intrinsics):
     if isinstance(mod, Softcap):
-        return _Softcap()
+        return _Softcap(intrinsics)
     if isinstance(mod, Alibi):
         return _Alibi()
-    return _Traced(mod)
+    return _Traced(mod, intrinsics)
 
 
 class Emitters:
-    def __init__(self, spec: AttentionSpec):
-        self.mods = [_emitter(m) for m in spec.score_mods]
+    def __init__(self, spec: AttentionSpec, intrinsics):
+        self.mods = [_emitter(m, intrinsics) for m in spec.score_mods]
         self.mask_mod = spec.mask_mod
+        self.intrinsics = intrinsics
 
     def _chain(self, s, ctx):
         """The score before each mod: [s, f1(s), f2(f1(s)), ...]."""
@@ -190,8 +200,37 @@ class Emitters:
     def mask(self, ctx):
         if self.mask_mod is None:
             return tirx.const(True, "bool")
-        return self.mask_mod.emit(ctx.b, ctx.h, ctx.q_idx, ctx.kv_idx, ctx.buffers, intrinsics=FAST_INTRINSICS)
+        return self.mask_mod.emit(ctx.b, ctx.h, ctx.q_idx, ctx.kv_idx, ctx.buffers, intrinsics=self.intrinsics)
 
 
-def emitters(spec: AttentionSpec) -> Emitters:
-    return Emitters(spec)
+def exponent_constant(spec: AttentionSpec, softmax_scale):
+    """c of 2^(x c - max) as an fp32 hi + lo pair (attention_te.scale_log2_parts): x is the raw
+    dot product without score mods (the scale folds into c), the modded natural-log score with them."""
+    return scale_log2_parts(tirx.const(1.0, "float64") if spec.score_mods else softmax_scale)
+
+
+def kernel_argument(name: str, shape, dtype: str):
+    """A buffer argument added to the prim_func being parsed (called inside its body)."""
+    buf = T.match_buffer(T.arg(name, T.handle()), shape, dtype)
+    IRBuilder.name(name, buf)
+    return buf
+
+
+def declare_inputs(spec: AttentionSpec, grads: bool) -> tuple[dict, dict]:
+    """The mod inputs as kernel arguments in the spec's order (sizes given as None become
+    symbolic), then, with ``grads``, a flat fp32 gradient buffer for each that requires one.
+    Returns the two by input name."""
+    inputs, grad_buffers = {}, {}
+    for i in spec.mod_inputs:
+        shape = tuple(tirx.Var(f"{i.name}_d{d}", "int64") if n is None else n for d, n in enumerate(i.shape))
+        inputs[i.name] = kernel_argument(i.name, shape, i.dtype)
+    if grads:
+        for i in spec.grad_inputs:
+            grad_buffers[i.name] = kernel_argument(f"{i.name}_grad", (math.prod(i.shape),), "float32")
+    return inputs, grad_buffers
+
+
+def emitters(spec: AttentionSpec, intrinsics=FAST_INTRINSICS) -> Emitters:
+    """The spec's mods as TIR; ``intrinsics``: how exp, exp2, tanh, sigmoid are computed
+    (``FAST_INTRINSICS``: polynomials that vectorize on CPUs; ``NATIVE_INTRINSICS``: GPUs)."""
+    return Emitters(spec, intrinsics)

@@ -31,19 +31,22 @@ def kernels_for(q: torch.Tensor, *, causal: bool = False, deterministic: bool = 
 
     ``fp32_results``: out (forward) and dq, dk, dv (backward) in float32 for 16-bit inputs, for
     callers that sum partial results (ring attention). CUDA kernels run on torch's current stream
-    (tvm-ffi reads it from the tensors); they build the mask in, CPU kernels take it per call.
+    (tvm-ffi reads it from the tensors). Kernels take the mask per call; ``causal`` is the default.
     """
-    if q.device.type == "cpu":
-        target = {"kind": "llvm"}
-    elif q.device.type == "cuda":
-        major, minor = torch.cuda.get_device_capability(q.device)
-        target = {"kind": "cuda", "arch": f"sm_{major}{minor}"}
-    else:
-        raise ValueError(f"tvmflash runs on cpu and cuda tensors, got {q.device}")
     dtype = _dtype_name(q)
     mods = (Softcap(),) * softcap + (Alibi(),) * alibi
     spec = AttentionSpec(q.shape[-1], dtype, "float32" if fp32_results else dtype, score_mods=mods)
-    return compiler.compile_spec(target, spec, causal=causal, deterministic=deterministic)
+    return compiler.compile_spec(device_target(q.device), spec, causal=causal, deterministic=deterministic)
+
+
+def device_target(device: torch.device) -> dict:
+    """The compile target for tensors on ``device``: this CPU, or the GPU's architecture."""
+    if device.type == "cpu":
+        return {"kind": "llvm"}
+    if device.type == "cuda":
+        major, minor = torch.cuda.get_device_capability(device)
+        return {"kind": "cuda", "arch": f"sm_{major}{minor}"}
+    raise ValueError(f"tvmflash runs on cpu and cuda tensors, got {device}")
 
 
 def _lse_shape(q: torch.Tensor, varlen: bool) -> tuple:
@@ -88,16 +91,10 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: to
         q4, k4, v4, out4, lse3 = (_as_batch(t) for t in (q, k, v, out, lse))
     else:
         q4, k4, v4, out4, lse3 = q, k, v, out, lse
-    kernels.forward(q4, k4, v4, out4, lse3, softmax_scale, **_mask_args(kernels, window_left, window_right),
+    kernels.forward(q4, k4, v4, out4, lse3, softmax_scale, causal=False, window_size=(window_left, window_right),
                     cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
                     mod_inputs=_mod_inputs(q, softcap, alibi_slopes), diagonal=diagonal)
     return out, lse
-
-
-def _mask_args(kernels: FlashKernels, window_left: int, window_right: int) -> dict:
-    if kernels.is_cuda:  # the mask is built in (causal or none)
-        return {}
-    return {"causal": False, "window_size": (window_left, window_right)}
 
 
 @_forward.register_fake
@@ -123,7 +120,7 @@ def _backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
     tensors = (dout, q, k, v, out, lse, dq, dk, dv)
     if varlen:
         tensors = tuple(_as_batch(t) for t in tensors)
-    kernels.backward(*tensors, softmax_scale, **_mask_args(kernels, window_left, window_right),
+    kernels.backward(*tensors, softmax_scale, causal=False, window_size=(window_left, window_right),
                      cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
                      mod_inputs=_mod_inputs(q, softcap, alibi_slopes), diagonal=diagonal)
     return dq, dk, dv
@@ -155,14 +152,14 @@ def _autograd_backward(ctx, dout, _dlse):
     if dout is None:  # nothing downstream used out
         return (None,) * 13
     q, k, v, out, lse, cu_q, cu_k, alibi = ctx.saved_tensors
-    dq, dk, dv = _backward(_kernel_layout(dout), q, k, v, out, lse, cu_q, cu_k, alibi, *ctx.scalars)
+    dq, dk, dv = _backward(kernel_layout(dout), q, k, v, out, lse, cu_q, cu_k, alibi, *ctx.scalars)
     return dq, dk, dv, None, None, None, None, None, None, None, None, None, None
 
 
 _forward.register_autograd(_autograd_backward, setup_context=_setup_context)
 
 
-def _kernel_layout(t: torch.Tensor) -> torch.Tensor:
+def kernel_layout(t: torch.Tensor) -> torch.Tensor:
     """The tensor itself if the kernels can read it in place, else a copy.
 
     CPU kernels read any batch/seq/head strides; only head_dim must be unit-stride. CUDA kernels
@@ -236,10 +233,9 @@ def _attention(q, k, v, cu_seqlens_q, cu_seqlens_k, dropout_p, softmax_scale, ca
     if q.dtype not in tuple(getattr(torch, d) for d in SUPPORTED_DTYPES):
         raise TypeError(f"dtype {q.dtype} is not supported")
     left, right = checks.window_pair(window_size, causal)
-    if q.device.type == "cuda" and (left >= 0 or (right >= 0 and right != 0) or softcap or alibi_slopes is not None
-                                    or varlen):
-        raise NotImplementedError("on CUDA tensors tvmflash supports full and causal attention only so far")
-    q, k, v = (_kernel_layout(t) for t in (q, k, v))
+    if q.device.type == "cuda" and varlen:
+        raise NotImplementedError("the varlen functions run on CPU tensors only so far (CUDA: batched tensors)")
+    q, k, v = (kernel_layout(t) for t in (q, k, v))
     out, lse = _forward(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, scale, left, right, softcap,
                         bool(deterministic), fp32_results, diagonal)
     out = out[..., :head_dim]
@@ -271,8 +267,8 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     seqlen_q - j|``. A query that sees no key gets output 0, lse -inf and zero gradients.
     Returns ``out`` (like q), or ``(out, softmax_lse, None)`` with ``return_attn_probs=True``
     (lse ``(batch, heads, seqlen_q)`` float32, natural log; dropout is not supported, so there
-    is no dropout mask). CUDA tensors (float16/bfloat16, head_dim a multiple of 16 up to 128, no
-    window/softcap/ALiBi yet) run the tensor-core kernels on the current stream;
+    is no dropout mask). CUDA tensors (float16/bfloat16, head_dim a multiple of 16 up to 128)
+    run the tensor-core kernels on the current stream;
     ``deterministic=True`` makes their backward bitwise reproducible. CPU kernels are always
     deterministic, whatever the thread count.
     """

@@ -32,11 +32,24 @@ class CorrectnessCase:
     head_dim: int
     dtype: str
     causal: bool
+    # flash-attn's variants: sliding window (left, right), softcap, ALiBi slopes (drawn per case)
+    window: tuple = (-1, -1)
+    softcap: float = 0.0
+    alibi: bool = False
 
     def label(self) -> str:
         mask = " causal" if self.causal else ""
+        variant = (f" window{self.window}" * (self.window != (-1, -1)) + f" softcap{self.softcap:g}" * bool(self.softcap)
+                   + " alibi" * self.alibi)
         return (f"B{self.batch} Nq{self.seqlen_q} Nk{self.seqlen_k} H{self.heads}/{self.heads_k} "
-                f"D{self.head_dim} {SHORT[self.dtype]}{mask}")
+                f"D{self.head_dim} {SHORT[self.dtype]}{mask}{variant}")
+
+    def variant(self) -> dict:
+        """flash_attn_func's / reference_attention's arguments for the variant (slopes: a fixed draw)."""
+        slopes = None
+        if self.alibi:
+            slopes = torch.rand(self.heads, generator=torch.Generator().manual_seed(self.heads))
+        return {"window_size": self.window, "softcap": self.softcap, "alibi_slopes": slopes}
 
 
 @dataclass(frozen=True)
@@ -83,6 +96,10 @@ def correctness_cases(device: str, quick: bool) -> list[CorrectnessCase]:
         # quick: 2 shapes per variant, rotating, so every shape still meets both masks.
         chosen = [shapes[(2 * i + j) % len(shapes)] for j in range(2)] if quick else shapes
         cases += [CorrectnessCase(b, nq, nk, h, hk, head_dim, dtype, causal) for b, nq, nk, h, hk in chosen]
+    if device == "cuda":  # flash-attn's variants, fused (runtime windows; softcap and ALiBi compiled in)
+        cases += [CorrectnessCase(1, 1000, 777, 8, 2, 128, "bfloat16", False, window=(256, 0)),
+                  CorrectnessCase(2, 333, 333, 4, 4, 64, "float16", True, softcap=30.0, alibi=True),
+                  CorrectnessCase(1, 77, 1000, 4, 1, 64, "bfloat16", False, window=(100, 50), softcap=5.0)]
     return cases
 
 
@@ -112,8 +129,8 @@ def long_dtype(device: str) -> str:
 
 
 def variants_needed(args) -> list[tuple[str, int, bool]]:
-    """(dtype, head_dim, causal) of every kernel the selected stages will call. CPU kernels take
-    the mask per call (one kernel per dtype and head dim): causal is always False there."""
+    """(dtype, head_dim, causal) of every kernel the selected stages will call. Kernels take the
+    mask per call (one kernel per dtype and head dim): causal is always False."""
     found = []
     if "correctness" in args.stage_list:
         found += [(c.dtype, c.head_dim, c.causal) for c in correctness_cases(args.device, args.quick)]
@@ -121,8 +138,16 @@ def variants_needed(args) -> list[tuple[str, int, bool]]:
         found += [(c.dtype, c.head_dim, c.causal) for c in speed_cases(args.device, args.quick, args.case_filter)]
     if "long" in args.stage_list:
         found.append((long_dtype(args.device), args.long_head_dim, False))
-    cuda = args.device == "cuda"
-    return list(dict.fromkeys((dtype, d, causal and cuda) for dtype, d, causal in found))
+    return list(dict.fromkeys((dtype, d, False) for dtype, d, _ in found))
+
+
+def mod_variants_needed(args) -> list[tuple[str, int, bool, bool]]:
+    """(dtype, head_dim, softcap, alibi) of the kernels with score mods the correctness stage
+    calls (flash-attn's variants; windows need no kernel of their own)."""
+    if "correctness" not in args.stage_list:
+        return []
+    found = [(c.dtype, c.head_dim, bool(c.softcap), c.alibi) for c in correctness_cases(args.device, args.quick)]
+    return list(dict.fromkeys(v for v in found if v[2] or v[3]))
 
 
 def format_variant(v) -> str:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import asdict
 
@@ -16,12 +15,13 @@ from .stage import StageWriter, run_cases
 GRADS = ("dq", "dk", "dv")
 
 
-def references(q, k, v, dout, causal: bool) -> dict[str, tuple]:
-    """(out, lse, dq, dk, dv) of plain attention in float64 ("f64") and in the inputs' dtype ("same")."""
+def references(q, k, v, dout, causal: bool, **variant) -> dict[str, tuple]:
+    """(out, lse, dq, dk, dv) of plain attention in float64 ("f64") and in the inputs' dtype ("same");
+    ``variant``: reference_attention's window_size, softcap, alibi_slopes."""
     refs = {}
     for name, dt in (("f64", torch.float64), ("same", q.dtype)):
         leaves = [t.detach().to(dt).requires_grad_() for t in (q, k, v)]
-        o, lse = reference_attention(*leaves, causal, dtype=dt)
+        o, lse = reference_attention(*leaves, causal, dtype=dt, **variant)
         refs[name] = (o.detach(), lse.detach(), *torch.autograd.grad(o, leaves, dout.to(dt)))
     return refs
 
@@ -54,9 +54,13 @@ def check_case(case: CorrectnessCase, device: str, seed: int, deterministic: boo
     q, k, v, dout = (draw(gen, s, case.dtype, device) for s in ((b, nq, h, d), (b, nk, hk, d), (b, nk, hk, d),
                                                                (b, nq, h, d)))
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    variant = case.variant()
+    if variant["alibi_slopes"] is not None:
+        variant["alibi_slopes"] = variant["alibi_slopes"].to(device)
 
     def ours():
-        return flash_attn_func(*leaves, causal=case.causal, deterministic=deterministic, return_attn_probs=True)
+        return flash_attn_func(*leaves, causal=case.causal, deterministic=deterministic, return_attn_probs=True,
+                               **variant)
 
     start = time.perf_counter()
     out, lse, _ = ours()
@@ -64,7 +68,7 @@ def check_case(case: CorrectnessCase, device: str, seed: int, deterministic: boo
     sync(device)
     ours_s = time.perf_counter() - start
     results = {"out": out, "lse": lse, **dict(zip(GRADS, grads))}
-    checks = compare(results, references(q, k, v, dout, case.causal), getattr(torch, case.dtype),
+    checks = compare(results, references(q, k, v, dout, case.causal, **variant), getattr(torch, case.dtype),
                      reference_magnitudes(q, k, v, dout))
     result = {"case": asdict(case), "label": case.label(), "seed": seed, "ours_s": ours_s, "checks": checks}
     if deterministic:

@@ -1,0 +1,179 @@
+"""Run tvmflash's generated CUDA kernels on the CPU and judge them against float64 PyTorch.
+
+One fiber per CUDA thread (emu_rt.h): exact __syncthreads and warp collectives, ldmatrix and
+mma.m16n8k16 per the PTX ISA, with race, uninitialised-shared-read, out-of-bounds, misalignment,
+divergent-barrier and deadlock detection. Results are judged by the project's own rule
+(tests/conftest.py). No GPU needed; g++ and the project's Python.
+
+    python tools/cuda_emu/check.py --head-dim 64 --dtype float16 --mods none --window -1,0
+    python tools/cuda_emu/check.py --head-dim 128 --dtype bfloat16 --mods softcap+alibi --window 40,7 \\
+        --shape B=1,Nq=300,Nk=129,H=2,Hk=1
+    python tools/cuda_emu/check.py --mods flex --deterministic
+
+``--mods``: none; softcap+alibi (flash-attn's); flex (a traced relative-position bias reading a
+captured table, a traced document mask, a block mask at the kernels' 64 x 64 tiles:
+``benchmarks/cuda_resources.variant_spec``). Every line
+says OK or the mismatch, and the detectors' counts.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import struct
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
+sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "benchmarks"), str(ROOT)]
+from conftest import assert_matches_reference, random_inputs  # noqa: E402
+from cuda_resources import relative_bias, same_document, variant_spec  # noqa: E402
+
+import tvmflash  # noqa: E402
+from tvmflash import flex_trace  # noqa: E402
+from tvmflash.flex import create_block_mask, query_ranges, tile_maps  # noqa: E402
+from tvmflash.spec import UNLIMITED_WINDOW, AttentionSpec  # noqa: E402
+
+DT = {"bfloat16": torch.bfloat16, "float16": torch.float16}
+C_TYPES = {torch.float32: "float", torch.int64: "int64_t", torch.int32: "int", torch.int8: "signed char",
+           torch.bool: "bool"}
+SHAPES = [dict(B=1, Nq=70, Nk=133, H=4, Hk=2), dict(B=1, Nq=150, Nk=37, H=3, Hk=1),
+          dict(B=1, Nq=1, Nk=65, H=2, Hk=2), dict(B=2, Nq=64, Nk=64, H=1, Hk=1)]
+def extras_include(spec: AttentionSpec) -> str:
+    """C++ declarations of the kernels' mod-input and block-mask arguments, read by name."""
+    lines = []
+    for i in spec.mod_inputs:
+        ctype = C_TYPES[getattr(torch, i.dtype)]
+        lines.append(f'auto {i.name}_ptr = extra<{ctype}>("{i.name}");')
+        lines += [f'int64_t {i.name}_d{d} = extra_dim("{i.name}", {d});' for d, n in enumerate(i.shape) if n is None]
+    if spec.block_sparse:
+        lines += ['auto tile_state_ptr = extra<signed char>("tile_state");', 'auto kv_range_ptr = extra<int>("kv_range");',
+                  'auto q_range_ptr = extra<int>("q_range");']
+        lines += [f'int64_t {n} = extra_dim("tile_state", {d});'
+                  for d, n in enumerate(("mask_batch", "mask_heads", "mask_q_tiles", "mask_k_tiles"))]
+    return "\n".join(lines) + "\n"
+
+
+def build(spec: AttentionSpec, deterministic: bool, work: Path) -> Path:
+    kern = tvmflash.compile_spec({"kind": "cuda", "arch": "sm_90"}, spec, deterministic=deterministic)
+    (work / "k.cu").write_text(kern.source())
+    subprocess.run([sys.executable, str(HERE / "transform.py"), str(work / "k.cu"), str(work / "k.cpp")], check=True)
+    (work / "extras.inc").write_text(extras_include(spec))
+    elem = "nv_bfloat16" if spec.dtype == "bfloat16" else "half"
+    exe = work / "emu"
+    subprocess.run(["g++", "-O1", "-std=c++17", f"-I{HERE}", f'-DKERNELS_CPP="{work / "k.cpp"}"',
+                    f'-DEXTRAS_INC="{work / "extras.inc"}"', f"-DELEM={elem}", str(HERE / "harness.cpp"),
+                    str(HERE / "emu_rt.cpp"), "-o", str(exe)], check=True)
+    return exe
+
+
+def mod_tensors(mods: str, gen, B, Nq, Nk, H, spec) -> tuple[dict, list]:
+    """(reference_attention's variant arguments, [(name, tensor)] in kernel-argument order)."""
+    if mods == "softcap+alibi":
+        softcap = float(torch.empty(1).uniform_(1, 10, generator=gen))
+        slopes = torch.rand(B, H, generator=gen)
+        return {"softcap": softcap, "alibi_slopes": slopes}, [("softcap", torch.tensor([softcap])),
+                                                               ("alibi_slopes", slopes)]
+    if mods == "flex":
+        captured = {c.name: c.tensor for m in (*spec.score_mods, spec.mask_mod) for c in m.captured}
+        block_mask = create_block_mask(same_document, B, None, Nq, Nk, BLOCK_SIZE=64)
+        tile_state, kv_range = tile_maps(block_mask, Nq, Nk, 64, 64)
+        mask = flex_trace.dense_mask(same_document, B, H, Nq, Nk)
+        tensors = [(i.name, captured[i.name]) for i in spec.mod_inputs]
+        return {"score_mod": relative_bias, "mask": mask, "diagonal": 0}, tensors + [
+            ("tile_state", tile_state), ("kv_range", kv_range), ("q_range", query_ranges(tile_state))]
+    return {}, []
+
+
+def run(exe, mods, spec, dtype, B, Nq, Nk, H, Hk, D, window, deterministic=False, pad=0, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    q, k, v = random_inputs(gen, B, Nq, Nk, H, Hk, D, dtype)
+    dout = torch.randn(q.shape, generator=gen).to(q.dtype)
+    scale = D**-0.5
+    variant, extras = mod_tensors(mods, gen, B, Nq, Nk, H, spec)
+    diagonal = variant.pop("diagonal", Nk - Nq)
+    n_split = 0
+    if deterministic:
+        n_split = max(1, min(-(-Nk // 64), 8, -(-256 // (B * Hk))))
+    left, right = (UNLIMITED_WINDOW if w < 0 else w for w in window)
+    hdr = struct.pack("<13qd", B, Nq, Nk, H, Hk, D, int(deterministic), n_split, pad, left, right, diagonal,
+                      len(extras), scale)
+    raw = lambda t: t.contiguous().view(torch.int16).numpy().tobytes()  # noqa: E731
+    blob = b""
+    for name, t in extras:
+        data = t.contiguous().numpy().tobytes()
+        dims = list(t.shape) + [1] * (4 - t.dim())
+        blob += name.encode().ljust(64, b"\0") + struct.pack("<4qq", *dims, len(data)) + data
+    fd, path = tempfile.mkstemp(suffix=".bin")
+    os.close(fd)
+    try:
+        Path(path).write_bytes(hdr + raw(q) + raw(k) + raw(v) + raw(dout) + blob)
+        t0 = time.time()
+        r = subprocess.run([str(exe), path, path + ".out"], capture_output=True, text=True)
+        elapsed = time.time() - t0
+        buf = Path(path + ".out").read_bytes() if r.returncode == 0 else b""
+    finally:
+        for p in (path, path + ".out"):
+            Path(p).unlink(missing_ok=True)
+    stats = [ln for ln in r.stderr.splitlines() if ln.startswith("emu stats")]
+    issues = [ln for ln in r.stderr.splitlines() if ln.startswith("[emu:")]
+    tag = (f"{dtype} D={D} mods={mods} window={window} det={deterministic} B={B} Nq={Nq} Nk={Nk} H={H} Hk={Hk} "
+           f"pad={pad}")
+    if not buf:
+        print(f"{tag}: CRASHED (exit {r.returncode}) {r.stderr[-800:]}", flush=True)
+        return False
+    at = 0
+
+    def take(n, dt, shape):
+        nonlocal at
+        width = 4 if dt == torch.float32 else 2
+        arr = np.frombuffer(buf[at:at + n * width], dtype=np.float32 if dt == torch.float32 else np.int16).copy()
+        at += n * width
+        t = torch.from_numpy(arr)
+        return (t if dt == torch.float32 else t.view(dt)).reshape(shape)
+
+    nq, nk = B * Nq * H * D, B * Nk * Hk * D
+    results = (take(nq, DT[dtype], q.shape), take(B * H * Nq, torch.float32, (B, H, Nq)),
+               take(nq, DT[dtype], q.shape), take(nk, DT[dtype], k.shape), take(nk, DT[dtype], k.shape))
+    status = "OK"
+    try:
+        assert_matches_reference(tag, (q, k, v, dout), results, False, seed, scale, window_size=window,
+                                 diagonal=diagonal, **variant)
+    except AssertionError as e:
+        status = f"MISMATCH: {e}"
+    clean = bool(stats) and stats[0].endswith("races=0 uninit=0 oob=0 misaligned=0 deadlock=0 divergent=0")
+    print(f"{tag}: {status} | {stats[0] if stats else r.stderr[-300:]} | {elapsed:.1f}s", flush=True)
+    for ln in issues[:8]:
+        print("   ", ln)
+    return status == "OK" and clean
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--head-dim", type=int, default=64)
+    ap.add_argument("--dtype", choices=sorted(DT), default="float16")
+    ap.add_argument("--mods", choices=("none", "softcap+alibi", "flex"), default="none")
+    ap.add_argument("--window", default="-1,-1", help="flash-attn's window_size left,right (-1: no limit)")
+    ap.add_argument("--deterministic", action="store_true")
+    ap.add_argument("--pad", type=int, default=0, help="pad the q/k/v/dout strides by this many elements")
+    ap.add_argument("--shape", action="append", help="B=..,Nq=..,Nk=..,H=..,Hk=.. (repeatable)")
+    args = ap.parse_args(argv)
+    window = tuple(int(w) for w in args.window.split(","))
+    shapes = [dict(kv.split("=") for kv in s.split(",")) for s in args.shape] if args.shape else SHAPES
+    spec = variant_spec(args.head_dim, args.dtype, args.mods)
+    with tempfile.TemporaryDirectory() as work:
+        exe = build(spec, args.deterministic, Path(work))
+        ok = [run(exe, args.mods, spec, args.dtype, D=args.head_dim, window=window, deterministic=args.deterministic,
+                  pad=args.pad, seed=100 + i, **{key: int(val) for key, val in s.items()})
+              for i, s in enumerate(shapes)]
+    return 0 if all(ok) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
