@@ -126,27 +126,20 @@ class Masks:
 
     def key_tiles(self, b, h, q0):
         """Key tiles [first, end) holding a key some row of the query tile at q0 sees."""
-        first = tirx.max(tirx.floordiv(q0 + self.diagonal - self.left, self.block_k), 0)
         last_row = tirx.min(q0 + self.block_q, self.seqlen_q) - 1
-        end = tirx.min(tirx.floordiv(last_row + self.diagonal + self.right, self.block_k) + 1,
-                       _ceildiv(self.seqlen_k, self.block_k))
-        if self.spec.block_sparse:
-            qt = q0 // self.block_q
-            first = tirx.max(first, tirx.Cast("int64", self.kv_range[self._mask_at(b, h, qt, 0)]))
-            end = tirx.min(end, tirx.Cast("int64", self.kv_range[self._mask_at(b, h, qt, 1)]))
-        return first, tirx.max(end, first)
+        narrowed = self._block_range(self.kv_range, b, h, q0 // self.block_q) if self.spec.block_sparse else None
+        return _tiles_holding(q0 + self.diagonal - self.left, last_row + self.diagonal + self.right, self.block_k,
+                              self.seqlen_k, narrowed)
 
     def query_tiles(self, b, h, k0):
         """Query tiles [first, end) holding a query (of head h) that sees some key of the key tile at k0."""
-        first = tirx.floordiv(tirx.max(k0 - self.diagonal - self.right, 0), self.block_q)
         last_key = tirx.min(k0 + self.block_k, self.seqlen_k) - 1
-        end = tirx.min(tirx.floordiv(last_key - self.diagonal + self.left, self.block_q) + 1,
-                       _ceildiv(self.seqlen_q, self.block_q))
-        if self.spec.block_sparse:
-            kt = k0 // self.block_k
-            first = tirx.max(first, tirx.Cast("int64", self.q_range[self._mask_at(b, h, kt, 0)]))
-            end = tirx.min(end, tirx.Cast("int64", self.q_range[self._mask_at(b, h, kt, 1)]))
-        return first, tirx.max(end, first)
+        narrowed = self._block_range(self.q_range, b, h, k0 // self.block_k) if self.spec.block_sparse else None
+        return _tiles_holding(k0 - self.diagonal - self.right, last_key - self.diagonal + self.left, self.block_q,
+                              self.seqlen_q, narrowed)
+
+    def _block_range(self, ranges, b, h, tile):
+        return tuple(tirx.Cast("int64", ranges[self._mask_at(b, h, tile, i)]) for i in (0, 1))
 
     def _context(self, b, h, q, k) -> ModContext:
         return ModContext(b, h, tirx.min(q, self.seqlen_q - 1), tirx.min(k, self.seqlen_k - 1), self.diagonal,
@@ -187,6 +180,16 @@ class Masks:
 
     def exponent_scale(self, softmax_scale):
         return exponent_constant(self.spec, softmax_scale)
+
+
+def _tiles_holding(lo, hi, block: int, length, narrowed=None):
+    """Tiles [first, end) of ``block`` rows (of ``length``) holding a row in [lo, hi], within
+    ``narrowed`` (a block mask's [first, end)) if given; first == end when none does."""
+    first = tirx.max(tirx.floordiv(lo, block), 0)
+    end = tirx.min(tirx.floordiv(hi, block) + 1, _ceildiv(length, block))
+    if narrowed is not None:
+        first, end = tirx.max(first, narrowed[0]), tirx.min(end, narrowed[1])
+    return first, tirx.max(end, first)
 
 
 def aligned_strides(strides):
