@@ -34,16 +34,22 @@ from unittest import mock
 import torch
 
 KERNELS = ("flash_fwd_kernel", "flash_bwd_kernel")
-MODS = ("none", "softcap+alibi", "flex")
+MODS = ("none", "softcap+alibi", "flex", "flex+grad")
 
 
 BIAS = torch.randn(8, 64, generator=torch.Generator().manual_seed(0))
 DOCS = (torch.arange(1024) // 45) % 3
+LEARNED = torch.randn(8, 64, generator=torch.Generator().manual_seed(1)).requires_grad_()
 
 
 def relative_bias(score, b, h, q_idx, kv_idx):
     """A traced score_mod reading a captured table (up to 8 heads) by relative position."""
     return score + BIAS[h, (q_idx - kv_idx).clamp(-31, 32) + 31].to(score.dtype)
+
+
+def learned_bias(score, b, h, q_idx, kv_idx):
+    """``relative_bias`` with a table that requires grad: the backward scatter-adds its gradient."""
+    return score + LEARNED[h, (q_idx - kv_idx).clamp(-31, 32) + 31].to(score.dtype)
 
 
 def same_document(b, h, q_idx, kv_idx):
@@ -53,14 +59,16 @@ def same_document(b, h, q_idx, kv_idx):
 
 def variant_spec(head_dim: int, dtype: str, mods: str):
     """The AttentionSpec of a CUDA variant: "none"; flash-attn's "softcap+alibi"; "flex" (the
-    traced ``relative_bias`` and ``same_document`` with a block mask)."""
+    traced ``relative_bias`` and ``same_document`` with a block mask); "flex+grad" (the same with
+    ``learned_bias``, whose table gets its gradient)."""
     from tvmflash import flex_trace
     from tvmflash.spec import Alibi, AttentionSpec, Softcap
 
     if mods == "softcap+alibi":
         return AttentionSpec(head_dim, dtype, score_mods=(Softcap(), Alibi()))
-    if mods == "flex":
-        return AttentionSpec(head_dim, dtype, score_mods=(flex_trace.trace_score_mod(relative_bias),),
+    if mods in ("flex", "flex+grad"):
+        score_mod = learned_bias if mods == "flex+grad" else relative_bias
+        return AttentionSpec(head_dim, dtype, score_mods=(flex_trace.trace_score_mod(score_mod),),
                              mask_mod=flex_trace.trace_mask_mod(same_document), block_sparse=True)
     return AttentionSpec(head_dim, dtype)
 

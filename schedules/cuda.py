@@ -292,8 +292,9 @@ def _schedule_row_load(sch, name: str, warps: int) -> None:
 def schedule_backward(sch: s_tir.Schedule, cfg: CUDAKernelConfig, spec: AttentionSpec, warps: int) -> None:
     dtype = spec.dtype
     dtype_bytes = tvm.runtime.DataType(dtype).bits // 8
-    # with score mods the modded scores X^T are a fragment of their own (S^T becomes d mods / dS)
-    modded = (("score_mod", "score_grad") if spec.score_mods else ())
+    # stages of the score mods (their values live in more slots of the score fragment)
+    modded = (("score_mod", "score_grad") if spec.score_mods else ()) + (
+        ("captured_grads",) if spec.grad_inputs and spec.score_mods else ())
     for name, index in BACKWARD_SHARED:
         sch.set_scope(sch.get_sblock(name), index, "shared.dyn")
     sch.set_scope(sch.get_sblock("load_stats"), 0, "shared")
@@ -301,7 +302,7 @@ def schedule_backward(sch: s_tir.Schedule, cfg: CUDAKernelConfig, spec: Attentio
     # insertion then sees that the per-sub-tile stores cannot conflict with the tile reads in
     # the same loop (in the merged buffer it syncs twice per sub-tile).
     sch.set_scope(sch.get_sblock("store_ds"), 0, "shared")
-    for name, index in BACKWARD_FRAGMENTS + tuple((name, 0) for name in modded[:1]):
+    for name, index in BACKWARD_FRAGMENTS:
         sch.set_scope(sch.get_sblock(name), index, "warp")
     _bind_grid(sch, "kv_tile", names=("s", "bh"))
     for name in ("load_q", "load_do", "load_k", "load_v"):

@@ -28,10 +28,11 @@ import torch
 import tvm
 
 import tvmflash
-from conftest import assert_matches_reference, causal_mask, random_inputs
+from conftest import assert_flash_rule, assert_matches_reference, causal_mask, random_inputs
 from tvmflash import kernels_cuda, runtime
 from tvmflash import torch_op
 from tvmflash.checks import check_cuda_grid, check_cuda_layout, cuda_layout_problem, info
+from tvmflash.reference import reference_attention
 from tvmflash.spec import UNLIMITED_WINDOW, Alibi, AttentionSpec, Softcap
 from tvmflash.target import host_target
 
@@ -47,7 +48,8 @@ needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not i
 # Masks (causal, windows) are runtime arguments: one build per dtype, head dim and score/mask mods.
 VARIANTS = [(arch, dtype, head_dim, "none") for arch in ("sm_80", "sm_90") for dtype in ("float16", "bfloat16")
             for head_dim in (64, 128)] + [("sm_90", "bfloat16", 64, "softcap+alibi"), ("sm_90", "float16", 128, "softcap+alibi"),
-                                          ("sm_90", "bfloat16", 64, "flex"), ("sm_90", "float16", 128, "flex")]
+                                          ("sm_90", "bfloat16", 64, "flex"), ("sm_90", "float16", 128, "flex"),
+                                          ("sm_90", "bfloat16", 64, "flex+grad")]
 SHORT = {"float16": "f16", "bfloat16": "bf16"}
 
 
@@ -76,6 +78,8 @@ def test_cuda_kernels_assemble_with_tensor_cores(arch, dtype, head_dim, mods):
         assert "ldmatrix.sync.aligned.m8n8.x4" in entries[name]
         assert "ex2.approx" in entries[name]  # exp2 with log2(e) folded into the scale
     assert re.search(r"(red|atom)\.global\.add\.f32", entries["flash_bwd_kernel"])  # dQ, FA2-style
+    if mods == "flex+grad":  # and the captured table's gradient, one add per score
+        assert "atomicAdd((&(LEARNED_grad_ptr[" in kern.source()
     fwd = cuda_resources.kernel_resources(entries, report, "flash_fwd_kernel")
     # Score mods keep more values live (the mods' inputs; in the backward the modded scores and
     # their derivative, 16 registers per lane): at D = 128 ptxas spills a little in both kernels.
@@ -137,7 +141,8 @@ NVDISASM = os.environ.get("NVDISASM") or shutil.which("nvdisasm")
 @pytest.mark.skipif(NVDISASM is None, reason="nvdisasm not installed (set NVDISASM=path, e.g. from the "
                                             "nvidia-cuda-nvdisasm wheel)")
 @pytest.mark.parametrize("head_dim,mods,deterministic", [(64, "none", False), (128, "none", True),
-                                                         (128, "softcap+alibi", False), (128, "flex", True)])
+                                                         (128, "softcap+alibi", False), (128, "flex", True),
+                                                         (64, "flex+grad", False)])
 def test_no_local_memory_in_the_mma_loops(head_dim, mods, deterministic, tmp_path):
     """What ptxas still spills are loop invariants of the outer loops: no local-memory load or
     store inside the forward's key-tile loop or the backward's query-tile loop (D = 128 causal
@@ -311,7 +316,7 @@ def emulated(head_dim: int, dtype: str, score_mods=(), mask_mod=None, block_spar
 
 
 def run_emulated(lib, q, k, v, dout, splits: int, scale: float, window=FULL_WINDOW, diagonal=None, mod_inputs=(),
-                 block_mask=()):
+                 block_mask=(), mod_grads=()):
     """What FlashKernels.forward/backward launch on a GPU, with poisoned outputs and workspaces.
     ``window``: (left, right) in the kernels' form (UNLIMITED_WINDOW for no limit);
     ``block_mask``: (tile states, kv ranges, query ranges) at the kernels' tiles."""
@@ -324,7 +329,8 @@ def run_emulated(lib, q, k, v, dout, splits: int, scale: float, window=FULL_WIND
     dq_acc = torch.full((splits, batch, seqlen_q, heads, head_dim), nan)
     dq, dk, dv = (torch.full_like(t, nan) for t in (q, k, v))
     lib["flash_bwd_prep"](dout, out, lse, stats, dq_acc)
-    lib["flash_bwd"](dout, q, k, v, stats, dq_acc, dk, dv, scale, splits, *mask, *mod_inputs, *block_mask[::2])
+    lib["flash_bwd"](dout, q, k, v, stats, dq_acc, dk, dv, scale, splits, *mask, *mod_inputs, *mod_grads,
+                     *block_mask[::2])
     lib["flash_bwd_dq"](dq_acc, dq, scale)
     return out, lse, dq, dk, dv
 
@@ -454,13 +460,15 @@ EMULATOR = Path(__file__).resolve().parents[1] / "tools" / "cuda_emu" / "check.p
      "--shape", "B=1,Nq=150,Nk=37,H=3,Hk=1"],
     ["--head-dim", "64", "--dtype", "float16", "--mods", "softcap+alibi", "--window=40,7", "--deterministic",
      "--shape", "B=2,Nq=70,Nk=133,H=4,Hk=2"],
-    ["--head-dim", "64", "--dtype", "bfloat16", "--mods", "flex", "--window=-1,0",
+    ["--head-dim", "64", "--dtype", "bfloat16", "--mods", "flex+grad", "--window=-1,0",
      "--shape", "B=1,Nq=200,Nk=300,H=2,Hk=1"]])
 def test_generated_cuda_runs_in_the_emulator(args):
     """The scheduled kernels' CUDA C (tensorized ldmatrix/mma, warp shuffles, barriers) run on the
     CPU by tools/cuda_emu, one fiber per CUDA thread: results by the flash-attn rule against
     float64, and no race, uninitialised shared read, out-of-bounds or misaligned access, deadlock
-    or divergent barrier (the unscheduled kernels above check the math; this checks the code)."""
+    or divergent barrier (the unscheduled kernels above check the math; this checks the code).
+    The third: a traced score_mod whose captured table gets its gradient (atomicAdd), a traced
+    mask_mod and a block mask."""
     run = subprocess.run([sys.executable, str(EMULATOR), *args], capture_output=True, text=True, timeout=900)
     lines = [ln for ln in run.stdout.splitlines() if "emu stats" in ln]
     assert run.returncode == 0 and lines and all(": OK |" in ln for ln in lines), run.stdout + run.stderr[-3000:]
@@ -486,11 +494,46 @@ def test_what_the_cuda_kernels_do_not_support_yet_says_so():
         return score + table[h, (q_idx - kv_idx).clamp(-31, 32) + 31]
 
     trained = AttentionSpec(64, "float16", score_mods=(flex_trace.trace_score_mod(learnable),))
-    with pytest.raises(NotImplementedError, match="gradients of captured tensors .*table"):
-        tvmflash.compile_spec("cuda", trained)
+    assert tvmflash.compile_spec("cuda", trained).is_cuda  # atomic adds: any order
+    with pytest.raises(NotImplementedError, match="deterministic gradients of captured tensors .*table"):
+        tvmflash.compile_spec("cuda", trained, deterministic=True)
     with pytest.raises(NotImplementedError, match="float32 results"):
         tvmflash.compile_spec("cuda", AttentionSpec(64, "float16", "float32"))
     with pytest.raises(NotImplementedError, match="varlen"):
         runtime._cuda_batched_only([0, 3])
     with pytest.raises(ValueError, match="diagonal"):
         runtime._cuda_diagonal(2**31, 4, 4)
+
+
+def test_captured_tensor_gradients_on_the_cpu(gen, seed):
+    """A learnable relative-position bias table: its gradient is scatter-added per score
+    (atomicAdd on the GPU, plain adds here) from dL/dX = P (dP - Delta), against float64 autograd."""
+    from tvmflash import flex_trace
+
+    table = torch.randn(4, 64, generator=gen).requires_grad_()
+
+    def learned(score, b, h, q_idx, kv_idx):
+        return score + table[h, (q_idx - kv_idx).clamp(-31, 32) + 31]
+
+    lib = emulated(64, "float16", (flex_trace.trace_score_mod(learned),))
+    batch, seqlen_q, seqlen_k, heads, heads_k = 2, 97, 150, 4, 2
+    q, k, v = random_inputs(gen, batch, seqlen_q, seqlen_k, heads, heads_k, 64, "float16")
+    dout = torch.randn(q.shape, generator=gen).to(q.dtype)
+    grad = torch.zeros(table.numel())  # the CUDA kernels add into it
+    results = run_emulated(lib, q, k, v, dout, 2, 0.125, CAUSAL_WINDOW, mod_inputs=[table.detach()],
+                           mod_grads=[grad])
+
+    def with_table(t):
+        return lambda score, b, h, i, j: score + t[h, (i - j).clamp(-31, 32) + 31].to(score.dtype)
+
+    assert_matches_reference("emulated learned bias", (q, k, v, dout), results, True, seed, 0.125,
+                             score_mod=with_table(table.detach()))
+    table_grads = {}
+    for dt in (torch.float64, torch.float16):
+        leaves = [t.detach().to(dt).requires_grad_() for t in (q, k, v, table)]
+        out, _ = reference_attention(*leaves[:3], True, 0.125, score_mod=with_table(leaves[3]), dtype=dt)
+        table_grads[dt] = torch.autograd.grad(out, leaves[3], dout.to(dt))[0].reshape(-1)
+    f64 = table_grads[torch.float64]
+    assert f64.abs().max() > 1 and (grad != 0).sum() > 32  # a real gradient, spread over the table
+    assert_flash_rule("d table", grad, f64, table_grads[torch.float16].float(), torch.float32, seed, ulps=16,
+                      magnitude=float(f64.abs().max()) * 16 + 1)

@@ -163,11 +163,13 @@ def check_cuda_params(head_dim, dtype, arch: str = "sm_90") -> None:
                          f"{CUDA_MAX_HEAD_DIM} (64 and 128 are the tested ones)")
 
 
-def check_cuda_spec(spec) -> None:
+def check_cuda_spec(spec, deterministic: bool) -> None:
     """What the CUDA kernels compute of an ``AttentionSpec`` so far: windows, softcap, ALiBi,
-    traced score/mask mods and block masks, fused; not gradients of captured tensors, fp32 results."""
+    traced score/mask mods, block masks and gradients of captured tensors (atomic adds), fused;
+    not fp32 results, nor captured tensors' gradients in a bitwise reproducible order."""
     missing = [what for what, asked in (
-        (f"gradients of captured tensors ({', '.join(i.name for i in spec.grad_inputs)})", spec.grad_inputs),
+        (f"deterministic gradients of captured tensors ({', '.join(i.name for i in spec.grad_inputs)})",
+         deterministic and spec.grad_inputs),
         ("float32 results of 16-bit inputs", spec.out_dtype != spec.dtype)) if asked]
     if missing:
         raise NotImplementedError(f"the CUDA kernels do not support {' or '.join(missing)} yet (the CPU kernels do)")

@@ -204,7 +204,7 @@ def _compile_spec(target, spec: AttentionSpec, *, causal: bool, config, tuned: b
     is_cuda = target.kind.name == "cuda"
     if is_cuda:
         checks.check_cuda_params(spec.head_dim, spec.dtype, target.attrs.get("arch", "sm_90"))
-        checks.check_cuda_spec(spec)
+        checks.check_cuda_spec(spec, deterministic)
     configs, record = choose_configs(target, spec, config=config, tuned=tuned, seqlen=seqlen)
     request = _request(target, spec, configs, deterministic, record)
     key = _key(request)

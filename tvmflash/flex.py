@@ -236,7 +236,9 @@ def _flex_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
                    scale: float, spec_key: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor]]:
     dq, dk, dv = (torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
     spec = _specs[spec_key]
-    grads = [torch.empty(math.prod(i.shape), dtype=torch.float32, device=q.device) for i in spec.grad_inputs]
+    # the CPU kernels write these, the CUDA kernels add into them
+    fill = torch.zeros if q.device.type == "cuda" else torch.empty
+    grads = [fill(math.prod(i.shape), dtype=torch.float32, device=q.device) for i in spec.grad_inputs]
     kernels = _kernels(q, spec_key)
     kernels.backward(*(_layout(t) for t in (dout, q, k, v)), out.transpose(1, 2), lse, dq.transpose(1, 2),
                      dk.transpose(1, 2), dv.transpose(1, 2), scale, window_size=(-1, -1),
@@ -452,8 +454,8 @@ def _plan_eagerly(score_mod, mask_mod, block_sparse: bool, mask_lengths, q_meta,
 def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=None, enable_gqa=False,
                    return_lse=False, kernel_options=None, *, return_aux=None):
     """torch's ``flex_attention`` (same arguments, layout (B, H, N, D), same results) with
-    tvmflash's fused kernels: forward and backward, on CPU tensors and (float16/bfloat16, no
-    gradients of captured tensors yet) CUDA tensors.
+    tvmflash's fused kernels: forward and backward, on CPU tensors and (float16/bfloat16) CUDA
+    tensors.
 
     ``score_mod(score, b, h, q_idx, kv_idx) -> score`` modifies each scaled score;
     ``block_mask`` (``create_block_mask``, torch's or ours) says which tiles to compute and, on
@@ -473,7 +475,8 @@ def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=Non
     spec_key, scale, (block_q, block_k), paths = _plan(
         score_mod, mask_mod, block_mask is not None, None if block_mask is None else tuple(block_mask.seq_lengths),
         _meta(query), _meta(key), _meta(value), scale, enable_gqa, return_lse)
-    captured = [_body_tensors[tuple(path)] if kind == "body" else
+    # tensors made in a function body were made on the CPU when it was traced
+    captured = [_body_tensors[tuple(path)].to(query.device) if kind == "body" else
                 _follow(score_mod if kind == "score_mod" else mask_mod, path) for kind, *path in paths]
     tile_state = kv_range = None
     if block_mask is not None:

@@ -258,11 +258,7 @@ class KernelArgs:
     def scatter_mod_grads(self, partials, slot, s, b, h, q, k, upstream) -> None:
         """Emit partials[slot, offset + index] += value for each captured tensor requiring grad."""
         offsets = self.grad_offsets()
-        for name, indices, value in self.mods.captured_grads(s, self.context(b, h, q, k), upstream):
-            shape = next(i.shape for i in self.spec.grad_inputs if i.name == name)
-            flat = tirx.const(0, I64)
-            for index, size in zip(indices, shape):
-                flat = flat * size + tirx.min(tirx.max(_i64(index), 0), size - 1)
+        for name, flat, value in self.mods.flat_captured_grads(s, self.context(b, h, q, k), upstream):
             at = flat + offsets[name]
             T.buffer_store(partials, partials[slot, at] + value, [slot, at])
 

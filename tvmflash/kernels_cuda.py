@@ -111,7 +111,7 @@ class Masks:
         """Called inside the kernel body, after its own parameters."""
         self.seqlen_q, self.seqlen_k = seqlen_q, seqlen_k
         self.left, self.right, self.diagonal = window_left, window_right, diagonal
-        self.buffers, _ = declare_inputs(self.spec, grads=False)
+        self.buffers, self.grads = declare_inputs(self.spec, grads=self.backward)
         if self.spec.block_sparse:
             dims = tuple(tirx.Var(n, "int64") for n in ("mask_batch", "mask_heads", "mask_q_tiles", "mask_k_tiles"))
             self.tile_states = kernel_argument("tile_state", dims, "int8")
@@ -166,6 +166,23 @@ class Masks:
     def score(self, s, b, h, q, k):
         """The modded score of the scaled dot product s (natural-log units)."""
         return self.mods.score(s, self._context(b, h, q, k))
+
+    @property
+    def has_captured_grads(self) -> bool:
+        return self.backward and bool(self.spec.grad_inputs) and self.has_score_mods
+
+    def captured_grad_regions(self) -> list:
+        return [buf[0:buf.shape[0]] for buf in self.grads.values()]
+
+    def scatter_captured_grads(self, s, b, h, q, k, upstream, on_cpu: bool) -> None:
+        """grad[index] += upstream * d mods / d captured for each captured tensor requiring grad:
+        ``atomicAdd`` on the GPU (any order: not deterministic), plain adds in the CPU test build."""
+        for name, flat, value in self.mods.flat_captured_grads(s, self._context(b, h, q, k), upstream):
+            buf = self.grads[name]
+            if on_cpu:
+                T.buffer_store(buf, buf[flat] + value, [flat])
+            else:
+                T.evaluate(T.call_extern(F32, "atomicAdd", T.address_of(buf[flat]), value))
 
     def score_grad(self, s, b, h, q, k):
         """d mods(s) / d s."""
@@ -616,6 +633,8 @@ def cuda_backward(spec: CUDASpec, atomic_dq: bool = True, on_cpu: bool = False) 
     D, Bc, dtype = spec.head_dim, spec.block_k, spec.dtype
     masks = Masks(spec, backward=True)
     has_mods = masks.has_score_mods
+    # slots of the score fragment Sx: raw scores S^T, modded scores X^T (-> P^T), d mods / d S^T
+    SLOTS = S_, X_, G_ = (0, 1, 2 if masks.has_captured_grads else 0) if has_mods else (0, 0, 0)
     Br = WARPS * ROWS_PER_WARP
     if spec.block_q != Br or Bc != Br or D % 16:
         raise ValueError(f"the CUDA backward needs 64 x 64 tiles and a multiple of 16 as head dim (got {spec})")
@@ -670,9 +689,11 @@ def cuda_backward(spec: CUDASpec, atomic_dq: bool = True, on_cpu: bool = False) 
                 # register fragments; suffix: a = A operand, b = B (k x n), bt = B given as n x k
                 Ka_f = T.sblock_alloc_buffer((WARPS, TD, 32, 8), dtype)
                 Qbt = T.sblock_alloc_buffer((WARPS, TI, TD, 32, 8), dtype)
-                St = T.sblock_alloc_buffer((WARPS, 32, 8), F32)  # S^T, then P^T (fp32), of one sub-tile
-                # with score mods: X^T = mods(S^T) becomes P^T, and S^T becomes d mods / d S^T
-                Xt = T.sblock_alloc_buffer((WARPS, 32, 8), F32) if has_mods else St
+                # S^T, then P^T (fp32), of one sub-tile; with score mods also X^T = mods(S^T), which
+                # becomes P^T, and d mods / d S^T (in place over S^T unless captured tensors need
+                # S^T for their gradients). One buffer: StorageRewrite would alias separate
+                # fragments whose lifetimes it sees apart, which LowerWarpMemory then rejects.
+                Sx = T.sblock_alloc_buffer((WARPS, len(set(SLOTS)), 32, 8), F32)
                 Ph = T.sblock_alloc_buffer((WARPS, 32, 8), dtype)
                 dOb = T.sblock_alloc_buffer((WARPS, TI, TD, 32, 8), dtype)
                 Va_f = T.sblock_alloc_buffer((WARPS, TD, 32, 8), dtype)
@@ -761,7 +782,7 @@ def cuda_backward(spec: CUDASpec, atomic_dq: bool = True, on_cpu: bool = False) 
                                     for w, tx, s8 in T.grid(WARPS, 32, 8):
                                         with T.sblock("init_s"):
                                             vw, vtx, vs8 = T.axis.remap("SSS", [w, tx, s8])
-                                            St[vw, vtx, vs8] = T.float32(0)
+                                            Sx[vw, S_, vtx, vs8] = T.float32(0)
                                     for w, tk, j, i, kk in T.grid(WARPS, TD, 16, 16, 16):
                                         with T.sblock("scores"):  # S^T += K Q^T
                                             vw, vtk, vj, vi, vk = T.axis.remap("SRSSR", [w, tk, j, i, kk])
@@ -769,7 +790,7 @@ def cuda_backward(spec: CUDASpec, atomic_dq: bool = True, on_cpu: bool = False) 
                                             c_lane, c_slot = T.meta_var(frag(vj, vi))
                                             a_lane, a_slot = T.meta_var(frag(vj, vk))
                                             b_lane, b_slot = T.meta_var(frag(vi, vk))
-                                            St[vw, c_lane, c_slot] = St[vw, c_lane, c_slot] + T.Cast(
+                                            Sx[vw, S_, c_lane, c_slot] = Sx[vw, S_, c_lane, c_slot] + T.Cast(
                                                 F32, Ka_f[vw, vtk, a_lane, a_slot]) * T.Cast(
                                                     F32, Qbt[vw, vti, vtk, b_lane, b_slot])
                                     if has_mods:
@@ -777,31 +798,31 @@ def cuda_backward(spec: CUDASpec, atomic_dq: bool = True, on_cpu: bool = False) 
                                             with T.sblock("score_mod"):  # X^T = mods(S^T * scale)
                                                 vw, vtx, vs8 = T.axis.remap("SSS", [w, tx, s8])
                                                 vti = T.axis.spatial(TI, ti)
-                                                Xt[vw, vtx, vs8] = masks.score(
-                                                    St[vw, vtx, vs8] * T.Cast(F32, softmax_scale), b, h,
+                                                Sx[vw, X_, vtx, vs8] = masks.score(
+                                                    Sx[vw, S_, vtx, vs8] * T.Cast(F32, softmax_scale), b, h,
                                                     q0 + vti * 16 + frag_col(vtx, vs8), k0 + vw * 16 + frag_row(vtx, vs8))
                                         for w, tx, s8 in T.grid(WARPS, 32, 8):
-                                            with T.sblock("score_grad"):  # in place, for dS (read last there)
+                                            with T.sblock("score_grad"):  # for dS (S^T is read last there)
                                                 vw, vtx, vs8 = T.axis.remap("SSS", [w, tx, s8])
                                                 vti = T.axis.spatial(TI, ti)
-                                                St[vw, vtx, vs8] = masks.score_grad(
-                                                    St[vw, vtx, vs8] * T.Cast(F32, softmax_scale), b, h,
+                                                Sx[vw, G_, vtx, vs8] = masks.score_grad(
+                                                    Sx[vw, S_, vtx, vs8] * T.Cast(F32, softmax_scale), b, h,
                                                     q0 + vti * 16 + frag_col(vtx, vs8), k0 + vw * 16 + frag_row(vtx, vs8))
                                     for w, tx, s8 in T.grid(WARPS, 32, 8):
                                         with T.sblock("probs"):  # P^T = 2^(X^T * c - lse2), masked; in place
                                             vw, vtx, vs8 = T.axis.remap("SSS", [w, tx, s8])
                                             vti = T.axis.spatial(TI, ti)
                                             col: T.let[T.int32] = vti * 16 + frag_col(vtx, vs8)
-                                            Xt[vw, vtx, vs8] = T.Select(
+                                            Sx[vw, X_, vtx, vs8] = T.Select(
                                                 masks.kept(tirx.all(q0 + col < Nq, masks.sees(
-                                                    b, h, q0 + col, k0 + vw * 16 + frag_row(vtx, vs8))), Xt[vw, vtx, vs8]),
-                                                exp2_(log2_exponent(Xt[vw, vtx, vs8], masks.exponent_scale(softmax_scale),
+                                                    b, h, q0 + col, k0 + vw * 16 + frag_row(vtx, vs8))), Sx[vw, X_, vtx, vs8]),
+                                                exp2_(log2_exponent(Sx[vw, X_, vtx, vs8], masks.exponent_scale(softmax_scale),
                                                                     (Ls[0, col], Ls[1, col]))),
                                                 T.float32(0))
                                     for w, tx, s8 in T.grid(WARPS, 32, 8):
                                         with T.sblock("cast_p"):
                                             vw, vtx, vs8 = T.axis.remap("SSS", [w, tx, s8])
-                                            Ph[vw, vtx, vs8] = T.Cast(dtype, Xt[vw, vtx, vs8])
+                                            Ph[vw, vtx, vs8] = T.Cast(dtype, Sx[vw, X_, vtx, vs8])
                                     for w, td, j, n, kk in T.grid(WARPS, TD, 16, 16, 16):
                                         with T.sblock("dv"):  # dV += P^T dO
                                             vw, vtd, vj, vn, vk = T.axis.remap("SSSSR", [w, td, j, n, kk])
@@ -830,8 +851,23 @@ def cuda_backward(spec: CUDASpec, atomic_dq: bool = True, on_cpu: bool = False) 
                                             vw, vtx, vs8 = T.axis.remap("SSS", [w, tx, s8])
                                             vti = T.axis.spatial(TI, ti)
                                             dSh[vw, vtx, vs8] = T.Cast(dtype, masks.chain_rule(
-                                                grad_scores(Xt[vw, vtx, vs8], dPt[vw, vtx, vs8],
-                                                            Ls[2, vti * 16 + frag_col(vtx, vs8)]), St[vw, vtx, vs8]))
+                                                grad_scores(Sx[vw, X_, vtx, vs8], dPt[vw, vtx, vs8],
+                                                            Ls[2, vti * 16 + frag_col(vtx, vs8)]), Sx[vw, G_, vtx, vs8]))
+                                    if masks.has_captured_grads:
+                                        for w, tx, s8 in T.grid(WARPS, 32, 8):
+                                            with T.sblock("captured_grads"):  # scatter-adds of dL/dX^T terms
+                                                vw, vtx, vs8 = T.axis.remap("SSS", [w, tx, s8])
+                                                vti = T.axis.spatial(TI, ti)
+                                                # a warp-buffer read cannot be an `if` condition (ThreadSync's
+                                                # access visitor rejects it): bind it first
+                                                seen: T.let[T.bool] = Sx[vw, X_, vtx, vs8] != T.float32(0)
+                                                if seen:
+                                                    masks.scatter_captured_grads(
+                                                        Sx[vw, S_, vtx, vs8] * T.Cast(F32, softmax_scale), b, h,
+                                                        q0 + vti * 16 + frag_col(vtx, vs8),
+                                                        k0 + vw * 16 + frag_row(vtx, vs8),
+                                                        grad_scores(Sx[vw, X_, vtx, vs8], dPt[vw, vtx, vs8],
+                                                                    Ls[2, vti * 16 + frag_col(vtx, vs8)]), on_cpu)
                                     for w, td, j, n, kk in T.grid(WARPS, TD, 16, 16, 16):
                                         with T.sblock("dk"):  # dK += dS^T Q (scaled at the end)
                                             vw, vtd, vj, vn, vk = T.axis.remap("SSSSR", [w, td, j, n, kk])

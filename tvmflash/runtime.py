@@ -158,7 +158,8 @@ class FlashKernels:
                  num_threads: int | None = None) -> None:
         """dq, dk, dv of the forward with the same arguments; ``out`` and ``lse`` are the
         forward's. ``mod_grads``: fp32 buffers (flattened) receiving the gradients of the mod
-        inputs that require one."""
+        inputs that require one (the CPU kernels write them, the CUDA kernels add into them:
+        pass zeros)."""
         batch, seqlen_q, heads, heads_k = checks.check_backward_args(self, dout, q, k, v, out, lse, dq, dk, dv)
         scale = checks.softmax_scale(softmax_scale, self.head_dim)
         checks.check_lse_recomputable(lse)
@@ -167,7 +168,7 @@ class FlashKernels:
             _cuda_batched_only(cu_seqlens_q)
             mask = (left, right, _cuda_diagonal(diagonal, seqlen_q, _len(k)))
             self._cuda_backward(dout, q, k, v, out, lse, dq, dk, dv, scale, mask,
-                                [*self._mods(mod_inputs), *(block_mask or ())],
+                                [*self._mods(mod_inputs, mod_grads), *(block_mask or ())],
                                 batch, seqlen_q, heads, heads_k)
             return
         self._check_runs_here()

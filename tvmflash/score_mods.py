@@ -168,6 +168,7 @@ class Emitters:
         self.mods = [_emitter(m, intrinsics) for m in spec.score_mods]
         self.mask_mod = spec.mask_mod
         self.intrinsics = intrinsics
+        self.grad_shapes = {i.name: i.shape for i in spec.grad_inputs}
 
     def _chain(self, s, ctx):
         """The score before each mod: [s, f1(s), f2(f1(s)), ...]."""
@@ -195,6 +196,17 @@ class Emitters:
             for later, value in zip(self.mods[k + 1:], values[k + 1:]):
                 outer = outer * later.grad(value, ctx)
             adds += mod.captured_grads(values[k], ctx, outer)
+        return adds
+
+    def flat_captured_grads(self, s, ctx, upstream):
+        """``captured_grads`` with each index flattened (row-major) into its tensor, clamped into
+        range (as the reads are): (buffer name, flat int64 index, value)."""
+        adds = []
+        for name, indices, value in self.captured_grads(s, ctx, upstream):
+            flat = tirx.const(0, "int64")
+            for index, size in zip(indices, self.grad_shapes[name]):
+                flat = flat * size + tirx.min(tirx.max(tirx.Cast("int64", index), 0), size - 1)
+            adds.append((name, flat, value))
         return adds
 
     def mask(self, ctx):

@@ -64,7 +64,7 @@ def _as_batch(t: torch.Tensor | None) -> torch.Tensor | None:
 def _mod_inputs(q: torch.Tensor, softcap: float, alibi_slopes: torch.Tensor | None) -> list:
     mods = []
     if softcap > 0:
-        mods.append(torch.tensor([softcap], dtype=torch.float32))
+        mods.append(torch.tensor([softcap], dtype=torch.float32, device=q.device))  # read by the kernels
     if alibi_slopes is not None:
         mods.append(alibi_slopes.reshape(-1, alibi_slopes.shape[-1]).contiguous())
     return mods

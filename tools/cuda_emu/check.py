@@ -11,8 +11,9 @@ divergent-barrier and deadlock detection. Results are judged by the project's ow
     python tools/cuda_emu/check.py --mods flex --deterministic
 
 ``--mods``: none; softcap+alibi (flash-attn's); flex (a traced relative-position bias reading a
-captured table, a traced document mask, a block mask at the kernels' 64 x 64 tiles:
-``benchmarks/cuda_resources.variant_spec``). Every line
+captured table, a traced document mask, a block mask at the kernels' 64 x 64 tiles); flex+grad
+(the same with a table that requires grad: its gradient is checked too). See
+``benchmarks/cuda_resources.variant_spec``. Every line
 says OK or the mismatch, and the detectors' counts.
 """
 from __future__ import annotations
@@ -32,12 +33,13 @@ import torch
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "benchmarks"), str(ROOT)]
-from conftest import assert_matches_reference, random_inputs  # noqa: E402
-from cuda_resources import relative_bias, same_document, variant_spec  # noqa: E402
+from conftest import assert_flash_rule, assert_matches_reference, random_inputs  # noqa: E402
+from cuda_resources import LEARNED, learned_bias, relative_bias, same_document, variant_spec  # noqa: E402
 
 import tvmflash  # noqa: E402
 from tvmflash import flex_trace  # noqa: E402
 from tvmflash.flex import create_block_mask, query_ranges, tile_maps  # noqa: E402
+from tvmflash.reference import reference_attention  # noqa: E402
 from tvmflash.spec import UNLIMITED_WINDOW, AttentionSpec  # noqa: E402
 
 DT = {"bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -52,6 +54,7 @@ def extras_include(spec: AttentionSpec) -> str:
         ctype = C_TYPES[getattr(torch, i.dtype)]
         lines.append(f'auto {i.name}_ptr = extra<{ctype}>("{i.name}");')
         lines += [f'int64_t {i.name}_d{d} = extra_dim("{i.name}", {d});' for d, n in enumerate(i.shape) if n is None]
+    lines += [f'auto {i.name}_grad_ptr = extra<float>("{i.name}_grad");' for i in spec.grad_inputs]
     if spec.block_sparse:
         lines += ['auto tile_state_ptr = extra<signed char>("tile_state");', 'auto kv_range_ptr = extra<int>("kv_range");',
                   'auto q_range_ptr = extra<int>("q_range");']
@@ -80,13 +83,15 @@ def mod_tensors(mods: str, gen, B, Nq, Nk, H, spec) -> tuple[dict, list]:
         slopes = torch.rand(B, H, generator=gen)
         return {"softcap": softcap, "alibi_slopes": slopes}, [("softcap", torch.tensor([softcap])),
                                                                ("alibi_slopes", slopes)]
-    if mods == "flex":
-        captured = {c.name: c.tensor for m in (*spec.score_mods, spec.mask_mod) for c in m.captured}
+    if mods in ("flex", "flex+grad"):
+        captured = {c.name: c.tensor.detach() for m in (*spec.score_mods, spec.mask_mod) for c in m.captured}
         block_mask = create_block_mask(same_document, B, None, Nq, Nk, BLOCK_SIZE=64)
         tile_state, kv_range = tile_maps(block_mask, Nq, Nk, 64, 64)
         mask = flex_trace.dense_mask(same_document, B, H, Nq, Nk)
         tensors = [(i.name, captured[i.name]) for i in spec.mod_inputs]
-        return {"score_mod": relative_bias, "mask": mask, "diagonal": 0}, tensors + [
+        grads = [(f"{i.name}_grad", torch.zeros(captured[i.name].numel())) for i in spec.grad_inputs]
+        score_mod = learned_bias if mods == "flex+grad" else relative_bias
+        return {"score_mod": score_mod, "mask": mask, "diagonal": 0}, tensors + grads + [
             ("tile_state", tile_state), ("kv_range", kv_range), ("q_range", query_ranges(tile_state))]
     return {}, []
 
@@ -141,10 +146,24 @@ def run(exe, mods, spec, dtype, B, Nq, Nk, H, Hk, D, window, deterministic=False
     nq, nk = B * Nq * H * D, B * Nk * Hk * D
     results = (take(nq, DT[dtype], q.shape), take(B * H * Nq, torch.float32, (B, H, Nq)),
                take(nq, DT[dtype], q.shape), take(nk, DT[dtype], k.shape), take(nk, DT[dtype], k.shape))
+    # the harness writes them after dv in name order
+    grads = {name: take(t.numel(), torch.float32, (t.numel(),)) for name, t in sorted(extras, key=lambda e: e[0])
+             if name.endswith("_grad")}
     status = "OK"
     try:
         assert_matches_reference(tag, (q, k, v, dout), results, False, seed, scale, window_size=window,
                                  diagonal=diagonal, **variant)
+        for name, ours in grads.items():  # captured tensors' gradients vs float64 autograd
+            table = LEARNED  # the one captured tensor that requires grad (``learned_bias``)
+            ref = {}
+            for dt in (torch.float64, DT[dtype]):
+                leaves = [t.detach().to(dt).requires_grad_() for t in (q, k, v)]
+                o, _ = reference_attention(*leaves, False, scale, window_size=window, diagonal=diagonal, dtype=dt,
+                                           **variant)
+                ref[dt] = torch.autograd.grad(o, table, dout.to(dt))[0].reshape(-1)
+            f64 = ref[torch.float64]
+            assert_flash_rule(f"{tag} {name}", ours, f64, ref[DT[dtype]], torch.float32, seed, ulps=16,
+                              magnitude=float(f64.abs().max()) * 16 + 1)
     except AssertionError as e:
         status = f"MISMATCH: {e}"
     clean = bool(stats) and stats[0].endswith("races=0 uninit=0 oob=0 misaligned=0 deadlock=0 divergent=0")
@@ -158,7 +177,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--head-dim", type=int, default=64)
     ap.add_argument("--dtype", choices=sorted(DT), default="float16")
-    ap.add_argument("--mods", choices=("none", "softcap+alibi", "flex"), default="none")
+    ap.add_argument("--mods", choices=("none", "softcap+alibi", "flex", "flex+grad"), default="none")
     ap.add_argument("--window", default="-1,-1", help="flash-attn's window_size left,right (-1: no limit)")
     ap.add_argument("--deterministic", action="store_true")
     ap.add_argument("--pad", type=int, default=0, help="pad the q/k/v/dout strides by this many elements")

@@ -89,6 +89,8 @@ int main(int argc, char** argv) {
   std::ofstream o(argv[2], std::ios::binary);
   o.write((char*)out.data(), out.size() * 2); o.write((char*)lse.data(), lse.size() * 4);
   o.write((char*)dq.data(), dq.size() * 2); o.write((char*)dk.data(), dk.size() * 2); o.write((char*)dv.data(), dv.size() * 2);
+  for (auto& [name, e] : g_extras)  // gradients of captured tensors (check.py's "<name>_grad"), by name
+    if (name.size() > 5 && name.compare(name.size() - 5, 5, "_grad") == 0) o.write((char*)e.data.data(), e.data.size());
   fprintf(stderr, "emu stats: races=%ld uninit=%ld oob=%ld misaligned=%ld deadlock=%ld divergent=%ld\n",
           g_stats.races, g_stats.uninit, g_stats.oob, g_stats.misaligned, g_stats.deadlock, g_stats.divergent);
   return 0;
