@@ -300,7 +300,7 @@ def check_forward_args(kernels, q, k, v, out, lse) -> tuple[int, int, int, int]:
     check_no_overlap({"out": oi, "lse": li}, {"q": qi, "k": ki, "v": vi})
     if kernels.target_kind == "cuda":
         check_cuda_layout(q=qi, k=ki, v=vi, out=oi)  # out: written with 16-byte stores
-        check_cuda_grid(batch * heads)
+        check_cuda_grid(heads)
     return dims
 
 
@@ -322,7 +322,7 @@ def check_backward_args(kernels, dout, q, k, v, out, lse, dq, dk, dv) -> tuple[i
                      {"dout": di, "q": qi, "k": ki, "v": vi, "out": oi, "lse": li})
     if kernels.target_kind == "cuda":
         check_cuda_layout(dout=di, q=qi, k=ki, v=vi, out=oi, dq=dqi, dk=dki, dv=dvi)  # 16-byte loads and stores
-        check_cuda_grid(batch * dims[3])
+        check_cuda_grid(batch * dims[3])  # sequences x kv heads (varlen: checked with the sequences)
     return dims
 
 

@@ -22,7 +22,10 @@ indexed through ``frag(row, col) -> (lane, slot)`` (TVM's ``shared_16x16_to_ldma
   the forward walks only the key tiles its query tile's window (and block mask) reaches, the
   backward only the query tiles that see its key tile. Score mods (softcap, ALiBi, a traced
   score_mod) rewrite the score fragment in place, a traced mask_mod joins the window test:
-  the same ``score_mods`` emitters as the CPU kernels, with the GPU's exp2.
+  the same ``score_mods`` emitters as the CPU kernels, with the GPU's exp2;
+* sequences are plan.py's table, as on CPUs: batched tensors and packed (varlen) sequences
+  alike; a forward block takes one query tile of any sequence (``q_tile_seq``), a backward
+  block one key tile (or split) of one sequence, and reads its rows, lengths and diagonal.
 
 Unscheduled, the skeleton is ordinary TIR: the tests run it on the CPU (warps and lanes as
 plain loops) against float64 PyTorch, which checks the layouts and the math without a GPU.
@@ -48,6 +51,7 @@ from .config import CUDA_ROWS_PER_WARP as ROWS_PER_WARP
 from .config import CUDA_WARPS as WARPS
 from .score_mods import NATIVE_INTRINSICS, ModContext, declare_inputs, emitters, exponent_constant, kernel_argument
 from .spec import AttentionSpec
+from . import plan
 
 F32 = "float32"
 VEC = 8  # elements per 16-byte copy
@@ -84,8 +88,9 @@ def _ceildiv(a, b):
 class Masks:
     """The window mask and the score/mask mods of a CUDA kernel, as index expressions.
 
-    Sequences are batched; query q's diagonal is key ``q + diagonal`` (a runtime argument,
-    ``Nk - Nq`` for flash-attn's bottom-right alignment), and q sees key k iff
+    Sequences are plan.py's table (batched, or packed varlen; a block binds its sequence's
+    lengths with ``bind``); query q's diagonal is key ``q + diagonal`` (the table's column:
+    ``k_len - q_len`` for flash-attn's bottom-right alignment), and q sees key k iff
     ``diagonal - left <= k - q <= diagonal + right`` (``attention_te.in_window``; causal is
     right = 0). ``declare`` binds the sizes and the window and adds the mod inputs (and the
     block mask) to the kernel's arguments. Mods see indices clamped into the sequences, so a
@@ -107,10 +112,14 @@ class Masks:
     def has_score_mods(self) -> bool:
         return bool(self.spec.score_mods)
 
-    def declare(self, seqlen_q, seqlen_k, window_left, window_right, diagonal) -> None:
-        """Called inside the kernel body, after its own parameters."""
-        self.seqlen_q, self.seqlen_k = seqlen_q, seqlen_k
-        self.left, self.right, self.diagonal = window_left, window_right, diagonal
+    def declare(self, window_left, window_right) -> None:
+        """Called inside the kernel body, after its own parameters: the sequence table, the mods'
+        inputs (and gradients), the block mask."""
+        self.left, self.right = window_left, window_right
+        n_seq, q_tiles = tirx.Var("n_seq", "int64"), tirx.Var("query_tiles", "int64")
+        self.table = kernel_argument("seq_table", (n_seq, plan.TABLE_COLUMNS), "int32")
+        if not self.backward:
+            self.q_tile_seq = kernel_argument("q_tile_seq", (q_tiles,), "int32")
         self.buffers, self.grads = declare_inputs(self.spec, grads=self.backward)
         if self.spec.block_sparse:
             dims = tuple(tirx.Var(n, "int64") for n in ("mask_batch", "mask_heads", "mask_q_tiles", "mask_k_tiles"))
@@ -119,6 +128,21 @@ class Masks:
                 self.q_range = kernel_argument("q_range", (*dims[:2], dims[3], 2), "int32")
             else:
                 self.kv_range = kernel_argument("kv_range", (*dims[:3], 2), "int32")
+
+    def column(self, seq, column: int):
+        """A column of the sequence table (plan.py) as int64."""
+        return tirx.Cast("int64", self.table[seq, column])
+
+    def sequences(self):
+        return self.table.shape[0]
+
+    def query_tiles_total(self):
+        return self.q_tile_seq.shape[0]
+
+    def bind(self, seq) -> None:
+        """The sequence the current block works on: its lengths and diagonal in the masks."""
+        self.seqlen_q, self.seqlen_k = self.column(seq, plan.Q_LEN), self.column(seq, plan.K_LEN)
+        self.diagonal = self.column(seq, plan.DIAGONAL)
 
     def _mask_at(self, b, h, *rest):
         dims = self.tile_states.shape
@@ -246,8 +270,10 @@ def reciprocal(x, on_cpu: bool):
 
 
 def cuda_forward(spec: CUDASpec, on_cpu: bool = False) -> tirx.PrimFunc:
-    """flash_fwd(q, k, v, out, lse, softmax_scale, window_left, window_right, diagonal,
-    *mod_inputs) for tensor cores (fp16/bf16 inputs).
+    """flash_fwd(q, k, v, out, lse, softmax_scale, window_left, window_right, seq_table,
+    q_tile_seq, *mod_inputs, [tile_state, kv_range]) for tensor cores (fp16/bf16 inputs). The
+    sequences (batched, or packed varlen) are plan.py's table: a thread block per query tile of
+    any sequence and query head.
 
     ``on_cpu``: the unscheduled kernel for the CPU tests (no CUDA-only intrinsics)."""
     D, Bc, dtype = spec.head_dim, spec.block_k, spec.dtype
@@ -262,8 +288,7 @@ def cuda_forward(spec: CUDASpec, on_cpu: bool = False) -> tirx.PrimFunc:
 
     @T.prim_func(s_tir=True)
     def flash_fwd(q_h: T.handle, k_h: T.handle, v_h: T.handle, o_h: T.handle, lse_h: T.handle,
-                  softmax_scale: T.float64, window_left: T.int64, window_right: T.int64,
-                  diagonal: T.int64):
+                  softmax_scale: T.float64, window_left: T.int64, window_right: T.int64):
         T.func_attr({"global_symbol": "flash_fwd", "tirx.noalias": True})
         B = T.int64()
         Nq = T.int64()
@@ -279,7 +304,7 @@ def cuda_forward(spec: CUDASpec, on_cpu: bool = False) -> tirx.PrimFunc:
         V = T.match_buffer(v_h, (B, Nk, Hk, D), dtype, strides=(*sv, 1), align=elem)
         O = T.match_buffer(o_h, (B, Nq, H, D), dtype, strides=(*so, 1), align=elem)
         LSE = T.match_buffer(lse_h, (B, H, Nq), F32, align=4)
-        masks.declare(Nq, Nk, window_left, window_right, diagonal)
+        masks.declare(window_left, window_right)
         # The same inputs with strides written as multiples of VEC (the Python side checks that
         # they are): the tile copies become 16-byte vector loads only if TVM's codegen can see
         # the alignment in the index expression (otherwise it emits element-wise int64 index
@@ -288,7 +313,7 @@ def cuda_forward(spec: CUDASpec, on_cpu: bool = False) -> tirx.PrimFunc:
         Ka = T.decl_buffer((B, Nk, Hk, D), dtype, data=K.data, strides=aligned_strides(sk))
         Va = T.decl_buffer((B, Nk, Hk, D), dtype, data=V.data, strides=aligned_strides(sv))
         Oa = T.decl_buffer((B, Nq, H, D), dtype, data=O.data, strides=aligned_strides(so))
-        for bh, qt in T.grid(B * H, _ceildiv(Nq, Br)):
+        for bh, qt in T.grid(H, masks.query_tiles_total()):  # query tiles of all sequences, heads
             with T.sblock("q_tile"):
                 vbh, vqt = T.axis.remap("SS", [bh, qt])
                 T.reads()
@@ -309,15 +334,21 @@ def cuda_forward(spec: CUDASpec, on_cpu: bool = False) -> tirx.PrimFunc:
                 l = T.sblock_alloc_buffer((WARPS, 32, 2), F32)
                 alpha = T.sblock_alloc_buffer((WARPS, 32, 2), F32)
                 inv_l = T.sblock_alloc_buffer((WARPS, 32, 2), F32)
+                # b: the sequence (plan.py's table); its rows start at row qs of batch tb of q (and of
+                # out, lse), at ks of batch tb of k and v (queries and keys share the batch index).
                 # truncdiv: operands are non-negative, and C division needs no sign fix-ups
-                b: T.let[T.int64] = T.truncdiv(vbh, H)
-                h: T.let[T.int64] = T.truncmod(vbh, H)
+                b: T.let[T.int64] = T.Cast("int64", masks.q_tile_seq[vqt])
+                tb: T.let[T.int64] = masks.column(b, plan.Q_BATCH)
+                qs: T.let[T.int64] = masks.column(b, plan.Q_START)
+                ks: T.let[T.int64] = masks.column(b, plan.K_START)
+                masks.bind(b)
+                h: T.let[T.int64] = vbh
                 hk: T.let[T.int64] = T.truncdiv(h, T.truncdiv(H, Hk))
-                q0: T.let[T.int64] = vqt * Br
+                q0: T.let[T.int64] = (vqt - masks.column(b, plan.Q_TILE0)) * Br
                 for r, c in T.grid(T.int64(Br), T.int64(D)):  # int64: the vectorized copy stays a ramp
                     with T.sblock("load_q"):
                         vr, vc = T.axis.remap("SS", [r, c])
-                        Qs[vr, vc] = Qa[b, T.min(q0 + vr, Nq - 1), h, vc]
+                        Qs[vr, vc] = Qa[tb, qs + T.min(q0 + vr, masks.seqlen_q - 1), h, vc]
                 for w, tk, i, kk in T.grid(WARPS, TD, 16, 16):
                     with T.sblock("ldmatrix_q"):
                         vw, vtk, vi, vk = T.axis.remap("SSSS", [w, tk, i, kk])
@@ -337,11 +368,11 @@ def cuda_forward(spec: CUDASpec, on_cpu: bool = False) -> tirx.PrimFunc:
                     for r, c in T.grid(T.int64(Bc), T.int64(D)):
                         with T.sblock("load_k"):
                             vr, vc = T.axis.remap("SS", [r, c])
-                            Ks[vr, vc] = Ka[b, T.min(k0 + vr, Nk - 1), hk, vc]
+                            Ks[vr, vc] = Ka[tb, ks + T.min(k0 + vr, masks.seqlen_k - 1), hk, vc]
                     for r, c in T.grid(T.int64(Bc), T.int64(D)):
                         with T.sblock("load_v"):
                             vr, vc = T.axis.remap("SS", [r, c])
-                            Vs[vr, vc] = Va[b, T.min(k0 + vr, Nk - 1), hk, vc]
+                            Vs[vr, vc] = Va[tb, ks + T.min(k0 + vr, masks.seqlen_k - 1), hk, vc]
                     for w, tj, tk, j, kk in T.grid(WARPS, TC, TD, 16, 16):
                         with T.sblock("ldmatrix_k"):  # B operand of Q K^T: K rows as columns
                             vw, vtj, vtk, vj, vk = T.axis.remap("SSSSS", [w, tj, tk, j, kk])
@@ -453,13 +484,13 @@ def cuda_forward(spec: CUDASpec, on_cpu: bool = False) -> tirx.PrimFunc:
                 for r, c, e in T.grid(T.int64(Br), T.int64(D // VEC), T.int64(VEC)):
                     with T.sblock("store_o"):  # whole rows, 16 bytes per thread and step
                         vr, vc, ve = T.axis.remap("SSS", [r, c, e])
-                        if q0 + vr < Nq:
-                            Oa[b, q0 + vr, h, vc * VEC + ve] = Qs[vr, vc * VEC + ve]
+                        if q0 + vr < masks.seqlen_q:
+                            Oa[tb, qs + q0 + vr, h, vc * VEC + ve] = Qs[vr, vc * VEC + ve]
                 for w, tx, hf in T.grid(WARPS, 32, 2):
                     with T.sblock("store_lse"):  # lane 4 r holds rows r and r + 8
                         vw, vtx, vhf = T.axis.remap("SSS", [w, tx, hf])
-                        if vtx % 4 == 0 and q0 + vw * 16 + vtx // 4 + 8 * vhf < Nq:
-                            LSE[b, h, q0 + vw * 16 + vtx // 4 + 8 * vhf] = lse_from_stats(
+                        if vtx % 4 == 0 and q0 + vw * 16 + vtx // 4 + 8 * vhf < masks.seqlen_q:
+                            LSE[tb, h, qs + q0 + vw * 16 + vtx // 4 + 8 * vhf] = lse_from_stats(
                                 m[vw, vtx, vhf], l[vw, vtx, vhf])
 
     return flash_fwd
@@ -618,7 +649,8 @@ def cuda_backward_dq(head_dim: int, dtype: str) -> tirx.PrimFunc:
 
 def cuda_backward(spec: CUDASpec, atomic_dq: bool = True, on_cpu: bool = False) -> tirx.PrimFunc:
     """flash_bwd(dout, q, k, v, stats, dq_acc, dk, dv, softmax_scale, n_split, window_left,
-    window_right, diagonal, *mod_inputs).
+    window_right, seq_table, *mod_inputs, *mod_input_grads, [tile_state, q_range]): a thread
+    block per (key tile or split, sequence x kv head).
 
     ``atomic_dq``: blocks add their dQ tiles into one fp32 accumulator (``n_split`` = number
     of key tiles, one per block). Otherwise (deterministic mode) block ``s`` walks key tiles
@@ -645,7 +677,7 @@ def cuda_backward(spec: CUDASpec, atomic_dq: bool = True, on_cpu: bool = False) 
     @T.prim_func(s_tir=True)
     def flash_bwd(do_h: T.handle, q_h: T.handle, k_h: T.handle, v_h: T.handle, stats_h: T.handle,
                   acc_h: T.handle, dk_h: T.handle, dv_h: T.handle, softmax_scale: T.float64, n_split: T.int64,
-                  window_left: T.int64, window_right: T.int64, diagonal: T.int64):
+                  window_left: T.int64, window_right: T.int64):
         T.func_attr({"global_symbol": "flash_bwd", "tirx.noalias": True})
         B = T.int64()
         Nq = T.int64()
@@ -668,14 +700,14 @@ def cuda_backward(spec: CUDASpec, atomic_dq: bool = True, on_cpu: bool = False) 
         dQacc = T.match_buffer(acc_h, (P, B, Nq, H, D), F32)
         dK = T.match_buffer(dk_h, (B, Nk, Hk, D), dtype, strides=(*sdk, 1), align=elem)
         dV = T.match_buffer(dv_h, (B, Nk, Hk, D), dtype, strides=(*sdv, 1), align=elem)
-        masks.declare(Nq, Nk, window_left, window_right, diagonal)
+        masks.declare(window_left, window_right)
         dOa = T.decl_buffer((B, Nq, H, D), dtype, data=dO.data, strides=aligned_strides(sdo))
         Qa = T.decl_buffer((B, Nq, H, D), dtype, data=Q.data, strides=aligned_strides(sq))
         Ka = T.decl_buffer((B, Nk, Hk, D), dtype, data=K.data, strides=aligned_strides(sk))
         Va = T.decl_buffer((B, Nk, Hk, D), dtype, data=V.data, strides=aligned_strides(sv))
         dKa = T.decl_buffer((B, Nk, Hk, D), dtype, data=dK.data, strides=aligned_strides(sdk))
         dVa = T.decl_buffer((B, Nk, Hk, D), dtype, data=dV.data, strides=aligned_strides(sdv))
-        for s, bh in T.grid(n_split, B * Hk):
+        for s, bh in T.grid(n_split, masks.sequences() * Hk):
             with T.sblock("kv_tile"):
                 vs, vbh = T.axis.remap("SS", [s, bh])
                 T.reads()
@@ -706,23 +738,29 @@ def cuda_backward(spec: CUDASpec, atomic_dq: bool = True, on_cpu: bool = False) 
                 dQw = T.sblock_alloc_buffer((WARPS, 32, 8), F32)  # one 16 x 16 tile of this query tile's dQ
                 dKw = T.sblock_alloc_buffer((WARPS, TD, 32, 8), F32)  # over all query tiles and heads
                 dVw = T.sblock_alloc_buffer((WARPS, TD, 32, 8), F32)
+                # b: the sequence (plan.py's table); its rows start at row qs of batch tb of q (dout,
+                # stats, dq), at ks of batch tb of k and v (dk, dv)
                 b: T.let[T.int64] = T.truncdiv(vbh, Hk)
+                tb: T.let[T.int64] = masks.column(b, plan.Q_BATCH)
+                qs: T.let[T.int64] = masks.column(b, plan.Q_START)
+                ks: T.let[T.int64] = masks.column(b, plan.K_START)
+                masks.bind(b)
                 hk: T.let[T.int64] = T.truncmod(vbh, Hk)
                 group: T.let[T.int64] = T.truncdiv(H, Hk)
                 part: T.let[T.int64] = T.int64(0) if atomic_dq else vs
-                # Key tiles vs, vs + n_split, ...: a trip count, not a condition, keeps this block-
-                # uniform for TVM's barrier insertion (which refuses barriers under an `if`).
-                for t in T.serial(_ceildiv(_ceildiv(Nk, Bc) - vs, n_split)):
+                # Key tiles vs, vs + n_split, ... of the sequence: a trip count, not a condition, keeps
+                # this block-uniform for TVM's barrier insertion (which refuses barriers under an `if`).
+                for t in T.serial(_ceildiv(_ceildiv(masks.seqlen_k, Bc) - vs, n_split)):
                     if True:
                         k0: T.let[T.int64] = (vs + t * n_split) * Bc
                         for r, c in T.grid(T.int64(Bc), T.int64(D)):
                             with T.sblock("load_k"):
                                 vr, vc = T.axis.remap("SS", [r, c])
-                                Ks[vr, vc] = Ka[b, T.min(k0 + vr, Nk - 1), hk, vc]
+                                Ks[vr, vc] = Ka[tb, ks + T.min(k0 + vr, masks.seqlen_k - 1), hk, vc]
                         for r, c in T.grid(T.int64(Bc), T.int64(D)):
                             with T.sblock("load_v"):
                                 vr, vc = T.axis.remap("SS", [r, c])
-                                Vs[vr, vc] = Va[b, T.min(k0 + vr, Nk - 1), hk, vc]
+                                Vs[vr, vc] = Va[tb, ks + T.min(k0 + vr, masks.seqlen_k - 1), hk, vc]
                         for w, tx, td, s8 in T.grid(WARPS, 32, TD, 8):
                             with T.sblock("init_dkv"):
                                 vw, vtd, vtx, vs8 = T.axis.remap("SSSS", [w, td, tx, s8])
@@ -735,15 +773,15 @@ def cuda_backward(spec: CUDASpec, atomic_dq: bool = True, on_cpu: bool = False) 
                                 for r, c in T.grid(T.int64(Br), T.int64(D)):
                                     with T.sblock("load_q"):
                                         vr, vc = T.axis.remap("SS", [r, c])
-                                        Qs[vr, vc] = Qa[b, T.min(q0 + vr, Nq - 1), h, vc]
+                                        Qs[vr, vc] = Qa[tb, qs + T.min(q0 + vr, masks.seqlen_q - 1), h, vc]
                                 for r, c in T.grid(T.int64(Br), T.int64(D)):
                                     with T.sblock("load_do"):
                                         vr, vc = T.axis.remap("SS", [r, c])
-                                        dOs[vr, vc] = dOa[b, T.min(q0 + vr, Nq - 1), h, vc]
+                                        dOs[vr, vc] = dOa[tb, qs + T.min(q0 + vr, masks.seqlen_q - 1), h, vc]
                                 for r, i in T.grid(3, Br):
-                                    with T.sblock("load_stats"):
-                                        vr, vi = T.axis.remap("SS", [r, i])
-                                        Ls[vr, vi] = Stats[b, h, vr, q0 + vi]
+                                    with T.sblock("load_stats"):  # rows past the sequence: 0 (padding or
+                                        vr, vi = T.axis.remap("SS", [r, i])  # the next sequence: masked)
+                                        Ls[vr, vi] = Stats[tb, h, vr, qs + q0 + vi]
                                 for w, tk, j, kk in T.grid(WARPS, TD, 16, 16):
                                     with T.sblock("ldmatrix_k"):
                                         vw, vtk, vj, vk = T.axis.remap("SSSS", [w, tk, j, kk])
@@ -814,7 +852,7 @@ def cuda_backward(spec: CUDASpec, atomic_dq: bool = True, on_cpu: bool = False) 
                                             vti = T.axis.spatial(TI, ti)
                                             col: T.let[T.int32] = vti * 16 + frag_col(vtx, vs8)
                                             Sx[vw, X_, vtx, vs8] = T.Select(
-                                                masks.kept(tirx.all(q0 + col < Nq, masks.sees(
+                                                masks.kept(tirx.all(q0 + col < masks.seqlen_q, masks.sees(
                                                     b, h, q0 + col, k0 + vw * 16 + frag_row(vtx, vs8))), Sx[vw, X_, vtx, vs8]),
                                                 exp2_(log2_exponent(Sx[vw, X_, vtx, vs8], masks.exponent_scale(softmax_scale),
                                                                     (Ls[0, col], Ls[1, col]))),
@@ -917,15 +955,15 @@ def cuda_backward(spec: CUDASpec, atomic_dq: bool = True, on_cpu: bool = False) 
                                             vtd = T.axis.spatial(TD, td)
                                             row = T.meta_var(q0 + vw * 16 + frag_row(vtx, vs8))
                                             colq = T.meta_var(vtd * 16 + frag_col(vtx, vs8))
-                                            T.reads(dQw[vw, vtx, vs8], dQacc[part, b, row, h, colq])
-                                            T.writes(dQacc[part, b, row, h, colq])
-                                            if row < Nq:
+                                            T.reads(dQw[vw, vtx, vs8], dQacc[part, tb, qs + row, h, colq])
+                                            T.writes(dQacc[part, tb, qs + row, h, colq])
+                                            if row < masks.seqlen_q:
                                                 if not on_cpu:
                                                     T.evaluate(T.call_extern("float32", "atomicAdd",
-                                                                             T.address_of(dQacc[part, b, row, h, colq]),
+                                                                             T.address_of(dQacc[part, tb, qs + row, h, colq]),
                                                                              dQw[vw, vtx, vs8]))
                                                 else:
-                                                    dQacc[part, b, row, h, colq] = dQacc[part, b, row, h, colq] + dQw[
+                                                    dQacc[part, tb, qs + row, h, colq] = dQacc[part, tb, qs + row, h, colq] + dQw[
                                                         vw, vtx, vs8]
                         for w, tx, td, s8 in T.grid(WARPS, 32, TD, 8):
                             with T.sblock("stage_dkv"):  # dK, dV by rows into the K, V tiles (done with)
@@ -937,8 +975,8 @@ def cuda_backward(spec: CUDASpec, atomic_dq: bool = True, on_cpu: bool = False) 
                         for r, c, e in T.grid(T.int64(Bc), T.int64(D // VEC), T.int64(VEC)):
                             with T.sblock("store_dkv"):  # whole rows, 16 bytes per thread and step
                                 vr, vc, ve = T.axis.remap("SSS", [r, c, e])
-                                if k0 + vr < Nk:
-                                    dKa[b, k0 + vr, hk, vc * VEC + ve] = Ks[vr, vc * VEC + ve]
-                                    dVa[b, k0 + vr, hk, vc * VEC + ve] = Vs[vr, vc * VEC + ve]
+                                if k0 + vr < masks.seqlen_k:
+                                    dKa[tb, ks + k0 + vr, hk, vc * VEC + ve] = Ks[vr, vc * VEC + ve]
+                                    dVa[tb, ks + k0 + vr, hk, vc * VEC + ve] = Vs[vr, vc * VEC + ve]
 
     return flash_bwd

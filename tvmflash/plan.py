@@ -45,6 +45,11 @@ class Sequences:
         return int(self.table.shape[0])
 
     @property
+    def max_key_tiles(self) -> int:
+        """Key tiles of the longest key sequence (the CUDA backward's blocks per sequence)."""
+        return int(np.bincount(self.k_tile_seq, minlength=1).max()) if self.key_tiles else 0
+
+    @property
     def query_tiles(self) -> int:
         return int(self.q_tile_seq.shape[0])
 

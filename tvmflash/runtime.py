@@ -102,10 +102,13 @@ class FlashKernels:
         return checks.window(window_size, causal)
 
     def _sequences(self, kernel: str, batch: int, seqlen_q: int, seqlen_k: int, heads_k: int, cu_seqlens_q,
-                   cu_seqlens_k, diagonal=None):
+                   cu_seqlens_k, diagonal=None, like=None):
+        """plan.py's sequence table and tile maps, as tensors where the kernels run (``like``'s
+        device for CUDA kernels)."""
         cfg = self.configs[kernel]
+        device = _device_of(like) if self.is_cuda else None
         if cu_seqlens_q is None and cu_seqlens_k is None:
-            return _batched_arrays(batch, seqlen_q, seqlen_k, cfg.block_q, cfg.block_k, heads_k, diagonal)
+            return _batched_arrays(batch, seqlen_q, seqlen_k, cfg.block_q, cfg.block_k, heads_k, diagonal, device)
         if cu_seqlens_q is None or cu_seqlens_k is None:
             raise ValueError("cu_seqlens_q and cu_seqlens_k go together")
         if batch != 1:
@@ -113,7 +116,7 @@ class FlashKernels:
         cu_q = checks.check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, seqlen_q)
         cu_k = checks.check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, seqlen_k, batch=len(cu_q) - 1)
         seqs = plan.varlen(cu_q, cu_k, block_q=cfg.block_q, block_k=cfg.block_k, heads_k=heads_k)
-        return seqs, [tvm.runtime.tensor(a) for a in seqs.arrays()]
+        return seqs, [tvm.runtime.tensor(a, device) for a in seqs.arrays()]
 
     def _mods(self, mod_inputs, mod_grads=None) -> list:
         if len(mod_inputs) != len(self._mod_inputs):
@@ -140,15 +143,13 @@ class FlashKernels:
         batch, seqlen_q, heads, heads_k = checks.check_forward_args(self, q, k, v, out, lse)
         scale = checks.softmax_scale(softmax_scale, self.head_dim)
         left, right = self._window(causal, window_size)
+        seqs, tables = self._sequences("forward", batch, seqlen_q, _len(k), heads_k, cu_seqlens_q, cu_seqlens_k,
+                                       diagonal, like=q)
         if self.is_cuda:
-            _cuda_batched_only(cu_seqlens_q)
-            self._functions["flash_fwd"](q, k, v, out, lse, scale, left, right,
-                                         _cuda_diagonal(diagonal, seqlen_q, _len(k)), *self._mods(mod_inputs),
-                                         *(block_mask or ()))
+            self._functions["flash_fwd"](q, k, v, out, lse, scale, left, right, tables[0], tables[1],
+                                         *self._mods(mod_inputs), *(block_mask or ()))
             return
         self._check_runs_here()
-        seqs, tables = self._sequences("forward", batch, seqlen_q, _len(k), heads_k, cu_seqlens_q, cu_seqlens_k,
-                                       diagonal)
         self._functions["flash_fwd"](q, k, v, out, lse, scale, left, right, _threads(num_threads), *tables[:3],
                                      *self._mods(mod_inputs), *(block_mask or ()))
 
@@ -164,16 +165,14 @@ class FlashKernels:
         scale = checks.softmax_scale(softmax_scale, self.head_dim)
         checks.check_lse_recomputable(lse)
         left, right = self._window(causal, window_size)
+        seqs, tables = self._sequences("backward", batch, seqlen_q, _len(k), heads_k, cu_seqlens_q, cu_seqlens_k,
+                                       diagonal, like=q)
         if self.is_cuda:
-            _cuda_batched_only(cu_seqlens_q)
-            mask = (left, right, _cuda_diagonal(diagonal, seqlen_q, _len(k)))
-            self._cuda_backward(dout, q, k, v, out, lse, dq, dk, dv, scale, mask,
-                                [*self._mods(mod_inputs, mod_grads), *(block_mask or ())],
-                                batch, seqlen_q, heads, heads_k)
+            self._cuda_backward(dout, q, k, v, out, lse, dq, dk, dv, scale, (left, right), seqs, tables[0],
+                                [*self._mods(mod_inputs, mod_grads), *(block_mask or ())], heads_k,
+                                packed=cu_seqlens_q is not None)
             return
         self._check_runs_here()
-        seqs, tables = self._sequences("backward", batch, seqlen_q, _len(k), heads_k, cu_seqlens_q, cu_seqlens_k,
-                                       diagonal)
         self._functions["flash_bwd"](dout, q, k, v, out, lse, dq, dk, dv, scale, left, right, _threads(num_threads),
                                      seqs.rounds, seqs.super_tile, *tables, *self._mods(mod_inputs, mod_grads),
                                      *((block_mask[0],) if block_mask else ()))
@@ -204,20 +203,21 @@ class FlashKernels:
         return plan.backward_workspace_bytes(seqs, grad_input_elements=grad_elements, **sizes)
 
     # --- CUDA --------------------------------------------------------------------------------
-    def _cuda_backward(self, dout, q, k, v, out, lse, dq, dk, dv, scale, mask, mods, batch, seqlen_q, heads,
-                       heads_k) -> None:
+    def _cuda_backward(self, dout, q, k, v, out, lse, dq, dk, dv, scale, window, seqs, table, mods, heads_k,
+                       packed: bool) -> None:
         # FlashAttention-2's three launches (kernels_cuda.py): row statistics + zeroed fp32 dQ
         # accumulator, the fused backward, the dQ conversion. Workspace: O(N) fp32.
-        cfg = self.configs["backward"]
-        key_tiles = -(-_len(k) // cfg.block_k)
+        checks.check_cuda_grid(seqs.count * heads_k)
+        batch, seqlen_q, heads, _ = (int(n) for n in q.shape)
+        key_tiles = seqs.max_key_tiles  # per sequence: a block per key tile (atomic), or splits
         if self.deterministic:
-            splits = partials = deterministic_splits(batch, heads_k, key_tiles)
+            splits = partials = deterministic_splits(seqs.count, heads_k, key_tiles)
         else:
             splits, partials = key_tiles, 1
-        stats = _workspace(dq, (batch, heads, 3, cuda_stats_rows(seqlen_q)))
+        stats = _workspace(dq, (batch, heads, 3, cuda_stats_rows(seqlen_q, packed)))
         dq_acc = _workspace(dq, (partials, batch, seqlen_q, heads, self.head_dim))
         self._functions["flash_bwd_prep"](dout, out, lse, stats, dq_acc)
-        self._functions["flash_bwd"](dout, q, k, v, stats, dq_acc, dk, dv, scale, splits, *mask, *mods)
+        self._functions["flash_bwd"](dout, q, k, v, stats, dq_acc, dk, dv, scale, splits, *window, table, *mods)
         self._functions["flash_bwd_dq"](dq_acc, dq, scale)
 
     # --- export --------------------------------------------------------------------------------
@@ -250,20 +250,6 @@ def _len(k) -> int:
     return int(k.shape[1])
 
 
-def _cuda_batched_only(cu_seqlens) -> None:
-    if cu_seqlens is not None:
-        raise NotImplementedError("the CUDA kernels take batched sequences so far (no varlen cu_seqlens)")
-
-
-def _cuda_diagonal(diagonal, seqlen_q: int, seqlen_k: int) -> int:
-    """The key query 0 is aligned with: flash-attn's bottom-right corner unless given."""
-    if diagonal is None:
-        return seqlen_k - seqlen_q
-    if isinstance(diagonal, bool) or not isinstance(diagonal, int) or abs(diagonal) >= 2**31:
-        raise ValueError(f"diagonal must be an integer of magnitude below 2^31, got {diagonal!r}")
-    return diagonal
-
-
 def _threads(num_threads) -> int:
     if num_threads is None:
         return settings.num_threads()
@@ -273,22 +259,31 @@ def _threads(num_threads) -> int:
 
 
 @functools.lru_cache(maxsize=256)
-def _batched_arrays_cached(batch, seqlen_q, seqlen_k, block_q, block_k, heads_k, diagonal):
+def _batched_arrays_cached(batch, seqlen_q, seqlen_k, block_q, block_k, heads_k, diagonal, device_key):
     seqs = plan.batched(batch, seqlen_q, seqlen_k, block_q=block_q, block_k=block_k, heads_k=heads_k,
                         diagonal=diagonal)
-    return seqs, [tvm.runtime.tensor(a) for a in seqs.arrays()]
+    device = None if device_key is None else tvm.runtime.Device(*device_key)
+    return seqs, [tvm.runtime.tensor(a, device) for a in seqs.arrays()]
 
 
-def _batched_arrays(batch, seqlen_q, seqlen_k, block_q, block_k, heads_k, diagonal):
-    """The sequence tables of a batched call (cached: they depend on sizes only)."""
-    return _batched_arrays_cached(batch, seqlen_q, seqlen_k, block_q, block_k, heads_k, diagonal)
+def _batched_arrays(batch, seqlen_q, seqlen_k, block_q, block_k, heads_k, diagonal, device=None):
+    """The sequence tables of a batched call (cached: they depend on sizes only), on ``device``
+    (None: the CPU)."""
+    key = None if device is None else (device.dlpack_device_type(), device.index)
+    return _batched_arrays_cached(batch, seqlen_q, seqlen_k, block_q, block_k, heads_k, diagonal, key)
 
 
-def cuda_stats_rows(seqlen_q: int) -> int:
-    """Rows of the CUDA backward's row-statistics workspace: padded to whole query tiles."""
+def _device_of(like):
+    """The tvm device of a DLPack tensor (torch, numpy, tvm)."""
+    return (like if isinstance(like, tvm_ffi.Tensor) else tvm_ffi.from_dlpack(like)).device
+
+
+def cuda_stats_rows(seqlen_q: int, packed: bool = False) -> int:
+    """Rows of the CUDA backward's row-statistics workspace: padded to whole query tiles; packed
+    sequences read one tile further (a sequence's last tile may start anywhere)."""
     from .config import CUDA_BLOCK_Q
 
-    return -(-seqlen_q // CUDA_BLOCK_Q) * CUDA_BLOCK_Q
+    return (-(-seqlen_q // CUDA_BLOCK_Q) + packed) * CUDA_BLOCK_Q
 
 
 def deterministic_splits(batch: int, heads_k: int, key_tiles: int) -> int:

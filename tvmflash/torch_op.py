@@ -233,8 +233,6 @@ def _attention(q, k, v, cu_seqlens_q, cu_seqlens_k, dropout_p, softmax_scale, ca
     if q.dtype not in tuple(getattr(torch, d) for d in SUPPORTED_DTYPES):
         raise TypeError(f"dtype {q.dtype} is not supported")
     left, right = checks.window_pair(window_size, causal)
-    if q.device.type == "cuda" and varlen:
-        raise NotImplementedError("the varlen functions run on CPU tensors only so far (CUDA: batched tensors)")
     q, k, v = (kernel_layout(t) for t in (q, k, v))
     out, lse = _forward(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, scale, left, right, softcap,
                         bool(deterministic), fp32_results, diagonal)

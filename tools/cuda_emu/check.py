@@ -37,7 +37,7 @@ from conftest import assert_flash_rule, assert_matches_reference, random_inputs 
 from cuda_resources import LEARNED, learned_bias, relative_bias, same_document, variant_spec  # noqa: E402
 
 import tvmflash  # noqa: E402
-from tvmflash import flex_trace  # noqa: E402
+from tvmflash import flex_trace, plan, runtime  # noqa: E402
 from tvmflash.flex import create_block_mask, query_ranges, tile_maps  # noqa: E402
 from tvmflash.reference import reference_attention  # noqa: E402
 from tvmflash.spec import UNLIMITED_WINDOW, AttentionSpec  # noqa: E402
@@ -49,7 +49,8 @@ SHAPES = [dict(B=1, Nq=70, Nk=133, H=4, Hk=2), dict(B=1, Nq=150, Nk=37, H=3, Hk=
           dict(B=1, Nq=1, Nk=65, H=2, Hk=2), dict(B=2, Nq=64, Nk=64, H=1, Hk=1)]
 def extras_include(spec: AttentionSpec) -> str:
     """C++ declarations of the kernels' mod-input and block-mask arguments, read by name."""
-    lines = []
+    lines = ['auto seq_table_ptr = extra<int>("seq_table");', 'auto q_tile_seq_ptr = extra<int>("q_tile_seq");',
+             'int64_t n_seq = extra_dim("seq_table", 0);', 'int64_t query_tiles = extra_dim("q_tile_seq", 0);']
     for i in spec.mod_inputs:
         ctype = C_TYPES[getattr(torch, i.dtype)]
         lines.append(f'auto {i.name}_ptr = extra<{ctype}>("{i.name}");')
@@ -96,19 +97,29 @@ def mod_tensors(mods: str, gen, B, Nq, Nk, H, spec) -> tuple[dict, list]:
     return {}, []
 
 
-def run(exe, mods, spec, dtype, B, Nq, Nk, H, Hk, D, window, deterministic=False, pad=0, seed=0):
+def run(exe, mods, spec, dtype, B, Nq, Nk, H, Hk, D, window, deterministic=False, pad=0, seed=0, varlen=False):
+    """One shape: batched (B, Nq, ...), or ``varlen``: B sequences of random lengths up to Nq / Nk
+    packed in (1, total, heads, head_dim) tensors, each judged on its own rows."""
     gen = torch.Generator().manual_seed(seed)
-    q, k, v = random_inputs(gen, B, Nq, Nk, H, Hk, D, dtype)
+    if varlen:
+        lens = [torch.randint(1, n + 1, (B,), generator=gen) for n in (Nq, Nk)]
+        cu_q, cu_k = ([0, *n.cumsum(0).tolist()] for n in lens)
+        q, k, v = random_inputs(gen, 1, cu_q[-1], cu_k[-1], H, Hk, D, dtype)
+        seqs = plan.varlen(cu_q, cu_k, block_q=64, block_k=64, heads_k=Hk)
+    else:
+        q, k, v = random_inputs(gen, B, Nq, Nk, H, Hk, D, dtype)
     dout = torch.randn(q.shape, generator=gen).to(q.dtype)
     scale = D**-0.5
     variant, extras = mod_tensors(mods, gen, B, Nq, Nk, H, spec)
-    diagonal = variant.pop("diagonal", Nk - Nq)
-    n_split = 0
-    if deterministic:
-        n_split = max(1, min(-(-Nk // 64), 8, -(-256 // (B * Hk))))
+    diagonal = variant.pop("diagonal", None)
+    if not varlen:
+        seqs = plan.batched(B, Nq, Nk, block_q=64, block_k=64, heads_k=Hk, diagonal=diagonal)
+    extras += [("seq_table", torch.from_numpy(seqs.table)), ("q_tile_seq", torch.from_numpy(seqs.q_tile_seq))]
+    n_split = (runtime.deterministic_splits(seqs.count, Hk, seqs.max_key_tiles) if deterministic
+               else seqs.max_key_tiles)
     left, right = (UNLIMITED_WINDOW if w < 0 else w for w in window)
-    hdr = struct.pack("<13qd", B, Nq, Nk, H, Hk, D, int(deterministic), n_split, pad, left, right, diagonal,
-                      len(extras), scale)
+    hdr = struct.pack("<13qd", *q.shape[:2], k.shape[1], H, Hk, D, int(deterministic), n_split, pad, left, right,
+                      runtime.cuda_stats_rows(q.shape[1], varlen), len(extras), scale)
     raw = lambda t: t.contiguous().view(torch.int16).numpy().tobytes()  # noqa: E731
     blob = b""
     for name, t in extras:
@@ -128,8 +139,8 @@ def run(exe, mods, spec, dtype, B, Nq, Nk, H, Hk, D, window, deterministic=False
             Path(p).unlink(missing_ok=True)
     stats = [ln for ln in r.stderr.splitlines() if ln.startswith("emu stats")]
     issues = [ln for ln in r.stderr.splitlines() if ln.startswith("[emu:")]
-    tag = (f"{dtype} D={D} mods={mods} window={window} det={deterministic} B={B} Nq={Nq} Nk={Nk} H={H} Hk={Hk} "
-           f"pad={pad}")
+    tag = (f"{dtype} D={D} mods={mods} window={window} det={deterministic} {'varlen ' * varlen}B={B} Nq={Nq} "
+           f"Nk={Nk} H={H} Hk={Hk} pad={pad}")
     if not buf:
         print(f"{tag}: CRASHED (exit {r.returncode}) {r.stderr[-800:]}", flush=True)
         return False
@@ -143,16 +154,25 @@ def run(exe, mods, spec, dtype, B, Nq, Nk, H, Hk, D, window, deterministic=False
         t = torch.from_numpy(arr)
         return (t if dt == torch.float32 else t.view(dt)).reshape(shape)
 
-    nq, nk = B * Nq * H * D, B * Nk * Hk * D
-    results = (take(nq, DT[dtype], q.shape), take(B * H * Nq, torch.float32, (B, H, Nq)),
+    nq, nk = q.numel(), k.numel()
+    results = (take(nq, DT[dtype], q.shape), take(q.shape[0] * H * q.shape[1], torch.float32, (q.shape[0], H, q.shape[1])),
                take(nq, DT[dtype], q.shape), take(nk, DT[dtype], k.shape), take(nk, DT[dtype], k.shape))
     # the harness writes them after dv in name order
     grads = {name: take(t.numel(), torch.float32, (t.numel(),)) for name, t in sorted(extras, key=lambda e: e[0])
              if name.endswith("_grad")}
     status = "OK"
     try:
-        assert_matches_reference(tag, (q, k, v, dout), results, False, seed, scale, window_size=window,
-                                 diagonal=diagonal, **variant)
+        if varlen:  # each sequence on its own rows (its ALiBi slopes: row b)
+            for b, (q0, q1, k0, k1) in enumerate(zip(cu_q[:-1], cu_q[1:], cu_k[:-1], cu_k[1:])):
+                rows, keys = slice(q0, q1), slice(k0, k1)
+                ours = (results[0][:, rows], results[1][..., rows], results[2][:, rows], results[3][:, keys],
+                        results[4][:, keys])
+                mine = {**variant, **({"alibi_slopes": variant["alibi_slopes"][b]} if "alibi_slopes" in variant else {})}
+                assert_matches_reference(f"{tag} sequence {b}", (q[:, rows], k[:, keys], v[:, keys], dout[:, rows]),
+                                         ours, False, seed, scale, window_size=window, **mine)
+        else:
+            assert_matches_reference(tag, (q, k, v, dout), results, False, seed, scale, window_size=window,
+                                     diagonal=diagonal, **variant)
         for name, ours in grads.items():  # captured tensors' gradients vs float64 autograd
             table = LEARNED  # the one captured tensor that requires grad (``learned_bias``)
             ref = {}
@@ -182,14 +202,17 @@ def main(argv=None) -> int:
     ap.add_argument("--deterministic", action="store_true")
     ap.add_argument("--pad", type=int, default=0, help="pad the q/k/v/dout strides by this many elements")
     ap.add_argument("--shape", action="append", help="B=..,Nq=..,Nk=..,H=..,Hk=.. (repeatable)")
+    ap.add_argument("--varlen", action="store_true", help="B packed sequences of random lengths up to Nq, Nk")
     args = ap.parse_args(argv)
+    if args.varlen and args.mods.startswith("flex"):
+        ap.error("--varlen: flex_attention takes batched tensors (use --mods none or softcap+alibi)")
     window = tuple(int(w) for w in args.window.split(","))
     shapes = [dict(kv.split("=") for kv in s.split(",")) for s in args.shape] if args.shape else SHAPES
     spec = variant_spec(args.head_dim, args.dtype, args.mods)
     with tempfile.TemporaryDirectory() as work:
         exe = build(spec, args.deterministic, Path(work))
         ok = [run(exe, args.mods, spec, args.dtype, D=args.head_dim, window=window, deterministic=args.deterministic,
-                  pad=args.pad, seed=100 + i, **{key: int(val) for key, val in s.items()})
+                  pad=args.pad, seed=100 + i, varlen=args.varlen, **{key: int(val) for key, val in s.items()})
               for i, s in enumerate(shapes)]
     return 0 if all(ok) else 1
 

@@ -12,7 +12,7 @@
 #endif
 
 struct Header {
-  int64_t B, Nq, Nk, H, Hk, D, deterministic, n_split, stride_pad, window_left, window_right, diagonal, extras;
+  int64_t B, Nq, Nk, H, Hk, D, deterministic, n_split, stride_pad, window_left, window_right, stats_rows, extras;
   double scale;
 };
 
@@ -31,7 +31,7 @@ int main(int argc, char** argv) {
   std::ifstream in(argv[1], std::ios::binary);
   Header h; in.read((char*)&h, sizeof h);
   int64_t B = h.B, Nq = h.Nq, Nk = h.Nk, H = h.H, Hk = h.Hk, D = h.D;
-  int64_t window_left = h.window_left, window_right = h.window_right, diagonal = h.diagonal;
+  int64_t window_left = h.window_left, window_right = h.window_right;
   // inputs are given contiguous; stride_pad > 0 re-lays q/k/v/dout out with padded head strides
   // (a multiple of 8 elements: the layout the kernels accept) to exercise the stride arithmetic.
   int64_t pad = h.stride_pad;
@@ -56,9 +56,8 @@ int main(int argc, char** argv) {
   std::vector<ELEM> out(nq), dq(nq), dk(nk), dv(nk);
   for (auto* t : {&out, &dq, &dk, &dv}) for (auto& x : *t) x.x = 0x7fff;  // NaN poison
   std::vector<float> lse(B * H * Nq, NAN);
-  int64_t NqP = (Nq + 63) / 64 * 64;
-  int64_t key_tiles = (Nk + 63) / 64;
-  int64_t n_split = h.n_split > 0 ? h.n_split : key_tiles;
+  int64_t NqP = h.stats_rows;  // runtime.cuda_stats_rows
+  int64_t n_split = h.n_split;  // blocks per (sequence, kv head): key tiles, or deterministic splits
   int64_t P = h.deterministic ? n_split : 1;
   std::vector<float> stats(B * H * 3 * NqP, NAN), dqacc(P * B * Nq * H * D, NAN);
   double softmax_scale = h.scale;
@@ -76,13 +75,13 @@ int main(int argc, char** argv) {
   auto dQacc_ptr = gptr(dqacc.data(), dqacc.size(), "dQacc");
 #include EXTRAS_INC
 
-  emu_launch("flash_fwd", Dim3{(unsigned)((Nq + 63) / 64), (unsigned)(B * H), 1}, Dim3{32, 4, 1}, 2 * tile,
+  emu_launch("flash_fwd", Dim3{(unsigned)extra_dim("q_tile_seq", 0), (unsigned)H, 1}, Dim3{32, 4, 1}, 2 * tile,
              [&] { flash_fwd_kernel(ARGS_flash_fwd_kernel); });
   emu_launch("flash_bwd_prep", Dim3{(unsigned)(B * H * NqP / 64), 1, 1}, Dim3{32, 4, 1}, 0,
              [&] { flash_bwd_prep_kernel(ARGS_flash_bwd_prep_kernel); });
   emu_launch("flash_bwd_prep(zero dQ)", Dim3{(unsigned)((P * B * Nq * H * D / 4 + 255) / 256), 1, 1}, Dim3{256, 1, 1}, 0,
              [&] { flash_bwd_prep_kernel_1(ARGS_flash_bwd_prep_kernel_1); });
-  emu_launch("flash_bwd", Dim3{(unsigned)n_split, (unsigned)(B * Hk), 1}, Dim3{32, 4, 1}, 4 * tile,
+  emu_launch("flash_bwd", Dim3{(unsigned)n_split, (unsigned)(extra_dim("seq_table", 0) * Hk), 1}, Dim3{32, 4, 1}, 4 * tile,
              [&] { flash_bwd_kernel(ARGS_flash_bwd_kernel); });
   emu_launch("flash_bwd_dq", Dim3{(unsigned)((B * Nq * H * D / 8 + 255) / 256), 1, 1}, Dim3{256, 1, 1}, 0,
              [&] { flash_bwd_dq_kernel(ARGS_flash_bwd_dq_kernel); });
