@@ -275,6 +275,24 @@ def test_check_case_catches_wrong_ops(monkeypatch, fake, should_pass):
         assert not result["checks"]["out"]["ok"]
 
 
+def test_check_case_judges_packed_sequences_one_by_one(monkeypatch):
+    """varlen cases: flash_attn_varlen_func on packed sequences, each judged against float64 on
+    its own rows. The real (CPU) kernels pass; the same results with the rows reversed fail."""
+    import tvmflash
+
+    case = cases.CorrectnessCase(3, 70, 90, 4, 2, 32, "float32", True, window=(20, 5), alibi=True, packed=True)
+    result = correctness.check_case(case, "cpu", seed=5)
+    assert result["ok"], result["checks"]
+    real = tvmflash.flash_attn_varlen_func
+
+    def reversed_rows(*args, **kwargs):
+        out, lse, probs = real(*args, **kwargs)
+        return out.flip(0), lse, probs
+
+    monkeypatch.setattr(tvmflash, "flash_attn_varlen_func", reversed_rows)
+    assert not correctness.check_case(case, "cpu", seed=5)["checks"]["out"]["ok"]
+
+
 def test_check_case_deterministic_compares_two_backwards(monkeypatch):
     """--deterministic: the op gets deterministic=True, and two backwards must agree bitwise."""
     import tvmflash

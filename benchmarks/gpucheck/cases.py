@@ -36,11 +36,13 @@ class CorrectnessCase:
     window: tuple = (-1, -1)
     softcap: float = 0.0
     alibi: bool = False
+    # packed: ``batch`` sequences of random lengths up to seqlen_q / seqlen_k, flash_attn_varlen_func
+    packed: bool = False
 
     def label(self) -> str:
         mask = " causal" if self.causal else ""
         variant = (f" window{self.window}" * (self.window != (-1, -1)) + f" softcap{self.softcap:g}" * bool(self.softcap)
-                   + " alibi" * self.alibi)
+                   + " alibi" * self.alibi + " varlen" * self.packed)
         return (f"B{self.batch} Nq{self.seqlen_q} Nk{self.seqlen_k} H{self.heads}/{self.heads_k} "
                 f"D{self.head_dim} {SHORT[self.dtype]}{mask}{variant}")
 
@@ -99,7 +101,9 @@ def correctness_cases(device: str, quick: bool) -> list[CorrectnessCase]:
     if device == "cuda":  # flash-attn's variants, fused (runtime windows; softcap and ALiBi compiled in)
         cases += [CorrectnessCase(1, 1000, 777, 8, 2, 128, "bfloat16", False, window=(256, 0)),
                   CorrectnessCase(2, 333, 333, 4, 4, 64, "float16", True, softcap=30.0, alibi=True),
-                  CorrectnessCase(1, 77, 1000, 4, 1, 64, "bfloat16", False, window=(100, 50), softcap=5.0)]
+                  CorrectnessCase(1, 77, 1000, 4, 1, 64, "bfloat16", False, window=(100, 50), softcap=5.0),
+                  CorrectnessCase(5, 1000, 777, 8, 2, 128, "bfloat16", True, packed=True),
+                  CorrectnessCase(3, 333, 1000, 4, 4, 64, "float16", False, window=(64, 64), alibi=True, packed=True)]
     return cases
 
 
