@@ -88,13 +88,14 @@ def _ceildiv(a, b):
 class Masks:
     """The window mask and the score/mask mods of a CUDA kernel, as index expressions.
 
-    Sequences are plan.py's table (batched, or packed varlen; a block binds its sequence's
-    lengths with ``bind``); query q's diagonal is key ``q + diagonal`` (the table's column:
-    ``k_len - q_len`` for flash-attn's bottom-right alignment), and q sees key k iff
-    ``diagonal - left <= k - q <= diagonal + right`` (``attention_te.in_window``; causal is
-    right = 0). ``declare`` binds the sizes and the window and adds the mod inputs (and the
-    block mask) to the kernel's arguments. Mods see indices clamped into the sequences, so a
-    mod never reads past its tensors on the padding rows and keys of a tile (those are masked).
+    Sequences are plan.py's table (batched, or packed varlen); query q's diagonal is key
+    ``q + diagonal`` (the table's column: ``k_len - q_len`` for flash-attn's bottom-right
+    alignment), and q sees key k iff ``diagonal - left <= k - q <= diagonal + right``
+    (``attention_te.in_window``; causal is right = 0). ``declare`` takes the window and adds the
+    sequence table, the mods' inputs (and gradients) and the block mask to the kernel's
+    arguments; ``bind`` takes the sequence a thread block works on. Mods see indices clamped into
+    the sequence, so a mod never reads past its tensors on the padding rows and keys of a tile
+    (those are masked).
 
     Block masks (``spec.block_sparse``, ``flex.tile_maps`` at these tiles): the forward walks
     only the key tiles of its query tile's ``kv_range``, the backward only the query tiles of its
@@ -194,9 +195,6 @@ class Masks:
     @property
     def has_captured_grads(self) -> bool:
         return self.backward and bool(self.spec.grad_inputs) and self.has_score_mods
-
-    def captured_grad_regions(self) -> list:
-        return [buf[0:buf.shape[0]] for buf in self.grads.values()]
 
     def scatter_captured_grads(self, s, b, h, q, k, upstream, on_cpu: bool) -> None:
         """grad[index] += upstream * d mods / d captured for each captured tensor requiring grad:
