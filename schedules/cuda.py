@@ -293,7 +293,7 @@ def schedule_backward(sch: s_tir.Schedule, cfg: CUDAKernelConfig, spec: Attentio
     dtype = spec.dtype
     dtype_bytes = tvm.runtime.DataType(dtype).bits // 8
     # stages of the score mods (their values live in more slots of the score fragment)
-    modded = (("score_mod", "score_grad") if spec.score_mods else ()) + (
+    modded = (("score_mod",) if spec.score_mods else ()) + (
         ("captured_grads",) if spec.grad_inputs and spec.score_mods else ())
     for name, index in BACKWARD_SHARED:
         sch.set_scope(sch.get_sblock(name), index, "shared.dyn")

@@ -831,19 +831,16 @@ def cuda_backward(spec: CUDASpec, atomic_dq: bool = True, on_cpu: bool = False) 
                                                     F32, Qbt[vw, vti, vtk, b_lane, b_slot])
                                     if has_mods:
                                         for w, tx, s8 in T.grid(WARPS, 32, 8):
-                                            with T.sblock("score_mod"):  # X^T = mods(S^T * scale)
+                                            # X^T = mods(S^T * scale), then d mods / d S^T (for dS; over
+                                            # S^T unless the captured gradients read S^T later)
+                                            with T.sblock("score_mod"):
                                                 vw, vtx, vs8 = T.axis.remap("SSS", [w, tx, s8])
                                                 vti = T.axis.spatial(TI, ti)
-                                                Sx[vw, X_, vtx, vs8] = masks.score(
-                                                    Sx[vw, S_, vtx, vs8] * T.Cast(F32, softmax_scale), b, h,
-                                                    q0 + vti * 16 + frag_col(vtx, vs8), k0 + vw * 16 + frag_row(vtx, vs8))
-                                        for w, tx, s8 in T.grid(WARPS, 32, 8):
-                                            with T.sblock("score_grad"):  # for dS (S^T is read last there)
-                                                vw, vtx, vs8 = T.axis.remap("SSS", [w, tx, s8])
-                                                vti = T.axis.spatial(TI, ti)
-                                                Sx[vw, G_, vtx, vs8] = masks.score_grad(
-                                                    Sx[vw, S_, vtx, vs8] * T.Cast(F32, softmax_scale), b, h,
-                                                    q0 + vti * 16 + frag_col(vtx, vs8), k0 + vw * 16 + frag_row(vtx, vs8))
+                                                scaled = T.meta_var(Sx[vw, S_, vtx, vs8] * T.Cast(F32, softmax_scale))
+                                                q_idx = T.meta_var(q0 + vti * 16 + frag_col(vtx, vs8))
+                                                kv_idx = T.meta_var(k0 + vw * 16 + frag_row(vtx, vs8))
+                                                Sx[vw, X_, vtx, vs8] = masks.score(scaled, b, h, q_idx, kv_idx)
+                                                Sx[vw, G_, vtx, vs8] = masks.score_grad(scaled, b, h, q_idx, kv_idx)
                                     for w, tx, s8 in T.grid(WARPS, 32, 8):
                                         with T.sblock("probs"):  # P^T = 2^(X^T * c - lse2), masked; in place
                                             vw, vtx, vs8 = T.axis.remap("SSS", [w, tx, s8])
