@@ -87,7 +87,9 @@ class FlashKernels:
         lacks (kernels compiled here for another CPU model, e.g. to inspect their code)."""
         from .target import BF16_DOT_FEATURES, missing_isa_features
 
-        needed = {f for cfg in self.configs.values() if cfg.products == BF16_DOT for f in BF16_DOT_FEATURES}
+        # (CUDA configs have no products: they need no CPU feature)
+        needed = {f for cfg in self.configs.values() if getattr(cfg, "products", None) == BF16_DOT
+                  for f in BF16_DOT_FEATURES}
         return missing_isa_features(sorted(needed)) if needed else []
 
     def _check_runs_here(self) -> None:
@@ -142,6 +144,7 @@ class FlashKernels:
         depend on it)."""
         batch, seqlen_q, heads, heads_k = checks.check_forward_args(self, q, k, v, out, lse)
         scale = checks.softmax_scale(softmax_scale, self.head_dim)
+        self._check_runs_here()
         left, right = self._window(causal, window_size)
         seqs, tables = self._sequences("forward", batch, seqlen_q, _len(k), heads_k, cu_seqlens_q, cu_seqlens_k,
                                        diagonal, like=q)
@@ -149,7 +152,6 @@ class FlashKernels:
             self._functions["flash_fwd"](q, k, v, out, lse, scale, left, right, tables[0], tables[1],
                                          *self._mods(mod_inputs), *(block_mask or ()))
             return
-        self._check_runs_here()
         self._functions["flash_fwd"](q, k, v, out, lse, scale, left, right, _threads(num_threads), *tables[:3],
                                      *self._mods(mod_inputs), *(block_mask or ()))
 
@@ -164,6 +166,7 @@ class FlashKernels:
         batch, seqlen_q, heads, heads_k = checks.check_backward_args(self, dout, q, k, v, out, lse, dq, dk, dv)
         scale = checks.softmax_scale(softmax_scale, self.head_dim)
         checks.check_lse_recomputable(lse)
+        self._check_runs_here()
         left, right = self._window(causal, window_size)
         seqs, tables = self._sequences("backward", batch, seqlen_q, _len(k), heads_k, cu_seqlens_q, cu_seqlens_k,
                                        diagonal, like=q)
@@ -172,7 +175,6 @@ class FlashKernels:
                                 [*self._mods(mod_inputs, mod_grads), *(block_mask or ())], heads_k,
                                 packed=cu_seqlens_q is not None)
             return
-        self._check_runs_here()
         self._functions["flash_bwd"](dout, q, k, v, out, lse, dq, dk, dv, scale, left, right, _threads(num_threads),
                                      seqs.rounds, seqs.super_tile, *tables, *self._mods(mod_inputs, mod_grads),
                                      *((block_mask[0],) if block_mask else ()))
@@ -299,8 +301,7 @@ def _workspace(like, shape: tuple):
     """An fp32 scratch tensor on the device of ``like`` (torch's allocator for torch tensors)."""
     if type(like).__module__.startswith("torch"):
         return like.new_empty(shape, dtype=sys.modules["torch"].float32)
-    device = (like if isinstance(like, tvm_ffi.Tensor) else tvm_ffi.from_dlpack(like)).device
-    return tvm.runtime.empty(shape, "float32", device)
+    return tvm.runtime.empty(shape, "float32", _device_of(like))
 
 
 def read_meta(path: Path) -> dict:

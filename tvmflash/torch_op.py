@@ -85,8 +85,8 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: to
     lse = torch.empty(_lse_shape(q, varlen), dtype=torch.float32, device=q.device)
     if _empty_problem(q, k, varlen):  # no keys: out = 0, lse = -inf (no kernel call)
         return out.zero_(), lse.fill_(float("-inf"))
-    kernels = kernels_for(q, causal=window_right == 0 and window_left < 0, deterministic=deterministic,
-                          softcap=softcap > 0, alibi=alibi_slopes is not None, fp32_results=fp32_results)
+    kernels = kernels_for(q, deterministic=deterministic, softcap=softcap > 0, alibi=alibi_slopes is not None,
+                          fp32_results=fp32_results)
     if varlen:
         q4, k4, v4, out4, lse3 = (_as_batch(t) for t in (q, k, v, out, lse))
     else:
@@ -115,8 +115,8 @@ def _backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
     dq, dk, dv = (torch.empty(t.shape, dtype=grad_dtype, device=t.device) for t in (q, k, v))
     if _empty_problem(q, k, varlen):
         return dq.zero_(), dk.zero_(), dv.zero_()
-    kernels = kernels_for(q, causal=window_right == 0 and window_left < 0, deterministic=deterministic,
-                          softcap=softcap > 0, alibi=alibi_slopes is not None, fp32_results=fp32_results)
+    kernels = kernels_for(q, deterministic=deterministic, softcap=softcap > 0, alibi=alibi_slopes is not None,
+                          fp32_results=fp32_results)
     tensors = (dout, q, k, v, out, lse, dq, dk, dv)
     if varlen:
         tensors = tuple(_as_batch(t) for t in tensors)
