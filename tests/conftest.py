@@ -12,6 +12,7 @@ import secrets
 import pytest
 import torch
 
+import tvmflash
 from tvmflash.reference import (flash_rule, reference_attention, reference_magnitudes,  # noqa: F401 - re-exported
                                 window_mask)
 
@@ -28,6 +29,12 @@ def seed() -> int:
 @pytest.fixture
 def gen(seed) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
+
+
+@pytest.fixture(scope="module")
+def kernels_d32():
+    """This CPU's fp32 kernels for head dim 32 (full and causal: masks are per call)."""
+    return tvmflash.compile("llvm", head_dim=32, dtype="float32")
 
 
 def causal_mask(seqlen_q: int, seqlen_k: int) -> torch.Tensor:
