@@ -8,12 +8,14 @@
     out = flash_attn_func(q, k, v, causal=True)             # (batch, seqlen, heads, head_dim)
     from tvmflash import flex_attention                     # torch's FlexAttention API, fused backward
 
-Layers (imports point down): the PyTorch functions (``torch_op``, ``flex``, ``integrations``) and
-tools (``tune``, ``bench``, ``demo``) use ``compiler`` (what to build, caches), which uses
-``runtime`` (kernel objects, launch planning, ``load``; TVM's runtime alone) and, on a cache
-miss only, ``build`` (code generation: ``kernels``, ``kernels_cuda``, ``schedules``). Below them
-all: ``spec``, ``config``, ``plan``, ``records``, ``cache``, ``checks``, ``settings``, pure
-Python or TVM's runtime.
+Layers (imports point down; ``tests/test_architecture.py`` declares and checks them, README
+draws them): tools (``tune``, ``bench``, ``memory``, ``analysis``, ``reference``, ``demo``) use
+the PyTorch functions (``torch_op``, ``flex``, ``kvcache``, ``integrations``, ``distributed``),
+which use ``flex_trace`` (user mods traced into TIR) and ``compiler`` (what to build, caches).
+``compiler`` uses ``runtime`` (kernel objects, ``load``; TVM's runtime alone) and, on a cache miss
+only, ``build`` (code generation: ``kernels*``, ``schedules``, ``score_mods``, ``attention_te``).
+Below them all: ``spec``, ``config``, ``plan`` (the launch plan the runtime fills and the kernels
+read), ``checks``, ``target``, ``settings``. Nothing below the PyTorch functions imports torch.
 """
 
 from . import settings as _settings

@@ -6,13 +6,12 @@ Layering: this module decides *what* to build (target, spec, the configs chosen 
 code generators (``build.py``), so cached and prebuilt kernels load with TVM's runtime alone.
 
 Every kernel build is keyed by a request: versions of tvmflash, TVM and tvm-ffi, a hash of the
-code that generates kernels of that target kind, the full target, the spec, the configs (and
+code that generates kernels (every module a build runs, found from the imports), the full target, the spec, the configs (and
 for CUDA the mask and determinism it builds in). A change to any of them builds anew.
 """
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import json
 import os
@@ -23,26 +22,17 @@ from pathlib import Path
 import tvm
 import tvm_ffi
 
-from . import cache, checks, records, runtime, settings
-from . import schedules as _schedules_package
+from . import cache, checks, import_closure, records, runtime, settings
 from . import target as targets
 from .config import BF16_DOT, KERNELS, CPUKernelConfig, CUDAKernelConfig, default_cpu_config, default_products
 from .runtime import FlashKernels
 from .spec import AttentionSpec
 from .version import __version__
 
-# The code that decides what gets compiled, per target kind: a change to any of it invalidates
-# the disk cache of that kind. Paths, not imports: the generators are imported on a miss only.
-_PACKAGE = Path(__file__).parent
-_SCHEDULES = Path(_schedules_package.__file__).parent
-_SHARED = tuple(_PACKAGE / name for name in ("build.py", "attention_te.py", "spec.py", "config.py", "target.py"))
-_CODEGEN_SOURCES = {
-    "llvm": (*_SHARED, _PACKAGE / "kernels.py", _PACKAGE / "score_mods.py", _PACKAGE / "plan.py",
-             _PACKAGE / "flex_trace.py", _PACKAGE / "pair_words.py", _SCHEDULES / "llvm.py",
-             _SCHEDULES / "llvm_bf16.py"),
-    "cuda": (*_SHARED, _PACKAGE / "kernels_cuda.py", _PACKAGE / "score_mods.py", _PACKAGE / "flex_trace.py",
-             _SCHEDULES / "cuda.py"),
-}
+# The modules that generate kernels: a build runs them and everything they import, and the disk
+# cache keys hash exactly that (``import_closure``): a change to any of it builds anew. ``build``
+# generates every kernel; a traced mod (``flex_trace``) rides in the spec and emits its own TIR.
+CODEGEN_ENTRY_MODULES = ("tvmflash.build", "tvmflash.flex_trace")
 _memory_cache: dict[str, FlashKernels] = {}
 # (target, spec, options, steering environment) -> the kernels compile_spec returned: the ops ask
 # on every call, and choosing configs and hashing the request takes ~ms.
@@ -51,13 +41,9 @@ _STEERING_ENV = ("TVMFLASH_CACHE_DIR", "TVMFLASH_TUNE_LOGS", "TVMFLASH_PREBUILT"
 _lock = threading.Lock()
 
 
-@functools.lru_cache(maxsize=None)
-def _sources_digest(kind: str) -> str:
-    h = hashlib.sha256()
-    for p in _CODEGEN_SOURCES[kind]:
-        h.update(p.name.encode())
-        h.update(p.read_bytes())
-    return h.hexdigest()[:16]
+def sources_digest() -> str:
+    """A hash of the code that generates kernels (once per process; ~10 ms, see import_closure)."""
+    return import_closure.digest(CODEGEN_ENTRY_MODULES)
 
 
 def choose_configs(target: tvm.target.Target, spec: AttentionSpec, *, config=None, tuned: bool = True,
@@ -115,7 +101,7 @@ def _request(target: tvm.target.Target, spec: AttentionSpec, configs: dict, dete
     is_cuda = kind == "cuda"
     meta = {
         "versions": {"tvmflash": __version__, "tvm": tvm.__version__, "tvm_ffi": tvm_ffi.__version__,
-                     "sources": _sources_digest(kind)},
+                     "sources": sources_digest()},
         "target": json.loads(str(target)),
         "spec": spec.to_json(),
         "mod_inputs": [[i.name, list(i.shape), i.dtype, i.requires_grad] for i in spec.mod_inputs],
@@ -388,17 +374,6 @@ def compile_standard(head_dim: int = 64, dtype: str = "float32", causal: bool = 
 
 # --- decoding against a KV cache (kvcache.py) ---------------------------------------------------
 _cache = cache  # the module (compile_decode's ``cache`` argument is a flag)
-_DECODE_SOURCES = (*_SHARED, _PACKAGE / "kernels_decode.py", _PACKAGE / "score_mods.py", _SCHEDULES / "llvm.py",
-                   _SCHEDULES / "llvm_decode.py")
-
-
-@functools.lru_cache(maxsize=None)
-def _decode_sources_digest() -> str:
-    h = hashlib.sha256()
-    for p in _DECODE_SOURCES:
-        h.update(p.name.encode())
-        h.update(p.read_bytes())
-    return h.hexdigest()[:16]
 
 
 def choose_decode_config(target: tvm.target.Target, spec: AttentionSpec, config=None):
@@ -412,6 +387,19 @@ def choose_decode_config(target: tvm.target.Target, spec: AttentionSpec, config=
     return config
 
 
+def _decode_request(target: tvm.target.Target, spec: AttentionSpec, cfg) -> dict:
+    """Everything the decode kernel's build depends on (JSON): its cache key and metadata."""
+    return {
+        "kernel": "decode",
+        "versions": {"tvmflash": __version__, "tvm": tvm.__version__, "tvm_ffi": tvm_ffi.__version__,
+                     "sources": sources_digest()},
+        "target": json.loads(str(target)),
+        "isa_features": targets.isa_features(target),
+        "spec": spec.to_json(),
+        "config": cfg.to_json(),
+    }
+
+
 def compile_decode(target, spec: AttentionSpec, *, config=None, cache: bool = True) -> runtime.DecodeKernels:
     """The ``flash_decode`` kernel (``kernels_decode.py``) for a CPU target and spec, from the
     memory or disk cache or built. One kernel serves every batch, cache layout (dense or
@@ -420,15 +408,7 @@ def compile_decode(target, spec: AttentionSpec, *, config=None, cache: bool = Tr
     if target.kind.name != "llvm":
         raise NotImplementedError("flash_attn_with_kvcache runs on CPUs only so far")
     cfg = choose_decode_config(target, spec, config)
-    request = {
-        "kernel": "decode",
-        "versions": {"tvmflash": __version__, "tvm": tvm.__version__, "tvm_ffi": tvm_ffi.__version__,
-                     "sources": _decode_sources_digest()},
-        "target": json.loads(str(target)),
-        "isa_features": targets.isa_features(target),
-        "spec": spec.to_json(),
-        "config": cfg.to_json(),
-    }
+    request = _decode_request(target, spec, cfg)
     key = _key(request)
     meta = {**request, "cache_key": key}
     with _lock:

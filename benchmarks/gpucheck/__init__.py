@@ -49,10 +49,10 @@ torch/CUDA/cuDNN/TVM versions, git commit) and notes go to --out-dir: gpu_check.
 gpu_check.md (the table), stage_<name>.json (each stage, written as it goes). --budget-s bounds
 the whole run: stages skip their remaining cases, with a note, once their share is spent.
 
-Modules: ``cli`` (arguments), ``cases`` (the grids, inputs, FLOPs), ``correctness``, ``speed``
-and ``long`` (one stage each), ``stages`` (a stage in this process: budget, per-case records),
-``orchestrate`` (stages in child processes, the compile stage's workers, the environment) and
-``report`` (summary and markdown). Everything runs with TVM's runtime alone (the GPU machine has
+Modules: ``cli`` (arguments), ``cases`` (the grids, inputs, FLOPs), ``compiling``,
+``correctness``, ``speed`` and ``long`` (one stage each), ``stage`` (what they share: budget,
+per-case records, the child process), ``orchestrate`` (runs the stages, in this process or in
+children; the compile stage's workers, the environment) and ``report`` (summary and markdown). Everything runs with TVM's runtime alone (the GPU machine has
 no TVM compiler): tvmflash's ``reference``, ``torch_op`` and ``compile`` (loading prebuilt or
 cached kernels) do, ``tvmflash.analysis`` does not.
 """

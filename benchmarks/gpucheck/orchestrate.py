@@ -16,9 +16,9 @@ import torch
 
 from .cases import long_dtype
 from .cli import GRACE_S, STAGES, parse_args
-from .compiling import cuda_arch, run_compile_stage
+from .compiling import cuda_arch, run_compile_stage, stage_compile
 from .report import compile_summary, render, summarize
-from .stage import ROOT, run_child, run_stage
+from .stage import ROOT, StageWriter, error_record, run_child
 
 LONG_RESERVE_S = 75.0  # kept for the long stage while the speed stage runs (cuda)
 
@@ -100,6 +100,29 @@ def precompile(args, report: dict, json_path: Path) -> dict:
     write_json(report, json_path)
     print(compile_summary(report["stages"]["compile"]))
     return report
+
+
+def run_stage(args) -> dict:
+    """One stage in this process (a child of the orchestrator, or inline with --no-isolate).
+
+    The other stages' modules load only here: the orchestrating parent, which runs each stage in a
+    child, needs none of them."""
+    from .correctness import stage_correctness
+    from .long import stage_long
+    from .speed import stage_speed
+
+    funcs = {"compile": stage_compile, "correctness": stage_correctness, "speed": stage_speed, "long": stage_long}
+    budget = args.stage_budget_s if args.stage_budget_s is not None else args.budget_s
+    writer = StageWriter(args.stage_out, args.stage, budget)
+    writer.flush()
+    if args.device == "cuda" and args.stage != "compile":
+        torch.backends.cuda.matmul.allow_tf32 = False  # not used by fp16/bf16; keeps fp32 refs exact
+    try:
+        funcs[args.stage](args, writer)
+    except Exception as err:  # noqa: BLE001
+        writer.note("stage failed: " + error_record(err)["error"])
+        writer.data["stage_error"] = error_record(err)
+    return writer.finish()
 
 
 def run_one_stage(args, stage: str, budget: float, timeout: float, report: dict) -> dict:

@@ -1,4 +1,6 @@
-"""One stage: its budget and records (written as it goes), its cases, its child process."""
+"""What every stage uses: its budget and records (written as it goes), running its cases, its
+child process. The stages (``compiling``, ``correctness``, ``speed``, ``long``) import this module;
+``orchestrate`` runs them."""
 
 from __future__ import annotations
 
@@ -100,27 +102,6 @@ def run_cases(writer: StageWriter, items, run_one, device: str, label=lambda c: 
             writer.note("CUDA context lost: remaining cases skipped")
             writer.skip([label(c) for c in items[i + 1:]], "CUDA context lost after an error")
             return
-
-
-def run_stage(args) -> dict:
-    """One stage in this process (a child of the orchestrator, or inline with --no-isolate)."""
-    from .compiling import stage_compile
-    from .correctness import stage_correctness
-    from .long import stage_long
-    from .speed import stage_speed
-
-    funcs = {"compile": stage_compile, "correctness": stage_correctness, "speed": stage_speed, "long": stage_long}
-    budget = args.stage_budget_s if args.stage_budget_s is not None else args.budget_s
-    writer = StageWriter(args.stage_out, args.stage, budget)
-    writer.flush()
-    if args.device == "cuda" and args.stage != "compile":
-        torch.backends.cuda.matmul.allow_tf32 = False  # not used by fp16/bf16; keeps fp32 refs exact
-    try:
-        funcs[args.stage](args, writer)
-    except Exception as err:  # noqa: BLE001
-        writer.note("stage failed: " + error_record(err)["error"])
-        writer.data["stage_error"] = error_record(err)
-    return writer.finish()
 
 
 def read_json(path: Path) -> dict | None:
