@@ -36,11 +36,12 @@ from .version import __version__
 _PACKAGE = Path(__file__).parent
 _SCHEDULES = Path(_schedules_package.__file__).parent
 _SHARED = tuple(_PACKAGE / name for name in ("build.py", "attention_te.py", "spec.py", "config.py", "target.py"))
+_FLEX_TRACE = tuple(sorted((_PACKAGE / "flex_trace").glob("*.py")))
 _CODEGEN_SOURCES = {
     "llvm": (*_SHARED, _PACKAGE / "kernels.py", _PACKAGE / "score_mods.py", _PACKAGE / "plan.py",
-             _PACKAGE / "flex_trace.py", _PACKAGE / "pair_words.py", _SCHEDULES / "llvm.py",
+             *_FLEX_TRACE, _PACKAGE / "pair_words.py", _SCHEDULES / "llvm.py",
              _SCHEDULES / "llvm_bf16.py"),
-    "cuda": (*_SHARED, _PACKAGE / "kernels_cuda.py", _PACKAGE / "score_mods.py", _PACKAGE / "flex_trace.py",
+    "cuda": (*_SHARED, _PACKAGE / "kernels_cuda.py", _PACKAGE / "score_mods.py", *_FLEX_TRACE,
              _SCHEDULES / "cuda.py"),
 }
 _memory_cache: dict[str, FlashKernels] = {}
