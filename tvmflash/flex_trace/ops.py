@@ -13,7 +13,7 @@ gallery in tests/test_flex_trace.py traces each one). Kept as handlers, on purpo
   torch's decompositions of the backward ops give ``select_scatter`` / ``slice_scatter``.
 * ``div`` with a rounding mode, ``remainder``, ``fmod``: integer division by zero gives 0
   (torch raises), float floor division is exact; torch's refs go to prims.
-* ``relu``, ``nan_to_num``, ``copysign``, ``sign``: torch's refs call prims directly.
+* ``relu``, ``nan_to_num``, ``copysign``, ``sign``, ``mean``: torch's refs call prims directly.
 * ``exp``, ``exp2``, ``tanh``, ``sigmoid`` and the other float functions: through ``INTRINSICS``.
 * ``pow``: small integer exponents as products, +-1/2 as sqrt/rsqrt, like torch's kernel.
 * ``_to_copy``: float -> int casts saturate (undefined in C).
@@ -54,7 +54,7 @@ DECOMPOSED_OPS = (
     _aten.gelu, _aten.silu, _aten.softplus, _aten.leaky_relu, _aten.logaddexp, _aten.lerp,
     _aten.clamp_min, _aten.clamp_max, _aten.frac, _aten.sgn, _aten.isposinf, _aten.isneginf,
     # arithmetic, selection, constants and views
-    _aten.rsub, _aten.floor_divide, _aten.masked_fill, _aten.mean, _aten.fill, _aten.zeros, _aten.ones,
+    _aten.rsub, _aten.floor_divide, _aten.masked_fill, _aten.fill, _aten.zeros, _aten.ones,
     _aten.zeros_like, _aten.ones_like, _aten.new_zeros, _aten.new_ones, _aten.new_full, _aten.arange.default,
     _aten.arange.start, _aten.transpose, _aten.t, _aten.detach, _aten._unsafe_view,
 )

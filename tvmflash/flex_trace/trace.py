@@ -376,7 +376,10 @@ def trace_score_mod(score_mod: Callable | None, *, device: str = "cpu") -> Trace
             full = list(bufs)
             for k, t in zip(grad_positions, grad_bufs):
                 full[k] = t
-            return graph(s, b, h, q_idx, kv_idx, *full)
+            # The user's ops, not their decompositions: autograd applies torch's own derivative
+            # formulas (softplus_backward selects the gradient where exp overflows; autograd
+            # through the decomposed softplus would multiply 0 by inf), which are decomposed next.
+            return raw(s, b, h, q_idx, kv_idx, *full)
 
         _, vjp_fn = torch.func.vjp(f, score, *[bufs[k] for k in grad_positions])
         return tuple(vjp_fn(grad_out))

@@ -51,6 +51,8 @@ def _normalize_index(ctx: _Ctx, i, size: int) -> tirx.PrimExpr:
 def _view_of(ctx, a, mapper, shape=None) -> _T:
     """A view: element idx of the result is element mapper(idx) of ``a``."""
     shape = ctx.out_shape if shape is None else shape
+    if isinstance(a, _Acc):
+        ctx.fail(f"{ctx.node.target} of a gradient")
     if a.const is not None:
         return _T.full(shape, a.dtype, a.const)
     if shape == ():
@@ -82,6 +84,8 @@ def _expand(ctx, a, *args, **kwargs):
 def _permute(ctx, a, dims):
     rank = len(a.shape)
     dims = [d % rank for d in dims] if rank else []
+    if isinstance(a, _Acc):  # the vjp of a permuted read of a captured tensor: permute the terms
+        return _Acc(ctx.out_shape, a.dtype, [(tuple(idx[d] for d in dims), v) for idx, v in a.terms])
     inverse = [dims.index(k) for k in range(rank)]
     return _view_of(ctx, a, lambda idx: tuple(idx[inverse[k]] for k in range(rank)))
 
@@ -191,12 +195,14 @@ def _reduce(kind: str):
                 x = _cast(a.at(full), compute)
                 if acc is None:
                     acc = x
-                elif kind == "sum":
+                elif kind in ("sum", "mean"):
                     acc = acc + x
                 elif kind == "amax":
                     acc = tirx.max(acc, x)
                 else:
                     acc = tirx.min(acc, x)
+            if kind == "mean":
+                acc = acc / _const(math.prod(red_shape), compute)
             return _cast(acc, out)
 
         return _T.scalar(at(()), ctx.out_dtype) if shape == () else _T(shape, ctx.out_dtype, at)
@@ -205,6 +211,7 @@ def _reduce(kind: str):
 
 
 _handles("aten.sum")(_reduce("sum"))
+_handles("aten.mean")(_reduce("mean"))
 _handles("aten.amax")(_reduce("amax"))
 _handles("aten.amin")(_reduce("amin"))
 
