@@ -118,7 +118,7 @@ def score_gallery(t):
             + torch.arange(3).sum() * 0.5 + torch.arange(1, 4).float().mean() + s.detach() * 0.25
             + torch.zeros(2).sum() + torch.ones(2, dtype=torch.int64).sum() + s.new_full((), 1.5) + torch.rsub(s, 2)
             + s.masked_fill(q > kv, -2.0) * c + torch.clamp_min(s, w[0]) + torch.clamp_max(s, w[1]) + torch.sgn(kv - q)
-            + torch.full_like(s, 3).fill_(2.0) * w[2]
+            + torch.full_like(s, 3).fill_(2.0) * w[2] + s.new_ones(()) * 0.5
         ),
         "floor_division": lambda s, b, h, q, kv: (
             torch.div(s, 0.1, rounding_mode="floor") + torch.floor_divide(q - kv, -3) + torch.remainder(q - kv, -4)

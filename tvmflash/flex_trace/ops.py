@@ -1,19 +1,21 @@
 """The op table: what torch's decompositions lower for us, and a handler (aten op -> TIR) for
 each op they leave.
 
-``DECOMPOSITIONS`` is the table ``make_fx`` traces with (``trace.py``). It is chosen op by op,
-not ``core_aten_decompositions()`` whole: that table also decomposes ``tanh``, ``sigmoid``,
-``exp``... into prims (the kernels substitute their own polynomials for those, see
-``INTRINSICS``), and some of its entries are torch refs that call ``prims.where`` with Python
-scalars, which fails under fake tracing. Every op listed lowers to ops handled below (the
-gallery in tests/test_flex_trace.py traces each one). Kept as handlers, on purpose:
+``DECOMPOSITIONS`` is the table ``make_fx`` traces with (``trace.py``), chosen op by op with
+``get_decompositions``. Not ``core_aten_decompositions()`` whole: it keeps ``gelu`` and
+``leaky_relu`` (core ops) and lowers ``slice_backward`` to ``slice_scatter`` and ``empty_like``
+to ``empty_permuted``, each needing a handler again (tried on the test galleries). Not torch's
+whole table either: it decomposes ``tanh``/``sigmoid``/``exp`` into prims (the kernels substitute
+polynomials for those ops, ``INTRINSICS``), and its refs of ``relu``, ``nan_to_num``, ``sign``,
+``copysign``, ``where.Scalar*``, ``mean`` leave ``prims.*`` ops. Every op listed lowers to ops
+handled below (the galleries in tests/test_flex_trace.py trace each one). Kept as handlers:
 
 * ``index`` / ``index_put`` / ``select_backward`` / ``slice_backward``: reads of captured
   tensors clamp their indices into range, and their gradients are scatter-add terms (``_Acc``);
   torch's decompositions of the backward ops give ``select_scatter`` / ``slice_scatter``.
 * ``div`` with a rounding mode, ``remainder``, ``fmod``: integer division by zero gives 0
   (torch raises), float floor division is exact; torch's refs go to prims.
-* ``relu``, ``nan_to_num``, ``copysign``, ``sign``, ``mean``: torch's refs call prims directly.
+* ``relu``, ``nan_to_num``, ``copysign``, ``sign``, ``mean``: see above (prims).
 * ``exp``, ``exp2``, ``tanh``, ``sigmoid`` and the other float functions: through ``INTRINSICS``.
 * ``pow``: small integer exponents as products, +-1/2 as sqrt/rsqrt, like torch's kernel.
 * ``_to_copy``: float -> int casts saturate (undefined in C).
@@ -47,9 +49,9 @@ from .values import (
 _aten = torch.ops.aten
 # Ops that torch's own decompositions lower to ops handled below (overloads included).
 DECOMPOSED_OPS = (
-    # the vjp graph's backward ops
+    # the vjp graph's backward ops (silu_backward: torch lowers it itself, to sigmoid)
     _aten.tanh_backward, _aten.sigmoid_backward, _aten.threshold_backward, _aten.gelu_backward,
-    _aten.silu_backward, _aten.softplus_backward, _aten.leaky_relu_backward,
+    _aten.softplus_backward, _aten.leaky_relu_backward,
     # activations and composite float functions
     _aten.gelu, _aten.silu, _aten.softplus, _aten.leaky_relu, _aten.logaddexp, _aten.lerp,
     _aten.clamp_min, _aten.clamp_max, _aten.frac, _aten.sgn, _aten.isposinf, _aten.isneginf,
