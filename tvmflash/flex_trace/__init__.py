@@ -73,17 +73,15 @@ from __future__ import annotations
 
 from .lower import Captured, TracedMaskMod, TracedScoreMod, supported_ops
 from .reference import apply_score_mod_dense, dense_mask
-from .trace import _closure_names, trace_mask_mod, trace_score_mod
-from .values import INTRINSICS, TRANSLATOR_VERSION, FlexTraceError
+from .trace import _closure_names, trace_mask_mod, trace_score_mod  # noqa: F401 - flex.py reads captured names
+from .values import INTRINSICS, TRANSLATOR_VERSION, FlexTraceError  # noqa: F401
 
 __all__ = [
     "Captured",
     "FlexTraceError",
     "INTRINSICS",
-    "TRANSLATOR_VERSION",
     "TracedMaskMod",
     "TracedScoreMod",
-    "_closure_names",
     "apply_score_mod_dense",
     "dense_mask",
     "supported_ops",

@@ -102,11 +102,6 @@ def _unsupported(ctx: _Ctx, name: str, location: str = ""):
                          f"{', '.join(public)}")
 
 
-
-# ----------------------------------------------------------------------------------------------
-# Tracing
-
-
 @dataclasses.dataclass(frozen=True)
 class Captured:
     """A tensor the user function closes over: a kernel input buffer (and a gradient buffer).
@@ -127,8 +122,6 @@ class Captured:
 
     def decl_grad_buffer(self, name: str | None = None) -> tirx.Buffer:
         return tirx.decl_buffer(self.shape, "float32", name or f"{self.name}_grad")
-
-
 
 
 def _index_inputs(exprs, what: str) -> list[tirx.PrimExpr]:

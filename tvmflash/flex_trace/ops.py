@@ -102,7 +102,6 @@ def _handles(*names: str):
     return register
 
 
-
 # --- helpers for handlers ---------------------------------------------------------------------
 
 
@@ -458,9 +457,6 @@ def _clamp(ctx, a, min=None, max=None):  # noqa: A002 - torch's argument names
 @_handles("aten.copysign")
 def _copysign(ctx, a, b):
     return _map(ctx, [a, b], tirx.copysign, compute=_float_compute(ctx))
-
-
-# --- float functions torch's decompositions do not cover -----------------------------------
 
 
 @_handles("aten.nan_to_num")

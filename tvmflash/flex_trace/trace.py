@@ -345,7 +345,6 @@ def _check_output(gm: fx.GraphModule, what: str, kind: str):
     return val
 
 
-
 def _identity_score_mod(score, b, h, q_idx, kv_idx):
     return score
 

@@ -223,7 +223,7 @@ def _max_min(ctx, a, *args, **kwargs):
     return _reduce("amax" if ctx.node.target.overloadpacket is torch.ops.aten.max else "amin")(ctx, a)
 
 
-# --- gradients scattered into captured tensors (the vjp of reading them) -----------------------------------------------------------
+# --- gradients scattered into captured tensors (the vjp of reading them) --------------------
 
 
 @_handles("aten.index_put", "aten.index_put_", "aten._index_put_impl", "aten._index_put_impl_")
