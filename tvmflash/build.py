@@ -1,4 +1,4 @@
-"""Code generation: the kernels of ``kernels.py`` / ``kernels_cuda.py`` with the schedules of
+"""Code generation: the kernels of ``kernels/cpu.py`` / ``kernels_cuda.py`` with the schedules of
 ``schedules/`` lowered into TVM modules. The only part of tvmflash that needs TVM's compiler
 (TVMScript, TE, schedules, LLVM, CUDA codegen); ``compiler.py`` imports it on a cache miss, so
 cached, exported or prebuilt kernels load with TVM's runtime alone.
@@ -14,7 +14,8 @@ import tvm
 import tvm_ffi
 from tvm import s_tir
 
-from . import attention_te, kernels, kernels_cuda
+from . import attention_te, kernels_cuda
+from .kernels import cpu as cpu_kernels
 from . import target as targets
 from .config import CUDA_BLOCK_Q, CPUKernelConfig, CUDAKernelConfig, KERNELS
 from .schedules import cuda as cuda_schedules
@@ -31,7 +32,7 @@ def default_configs(target: tvm.target.Target, dtype: str = "float32") -> dict:
 
 def scheduled_kernel(kernel: str, spec: AttentionSpec, cfg: CPUKernelConfig) -> tvm.tirx.PrimFunc:
     """One fused CPU kernel ("forward" or "backward") with the hand-written schedule applied."""
-    sch = s_tir.Schedule(kernels.fused_kernel(kernel, spec, cfg))
+    sch = s_tir.Schedule(cpu_kernels.fused_kernel(kernel, spec, cfg))
     return llvm_schedules.SCHEDULES[kernel](sch, cfg).mod["main"]
 
 
@@ -170,13 +171,13 @@ def build_standard(head_dim: int, dtype: str, causal: bool) -> tvm.runtime.Modul
     return tvm.compile(mod, target=targets.host_target())
 
 
-# --- decoding against a KV cache (kernels_decode.py, kvcache.py) ------------------------------
+# --- decoding against a KV cache (kernels/decode.py, kvcache.py) ------------------------------
 def build_decode_module(target: tvm.target.Target, spec: AttentionSpec, cfg) -> tvm.runtime.Module:
     """The ``flash_decode`` kernel scheduled for this CPU and compiled (no caching)."""
-    from . import kernels_decode
+    from .kernels import decode as decode_kernels
     from .schedules import llvm_decode
 
-    sch = s_tir.Schedule(kernels_decode.decode_kernel(spec, cfg))
+    sch = s_tir.Schedule(decode_kernels.decode_kernel(spec, cfg))
     func = llvm_decode.schedule_decode(sch, cfg, spec.head_dim).mod["main"]
     with tvm.transform.PassContext(config={"tirx.disable_cse_tir": True}):
         return tvm.compile(tvm.IRModule({"flash_decode": func}), target=target)

@@ -37,9 +37,9 @@ _PACKAGE = Path(__file__).parent
 _SCHEDULES = Path(_schedules_package.__file__).parent
 _SHARED = tuple(_PACKAGE / name for name in ("build.py", "attention_te.py", "spec.py", "config.py", "target.py"))
 _CODEGEN_SOURCES = {
-    "llvm": (*_SHARED, _PACKAGE / "kernels.py", _PACKAGE / "score_mods.py", _PACKAGE / "plan.py",
-             _PACKAGE / "flex_trace.py", _PACKAGE / "pair_words.py", _SCHEDULES / "llvm.py",
-             _SCHEDULES / "llvm_bf16.py"),
+    "llvm": (*_SHARED, _PACKAGE / "kernels" / "__init__.py", _PACKAGE / "kernels" / "cpu.py",
+             _PACKAGE / "score_mods.py", _PACKAGE / "plan.py", _PACKAGE / "flex_trace.py", _PACKAGE / "pair_words.py",
+             _SCHEDULES / "llvm.py", _SCHEDULES / "llvm_bf16.py"),
     "cuda": (*_SHARED, _PACKAGE / "kernels_cuda.py", _PACKAGE / "score_mods.py", _PACKAGE / "flex_trace.py",
              _SCHEDULES / "cuda.py"),
 }
@@ -388,8 +388,8 @@ def compile_standard(head_dim: int = 64, dtype: str = "float32", causal: bool = 
 
 # --- decoding against a KV cache (kvcache.py) ---------------------------------------------------
 _cache = cache  # the module (compile_decode's ``cache`` argument is a flag)
-_DECODE_SOURCES = (*_SHARED, _PACKAGE / "kernels_decode.py", _PACKAGE / "score_mods.py", _SCHEDULES / "llvm.py",
-                   _SCHEDULES / "llvm_decode.py")
+_DECODE_SOURCES = (*_SHARED, _PACKAGE / "kernels" / "__init__.py", _PACKAGE / "kernels" / "decode.py",
+                   _PACKAGE / "score_mods.py", _SCHEDULES / "llvm.py", _SCHEDULES / "llvm_decode.py")
 
 
 @functools.lru_cache(maxsize=None)
@@ -413,7 +413,7 @@ def choose_decode_config(target: tvm.target.Target, spec: AttentionSpec, config=
 
 
 def compile_decode(target, spec: AttentionSpec, *, config=None, cache: bool = True) -> runtime.DecodeKernels:
-    """The ``flash_decode`` kernel (``kernels_decode.py``) for a CPU target and spec, from the
+    """The ``flash_decode`` kernel (``kernels/decode.py``) for a CPU target and spec, from the
     memory or disk cache or built. One kernel serves every batch, cache layout (dense or
     paged), length, split and window; the spec fixes head dim, dtype and softcap / ALiBi."""
     target = targets.resolve(target)

@@ -57,11 +57,11 @@ from tvm.runtime import DataType
 from tvm.script import tirx as T
 from tvm.script.ir_builder import IRBuilder
 
-from .attention_te import FLT_MAX, NEG_INF, exp2, lse_from_stats, masked_log2_exponent, normalizer, scale_log2_parts
-from . import plan
-from .config import DecodeConfig
-from .score_mods import ModContext, emitters
-from .spec import AttentionSpec
+from ..attention_te import FLT_MAX, NEG_INF, exp2, lse_from_stats, masked_log2_exponent, normalizer, scale_log2_parts
+from .. import plan
+from ..config import DecodeConfig
+from ..score_mods import ModContext, emitters
+from ..spec import AttentionSpec
 
 F32 = "float32"
 I64 = "int64"

@@ -93,8 +93,8 @@ from tvm import tirx
 from tvm.runtime import DataType
 from tvm.script import tirx as T
 
-from . import plan
-from .attention_te import (
+from .. import plan
+from ..attention_te import (
     FLT_MAX,
     LOG2E,
     NEG_INF,
@@ -107,10 +107,10 @@ from .attention_te import (
     normalizer,
     shifted_log2_exponent,
 )
-from .config import BF16_DOT, CPUKernelConfig
-from .pair_words import bf16_bits, bits_value, half, pair_word, rounded_bits, rounded_pair_word
-from .score_mods import ModContext, declare_inputs, emitters, exponent_constant, kernel_argument
-from .spec import AttentionSpec
+from ..config import BF16_DOT, CPUKernelConfig
+from ..pair_words import bf16_bits, bits_value, half, pair_word, rounded_bits, rounded_pair_word
+from ..score_mods import ModContext, declare_inputs, emitters, exponent_constant, kernel_argument
+from ..spec import AttentionSpec
 
 F32 = "float32"
 BF16 = "bfloat16"
