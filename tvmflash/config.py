@@ -104,13 +104,15 @@ def default_cpu_config(kernel: str, avx512: bool, products: str = FP32_FMA) -> C
 CUDA_WARPS = 4
 CUDA_ROWS_PER_WARP = 16
 CUDA_BLOCK_Q = CUDA_WARPS * CUDA_ROWS_PER_WARP
+# One vector copy between global and shared memory (CUDA) is 16 bytes: 8 fp16/bf16 elements.
+VECTOR_BYTES = 16
 
 
 @dataclass(frozen=True)
 class CUDAKernelConfig:
     kernel: str  # "forward" or "backward" (the backward's pre-pass and dQ conversion included)
     block_k: int = 64  # key rows per tile (the backward needs block_k == CUDA_BLOCK_Q)
-    vector_bytes: int = 16  # width of one global -> shared copy
+    vector_bytes: int = VECTOR_BYTES  # width of one global -> shared copy
     pad_bytes: int = 16  # shared-memory row padding against ldmatrix bank conflicts
 
     @property
