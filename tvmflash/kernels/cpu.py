@@ -91,7 +91,6 @@ import contextlib
 import math
 
 from tvm import tirx
-from tvm.runtime import DataType
 from tvm.script import tirx as T
 from tvm.script.ir_builder import IRBuilder
 
@@ -410,7 +409,8 @@ def fwd_pack_p(k, PTw, PT):
 def fwd_pv(k, PVT, Vp, PTw, hk, krow):
     with stage("pv_tile"):
         k.fmt.product("pv", PVT, ("d", k.D), ("i", k.Br), ("j", k.Bc),
-                      ("word", lambda d, i, w: Vp[hk, k.fmt.words_of(krow) + w, d]), ("word", lambda d, i, w: PTw[w, i]))
+                      ("word", lambda d, i, w: Vp[hk, k.fmt.words_of(krow) + w, d]),
+                      ("word", lambda d, i, w: PTw[w, i]))
 
 
 def fwd_accumulate(k, OT, PVT, PT, m, m_next, l, l_tile, alpha):
@@ -508,7 +508,8 @@ def fused_forward(spec: AttentionSpec, cfg: CPUKernelConfig) -> tirx.PrimFunc:
                     hk: T.let[T.int64] = h // (H // Hk)
                     b: T.let[T.int64] = at[1]
                     seq = T.meta_var(ctx.sequence(b))
-                    q0: T.let[T.int64] = ((vslot + e * n_threads) % ctx.query_tiles_total() - seq.column(plan.Q_TILE0)) * Br
+                    q0: T.let[T.int64] = ((vslot + e * n_threads) % ctx.query_tiles_total()
+                                          - seq.column(plan.Q_TILE0)) * Br
                     q_len: T.let[T.int64] = seq.q_len
                     q = T.meta_var(TileRows(seq.column(plan.Q_BATCH), seq.column(plan.Q_START), q0, q_len))
                     load_q(QT, Q, q, h)
@@ -858,8 +859,8 @@ def fused_backward(spec: AttentionSpec, cfg: CPUKernelConfig) -> tirx.PrimFunc:
                                                                       ctx.tile_state(seq, h, q0, k0), T.int64(EMPTY))
                                             if state[0] != EMPTY:
                                                 state[1] = T.int64(1)
-                                                recompute_probs(P, S, X, row_stats, RowStats, Qp, KTp, softmax_scale, seq,
-                                                                h, hk, q0, k0, qrow, gk, state[0])
+                                                recompute_probs(P, S, X, row_stats, RowStats, Qp, KTp, softmax_scale,
+                                                                seq, h, hk, q0, k0, qrow, gk, state[0])
                                                 if fmt.packed:
                                                     pack_p(Pw, P)
                                                 accumulate_dv(dVtile, dVrun, Pw, dOw, h, qrow)
