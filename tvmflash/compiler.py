@@ -37,8 +37,8 @@ _PACKAGE = Path(__file__).parent
 _SCHEDULES = Path(_schedules_package.__file__).parent
 _SHARED = tuple(_PACKAGE / name for name in ("build.py", "attention_te.py", "spec.py", "config.py", "target.py"))
 _CODEGEN_SOURCES = {
-    "llvm": (*_SHARED, _PACKAGE / "kernels" / "__init__.py", _PACKAGE / "kernels" / "cpu.py",
-             _PACKAGE / "score_mods.py", _PACKAGE / "plan.py", _PACKAGE / "flex_trace.py", _PACKAGE / "pair_words.py",
+    "llvm": (*_SHARED, _PACKAGE / "kernels" / "__init__.py", _PACKAGE / "kernels" / "common.py",
+             _PACKAGE / "kernels" / "cpu.py", _PACKAGE / "score_mods.py", _PACKAGE / "plan.py", _PACKAGE / "flex_trace.py", _PACKAGE / "pair_words.py",
              _SCHEDULES / "llvm.py", _SCHEDULES / "llvm_bf16.py"),
     "cuda": (*_SHARED, _PACKAGE / "kernels_cuda.py", _PACKAGE / "score_mods.py", _PACKAGE / "flex_trace.py",
              _SCHEDULES / "cuda.py"),
@@ -388,8 +388,9 @@ def compile_standard(head_dim: int = 64, dtype: str = "float32", causal: bool = 
 
 # --- decoding against a KV cache (kvcache.py) ---------------------------------------------------
 _cache = cache  # the module (compile_decode's ``cache`` argument is a flag)
-_DECODE_SOURCES = (*_SHARED, _PACKAGE / "kernels" / "__init__.py", _PACKAGE / "kernels" / "decode.py",
-                   _PACKAGE / "score_mods.py", _SCHEDULES / "llvm.py", _SCHEDULES / "llvm_decode.py")
+_DECODE_SOURCES = (*_SHARED, _PACKAGE / "kernels" / "__init__.py", _PACKAGE / "kernels" / "common.py",
+                   _PACKAGE / "kernels" / "decode.py", _PACKAGE / "score_mods.py", _SCHEDULES / "llvm.py",
+                   _SCHEDULES / "llvm_decode.py")
 
 
 @functools.lru_cache(maxsize=None)
