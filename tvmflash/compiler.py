@@ -38,8 +38,9 @@ _SCHEDULES = Path(_schedules_package.__file__).parent
 _SHARED = tuple(_PACKAGE / name for name in ("build.py", "attention_te.py", "spec.py", "config.py", "target.py"))
 _CODEGEN_SOURCES = {
     "llvm": (*_SHARED, _PACKAGE / "kernels" / "__init__.py", _PACKAGE / "kernels" / "common.py",
-             _PACKAGE / "kernels" / "cpu.py", _PACKAGE / "score_mods.py", _PACKAGE / "plan.py", _PACKAGE / "flex_trace.py", _PACKAGE / "pair_words.py",
-             _SCHEDULES / "llvm.py", _SCHEDULES / "llvm_bf16.py"),
+             _PACKAGE / "kernels" / "cpu.py", _PACKAGE / "score_mods.py", _PACKAGE / "plan.py",
+             _PACKAGE / "flex_trace.py", _PACKAGE / "pair_words.py", _SCHEDULES / "llvm.py",
+             _SCHEDULES / "llvm_bf16.py"),
     "cuda": (*_SHARED, _PACKAGE / "kernels_cuda.py", _PACKAGE / "score_mods.py", _PACKAGE / "flex_trace.py",
              _SCHEDULES / "cuda.py"),
 }
