@@ -24,6 +24,7 @@ captured gradients go to per-thread partials) and ``CUDAContext`` in ``cuda.py``
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 from tvm import tirx
@@ -60,6 +61,16 @@ def let(name: str, value, dtype: str = I64):
     var = tirx.Var(name, dtype)
     T.Bind(value, var=var)
     return var
+
+
+@contextlib.contextmanager
+def stage(name: str):
+    """The opaque wrapper block of one stage, under a unit loop (kernels/cpu.py's docstring):
+    ``for unit in range(1): with T.sblock(name): ...``."""
+    with T.serial(0, 1) as unit:
+        IRBuilder.name("unit", unit)
+        with T.sblock(name):
+            yield
 
 
 def io_buffer(handle, shape, dtype: str, strides: str):

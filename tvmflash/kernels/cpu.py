@@ -67,7 +67,10 @@ query row and key row is updated by one task per round, in an order fixed by the
 races, results bitwise independent of the thread count, and scratch memory of a few fp32 copies
 of q and k at any thread count.
 
-Products (``config.products``): with fp32 FMAs (``fp32_fma``) the operands are fp32 copies and
+Products (``config.products``) are an operand-format object (``Fp32Fma``, ``Bf16Dot``): the
+dtypes of its operands (``rows``: the reduction along a row; ``words``: pairs of rows), how a
+product block reduces (``product``), its three operand packs and whether P and dS are packed; a
+third format (AMX tiles) is one more such class. With fp32 FMAs (``fp32_fma``) the operands are fp32 copies and
 the packs only convert and pad; with bf16 dot products (``bf16_dot``, bf16 inputs on CPUs with
 AVX512-BF16) they stay bf16: bits of rows (uint16) where a product reads pairs along a row,
 pair words (uint32, ``pair_words.py``) where it reads pairs of rows, and every product block
@@ -80,14 +83,16 @@ so the row statistics are plain vector operations. Products sum one tile into a 
 and ``update_*`` stages add it to the running accumulator: error ~ block + N / block ulps
 instead of N. In-place stages (``update_*``, ``mask``, ``score_mod``, ``dscores_mod``) are plain
 loops that LLVM vectorizes (TensorIR's ``vectorize`` refuses blocks that read and write one
-buffer). Each stage sits in an opaque wrapper block under a unit loop: TVM 0.27 needs a "stage
-pipeline" parent for ``cache_write``/``decompose_reduction`` and copies loops, not blocks, on
-write (DEVELOPING.md).
+buffer). Each stage sits in an opaque wrapper block under a unit loop (``stage``): TVM 0.27 needs
+a "stage pipeline" parent for ``cache_write``/``decompose_reduction`` and copies loops, not blocks,
+on write (DEVELOPING.md). The stages are module-level functions written in TVMScript whose first
+parameter is the kernel build (``Kernel``: tile sizes, format, context); each build expands them
+as fresh ``T.macro``s. The sequence table, windows, tile ranges and states, block masks and score
+mods come from the kernel context (``kernels/common.py``).
 """
 
 from __future__ import annotations
 
-import contextlib
 import math
 
 from tvm import tirx
@@ -111,23 +116,13 @@ from ..config import BF16_DOT, FP32_FMA, CPUKernelConfig
 from ..pair_words import bf16_bits, bits_value, half, pair_word, rounded_bits, rounded_pair_word
 from ..score_mods import exponent_constant
 from ..spec import AttentionSpec
-from .common import EMPTY, F32, I64, PARTIAL, CPUContext, TileRows, ceildiv, cyclic_count, i64, io_buffer
+from .common import EMPTY, F32, I64, PARTIAL, CPUContext, TileRows, ceildiv, cyclic_count, i64, io_buffer, stage
 
 BF16 = "bfloat16"
 U16, U32 = "uint16", "uint32"  # bf16 bits and pair words (pair_words.py)
 
 
 # --- building blocks ---------------------------------------------------------------------------
-@contextlib.contextmanager
-def stage(name: str):
-    """The opaque wrapper block of one stage, under a unit loop (module docstring):
-    ``for unit in range(1): with T.sblock(name): ...``."""
-    with T.serial(0, 1) as unit:
-        IRBuilder.name("unit", unit)
-        with T.sblock(name):
-            yield
-
-
 def _loops(*axes):
     """``T.grid`` over ``(name, extent)`` axes, its loop variables named."""
     frame = T.grid(*(extent for _, extent in axes))
@@ -157,102 +152,7 @@ class Kernel:
         return [bind(fn) for fn in stages]
 
 
-# --- operand formats -----------------------------------------------------------------------------
-class Fp32Fma:
-    """Products as fp32 FMAs: the operands are fp32 copies of the inputs, the packs only convert
-    and zero-pad; P and dS are read as they are."""
-
-    products = FP32_FMA
-    pair = 1  # reduction elements per operand word
-    rows = words = F32  # operand dtypes: rows (reduction along a row), words (pairs of rows)
-    packed = False  # whether P and dS are packed (rounded) as product inputs
-
-    @staticmethod
-    def words_of(rows):
-        """The word offset of a row offset in a pairs-of-rows operand."""
-        return rows
-
-    @staticmethod
-    def along_row(tile: TileRows, buf, i, head, w):
-        """Operand word w of row i of a tile, read along the row (head dim): transposed loads."""
-        return tile.load(buf, i, head, w, _to_f32, T.float32(0))
-
-    @staticmethod
-    def product(block, C, x, y, red, a, b):
-        """``C[x, y] = sum over red of a * b`` (a reduction block named ``block``): x, y, red are
-        (loop name, extent); a and b are (kind, load(vx, vy, word)) operands: "row" operands hold
-        the reduction along a row, "word" operands in pairs of rows (the same for fp32)."""
-        frame, names = _loops(x, y, red)
-        with frame as loops:
-            for name, loop in zip(names, loops):
-                IRBuilder.name(name, loop)
-            with T.sblock(block):
-                vx, vy, vk = T.axis.remap("SSR", loops)
-                for name, var in zip(names, (vx, vy, vk)):
-                    IRBuilder.name(f"v{name}", var)
-                with T.init():
-                    T.buffer_store(C, T.float32(0), [vx, vy])
-                T.buffer_store(C, C[vx, vy] + a[1](vx, vy, vk) * b[1](vx, vy, vk), [vx, vy])
-
-
-class Bf16Dot:
-    """Products as bf16 dot products (``vdpbf16ps``, AVX512-BF16): the operands stay bf16 (bits
-    of rows as uint16 where a product reads along a row, pair words of rows as uint32 where it
-    reads pairs of rows), each product reduces over pairs ``(q, t)``, the intrinsic's form
-    (``schedules/llvm_bf16.py`` tensorizes it). P and dS are rounded to bf16 as product inputs."""
-
-    products = BF16_DOT
-    pair = 2
-    rows, words = U16, U32
-    packed = True
-
-    @staticmethod
-    def words_of(rows):
-        return rows // 2
-
-    @staticmethod
-    def along_row(tile: TileRows, buf, i, head, w):
-        return T.if_then_else(tile.inside(i), pair_word(bf16_bits(buf[tile.batch, tile.row(i), head, 2 * w]),
-                                                        bf16_bits(buf[tile.batch, tile.row(i), head, 2 * w + 1])),
-                              T.uint32(0))
-
-    @staticmethod
-    def product(block, C, x, y, red, a, b):
-        frame, names = _loops(x, y, ("q", red[1] // 2), ("t", 2))
-        with frame as loops:
-            for name, loop in zip(names, loops):
-                IRBuilder.name(name, loop)
-            with T.sblock(block):
-                vx, vy, vq, vt = T.axis.remap("SSRR", loops)
-                for name, var in zip(names, (vx, vy, vq, vt)):
-                    IRBuilder.name(f"v{name}", var)
-
-                def value(operand):
-                    kind, load = operand
-                    return bits_value(load(vx, vy, 2 * vq + vt)) if kind == "row" else half(load(vx, vy, vq), vt)
-
-                with T.init():
-                    T.buffer_store(C, T.float32(0), [vx, vy])
-                T.buffer_store(C, C[vx, vy] + value(a) * value(b), [vx, vy])
-
-
-def operand_format(spec: AttentionSpec, cfg: CPUKernelConfig):
-    """The operand format of a kernel's products (``config.products``)."""
-    if cfg.products != BF16_DOT:
-        return Fp32Fma
-    if spec.dtype != BF16 or spec.head_dim % 8:
-        raise ValueError(f"bf16_dot products need bfloat16 inputs, got {spec.dtype} (head dim {spec.head_dim})")
-    return Bf16Dot
-
-
-def _exponent_scale(spec: AttentionSpec, softmax_scale):
-    """c of 2^((x - max) * c) as float64: x is the raw dot product without score mods (the scale
-    folds into c), the modded natural-log score with them."""
-    return (tirx.const(1.0, "float64") if spec.score_mods else tirx.Cast("float64", softmax_scale)) * tirx.const(
-        LOG2E, "float64")
-
-
-# --- the operand packs of each format (TVMScript; expanded as macros of a Kernel) -----------------
+# --- the operand packs of each format (TVMScript, expanded as macros of a Kernel) -----------------
 def fp32_pack_kv(k, Kp, Vp, K, V, kv: TileRows, hk, t):
     for j, d in T.grid(k.Bc, k.D):
         with T.sblock("pack_kv"):
@@ -326,8 +226,103 @@ def bf16_pack_k_v(k, Kp, KTp, VTp, K, V, kv: TileRows, hk, t):
             VTp[hk, t, vp, vj] = Bf16Dot.along_row(kv, V, vj, hk, vp)
 
 
-Fp32Fma.pack_kv, Fp32Fma.pack_q_do, Fp32Fma.pack_k_v = fp32_pack_kv, fp32_pack_q_do, fp32_pack_k_v
-Bf16Dot.pack_kv, Bf16Dot.pack_q_do, Bf16Dot.pack_k_v = bf16_pack_kv, bf16_pack_q_do, bf16_pack_k_v
+# --- operand formats -----------------------------------------------------------------------------
+class Fp32Fma:
+    """Products as fp32 FMAs: the operands are fp32 copies of the inputs, the packs only convert
+    and zero-pad; P and dS are read as they are."""
+
+    products = FP32_FMA
+    pair = 1  # reduction elements per operand word
+    rows = words = F32  # operand dtypes: rows (reduction along a row), words (pairs of rows)
+    packed = False  # whether P and dS are packed (rounded) as product inputs
+    pack_kv, pack_q_do, pack_k_v = (staticmethod(f) for f in (fp32_pack_kv, fp32_pack_q_do, fp32_pack_k_v))
+
+    @staticmethod
+    def words_of(rows):
+        """The word offset of a row offset in a pairs-of-rows operand."""
+        return rows
+
+    @staticmethod
+    def along_row(tile: TileRows, buf, i, head, w):
+        """Operand word w of row i of a tile, read along the row (head dim): transposed loads."""
+        return tile.load(buf, i, head, w, _to_f32, T.float32(0))
+
+    @staticmethod
+    def product(block, C, x, y, red, a, b):
+        """``C[x, y] = sum over red of a * b`` (a reduction block named ``block``): x, y, red are
+        (loop name, extent); a and b are (kind, load(vx, vy, word)) operands: "row" operands hold
+        the reduction along a row, "word" operands in pairs of rows (the same for fp32)."""
+        frame, names = _loops(x, y, red)
+        with frame as loops:
+            for name, loop in zip(names, loops):
+                IRBuilder.name(name, loop)
+            with T.sblock(block):
+                vx, vy, vk = T.axis.remap("SSR", loops)
+                for name, var in zip(names, (vx, vy, vk)):
+                    IRBuilder.name(f"v{name}", var)
+                with T.init():
+                    T.buffer_store(C, T.float32(0), [vx, vy])
+                T.buffer_store(C, C[vx, vy] + a[1](vx, vy, vk) * b[1](vx, vy, vk), [vx, vy])
+
+
+class Bf16Dot:
+    """Products as bf16 dot products (``vdpbf16ps``, AVX512-BF16): the operands stay bf16 (bits
+    of rows as uint16 where a product reads along a row, pair words of rows as uint32 where it
+    reads pairs of rows), each product reduces over pairs ``(q, t)``, the intrinsic's form
+    (``schedules/llvm_bf16.py`` tensorizes it). P and dS are rounded to bf16 as product inputs."""
+
+    products = BF16_DOT
+    pair = 2
+    rows, words = U16, U32
+    packed = True
+    pack_kv, pack_q_do, pack_k_v = (staticmethod(f) for f in (bf16_pack_kv, bf16_pack_q_do, bf16_pack_k_v))
+
+    @staticmethod
+    def words_of(rows):
+        return rows // 2
+
+    @staticmethod
+    def along_row(tile: TileRows, buf, i, head, w):
+        return T.if_then_else(tile.inside(i), pair_word(bf16_bits(buf[tile.batch, tile.row(i), head, 2 * w]),
+                                                        bf16_bits(buf[tile.batch, tile.row(i), head, 2 * w + 1])),
+                              T.uint32(0))
+
+    @staticmethod
+    def product(block, C, x, y, red, a, b):
+        frame, names = _loops(x, y, ("q", red[1] // 2), ("t", 2))
+        with frame as loops:
+            for name, loop in zip(names, loops):
+                IRBuilder.name(name, loop)
+            with T.sblock(block):
+                vx, vy, vq, vt = T.axis.remap("SSRR", loops)
+                for name, var in zip(names, (vx, vy, vq, vt)):
+                    IRBuilder.name(f"v{name}", var)
+
+                def value(operand):
+                    kind, load = operand
+                    return bits_value(load(vx, vy, 2 * vq + vt)) if kind == "row" else half(load(vx, vy, vq), vt)
+
+                with T.init():
+                    T.buffer_store(C, T.float32(0), [vx, vy])
+                T.buffer_store(C, C[vx, vy] + value(a) * value(b), [vx, vy])
+
+
+def operand_format(spec: AttentionSpec, cfg: CPUKernelConfig):
+    """The operand format of a kernel's products (``config.products``)."""
+    if cfg.products != BF16_DOT:
+        return Fp32Fma
+    if spec.dtype != BF16 or spec.head_dim % 8:
+        raise ValueError(f"bf16_dot products need bfloat16 inputs, got {spec.dtype} (head dim {spec.head_dim})")
+    return Bf16Dot
+
+
+def _exponent_scale(spec: AttentionSpec, softmax_scale):
+    """c of 2^((x - max) * c) as float64: x is the raw dot product without score mods (the scale
+    folds into c), the modded natural-log score with them."""
+    return (tirx.const(1.0, "float64") if spec.score_mods else tirx.Cast("float64", softmax_scale)) * tirx.const(
+        LOG2E, "float64")
+
+
 
 
 # --- forward stages (tiles transposed: query index innermost) ------------------------------------
