@@ -28,7 +28,7 @@ ref_grads = torch.autograd.grad(ref, leaves, dout.double())
 errors = [(out.double() - ref).abs().max().item()] + [(a.double() - b).abs().max().item()
                                                       for a, b in zip(grads, ref_grads)]
 assert max(errors) < 1e-5, errors
-assert not {"tvmflash.build", "tvmflash.kernels", "tvmflash.kernels_cuda", "tvmflash.attention_te",
+assert not {"tvmflash.build", "tvmflash.kernels", "tvmflash.kernels.cuda", "tvmflash.attention_te",
             "tvmflash.score_mods", "tvmflash.flex_trace"} & set(sys.modules)
 print("ok", errors)
 """

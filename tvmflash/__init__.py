@@ -11,7 +11,7 @@
 Layers (imports point down): the PyTorch functions (``torch_op``, ``flex``, ``integrations``) and
 tools (``tune``, ``bench``, ``demo``) use ``compiler`` (what to build, caches), which uses
 ``runtime`` (kernel objects, launch planning, ``load``; TVM's runtime alone) and, on a cache
-miss only, ``build`` (code generation: ``kernels``, ``kernels_cuda``, ``schedules``). Below them
+miss only, ``build`` (code generation: ``kernels`` (cpu, decode, cuda), ``schedules``). Below them
 all: ``spec``, ``config``, ``plan``, ``records``, ``cache``, ``checks``, ``settings``, pure
 Python or TVM's runtime.
 """

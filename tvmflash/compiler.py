@@ -41,7 +41,8 @@ _CODEGEN_SOURCES = {
              _PACKAGE / "kernels" / "cpu.py", _PACKAGE / "score_mods.py", _PACKAGE / "plan.py",
              _PACKAGE / "flex_trace.py", _PACKAGE / "pair_words.py", _SCHEDULES / "llvm.py",
              _SCHEDULES / "llvm_bf16.py"),
-    "cuda": (*_SHARED, _PACKAGE / "kernels_cuda.py", _PACKAGE / "score_mods.py", _PACKAGE / "flex_trace.py",
+    "cuda": (*_SHARED, _PACKAGE / "kernels" / "__init__.py", _PACKAGE / "kernels" / "common.py",
+             _PACKAGE / "kernels" / "cuda.py", _PACKAGE / "score_mods.py", _PACKAGE / "flex_trace.py",
              _SCHEDULES / "cuda.py"),
 }
 _memory_cache: dict[str, FlashKernels] = {}

@@ -99,7 +99,7 @@ def default_cpu_config(kernel: str, avx512: bool, products: str = FP32_FMA) -> C
                            products=products)
 
 
-# CUDA: the kernels' warp layout is fixed (kernels_cuda: 4 warps x 16 query rows per thread
+# CUDA: the kernels' warp layout is fixed (kernels/cuda.py: 4 warps x 16 query rows per thread
 # block, tiles in the mma.m16n8k16 register layout); these are the knobs around it.
 CUDA_WARPS = 4
 CUDA_ROWS_PER_WARP = 16

@@ -207,7 +207,7 @@ class FlashKernels:
     # --- CUDA --------------------------------------------------------------------------------
     def _cuda_backward(self, dout, q, k, v, out, lse, dq, dk, dv, scale, window, seqs, table, mods, heads_k,
                        packed: bool) -> None:
-        # FlashAttention-2's three launches (kernels_cuda.py): row statistics + zeroed fp32 dQ
+        # FlashAttention-2's three launches (kernels/cuda.py): row statistics + zeroed fp32 dQ
         # accumulator, the fused backward, the dQ conversion. Workspace: O(N) fp32.
         checks.check_cuda_grid(seqs.count * heads_k)
         batch, seqlen_q, heads, _ = (int(n) for n in q.shape)

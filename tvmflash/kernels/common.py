@@ -34,7 +34,6 @@ from tvm.script.ir_builder import IRBuilder
 
 from .. import plan
 from ..attention_te import in_window
-from ..config import VECTOR_BYTES  # noqa: F401  (re-exported: the kernels' 16-byte copies)
 from ..score_mods import FAST_INTRINSICS, ModContext, declare_inputs, emitters, kernel_argument
 from ..spec import AttentionSpec
 
