@@ -23,7 +23,7 @@ from tvm.script import from_source
 from tvmflash import compiler
 from tvmflash.spec import AttentionSpec
 
-# The in-place running sums of the backward (kernels.py), by buffer written.
+# The in-place running sums of the backward (kernels/cpu.py), by buffer written.
 ACCUMULATORS = ("dQacc", "dKrun", "dVrun", "dKacc", "dVacc")
 
 

@@ -1,4 +1,4 @@
-"""Hand-written CUDA schedules for the tensor-core kernels in ``tvmflash/kernels_cuda.py``.
+"""Hand-written CUDA schedules for the tensor-core kernels in ``tvmflash/kernels/cuda.py``.
 
 The kernels already have the FlashAttention-2 shape (a thread block per (query tile, batch*head),
 a warp per 16 query rows, tiles in the ``mma.m16n8k16`` register layout), so scheduling is:
@@ -24,7 +24,7 @@ from tvm.script import tirx as T
 from tvm.s_tir import TensorIntrin
 
 from tvmflash.config import CUDAKernelConfig
-from tvmflash.kernels_cuda import frag
+from tvmflash.kernels.cuda import frag
 from tvmflash.spec import AttentionSpec
 
 WARP = 32

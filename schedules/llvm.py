@@ -1,4 +1,4 @@
-"""Hand-written CPU (LLVM) schedules for the fused kernels in ``tvmflash/kernels.py``.
+"""Hand-written CPU (LLVM) schedules for the fused kernels in ``tvmflash/kernels/cpu.py``.
 
 Stages are found by their ``sblock`` names (the contract the kernels' docstrings spell out).
 Every matrix product is a block with loops ``(row, col, reduction)``, scheduled as a
@@ -153,7 +153,7 @@ def _parallel_slots(sch: s_tir.Schedule, name: str, bf16_products: bool = False)
     sch.parallel(slots)
 
 
-# Element-wise stages that differ between the product kinds: the operand packs (kernels.py).
+# Element-wise stages that differ between the product kinds: the operand packs (kernels/cpu.py).
 PACKS = {
     ("forward", False): ("pack_kv",),
     ("forward", True): ("pack_k", "pack_v", "pack_p"),

@@ -1,4 +1,4 @@
-"""CPU (LLVM) schedule of the decode kernel in ``tvmflash/kernels_decode.py``, by block name.
+"""CPU (LLVM) schedule of the decode kernel in ``tvmflash/kernels/decode.py``, by block name.
 
 * ``scores``: S = Q . K^T with the head dim in vector lanes: per key, ``D / lanes`` vector
   loads of the cache row (converted to fp32 on load) feed ``block_rows`` FMAs each, into
@@ -15,7 +15,7 @@ from __future__ import annotations
 from tvm import s_tir
 
 from tvmflash.config import DecodeConfig
-from tvmflash.kernels_decode import score_lanes
+from tvmflash.kernels.decode import score_lanes
 
 from .llvm import _extent, _largest_divisor, _vectorize_elementwise, _vectorize_row_reduction, register_tile
 

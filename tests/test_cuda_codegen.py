@@ -29,7 +29,9 @@ import tvm
 
 import tvmflash
 from conftest import assert_flash_rule, assert_matches_reference, causal_mask, random_inputs
-from tvmflash import kernels_cuda, plan, runtime
+from tvmflash import plan, runtime
+from tvmflash.config import CUDAKernelConfig
+from tvmflash.kernels import cuda as cuda_kernels
 from tvmflash import torch_op
 from tvmflash.checks import check_cuda_grid, check_cuda_layout, cuda_layout_problem, info
 from tvmflash.reference import reference_attention
@@ -302,13 +304,12 @@ FULL_WINDOW, CAUSAL_WINDOW = (U, U), (U, 0)
 
 def emulated(head_dim: int, dtype: str, score_mods=(), mask_mod=None, block_sparse=False):
     """The unscheduled CUDA kernels compiled for this CPU (dQ partials without atomics)."""
-    spec = kernels_cuda.CUDASpec(AttentionSpec(head_dim, dtype, score_mods=tuple(score_mods), mask_mod=mask_mod,
-                                               block_sparse=block_sparse), 64, 64)
+    spec = AttentionSpec(head_dim, dtype, score_mods=tuple(score_mods), mask_mod=mask_mod, block_sparse=block_sparse)
     mod = tvm.IRModule({
-        "flash_fwd": kernels_cuda.cuda_forward(spec, on_cpu=True),
-        "flash_bwd_prep": kernels_cuda.cuda_backward_prep(head_dim, dtype),
-        "flash_bwd": kernels_cuda.cuda_backward(spec, atomic_dq=False, on_cpu=True),
-        "flash_bwd_dq": kernels_cuda.cuda_backward_dq(head_dim, dtype),
+        "flash_fwd": cuda_kernels.cuda_forward(spec, CUDAKernelConfig("forward"), on_cpu=True),
+        "flash_bwd_prep": cuda_kernels.cuda_backward_prep(head_dim, dtype),
+        "flash_bwd": cuda_kernels.cuda_backward(spec, CUDAKernelConfig("backward"), atomic_dq=False, on_cpu=True),
+        "flash_bwd_dq": cuda_kernels.cuda_backward_dq(head_dim, dtype),
     })
     # LLVM's -O2 and above miscompile the backward's 16-query sub-tile loop here (the Delta
     # values read back from the row-statistics buffer come out as garbage; -O0/-O1 are right,

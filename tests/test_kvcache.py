@@ -1,4 +1,4 @@
-"""flash_attn_with_kvcache (kvcache.py, kernels_decode.py) against a dense float64 reference.
+"""flash_attn_with_kvcache (kvcache.py, kernels/decode.py) against a dense float64 reference.
 
 Every case follows flash-attn's test_flash_attn_kvcache: the cache the kernel attends to is
 rebuilt densely per sequence (keys cache_leftpad .. cache_seqlens + new, new tokens rotated and

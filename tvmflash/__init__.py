@@ -13,7 +13,7 @@ draws them): tools (``tune``, ``bench``, ``memory``, ``analysis``, ``reference``
 the PyTorch functions (``torch_op``, ``flex``, ``kvcache``, ``integrations``, ``distributed``),
 which use ``flex_trace`` (user mods traced into TIR) and ``compiler`` (what to build, caches).
 ``compiler`` uses ``runtime`` (kernel objects, ``load``; TVM's runtime alone) and, on a cache miss
-only, ``build`` (code generation: ``kernels*``, ``schedules``, ``score_mods``, ``attention_te``).
+only, ``build`` (code generation: ``kernels`` (cpu, decode, cuda on one kernel context), ``schedules``, ``score_mods``, ``attention_te``).
 Below them all: ``spec``, ``config``, ``plan`` (the launch plan the runtime fills and the kernels
 read), ``checks``, ``target``, ``settings``. Nothing below the PyTorch functions imports torch.
 """

@@ -16,7 +16,8 @@ import tvm
 import tvm_ffi
 from tvm import s_tir, tirx
 
-from . import attention_te, kernels, plan
+from . import attention_te, plan
+from .kernels import cpu as cpu_kernels
 from .config import FP32_FMA, CPUKernelConfig, default_cpu_config
 from .spec import AttentionSpec
 
@@ -26,7 +27,7 @@ def fused_kernels(head_dim: int = 64, dtype: str = "float32", block_q: int = 64,
     """The unscheduled (forward, backward) PrimFuncs of a spec with the given tile sizes and
     products (config.py)."""
     spec = spec or AttentionSpec(head_dim, dtype)
-    return tuple(kernels.fused_kernel(kernel, spec, _config(kernel, block_q, block_k, products))
+    return tuple(cpu_kernels.fused_kernel(kernel, spec, _config(kernel, block_q, block_k, products))
                  for kernel in ("forward", "backward"))
 
 

@@ -4,7 +4,7 @@ Two layers live here:
 
 * scalar formulas (``exp2``, ``visible``, ``grad_scores``, ``lse_from_stats``) that build TIR
   expressions. The unfused TE definitions below and the fused TensorIR kernels in
-  ``kernels.py`` both call them, so a mask or a gradient formula exists in one place only;
+  ``kernels/cpu.py`` both call them, so a mask or a gradient formula exists in one place only;
 * tensor-expression (TE) definitions of the forward and backward pass over symbolic batch,
   head and sequence sizes. Compiled as they are (``create_prim_func`` + a plain schedule) they
   are "standard attention": they store the full ``(B, H, Nq, Nk)`` score and probability

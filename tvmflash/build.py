@@ -1,4 +1,4 @@
-"""Code generation: the kernels of ``kernels.py`` / ``kernels_cuda.py`` with the schedules of
+"""Code generation: the kernels of ``kernels/cpu.py`` / ``kernels/cuda.py`` with the schedules of
 ``schedules/`` lowered into TVM modules. The only part of tvmflash that needs TVM's compiler
 (TVMScript, TE, schedules, LLVM, CUDA codegen); ``compiler.py`` imports it on a cache miss, so
 cached, exported or prebuilt kernels load with TVM's runtime alone.
@@ -14,7 +14,9 @@ import tvm
 import tvm_ffi
 from tvm import s_tir
 
-from . import attention_te, kernels, kernels_cuda
+from . import attention_te
+from .kernels import cpu as cpu_tir
+from .kernels import cuda as cuda_tir
 from . import target as targets
 from .config import CUDA_BLOCK_Q, CPUKernelConfig, CUDAKernelConfig, KERNELS
 from .schedules import cuda as cuda_schedules
@@ -31,7 +33,7 @@ def default_configs(target: tvm.target.Target, dtype: str = "float32") -> dict:
 
 def scheduled_kernel(kernel: str, spec: AttentionSpec, cfg: CPUKernelConfig) -> tvm.tirx.PrimFunc:
     """One fused CPU kernel ("forward" or "backward") with the hand-written schedule applied."""
-    sch = s_tir.Schedule(kernels.fused_kernel(kernel, spec, cfg))
+    sch = s_tir.Schedule(cpu_tir.fused_kernel(kernel, spec, cfg))
     return llvm_schedules.SCHEDULES[kernel](sch, cfg).mod["main"]
 
 
@@ -95,17 +97,15 @@ def cuda_kernels(spec: AttentionSpec, configs: dict, deterministic: bool) -> tvm
     fwd_cfg, bwd_cfg = configs["forward"], configs["backward"]
     if bwd_cfg.block_k != CUDA_BLOCK_Q:
         raise ValueError(f"the CUDA backward needs block_k = {CUDA_BLOCK_Q}, got {bwd_cfg.block_k}")
-    fwd_spec = kernels_cuda.CUDASpec(spec, CUDA_BLOCK_Q, fwd_cfg.block_k)
-    bwd_spec = kernels_cuda.CUDASpec(spec, CUDA_BLOCK_Q, bwd_cfg.block_k)
     mod = tvm.IRModule({
-        "flash_fwd": kernels_cuda.cuda_forward(fwd_spec),
-        "flash_bwd_prep": kernels_cuda.cuda_backward_prep(spec.head_dim, spec.dtype),
-        "flash_bwd": kernels_cuda.cuda_backward(bwd_spec, atomic_dq=not deterministic),
-        "flash_bwd_dq": kernels_cuda.cuda_backward_dq(spec.head_dim, spec.dtype),
+        "flash_fwd": cuda_tir.cuda_forward(spec, fwd_cfg),
+        "flash_bwd_prep": cuda_tir.cuda_backward_prep(spec.head_dim, spec.dtype),
+        "flash_bwd": cuda_tir.cuda_backward(spec, bwd_cfg, atomic_dq=not deterministic),
+        "flash_bwd_dq": cuda_tir.cuda_backward_dq(spec.head_dim, spec.dtype),
     })
     sch = s_tir.Schedule(mod, enable_check=False)  # the tensorized fragments defeat TVM's checks
-    for name, apply in (("flash_fwd", lambda: cuda_schedules.schedule_forward(sch, fwd_cfg, spec, kernels_cuda.WARPS)),
-                        ("flash_bwd", lambda: cuda_schedules.schedule_backward(sch, bwd_cfg, spec, kernels_cuda.WARPS)),
+    for name, apply in (("flash_fwd", lambda: cuda_schedules.schedule_forward(sch, fwd_cfg, spec, cuda_tir.WARPS)),
+                        ("flash_bwd", lambda: cuda_schedules.schedule_backward(sch, bwd_cfg, spec, cuda_tir.WARPS)),
                         ("flash_bwd_prep", lambda: cuda_schedules.schedule_backward_prep(sch)),
                         ("flash_bwd_dq", lambda: cuda_schedules.schedule_backward_dq(sch))):
         sch.work_on(name)
@@ -170,13 +170,13 @@ def build_standard(head_dim: int, dtype: str, causal: bool) -> tvm.runtime.Modul
     return tvm.compile(mod, target=targets.host_target())
 
 
-# --- decoding against a KV cache (kernels_decode.py, kvcache.py) ------------------------------
+# --- decoding against a KV cache (kernels/decode.py, kvcache.py) ------------------------------
 def build_decode_module(target: tvm.target.Target, spec: AttentionSpec, cfg) -> tvm.runtime.Module:
     """The ``flash_decode`` kernel scheduled for this CPU and compiled (no caching)."""
-    from . import kernels_decode
+    from .kernels import decode as decode_kernels
     from .schedules import llvm_decode
 
-    sch = s_tir.Schedule(kernels_decode.decode_kernel(spec, cfg))
+    sch = s_tir.Schedule(decode_kernels.decode_kernel(spec, cfg))
     func = llvm_decode.schedule_decode(sch, cfg, spec.head_dim).mod["main"]
     with tvm.transform.PassContext(config={"tirx.disable_cse_tir": True}):
         return tvm.compile(tvm.IRModule({"flash_decode": func}), target=target)

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import tvm_ffi
 
+from .config import VECTOR_BYTES
 from .spec import MAX_HEAD_DIM, SUPPORTED_DTYPES, UNLIMITED_WINDOW
 
 
@@ -145,7 +146,7 @@ def window(window_size, causal: bool) -> tuple[int, int]:
 
 CUDA_DTYPES = ("float16", "bfloat16")
 CUDA_MAX_HEAD_DIM = 128
-CUDA_VECTOR_ELEMENTS = 8  # 16-byte copies of fp16/bf16
+CUDA_VECTOR_ELEMENTS = VECTOR_BYTES // 2  # 16-byte copies of fp16/bf16
 
 
 def check_cuda_params(head_dim, dtype, arch: str = "sm_90") -> None:

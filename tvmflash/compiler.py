@@ -401,7 +401,7 @@ def _decode_request(target: tvm.target.Target, spec: AttentionSpec, cfg) -> dict
 
 
 def compile_decode(target, spec: AttentionSpec, *, config=None, cache: bool = True) -> runtime.DecodeKernels:
-    """The ``flash_decode`` kernel (``kernels_decode.py``) for a CPU target and spec, from the
+    """The ``flash_decode`` kernel (``kernels/decode.py``) for a CPU target and spec, from the
     memory or disk cache or built. One kernel serves every batch, cache layout (dense or
     paged), length, split and window; the spec fixes head dim, dtype and softcap / ALiBi."""
     target = targets.resolve(target)

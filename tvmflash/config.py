@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-# The matrix products of each kernel, (row, col, reduction) blocks named as in kernels.py.
+# The matrix products of each kernel, (row, col, reduction) blocks named as in kernels/cpu.py.
 PRODUCTS = {"forward": ("scores", "pv"), "backward": ("scores", "dv", "dprobs", "dk", "dq")}
 KERNELS = tuple(PRODUCTS)
 MAX_TILE_ROWS = 8
@@ -99,18 +99,20 @@ def default_cpu_config(kernel: str, avx512: bool, products: str = FP32_FMA) -> C
                            products=products)
 
 
-# CUDA: the kernels' warp layout is fixed (kernels_cuda: 4 warps x 16 query rows per thread
+# CUDA: the kernels' warp layout is fixed (kernels/cuda.py: 4 warps x 16 query rows per thread
 # block, tiles in the mma.m16n8k16 register layout); these are the knobs around it.
 CUDA_WARPS = 4
 CUDA_ROWS_PER_WARP = 16
 CUDA_BLOCK_Q = CUDA_WARPS * CUDA_ROWS_PER_WARP
+# One vector copy between global and shared memory (CUDA) is 16 bytes: 8 fp16/bf16 elements.
+VECTOR_BYTES = 16
 
 
 @dataclass(frozen=True)
 class CUDAKernelConfig:
     kernel: str  # "forward" or "backward" (the backward's pre-pass and dQ conversion included)
     block_k: int = 64  # key rows per tile (the backward needs block_k == CUDA_BLOCK_Q)
-    vector_bytes: int = 16  # width of one global -> shared copy
+    vector_bytes: int = VECTOR_BYTES  # width of one global -> shared copy
     pad_bytes: int = 16  # shared-memory row padding against ldmatrix bank conflicts
 
     @property
@@ -131,7 +133,7 @@ def config_from_json(d: dict):
     return CPUKernelConfig.from_json(d) if "tiles" in d else CUDAKernelConfig.from_json(d)
 
 
-# --- decoding against a KV cache (kernels_decode.py) ---------------------------------------------
+# --- decoding against a KV cache (kernels/decode.py) ---------------------------------------------
 @dataclass(frozen=True)
 class DecodeConfig:
     """The ``flash_decode`` kernel's loop nest and schedule: query rows per block (the GQA

@@ -12,7 +12,7 @@
 The user's ``score_mod(score, b, h, q_idx, kv_idx)`` and the block mask's ``mask_mod(b, h,
 q_idx, kv_idx)`` are traced with torch's own tracer (``flex_trace``: ``make_fx``, the
 derivative from ``torch.func.vjp``), translated to TIR and compiled into the fused kernels
-(``kernels.py``): the score_mod runs on every score of every tile, the mask_mod only on the
+(``kernels/cpu.py``): the score_mod runs on every score of every tile, the mask_mod only on the
 tiles the block mask marks partial, and the tiles it leaves empty are skipped in the forward
 and the backward. Tensors the functions capture are kernel inputs; those that require grad get
 their gradient from the backward kernel (scatter-added per thread, summed in a fixed order).

@@ -18,7 +18,7 @@ flash-attn's signature and semantics (``flash_attn_interface.flash_attn_with_kvc
 * GQA/MQA: the query heads of a kv head read its cache rows once (the cache is never expanded).
 
 The cache update and rotary embedding are plain torch ops on the new tokens only. Attention is
-one TIR kernel (``kernels_decode.py``): each (unit, kv head) task reads its keys once for the
+one TIR kernel (``kernels/decode.py``): each (unit, kv head) task reads its keys once for the
 whole GQA group, with the keys split over threads (flash-decoding), and a merge combines the
 splits through their row statistics (fp32). Forward only, like flash-attn's; CPU tensors.
 """

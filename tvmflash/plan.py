@@ -12,7 +12,7 @@ q + diagonal; ``k_len - q_len`` for flash-attn's bottom-right alignment, other v
 of a longer sequence, as in ring attention). ``q_tile_seq``/``k_tile_seq``/``k_super_seq`` map
 global tiles back to sequences.
 
-The backward runs in *rounds* (kernels.py): in round r, key super tile J of a sequence with M
+The backward runs in *rounds* (kernels/cpu.py): in round r, key super tile J of a sequence with M
 super tiles meets query super tile (J + r) mod M, so no two tasks of a round touch the same
 query or key rows and every gradient is summed in an order fixed by the problem, not by the
 thread count. A super tile is ``super_tile`` tiles; it depends on the problem size only.
@@ -148,7 +148,7 @@ def backward_workspace_bytes(seqs: Sequences, *, heads: int, heads_k: int, head_
     return shared + threads * per_thread
 
 
-# --- decoding against a KV cache (kernels_decode.py) ---------------------------------------------
+# --- decoding against a KV cache (kernels/decode.py) ---------------------------------------------
 # seq_info[b] = (k_start, k_end, first unit, end unit);
 # units[u] = (sequence, first key tile, end key tile, first kv head, end kv head)
 DEC_K_START, DEC_K_END, DEC_UNIT_FIRST, DEC_UNIT_END = range(4)

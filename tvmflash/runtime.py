@@ -207,7 +207,7 @@ class FlashKernels:
     # --- CUDA --------------------------------------------------------------------------------
     def _cuda_backward(self, dout, q, k, v, out, lse, dq, dk, dv, scale, window, seqs, table, mods, heads_k,
                        packed: bool) -> None:
-        # FlashAttention-2's three launches (kernels_cuda.py): row statistics + zeroed fp32 dQ
+        # FlashAttention-2's three launches (kernels/cuda.py): row statistics + zeroed fp32 dQ
         # accumulator, the fused backward, the dQ conversion. Workspace: O(N) fp32.
         checks.check_cuda_grid(seqs.count * heads_k)
         batch, seqlen_q, heads, _ = (int(n) for n in q.shape)
@@ -363,7 +363,7 @@ DECODE_FUNCTIONS = ("flash_decode",)
 
 
 class DecodeKernels:
-    """The compiled ``flash_decode`` kernel (``kernels_decode.py``) for one CPU and spec.
+    """The compiled ``flash_decode`` kernel (``kernels/decode.py``) for one CPU and spec.
 
     ``decode`` launches it on prepared arguments; ``tvmflash.flash_attn_with_kvcache`` (the
     PyTorch function, ``kvcache.py``) checks the inputs, updates the cache and plans the splits.
@@ -393,7 +393,7 @@ class DecodeKernels:
 
     def decode(self, q, k_cache, v_cache, out, lse, softmax_scale: float, window: tuple[int, int], num_threads: int,
                seq_info, units, block_table, mod_inputs=()) -> None:
-        """out, lse = attention of q against the cache (see ``kernels_decode.py`` for the tables)."""
+        """out, lse = attention of q against the cache (see ``kernels/decode.py`` for the tables)."""
         self._function(q, k_cache, v_cache, out, lse, softmax_scale, window[0], window[1], num_threads, seq_info,
                        units, block_table, *mod_inputs)
 

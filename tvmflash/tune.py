@@ -54,7 +54,8 @@ from pathlib import Path
 import tvm
 from tvm import s_tir, tirx
 
-from . import analysis, kernels, plan, records, settings
+from . import analysis, plan, records, settings
+from .kernels import cpu as cpu_kernels
 from . import target as targets
 from .config import BF16_DOT, FP32_FMA, KERNELS, PRODUCTS, CPUKernelConfig, RegisterTile, default_cpu_config
 from .schedules import llvm as llvm_schedules
@@ -136,7 +137,7 @@ class Workload:
         """The fused kernel specialized to this workload, labelled with tvmflash.* attributes."""
         cfg = self.config
         func = analysis.specialize(
-            kernels.fused_kernel(self.kernel, self.spec, cfg), batch=self.batch, seqlen_q=self.seqlen,
+            cpu_kernels.fused_kernel(self.kernel, self.spec, cfg), batch=self.batch, seqlen_q=self.seqlen,
             seqlen_k=self.seqlen, heads=self.heads, heads_k=self.heads_k, block_q=cfg.block_q, block_k=cfg.block_k,
             n_threads=self.n_threads, softmax_scale=1.0 / math.sqrt(self.spec.head_dim),
             window_left=UNLIMITED_WINDOW, window_right=0 if self.causal else UNLIMITED_WINDOW)

@@ -41,11 +41,11 @@ tile of them, the next tile's keys and this tile's values fit in L2 together
 (``plan.decode_head_group``); within a group the tile is one contiguous stretch per key. Key tiles never straddle a page (``page_size % block_k
 == 0``; a dense cache is one page per sequence), so a tile's page is one table lookup. Row
 statistics, accumulators and the merge are fp32 (rule 1 and 3); the output is cast once and the
-LSE computed in float64 from (m, l) as in ``kernels.py``. The units (how each sequence's visible
+LSE computed in float64 from (m, l) as in ``kernels/cpu.py``. The units (how each sequence's visible
 key tiles are split) are planned per call (``plan.decode_units``): the kernel just runs them, so
 any split (flash-attn's ``num_splits``), length, window and batch is one compiled kernel.
 
-The structure follows ``kernels.py`` (named opaque stage blocks under unit loops, task indices
+The structure follows ``kernels/cpu.py`` (named opaque stage blocks under unit loops, task indices
 in small buffers rather than let chains, the polynomial ``exp2`` with masked exponents and a
 running max that starts at -FLT_MAX); ``schedules/llvm_decode.py`` schedules it by block name.
 """
@@ -57,15 +57,13 @@ from tvm.runtime import DataType
 from tvm.script import tirx as T
 from tvm.script.ir_builder import IRBuilder
 
-from .attention_te import FLT_MAX, NEG_INF, exp2, lse_from_stats, masked_log2_exponent, normalizer, scale_log2_parts
-from . import plan
-from .config import DecodeConfig
-from .score_mods import ModContext, emitters
-from .spec import AttentionSpec
+from ..attention_te import FLT_MAX, NEG_INF, exp2, lse_from_stats, masked_log2_exponent, normalizer, scale_log2_parts
+from .. import plan
+from ..config import DecodeConfig
+from ..score_mods import ModContext, emitters
+from ..spec import AttentionSpec
+from .common import EMPTY, F32, I64, PARTIAL, ceildiv as _ceildiv, cyclic_count as _cyclic_count, i64 as _i64, io_buffer, stage
 
-F32 = "float32"
-I64 = "int64"
-EMPTY, PARTIAL, FULL = 0, 1, 2
 # the call's tables (plan.decode_units)
 K_START, K_END, UNIT_FIRST, UNIT_END = (plan.DEC_K_START, plan.DEC_K_END, plan.DEC_UNIT_FIRST,
                                         plan.DEC_UNIT_END)
@@ -74,16 +72,6 @@ U_HEAD_FIRST, U_HEAD_END = plan.DEC_U_HEAD_FIRST, plan.DEC_U_HEAD_END
 SEQ_INFO_COLUMNS, UNIT_COLUMNS = plan.DECODE_SEQ_COLUMNS, plan.DECODE_UNIT_COLUMNS
 
 
-def _i64(x):
-    return tirx.Cast(I64, x)
-
-
-def _ceildiv(a, b):
-    return (a + b - 1) // b
-
-
-def _cyclic_count(slot, tasks, n_threads):
-    return tirx.max(_ceildiv(tasks - slot, n_threads), 0)
 
 
 def score_lanes(cfg: DecodeConfig, head_dim: int) -> int:
@@ -94,220 +82,223 @@ def score_lanes(cfg: DecodeConfig, head_dim: int) -> int:
     return lanes
 
 
-def decode_kernel(spec: AttentionSpec, cfg: DecodeConfig) -> tirx.PrimFunc:
-    """The ``flash_decode`` kernel of a spec (head dim, dtypes, softcap / ALiBi) and config."""
-    D, Br, Bc, KJ = spec.head_dim, cfg.block_rows, cfg.block_k, cfg.score_keys
-    L = score_lanes(cfg, D)
-    LINE_ELEMS = 64 // (DataType(spec.dtype).bits // 8)  # elements per 64-byte cache line
-    LINES = _ceildiv(D, LINE_ELEMS)
-    VL = min(cfg.lanes, Bc)  # lanes of the row max / row sum partials
-    if Bc % VL:
-        raise ValueError(f"block_k {Bc} must be a multiple of the lanes {VL}")
-    if L < 2:
-        raise ValueError(f"head_dim {D} must be even")
-    dtype, out_dtype = spec.dtype, spec.out_dtype
-    elem, out_elem = DataType(dtype).bits // 8, DataType(out_dtype).bits // 8
-    has_mods = bool(spec.score_mods)
-    mods = emitters(spec)
-    if spec.mask_mod is not None or spec.block_sparse:
-        raise ValueError("the decode kernel supports softcap and ALiBi score mods only")
-    mod_buffers: dict = {}
+class DecodeKernel:
+    """One build of the decode kernel: its tile sizes, mods and the Python helpers its stages
+    call. Stage functions (module level, TVMScript bodies, first parameter the build) become
+    its macros, fresh per build (TVM suffixes the block names of a macro's later expansions)."""
 
-    def declare_mods():
-        for i in spec.mod_inputs:
+    def __init__(self, spec: AttentionSpec, cfg: DecodeConfig):
+        self.spec = spec
+        self.D, self.Br, self.Bc, self.KJ = D, Br, Bc, KJ = spec.head_dim, cfg.block_rows, cfg.block_k, cfg.score_keys
+        self.L = L = score_lanes(cfg, D)
+        self.LINE_ELEMS = 64 // (DataType(spec.dtype).bits // 8)  # elements per 64-byte cache line
+        self.LINES = _ceildiv(D, self.LINE_ELEMS)
+        self.VL = VL = min(cfg.lanes, Bc)  # lanes of the row max / row sum partials
+        if Bc % VL:
+            raise ValueError(f"block_k {Bc} must be a multiple of the lanes {VL}")
+        if L < 2:
+            raise ValueError(f"head_dim {D} must be even")
+        self.has_mods = bool(spec.score_mods)
+        self.mods = emitters(spec)
+        if spec.mask_mod is not None or spec.block_sparse:
+            raise ValueError("the decode kernel supports softcap and ALiBi score mods only")
+        self.mod_buffers: dict = {}
+
+    def macros(self, *stages):
+        def bind(fn):
+            macro = T.macro(fn)
+            return lambda *args: macro(self, *args)
+
+        return [bind(fn) for fn in stages]
+
+    def declare_mods(self):
+        for i in self.spec.mod_inputs:
             shape = tuple(tirx.Var(f"{i.name}_d{d}", I64) if n is None else n for d, n in enumerate(i.shape))
             buf = T.match_buffer(T.arg(i.name, T.handle()), shape, i.dtype)
             IRBuilder.name(i.name, buf)
-            mod_buffers[i.name] = buf
+            self.mod_buffers[i.name] = buf
 
-    def exponent_constant(softmax_scale):
-        return scale_log2_parts(tirx.const(1.0, "float64") if has_mods else softmax_scale)
+    def exponent_constant(self, softmax_scale):
+        return scale_log2_parts(tirx.const(1.0, "float64") if self.has_mods else softmax_scale)
 
-    def alloc_folds():
-        folds, w = [], L // 2
+    def alloc_folds(self):
+        folds, w = [], self.L // 2
         while w > 1:
-            buf = T.sblock_alloc_buffer((KJ, Br, w), F32, scope="local")
+            buf = T.sblock_alloc_buffer((self.KJ, self.Br, w), F32, scope="local")
             IRBuilder.name(f"SL{w}", buf)
             folds.append(buf)
             w //= 2
         return folds
 
-    def sum_lanes(SL, folds, store):
+    def sum_lanes(self, SL, folds, store):
         """store(j, i, sum of SL[j, i, :]) by halving folds (a vector's halves added, in
         registers), a tree."""
         for src, dst in zip([SL, *folds], [*folds, None]):
             w = int(src.shape[2]) // 2
             if dst is None:
-                with T.grid(KJ, Br) as (j, i):
+                with T.grid(self.KJ, self.Br) as (j, i):
                     with T.sblock("scores_sum"):
                         vj, vi = T.axis.remap("SS", [j, i])
                         store(vj, vi, src[vj, vi, 0] + src[vj, vi, 1])
             else:
-                with T.grid(KJ, Br, w) as (j, i, l):
+                with T.grid(self.KJ, self.Br, w) as (j, i, l):
                     with T.sblock(f"scores_fold{w}"):
                         vj, vi, vl = T.axis.remap("SSS", [j, i, l])
                         T.buffer_store(dst, src[vj, vi, vl] + src[vj, vi, vl + w], [vj, vi, vl])
 
-    def prefetch(buf, page, row, head):
+    def prefetch(self, buf, page, row, head):
         """The cache lines of one head's row, into L2: locality 2 is prefetcht1 on x86 (into L1,
         prefetcht0, was no faster than no prefetch at all on Zen 4; DEVELOPING.md)."""
-        for line in range(LINES):
+        for line in range(self.LINES):
             T.evaluate(T.call_llvm_intrin("void", "llvm.prefetch.p0", T.address_of(
-                buf[page, row, head, line * LINE_ELEMS]), 0, 2, 1))
+                buf[page, row, head, line * self.LINE_ELEMS]), 0, 2, 1))
 
-    @T.macro
-    def load_q(QF: T.Buffer, Q: T.Buffer, slot: T.int64, b: T.int64, G: T.int64, R: T.int64):
-        for unit in range(1):
-            with T.sblock("load_q_tile"):
-                for h, r, d in T.grid(QF.shape[1], QF.shape[2], D):
-                    with T.sblock("load_q"):
-                        vh, vr, vd = T.axis.remap("SSS", [h, r, d])
-                        QF[slot, vh, vr, vd] = T.if_then_else(
-                            vr < R, T.Cast(F32, Q[b, T.min(vr, R - 1) // G, vh * G + T.min(vr, R - 1) % G, vd]),
-                            T.float32(0))
 
-    @T.macro
-    def scores(SA: T.Buffer, QF: T.Buffer, K: T.Buffer, V: T.Buffer, slot: T.int64, page: T.int64, prow: T.int64,
-               last: T.int64, next_tile: T.int64, next_page: T.int64, next_prow: T.int64, next_last: T.int64,
-               hk_first: T.int64, hk_end: T.int64):
-        """S = Q . K^T for every kv head and row block of the tile, keys outermost: the tile's
-        rows are read in memory order (key, head). The same rows of V (and of the next tile's K)
-        are prefetched into L2 on the way, for the P . V passes that follow."""
-        for unit in range(1):
-            with T.sblock("scores_tile"):
-                T.reads(QF[slot, 0:QF.shape[1], 0:QF.shape[2], 0:D], K[page, prow:prow + Bc, 0:QF.shape[1], 0:D])
-                T.writes(SA[slot, 0:QF.shape[1], 0:QF.shape[2], 0:Bc])
-                # KJ keys x Br rows of dot products, per vector lane: register accumulators
-                SL = T.sblock_alloc_buffer((KJ, Br, L), F32, scope="local")
-                folds = alloc_folds()
-                for jo in T.serial(Bc // KJ):
-                    j0: T.let[T.int64] = T.Cast(I64, jo) * KJ
-                    for hh in T.serial(hk_end - hk_first):
-                        hk: T.let[T.int64] = hk_first + hh
-                        for j in T.serial(KJ):
-                            prefetch(V, page, prow + T.min(j0 + j, last), hk)
-                            if next_tile != 0:
-                                prefetch(K, next_page, next_prow + T.min(j0 + j, next_last), hk)
-                        for rb in T.serial(QF.shape[2] // Br):
-                            r0: T.let[T.int64] = T.Cast(I64, rb) * Br
-                            for c, j, i, l in T.grid(D // L, KJ, Br, L):
-                                with T.sblock("scores"):
-                                    vc, vj, vi, vl = T.axis.remap("RSSS", [c, j, i, l])
-                                    with T.init():
-                                        SL[vj, vi, vl] = T.float32(0)
-                                    SL[vj, vi, vl] = SL[vj, vi, vl] + QF[slot, hk, r0 + vi, vc * L + vl] * T.Cast(
-                                        F32, K[page, prow + T.min(j0 + vj, last), hk, vc * L + vl])
-                            sum_lanes(SL, folds, lambda vj, vi, value: T.buffer_store(
-                                SA, value, [slot, hk, r0 + vi, j0 + vj]))
+# --- stages (TVMScript; expanded as macros of a DecodeKernel) -----------------------------------------
+def dec_load_q(k, QF: T.Buffer, Q: T.Buffer, slot: T.int64, b: T.int64, G: T.int64, R: T.int64):
+    with stage("load_q_tile"):
+        for h, r, d in T.grid(QF.shape[1], QF.shape[2], k.D):
+            with T.sblock("load_q"):
+                vh, vr, vd = T.axis.remap("SSS", [h, r, d])
+                QF[slot, vh, vr, vd] = T.if_then_else(
+                    vr < R, T.Cast(F32, Q[b, T.min(vr, R - 1) // G, vh * G + T.min(vr, R - 1) % G, vd]),
+                    T.float32(0))
 
-    @T.macro
-    def load_scores(ST: T.Buffer, SA: T.Buffer, slot: T.int64, hk: T.int64, r0: T.int64):
-        for unit in range(1):
-            with T.sblock("load_scores_tile"):
-                for i, j in T.grid(Br, Bc):
-                    with T.sblock("load_scores"):
-                        vi, vj = T.axis.remap("SS", [i, j])
-                        ST[vi, vj] = SA[slot, hk, r0 + vi, vj]
+def dec_scores(k, SA: T.Buffer, QF: T.Buffer, K: T.Buffer, V: T.Buffer, slot: T.int64, page: T.int64, prow: T.int64,
+           last: T.int64, next_tile: T.int64, next_page: T.int64, next_prow: T.int64, next_last: T.int64,
+           hk_first: T.int64, hk_end: T.int64):
+    """S = Q . K^T for every kv head and row block of the tile, keys outermost: the tile's
+    rows are read in memory order (key, head). The same rows of V (and of the next tile's K)
+    are prefetched into L2 on the way, for the P . V passes that follow."""
+    with stage("scores_tile"):
+        T.reads(QF[slot, 0:QF.shape[1], 0:QF.shape[2], 0:k.D], K[page, prow:prow + k.Bc, 0:QF.shape[1], 0:k.D])
+        T.writes(SA[slot, 0:QF.shape[1], 0:QF.shape[2], 0:k.Bc])
+        # KJ keys x Br rows of dot products, per vector lane: register accumulators
+        SL = T.sblock_alloc_buffer((k.KJ, k.Br, k.L), F32, scope="local")
+        folds = k.alloc_folds()
+        for jo in T.serial(k.Bc // k.KJ):
+            j0: T.let[T.int64] = T.Cast(I64, jo) * k.KJ
+            for hh in T.serial(hk_end - hk_first):
+                hk: T.let[T.int64] = hk_first + hh
+                for j in T.serial(k.KJ):
+                    k.prefetch(V, page, prow + T.min(j0 + j, last), hk)
+                    if next_tile != 0:
+                        k.prefetch(K, next_page, next_prow + T.min(j0 + j, next_last), hk)
+                for rb in T.serial(QF.shape[2] // k.Br):
+                    r0: T.let[T.int64] = T.Cast(I64, rb) * k.Br
+                    for c, j, i, l in T.grid(k.D // k.L, k.KJ, k.Br, k.L):
+                        with T.sblock("scores"):
+                            vc, vj, vi, vl = T.axis.remap("RSSS", [c, j, i, l])
+                            with T.init():
+                                SL[vj, vi, vl] = T.float32(0)
+                            SL[vj, vi, vl] = SL[vj, vi, vl] + QF[slot, hk, r0 + vi, vc * k.L + vl] * T.Cast(
+                                F32, K[page, prow + T.min(j0 + vj, last), hk, vc * k.L + vl])
+                    k.sum_lanes(SL, folds, lambda vj, vi, value: T.buffer_store(
+                        SA, value, [slot, hk, r0 + vi, j0 + vj]))
 
-    @T.macro
-    def score_mod(ST: T.Buffer, scale: T.float32, b: T.int64, hk: T.int64, r0: T.int64, k0: T.int64,
-                  diag: T.int64, G: T.int64):
-        for unit in range(1):
-            with T.sblock("score_mod_tile"):
-                for i, j in T.grid(Br, Bc):
-                    with T.sblock("score_mod"):
-                        vi, vj = T.axis.remap("SS", [i, j])
-                        ST[vi, vj] = mods.score(ST[vi, vj] * scale, ModContext(
-                            b, hk * G + (r0 + vi) % G, (r0 + vi) // G, k0 + vj, diag, mod_buffers))
+def dec_load_scores(k, ST: T.Buffer, SA: T.Buffer, slot: T.int64, hk: T.int64, r0: T.int64):
+    with stage("load_scores_tile"):
+        for i, j in T.grid(k.Br, k.Bc):
+            with T.sblock("load_scores"):
+                vi, vj = T.axis.remap("SS", [i, j])
+                ST[vi, vj] = SA[slot, hk, r0 + vi, vj]
 
-    @T.macro
-    def mask(ST: T.Buffer, r0: T.int64, k0: T.int64, k_start: T.int64, k_end: T.int64, diag: T.int64,
-             window_left: T.int64, window_right: T.int64, G: T.int64):
-        for unit in range(1):
-            with T.sblock("mask_tile"):
-                for i, j in T.grid(Br, Bc):
-                    with T.sblock("mask"):
-                        vi, vj = T.axis.remap("SS", [i, j])
-                        ST[vi, vj] = T.Select(
-                            tirx.all(k0 + vj >= k_start, k0 + vj < k_end,
-                                  k0 + vj <= (r0 + vi) // G + diag + window_right,
-                                  k0 + vj >= (r0 + vi) // G + diag - window_left),
-                            ST[vi, vj], T.float32(NEG_INF))
+def dec_score_mod(k, ST: T.Buffer, scale: T.float32, b: T.int64, hk: T.int64, r0: T.int64, k0: T.int64,
+              diag: T.int64, G: T.int64):
+    with stage("score_mod_tile"):
+        for i, j in T.grid(k.Br, k.Bc):
+            with T.sblock("score_mod"):
+                vi, vj = T.axis.remap("SS", [i, j])
+                ST[vi, vj] = k.mods.score(ST[vi, vj] * scale, ModContext(
+                    b, hk * G + (r0 + vi) % G, (r0 + vi) // G, k0 + vj, diag, k.mod_buffers))
 
-    @T.macro
-    def online_softmax(ST: T.Buffer, PT: T.Buffer, m: T.Buffer, m_next: T.Buffer, alpha: T.Buffer,
-                       c_hi: T.float32, c_lo: T.float32):
-        for unit in range(1):
-            with T.sblock("row_max_tile"):
-                # the raw scores' max per vector lane, then over the lanes, scaled once: the
-                # exponents below subtract it (2^(s c - max) <= 1; c > 0 keeps the order)
-                RM = T.sblock_alloc_buffer((Br, VL), F32)
-                for i, jo, l in T.grid(Br, Bc // VL, VL):
-                    with T.sblock("row_max_lanes"):
-                        vi, vjo, vl = T.axis.remap("SRS", [i, jo, l])
-                        with T.init():
-                            RM[vi, vl] = T.float32(NEG_INF)
-                        RM[vi, vl] = T.max(RM[vi, vl], ST[vi, vjo * VL + vl])
-                for i, l in T.grid(Br, VL):
-                    with T.sblock("row_max"):
-                        vi, vl = T.axis.remap("SR", [i, l])
-                        with T.init():
-                            m_next[vi] = m[vi]
-                        m_next[vi] = T.max(m_next[vi],
-                                           RM[vi, vl] * c_hi + T.max(RM[vi, vl], T.float32(-FLT_MAX)) * c_lo)
-        for unit in range(1):
-            with T.sblock("rescale_tile"):
-                for i in T.serial(Br):
-                    with T.sblock("rescale"):
-                        vi = T.axis.remap("S", [i])
-                        alpha[vi] = T.Select(m[vi] == m_next[vi], T.float32(1), exp2(m[vi] - m_next[vi]))
-        for unit in range(1):
-            with T.sblock("probs_tile"):
-                for i, j in T.grid(Br, Bc):
-                    with T.sblock("probs"):
-                        vi, vj = T.axis.remap("SS", [i, j])
-                        PT[vi, vj] = exp2(masked_log2_exponent(ST[vi, vj], (c_hi, c_lo), (m_next[vi], T.float32(0))))
+def dec_mask(k, ST: T.Buffer, r0: T.int64, k0: T.int64, k_start: T.int64, k_end: T.int64, diag: T.int64,
+         window_left: T.int64, window_right: T.int64, G: T.int64):
+    with stage("mask_tile"):
+        for i, j in T.grid(k.Br, k.Bc):
+            with T.sblock("mask"):
+                vi, vj = T.axis.remap("SS", [i, j])
+                ST[vi, vj] = T.Select(
+                    tirx.all(k0 + vj >= k_start, k0 + vj < k_end,
+                          k0 + vj <= (r0 + vi) // G + diag + window_right,
+                          k0 + vj >= (r0 + vi) // G + diag - window_left),
+                    ST[vi, vj], T.float32(NEG_INF))
 
-    @T.macro
-    def accumulate(OP: T.Buffer, SP: T.Buffer, PV: T.Buffer, PT: T.Buffer, V: T.Buffer, m_next: T.Buffer,
-                   l: T.Buffer, l_tile: T.Buffer, alpha: T.Buffer, u: T.int64, hk: T.int64, r0: T.int64,
-                   page: T.int64, prow: T.int64, last: T.int64):
-        for unit in range(1):
-            with T.sblock("pv_tile"):
-                for i, d, j in T.grid(Br, D, Bc):
-                    with T.sblock("pv"):
-                        vi, vd, vj = T.axis.remap("SSR", [i, d, j])
-                        with T.init():
-                            PV[vi, vd] = T.float32(0)
-                        PV[vi, vd] = PV[vi, vd] + PT[vi, vj] * T.Cast(F32, V[page, prow + T.min(vj, last), hk, vd])
-        for unit in range(1):
-            with T.sblock("update_o_tile"):
-                for i, d in T.grid(Br, D):
-                    with T.sblock("update_o"):
-                        vi, vd = T.axis.remap("SS", [i, d])
-                        OP[u, hk, r0 + vi, vd] = OP[u, hk, r0 + vi, vd] * alpha[vi] + PV[vi, vd]
-        for unit in range(1):
-            with T.sblock("row_sum_tile"):
-                RS = T.sblock_alloc_buffer((Br, VL), F32)
-                for i, jo, l in T.grid(Br, Bc // VL, VL):
-                    with T.sblock("row_sum_lanes"):
-                        vi, vjo, vl = T.axis.remap("SRS", [i, jo, l])
-                        with T.init():
-                            RS[vi, vl] = T.float32(0)
-                        RS[vi, vl] = RS[vi, vl] + PT[vi, vjo * VL + vl]
-                for i, l in T.grid(Br, VL):
-                    with T.sblock("row_sum"):
-                        vi, vl = T.axis.remap("SR", [i, l])
-                        with T.init():
-                            l_tile[vi] = T.float32(0)
-                        l_tile[vi] = l_tile[vi] + RS[vi, vl]
-        for unit in range(1):
-            with T.sblock("store_stats_tile"):
-                for i in T.serial(Br):
-                    with T.sblock("store_stats"):
-                        vi = T.axis.remap("S", [i])
-                        SP[u, hk, 0, r0 + vi] = m_next[vi]
-                        SP[u, hk, 1, r0 + vi] = l[vi] * alpha[vi] + l_tile[vi]
+def dec_online_softmax(k, ST: T.Buffer, PT: T.Buffer, m: T.Buffer, m_next: T.Buffer, alpha: T.Buffer,
+                   c_hi: T.float32, c_lo: T.float32):
+    with stage("row_max_tile"):
+        # the raw scores' max per vector lane, then over the lanes, scaled once: the
+        # exponents below subtract it (2^(s c - max) <= 1; c > 0 keeps the order)
+        RM = T.sblock_alloc_buffer((k.Br, k.VL), F32)
+        for i, jo, l in T.grid(k.Br, k.Bc // k.VL, k.VL):
+            with T.sblock("row_max_lanes"):
+                vi, vjo, vl = T.axis.remap("SRS", [i, jo, l])
+                with T.init():
+                    RM[vi, vl] = T.float32(NEG_INF)
+                RM[vi, vl] = T.max(RM[vi, vl], ST[vi, vjo * k.VL + vl])
+        for i, l in T.grid(k.Br, k.VL):
+            with T.sblock("row_max"):
+                vi, vl = T.axis.remap("SR", [i, l])
+                with T.init():
+                    m_next[vi] = m[vi]
+                m_next[vi] = T.max(m_next[vi],
+                                   RM[vi, vl] * c_hi + T.max(RM[vi, vl], T.float32(-FLT_MAX)) * c_lo)
+    with stage("rescale_tile"):
+        for i in T.serial(k.Br):
+            with T.sblock("rescale"):
+                vi = T.axis.remap("S", [i])
+                alpha[vi] = T.Select(m[vi] == m_next[vi], T.float32(1), exp2(m[vi] - m_next[vi]))
+    with stage("probs_tile"):
+        for i, j in T.grid(k.Br, k.Bc):
+            with T.sblock("probs"):
+                vi, vj = T.axis.remap("SS", [i, j])
+                PT[vi, vj] = exp2(masked_log2_exponent(ST[vi, vj], (c_hi, c_lo), (m_next[vi], T.float32(0))))
+
+def dec_accumulate(k, OP: T.Buffer, SP: T.Buffer, PV: T.Buffer, PT: T.Buffer, V: T.Buffer, m_next: T.Buffer,
+               l: T.Buffer, l_tile: T.Buffer, alpha: T.Buffer, u: T.int64, hk: T.int64, r0: T.int64,
+               page: T.int64, prow: T.int64, last: T.int64):
+    with stage("pv_tile"):
+        for i, d, j in T.grid(k.Br, k.D, k.Bc):
+            with T.sblock("pv"):
+                vi, vd, vj = T.axis.remap("SSR", [i, d, j])
+                with T.init():
+                    PV[vi, vd] = T.float32(0)
+                PV[vi, vd] = PV[vi, vd] + PT[vi, vj] * T.Cast(F32, V[page, prow + T.min(vj, last), hk, vd])
+    with stage("update_o_tile"):
+        for i, d in T.grid(k.Br, k.D):
+            with T.sblock("update_o"):
+                vi, vd = T.axis.remap("SS", [i, d])
+                OP[u, hk, r0 + vi, vd] = OP[u, hk, r0 + vi, vd] * alpha[vi] + PV[vi, vd]
+    with stage("row_sum_tile"):
+        RS = T.sblock_alloc_buffer((k.Br, k.VL), F32)
+        for i, jo, l in T.grid(k.Br, k.Bc // k.VL, k.VL):
+            with T.sblock("row_sum_lanes"):
+                vi, vjo, vl = T.axis.remap("SRS", [i, jo, l])
+                with T.init():
+                    RS[vi, vl] = T.float32(0)
+                RS[vi, vl] = RS[vi, vl] + PT[vi, vjo * k.VL + vl]
+        for i, l in T.grid(k.Br, k.VL):
+            with T.sblock("row_sum"):
+                vi, vl = T.axis.remap("SR", [i, l])
+                with T.init():
+                    l_tile[vi] = T.float32(0)
+                l_tile[vi] = l_tile[vi] + RS[vi, vl]
+    with stage("store_stats_tile"):
+        for i in T.serial(k.Br):
+            with T.sblock("store_stats"):
+                vi = T.axis.remap("S", [i])
+                SP[u, hk, 0, r0 + vi] = m_next[vi]
+                SP[u, hk, 1, r0 + vi] = l[vi] * alpha[vi] + l_tile[vi]
+
+
+def decode_kernel(spec: AttentionSpec, cfg: DecodeConfig) -> tirx.PrimFunc:
+    """The ``flash_decode`` kernel of a spec (head dim, dtypes, softcap / ALiBi) and config."""
+    k = DecodeKernel(spec, cfg)
+    D, Br, Bc = k.D, k.Br, k.Bc
+    dtype, out_dtype, has_mods = spec.dtype, spec.out_dtype, k.has_mods
+    declare_mods, exponent_constant, prefetch = k.declare_mods, k.exponent_constant, k.prefetch
+    load_q, scores, load_scores, score_mod, mask, online_softmax, accumulate = k.macros(
+        dec_load_q, dec_scores, dec_load_scores, dec_score_mod, dec_mask, dec_online_softmax, dec_accumulate)
 
     @T.prim_func(s_tir=True)
     def flash_decode(q_h: T.handle, k_h: T.handle, v_h: T.handle, o_h: T.handle, lse_h: T.handle,
@@ -322,14 +313,10 @@ def decode_kernel(spec: AttentionSpec, cfg: DecodeConfig) -> tirx.PrimFunc:
         P = T.int64()
         U = T.int64()
         MB = T.int64()
-        sq = (T.int64(), T.int64(), T.int64())
-        sk = (T.int64(), T.int64(), T.int64())
-        sv = (T.int64(), T.int64(), T.int64())
-        so = (T.int64(), T.int64(), T.int64())
-        Q = T.match_buffer(q_h, (B, Nq, H, D), dtype, strides=(*sq, 1), align=elem)
-        K = T.match_buffer(k_h, (NP, P, Hk, D), dtype, strides=(*sk, 1), align=elem)
-        V = T.match_buffer(v_h, (NP, P, Hk, D), dtype, strides=(*sv, 1), align=elem)
-        O = T.match_buffer(o_h, (B, Nq, H, D), out_dtype, strides=(*so, 1), align=out_elem)
+        Q = io_buffer(q_h, (B, Nq, H, D), dtype, "sq")
+        K = io_buffer(k_h, (NP, P, Hk, D), dtype, "sk")
+        V = io_buffer(v_h, (NP, P, Hk, D), dtype, "sv")
+        O = io_buffer(o_h, (B, Nq, H, D), out_dtype, "so")
         LSE = T.match_buffer(lse_h, (B, H, Nq), F32, align=4)
         SeqInfo = T.match_buffer(seq_info_h, (B, SEQ_INFO_COLUMNS), "int32")
         Units = T.match_buffer(units_h, (U, UNIT_COLUMNS), "int32")
@@ -358,7 +345,7 @@ def decode_kernel(spec: AttentionSpec, cfg: DecodeConfig) -> tirx.PrimFunc:
                 l_tile = T.sblock_alloc_buffer((Br,), F32)
                 alpha = T.sblock_alloc_buffer((Br,), F32)
                 # unit, -, sequence, page, row in page, tile state, next tile?, its page and row
-                # (small buffers, not let chains: kernels.py)
+                # (small buffers, not let chains: kernels/cpu.py)
                 at = T.sblock_alloc_buffer((9,), I64)
                 for e in T.serial(_cyclic_count(vslot, U, n_threads)):
                     at[0] = vslot + e * n_threads
@@ -368,17 +355,16 @@ def decode_kernel(spec: AttentionSpec, cfg: DecodeConfig) -> tirx.PrimFunc:
                     k_start: T.let[T.int64] = _i64(SeqInfo[b, K_START])
                     k_end: T.let[T.int64] = _i64(SeqInfo[b, K_END])
                     diag: T.let[T.int64] = k_end - Nq
-                    for unit in range(1):
-                        with T.sblock("init_task_tile"):
-                            for h, r, d in T.grid(Hk, RB * Br, D):
-                                with T.sblock("init_o"):
-                                    vh, vr, vd = T.axis.remap("SSS", [h, r, d])
-                                    OP[u, vh, vr, vd] = T.float32(0)
-                            for h, r in T.grid(Hk, RB * Br):
-                                with T.sblock("init_stats"):
-                                    vh, vr = T.axis.remap("SS", [h, r])
-                                    SP[u, vh, 0, vr] = T.float32(-FLT_MAX)
-                                    SP[u, vh, 1, vr] = T.float32(0)
+                    with stage("init_task_tile"):
+                        for h, r, d in T.grid(Hk, RB * Br, D):
+                            with T.sblock("init_o"):
+                                vh, vr, vd = T.axis.remap("SSS", [h, r, d])
+                                OP[u, vh, vr, vd] = T.float32(0)
+                        for h, r in T.grid(Hk, RB * Br):
+                            with T.sblock("init_stats"):
+                                vh, vr = T.axis.remap("SS", [h, r])
+                                SP[u, vh, 0, vr] = T.float32(-FLT_MAX)
+                                SP[u, vh, 1, vr] = T.float32(0)
                     # the unit's first tile into L2 (the following ones are prefetched a tile ahead)
                     at[3] = _i64(Units[u, U_TILE_FIRST]) * Bc
                     for jj, hh in T.grid(Bc, _i64(Units[u, U_HEAD_END]) - _i64(Units[u, U_HEAD_FIRST])):
@@ -411,13 +397,12 @@ def decode_kernel(spec: AttentionSpec, cfg: DecodeConfig) -> tirx.PrimFunc:
                                         k0 + Bc - 1 <= r0 // G + diag + window_right,
                                         k0 >= T.min((r0 + Br - 1) // G, Nq - 1) + diag - window_left)))
                                 if at[5] != EMPTY:
-                                    for unit in range(1):
-                                        with T.sblock("load_stats_tile"):
-                                            for i in T.serial(Br):
-                                                with T.sblock("load_stats"):
-                                                    vi = T.axis.remap("S", [i])
-                                                    m[vi] = SP[u, hk, 0, r0 + vi]
-                                                    l[vi] = SP[u, hk, 1, r0 + vi]
+                                    with stage("load_stats_tile"):
+                                        for i in T.serial(Br):
+                                            with T.sblock("load_stats"):
+                                                vi = T.axis.remap("S", [i])
+                                                m[vi] = SP[u, hk, 0, r0 + vi]
+                                                l[vi] = SP[u, hk, 1, r0 + vi]
                                     load_scores(ST, SA, vslot, hk, r0)
                                     if has_mods:
                                         score_mod(ST, T.Cast(F32, softmax_scale), b, hk, r0, k0, diag, G)

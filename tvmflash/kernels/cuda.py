@@ -17,11 +17,12 @@ indexed through ``frag(row, col) -> (lane, slot)`` (TVM's ``shared_16x16_to_ldma
 * tile loads clamp the row index instead of testing it: rows past the end repeat the last
   row, whose scores are masked (keys) or whose results are never stored (queries), so the
   copies stay plain 16-byte vector loads;
-* masks are runtime arguments (``Masks``): a window on both sides around a diagonal (causal is
-  right = 0; flash-attn's bottom-right alignment by default), so one build serves every mask;
-  the forward walks only the key tiles its query tile's window (and block mask) reaches, the
-  backward only the query tiles that see its key tile. Score mods (softcap, ALiBi, a traced
-  score_mod) rewrite the score fragment in place, a traced mask_mod joins the window test:
+* masks are runtime arguments (``CUDAContext``, on ``common.KernelContext``): a window on both
+  sides around a diagonal (causal is right = 0; flash-attn's bottom-right alignment by
+  default), so one build serves every mask; the forward walks only the key tiles its query
+  tile's window (and block mask) reaches, the backward only the query tiles that see its key
+  tile. Score mods (softcap, ALiBi, a traced score_mod) rewrite the score fragment in place, a
+  traced mask_mod joins the window test:
   the same ``score_mods`` emitters as the CPU kernels, with the GPU's exp2;
 * sequences are plan.py's table, as on CPUs: batched tensors and packed (varlen) sequences
   alike; a forward block takes one query tile of any sequence (``q_tile_seq``), a backward
@@ -33,13 +34,12 @@ plain loops) against float64 PyTorch, which checks the layouts and the math with
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from tvm import tirx
 from tvm.runtime import DataType
 from tvm.script import tirx as T
 
-from .attention_te import (
+from .. import plan
+from ..attention_te import (
     NEG_INF,
     grad_scores,
     in_window,
@@ -47,135 +47,60 @@ from .attention_te import (
     lse_from_stats,
     lse_log2_parts,
 )
-from .config import CUDA_ROWS_PER_WARP as ROWS_PER_WARP
-from .config import CUDA_WARPS as WARPS
-from .score_mods import NATIVE_INTRINSICS, ModContext, declare_inputs, emitters, exponent_constant, kernel_argument
-from .spec import AttentionSpec
-from . import plan
+from ..config import CUDA_ROWS_PER_WARP as ROWS_PER_WARP
+from ..config import CUDA_WARPS as WARPS
+from ..config import VECTOR_BYTES, CUDAKernelConfig
+from ..score_mods import NATIVE_INTRINSICS, ModContext, exponent_constant, kernel_argument
+from ..spec import AttentionSpec
+from .common import EMPTY, F32, FULL, PARTIAL, KernelContext, SequenceInfo, ceildiv
 
-F32 = "float32"
-VEC = 8  # elements per 16-byte copy
-EMPTY, PARTIAL, FULL = 0, 1, 2  # block-mask tile states (flex.tile_maps)
-
-
-@dataclass(frozen=True)
-class CUDASpec:
-    """What one CUDA build computes (``attention``: head dim, dtype, score and mask mods), with
-    the tile shape its loops are built around. The mask rectangle (causal, sliding window) is a
-    runtime argument, as in the CPU kernels."""
-
-    attention: AttentionSpec
-    block_q: int
-    block_k: int
-
-    @property
-    def head_dim(self) -> int:
-        return self.attention.head_dim
-
-    @property
-    def dtype(self) -> str:
-        return self.attention.dtype
-
-    @staticmethod
-    def exp2_fn():
-        return tirx.exp2  # ex2.approx in hardware
+VEC = VECTOR_BYTES // 2  # fp16/bf16 elements per 16-byte copy
 
 
-def _ceildiv(a, b):
-    return (a + b - 1) // b
+class CUDAContext(KernelContext):
+    """The CUDA kernels' context (``common.KernelContext``; one per build).
 
-
-class Masks:
-    """The window mask and the score/mask mods of a CUDA kernel, as index expressions.
-
-    Sequences are plan.py's table (batched, or packed varlen); query q's diagonal is key
-    ``q + diagonal`` (the table's column: ``k_len - q_len`` for flash-attn's bottom-right
-    alignment), and q sees key k iff ``diagonal - left <= k - q <= diagonal + right``
-    (``attention_te.in_window``; causal is right = 0). ``declare`` takes the window and adds the
-    sequence table, the mods' inputs (and gradients) and the block mask to the kernel's
-    arguments; ``bind`` takes the sequence a thread block works on. Mods see indices clamped into
-    the sequence, so a mod never reads past its tensors on the padding rows and keys of a tile
-    (those are masked).
+    Sequences are plan.py's table (batched, or packed varlen); ``sequence(b)`` is the sequence a
+    thread block works on. Mods see indices clamped into the sequence, so a mod never reads past
+    its tensors on the padding rows and keys of a tile (those are masked). The forward declares
+    the query-tile map, the backward none (a block per key tile of a sequence).
 
     Block masks (``spec.block_sparse``, ``flex.tile_maps`` at these tiles): the forward walks
     only the key tiles of its query tile's ``kv_range``, the backward only the query tiles of its
     key tile's ``q_range``; every tile's state masks all of it (empty), none of it (full: the
-    mask_mod is not evaluated) or applies the mask_mod."""
+    mask_mod is not evaluated) or applies the mask_mod, element by element in ``sees``.
+    Captured tensors' gradients: ``atomicAdd`` on the GPU, plain adds in the CPU test build
+    (``on_cpu``)."""
 
-    def __init__(self, spec: CUDASpec, backward: bool = False):
-        self.spec = spec.attention
-        self.block_q, self.block_k = spec.block_q, spec.block_k
-        self.backward = backward
-        self.mods = emitters(self.spec, NATIVE_INTRINSICS)
-        self.buffers: dict = {}
+    def __init__(self, spec: AttentionSpec, cfg: CUDAKernelConfig, backward: bool = False, on_cpu: bool = False):
+        super().__init__(spec, cfg.block_q, cfg.block_k, backward, NATIVE_INTRINSICS)
+        self.on_cpu = on_cpu
 
     @property
-    def has_score_mods(self) -> bool:
-        return bool(self.spec.score_mods)
+    def has_captured_grads(self) -> bool:
+        return super().has_captured_grads and self.has_score_mods
 
     def declare(self, window_left, window_right) -> None:
-        """Called inside the kernel body, after its own parameters: the sequence table, the mods'
-        inputs (and gradients), the block mask."""
-        self.left, self.right = window_left, window_right
-        n_seq, q_tiles = tirx.Var("n_seq", "int64"), tirx.Var("query_tiles", "int64")
-        self.table = kernel_argument("seq_table", (n_seq, plan.TABLE_COLUMNS), "int32")
-        if not self.backward:
-            self.q_tile_seq = kernel_argument("q_tile_seq", (q_tiles,), "int32")
-        self.buffers, self.grads = declare_inputs(self.spec, grads=self.backward)
-        if self.spec.block_sparse:
-            dims = tuple(tirx.Var(n, "int64") for n in ("mask_batch", "mask_heads", "mask_q_tiles", "mask_k_tiles"))
-            self.tile_states = kernel_argument("tile_state", dims, "int8")
-            if self.backward:
-                self.q_range = kernel_argument("q_range", (*dims[:2], dims[3], 2), "int32")
-            else:
-                self.kv_range = kernel_argument("kv_range", (*dims[:3], 2), "int32")
+        """Called inside the kernel body, after its own parameters: the sequence table, the
+        forward's query-tile map, the mods' inputs (and gradients), the block mask."""
+        super().declare(window_left, window_right, () if self.backward else ("q_tile_seq",))
 
-    def column(self, seq, column: int):
-        """A column of the sequence table (plan.py) as int64."""
-        return tirx.Cast("int64", self.table[seq, column])
+    def _declare_tile_ranges(self, dims) -> None:
+        if self.backward:
+            self.q_range = kernel_argument("q_range", (*dims[:2], dims[3], 2), "int32")
+        else:
+            self.kv_range = kernel_argument("kv_range", (*dims[:3], 2), "int32")
 
-    def sequences(self):
-        return self.table.shape[0]
+    def mod_context(self, seq: SequenceInfo, h, q, k) -> ModContext:
+        return ModContext(seq.b, h, tirx.min(q, seq.q_len - 1), tirx.min(k, seq.k_len - 1), seq.diagonal,
+                          self.mod_buffers)
 
-    def query_tiles_total(self):
-        return self.q_tile_seq.shape[0]
-
-    def bind(self, seq) -> None:
-        """The sequence the current block works on: its lengths and diagonal in the masks."""
-        self.seqlen_q, self.seqlen_k = self.column(seq, plan.Q_LEN), self.column(seq, plan.K_LEN)
-        self.diagonal = self.column(seq, plan.DIAGONAL)
-
-    def _mask_at(self, b, h, *rest):
-        dims = self.tile_states.shape
-        return (tirx.min(b, dims[0] - 1), tirx.min(h, dims[1] - 1), *rest)
-
-    def key_tiles(self, b, h, q0):
-        """Key tiles [first, end) holding a key some row of the query tile at q0 sees."""
-        last_row = tirx.min(q0 + self.block_q, self.seqlen_q) - 1
-        narrowed = self._block_range(self.kv_range, b, h, q0 // self.block_q) if self.spec.block_sparse else None
-        return _tiles_holding(q0 + self.diagonal - self.left, last_row + self.diagonal + self.right, self.block_k,
-                              self.seqlen_k, narrowed)
-
-    def query_tiles(self, b, h, k0):
-        """Query tiles [first, end) holding a query (of head h) that sees some key of the key tile at k0."""
-        last_key = tirx.min(k0 + self.block_k, self.seqlen_k) - 1
-        narrowed = self._block_range(self.q_range, b, h, k0 // self.block_k) if self.spec.block_sparse else None
-        return _tiles_holding(k0 - self.diagonal - self.right, last_key - self.diagonal + self.left, self.block_q,
-                              self.seqlen_q, narrowed)
-
-    def _block_range(self, ranges, b, h, tile):
-        return tuple(tirx.Cast("int64", ranges[self._mask_at(b, h, tile, i)]) for i in (0, 1))
-
-    def _context(self, b, h, q, k) -> ModContext:
-        return ModContext(b, h, tirx.min(q, self.seqlen_q - 1), tirx.min(k, self.seqlen_k - 1), self.diagonal,
-                          self.buffers)
-
-    def sees(self, b, h, q, k):
+    def sees(self, seq: SequenceInfo, h, q, k):
         """Whether query q attends to key k (k may be padding past the last key)."""
-        keep = in_window(q, k, self.seqlen_k, self.diagonal, self.left, self.right)
-        mask_mod = None if self.spec.mask_mod is None else self.mods.mask(self._context(b, h, q, k))
+        keep = in_window(q, k, seq.k_len, seq.diagonal, self.left, self.right)
+        mask_mod = None if self.spec.mask_mod is None else self.mods.mask(self.mod_context(seq, h, q, k))
         if self.spec.block_sparse:
-            state = self.tile_states[self._mask_at(b, h, q // self.block_q, k // self.block_k)]
+            state = self.tile_states[self._mask_at(seq.b, h, q // self.block_q, k // self.block_k)]
             if mask_mod is None:
                 by_state = state != tirx.const(EMPTY, "int8")
             else:
@@ -188,27 +113,15 @@ class Masks:
         """Whether a score enters the softmax: seen, and not -inf (which a score_mod may return)."""
         return tirx.all(sees, x > tirx.const(NEG_INF, F32)) if self.has_score_mods else sees
 
-    def score(self, s, b, h, q, k):
-        """The modded score of the scaled dot product s (natural-log units)."""
-        return self.mods.score(s, self._context(b, h, q, k))
-
-    @property
-    def has_captured_grads(self) -> bool:
-        return self.backward and bool(self.spec.grad_inputs) and self.has_score_mods
-
-    def scatter_captured_grads(self, s, b, h, q, k, upstream, on_cpu: bool) -> None:
+    def scatter_captured_grads(self, seq: SequenceInfo, s, h, q, k, upstream) -> None:
         """grad[index] += upstream * d mods / d captured for each captured tensor requiring grad:
         ``atomicAdd`` on the GPU (any order: not deterministic), plain adds in the CPU test build."""
-        for name, flat, value in self.mods.flat_captured_grads(s, self._context(b, h, q, k), upstream):
-            buf = self.grads[name]
-            if on_cpu:
+        for name, flat, value in self.captured_grads(seq, s, h, q, k, upstream):
+            buf = self.grad_buffers[name]
+            if self.on_cpu:
                 T.buffer_store(buf, buf[flat] + value, [flat])
             else:
                 T.evaluate(T.call_extern(F32, "atomicAdd", T.address_of(buf[flat]), value))
-
-    def score_grad(self, s, b, h, q, k):
-        """d mods(s) / d s."""
-        return self.mods.score_grad(s, self._context(b, h, q, k))
 
     def chain_rule(self, ds, grad):
         """dL/ds = dL/dx * dx/ds, x = mods(s). Masked and underflowed entries have dL/dx = 0: keep
@@ -219,16 +132,6 @@ class Masks:
 
     def exponent_scale(self, softmax_scale):
         return exponent_constant(self.spec, softmax_scale)
-
-
-def _tiles_holding(lo, hi, block: int, length, narrowed=None):
-    """Tiles [first, end) of ``block`` rows (of ``length``) holding a row in [lo, hi], within
-    ``narrowed`` (a block mask's [first, end)) if given; first == end when none does."""
-    first = tirx.max(tirx.floordiv(lo, block), 0)
-    end = tirx.min(tirx.floordiv(hi, block) + 1, _ceildiv(length, block))
-    if narrowed is not None:
-        first, end = tirx.max(first, narrowed[0]), tirx.min(end, narrowed[1])
-    return first, tirx.max(end, first)
 
 
 def aligned_strides(strides):
@@ -267,21 +170,21 @@ def reciprocal(x, on_cpu: bool):
     return T.float32(1) / x if on_cpu else T.call_pure_extern(F32, "__frcp_rn", x)
 
 
-def cuda_forward(spec: CUDASpec, on_cpu: bool = False) -> tirx.PrimFunc:
+def cuda_forward(spec: AttentionSpec, cfg: CUDAKernelConfig, on_cpu: bool = False) -> tirx.PrimFunc:
     """flash_fwd(q, k, v, out, lse, softmax_scale, window_left, window_right, seq_table,
     q_tile_seq, *mod_inputs, [tile_state, kv_range]) for tensor cores (fp16/bf16 inputs). The
     sequences (batched, or packed varlen) are plan.py's table: a thread block per query tile of
     any sequence and query head.
 
     ``on_cpu``: the unscheduled kernel for the CPU tests (no CUDA-only intrinsics)."""
-    D, Bc, dtype = spec.head_dim, spec.block_k, spec.dtype
-    masks = Masks(spec)
-    has_mods = masks.has_score_mods
+    D, Bc, dtype = spec.head_dim, cfg.block_k, spec.dtype
+    ctx = CUDAContext(spec, cfg, on_cpu=on_cpu)
+    has_mods = ctx.has_score_mods
     Br = WARPS * ROWS_PER_WARP
-    if spec.block_q != Br or D % 16 or Bc % 16:
-        raise ValueError(f"CUDA kernels need block_q = {Br} and multiples of 16 (got {spec})")
+    if cfg.block_q != Br or D % 16 or Bc % 16:
+        raise ValueError(f"CUDA kernels need block_q = {Br} and multiples of 16 (got {spec}, {cfg})")
     TD, TC = D // 16, Bc // 16  # 16-wide tiles along the head dim and along the keys
-    exp2_ = spec.exp2_fn()
+    exp2_ = tirx.exp2  # ex2.approx in hardware
     elem = DataType(dtype).bits // 8
 
     @T.prim_func(s_tir=True)
@@ -302,7 +205,7 @@ def cuda_forward(spec: CUDASpec, on_cpu: bool = False) -> tirx.PrimFunc:
         V = T.match_buffer(v_h, (B, Nk, Hk, D), dtype, strides=(*sv, 1), align=elem)
         O = T.match_buffer(o_h, (B, Nq, H, D), dtype, strides=(*so, 1), align=elem)
         LSE = T.match_buffer(lse_h, (B, H, Nq), F32, align=4)
-        masks.declare(window_left, window_right)
+        ctx.declare(window_left, window_right)
         # The same inputs with strides written as multiples of VEC (the Python side checks that
         # they are): the tile copies become 16-byte vector loads only if TVM's codegen can see
         # the alignment in the index expression (otherwise it emits element-wise int64 index
@@ -311,7 +214,7 @@ def cuda_forward(spec: CUDASpec, on_cpu: bool = False) -> tirx.PrimFunc:
         Ka = T.decl_buffer((B, Nk, Hk, D), dtype, data=K.data, strides=aligned_strides(sk))
         Va = T.decl_buffer((B, Nk, Hk, D), dtype, data=V.data, strides=aligned_strides(sv))
         Oa = T.decl_buffer((B, Nq, H, D), dtype, data=O.data, strides=aligned_strides(so))
-        for bh, qt in T.grid(H, masks.query_tiles_total()):  # query tiles of all sequences, heads
+        for bh, qt in T.grid(H, ctx.query_tiles_total()):  # query tiles of all sequences, heads
             with T.sblock("q_tile"):
                 vbh, vqt = T.axis.remap("SS", [bh, qt])
                 T.reads()
@@ -335,18 +238,18 @@ def cuda_forward(spec: CUDASpec, on_cpu: bool = False) -> tirx.PrimFunc:
                 # b: the sequence (plan.py's table); its rows start at row qs of batch tb of q (and of
                 # out, lse), at ks of batch tb of k and v (queries and keys share the batch index).
                 # truncdiv: operands are non-negative, and C division needs no sign fix-ups
-                b: T.let[T.int64] = T.Cast("int64", masks.q_tile_seq[vqt])
-                tb: T.let[T.int64] = masks.column(b, plan.Q_BATCH)
-                qs: T.let[T.int64] = masks.column(b, plan.Q_START)
-                ks: T.let[T.int64] = masks.column(b, plan.K_START)
-                masks.bind(b)
+                b: T.let[T.int64] = T.Cast("int64", ctx.q_tile_seq[vqt])
+                tb: T.let[T.int64] = ctx.column(b, plan.Q_BATCH)
+                qs: T.let[T.int64] = ctx.column(b, plan.Q_START)
+                ks: T.let[T.int64] = ctx.column(b, plan.K_START)
+                seq = T.meta_var(ctx.sequence(b))
                 h: T.let[T.int64] = vbh
                 hk: T.let[T.int64] = T.truncdiv(h, T.truncdiv(H, Hk))
-                q0: T.let[T.int64] = (vqt - masks.column(b, plan.Q_TILE0)) * Br
+                q0: T.let[T.int64] = (vqt - ctx.column(b, plan.Q_TILE0)) * Br
                 for r, c in T.grid(T.int64(Br), T.int64(D)):  # int64: the vectorized copy stays a ramp
                     with T.sblock("load_q"):
                         vr, vc = T.axis.remap("SS", [r, c])
-                        Qs[vr, vc] = Qa[tb, qs + T.min(q0 + vr, masks.seqlen_q - 1), h, vc]
+                        Qs[vr, vc] = Qa[tb, qs + T.min(q0 + vr, seq.q_len - 1), h, vc]
                 for w, tk, i, kk in T.grid(WARPS, TD, 16, 16):
                     with T.sblock("ldmatrix_q"):
                         vw, vtk, vi, vk = T.axis.remap("SSSS", [w, tk, i, kk])
@@ -361,16 +264,16 @@ def cuda_forward(spec: CUDASpec, on_cpu: bool = False) -> tirx.PrimFunc:
                         vw, vtx, vhf = T.axis.remap("SSS", [w, tx, hf])
                         m[vw, vtx, vhf] = T.float32(NEG_INF)
                         l[vw, vtx, vhf] = T.float32(0)
-                for kt in T.serial(*masks.key_tiles(b, h, q0)):
+                for kt in T.serial(*ctx.key_tiles(seq, h, q0)):
                     k0: T.let[T.int64] = kt * Bc
                     for r, c in T.grid(T.int64(Bc), T.int64(D)):
                         with T.sblock("load_k"):
                             vr, vc = T.axis.remap("SS", [r, c])
-                            Ks[vr, vc] = Ka[tb, ks + T.min(k0 + vr, masks.seqlen_k - 1), hk, vc]
+                            Ks[vr, vc] = Ka[tb, ks + T.min(k0 + vr, seq.k_len - 1), hk, vc]
                     for r, c in T.grid(T.int64(Bc), T.int64(D)):
                         with T.sblock("load_v"):
                             vr, vc = T.axis.remap("SS", [r, c])
-                            Vs[vr, vc] = Va[tb, ks + T.min(k0 + vr, masks.seqlen_k - 1), hk, vc]
+                            Vs[vr, vc] = Va[tb, ks + T.min(k0 + vr, seq.k_len - 1), hk, vc]
                     for w, tj, tk, j, kk in T.grid(WARPS, TC, TD, 16, 16):
                         with T.sblock("ldmatrix_k"):  # B operand of Q K^T: K rows as columns
                             vw, vtj, vtk, vj, vk = T.axis.remap("SSSSS", [w, tj, tk, j, kk])
@@ -392,8 +295,8 @@ def cuda_forward(spec: CUDASpec, on_cpu: bool = False) -> tirx.PrimFunc:
                         for w, tx, tj, s in T.grid(WARPS, 32, TC, 8):
                             with T.sblock("score_mod"):  # in place: natural-log scores, modded
                                 vw, vtj, vtx, vs = T.axis.remap("SSSS", [w, tj, tx, s])
-                                Sw[vw, vtj, vtx, vs] = masks.score(
-                                    Sw[vw, vtj, vtx, vs] * T.Cast(F32, softmax_scale), b, h,
+                                Sw[vw, vtj, vtx, vs] = ctx.score(
+                                    seq, Sw[vw, vtj, vtx, vs] * T.Cast(F32, softmax_scale), h,
                                     q0 + vw * 16 + frag_row(vtx, vs), k0 + vtj * 16 + frag_col(vtx, vs))
                     for w, tx, hf, tj, qq in T.grid(WARPS, 32, 2, TC, 4):
                         with T.sblock("row_max_lane"):
@@ -401,9 +304,9 @@ def cuda_forward(spec: CUDASpec, on_cpu: bool = False) -> tirx.PrimFunc:
                             with T.init():
                                 Red[vw, vtx, vhf] = T.float32(NEG_INF)
                             Red[vw, vtx, vhf] = T.max(Red[vw, vtx, vhf], T.Select(
-                                masks.sees(b, h, q0 + vw * 16 + frag_row(vtx, half_slot(vhf, vq)),
-                                           k0 + vtj * 16 + frag_col(vtx, half_slot(vhf, vq))),
-                                Sw[vw, vtj, vtx, half_slot(vhf, vq)] * masks.exponent_scale(softmax_scale)[0],
+                                ctx.sees(seq, h, q0 + vw * 16 + frag_row(vtx, half_slot(vhf, vq)),
+                                         k0 + vtj * 16 + frag_col(vtx, half_slot(vhf, vq))),
+                                Sw[vw, vtj, vtx, half_slot(vhf, vq)] * ctx.exponent_scale(softmax_scale)[0],
                                 T.float32(NEG_INF)))
                     for w, tx, hf in T.grid(WARPS, 32, 2):
                         with T.sblock("row_max_pair"):  # the 4 lanes sharing a row: a butterfly
@@ -424,9 +327,9 @@ def cuda_forward(spec: CUDASpec, on_cpu: bool = False) -> tirx.PrimFunc:
                             vw, vtj, vtx, vs = T.axis.remap("SSSS", [w, tj, tx, s])
                             # a score_mod may itself return -inf: 0 there, also where the whole row is -inf
                             Sw[vw, vtj, vtx, vs] = T.Select(
-                                masks.kept(masks.sees(b, h, q0 + vw * 16 + frag_row(vtx, vs),
-                                                      k0 + vtj * 16 + frag_col(vtx, vs)), Sw[vw, vtj, vtx, vs]),
-                                exp2_(log2_exponent(Sw[vw, vtj, vtx, vs], masks.exponent_scale(softmax_scale),
+                                ctx.kept(ctx.sees(seq, h, q0 + vw * 16 + frag_row(vtx, vs),
+                                                  k0 + vtj * 16 + frag_col(vtx, vs)), Sw[vw, vtj, vtx, vs]),
+                                exp2_(log2_exponent(Sw[vw, vtj, vtx, vs], ctx.exponent_scale(softmax_scale),
                                                     (m_new[vw, vtx, vs % 4 // 2], T.float32(0)))),
                                 T.float32(0))
                     for w, tx, tj, s in T.grid(WARPS, 32, TC, 8):
@@ -482,12 +385,12 @@ def cuda_forward(spec: CUDASpec, on_cpu: bool = False) -> tirx.PrimFunc:
                 for r, c, e in T.grid(T.int64(Br), T.int64(D // VEC), T.int64(VEC)):
                     with T.sblock("store_o"):  # whole rows, 16 bytes per thread and step
                         vr, vc, ve = T.axis.remap("SSS", [r, c, e])
-                        if q0 + vr < masks.seqlen_q:
+                        if q0 + vr < seq.q_len:
                             Oa[tb, qs + q0 + vr, h, vc * VEC + ve] = Qs[vr, vc * VEC + ve]
                 for w, tx, hf in T.grid(WARPS, 32, 2):
                     with T.sblock("store_lse"):  # lane 4 r holds rows r and r + 8
                         vw, vtx, vhf = T.axis.remap("SSS", [w, tx, hf])
-                        if vtx % 4 == 0 and q0 + vw * 16 + vtx // 4 + 8 * vhf < masks.seqlen_q:
+                        if vtx % 4 == 0 and q0 + vw * 16 + vtx // 4 + 8 * vhf < seq.q_len:
                             LSE[tb, h, qs + q0 + vw * 16 + vtx // 4 + 8 * vhf] = lse_from_stats(
                                 m[vw, vtx, vhf], l[vw, vtx, vhf])
 
@@ -645,7 +548,8 @@ def cuda_backward_dq(head_dim: int, dtype: str) -> tirx.PrimFunc:
     return flash_bwd_dq
 
 
-def cuda_backward(spec: CUDASpec, atomic_dq: bool = True, on_cpu: bool = False) -> tirx.PrimFunc:
+def cuda_backward(spec: AttentionSpec, cfg: CUDAKernelConfig, atomic_dq: bool = True,
+                  on_cpu: bool = False) -> tirx.PrimFunc:
     """flash_bwd(dout, q, k, v, stats, dq_acc, dk, dv, softmax_scale, n_split, window_left,
     window_right, seq_table, *mod_inputs, *mod_input_grads, [tile_state, q_range]): a thread
     block per (key tile or split, sequence x kv head).
@@ -660,16 +564,16 @@ def cuda_backward(spec: CUDASpec, atomic_dq: bool = True, on_cpu: bool = False) 
     216 bytes with the load + add + store). ``on_cpu``: plain adds instead (the unscheduled
     kernel run on the CPU by the tests, one thread, the same arithmetic).
     """
-    D, Bc, dtype = spec.head_dim, spec.block_k, spec.dtype
-    masks = Masks(spec, backward=True)
-    has_mods = masks.has_score_mods
+    D, Bc, dtype = spec.head_dim, cfg.block_k, spec.dtype
+    ctx = CUDAContext(spec, cfg, backward=True, on_cpu=on_cpu)
+    has_mods = ctx.has_score_mods
     # slots of the score fragment Sx: raw scores S^T, modded scores X^T (-> P^T), d mods / d S^T
-    SLOTS = S_, X_, G_ = (0, 1, 2 if masks.has_captured_grads else 0) if has_mods else (0, 0, 0)
+    SLOTS = S_, X_, G_ = (0, 1, 2 if ctx.has_captured_grads else 0) if has_mods else (0, 0, 0)
     Br = WARPS * ROWS_PER_WARP
-    if spec.block_q != Br or Bc != Br or D % 16:
-        raise ValueError(f"the CUDA backward needs 64 x 64 tiles and a multiple of 16 as head dim (got {spec})")
+    if cfg.block_q != Br or Bc != Br or D % 16:
+        raise ValueError(f"the CUDA backward needs 64 x 64 tiles and a multiple of 16 as head dim (got {spec}, {cfg})")
     TD, TI, TC = D // 16, Br // 16, Bc // 16
-    exp2_ = spec.exp2_fn()
+    exp2_ = tirx.exp2  # ex2.approx in hardware
     elem = DataType(dtype).bits // 8
 
     @T.prim_func(s_tir=True)
@@ -698,14 +602,14 @@ def cuda_backward(spec: CUDASpec, atomic_dq: bool = True, on_cpu: bool = False) 
         dQacc = T.match_buffer(acc_h, (P, B, Nq, H, D), F32)
         dK = T.match_buffer(dk_h, (B, Nk, Hk, D), dtype, strides=(*sdk, 1), align=elem)
         dV = T.match_buffer(dv_h, (B, Nk, Hk, D), dtype, strides=(*sdv, 1), align=elem)
-        masks.declare(window_left, window_right)
+        ctx.declare(window_left, window_right)
         dOa = T.decl_buffer((B, Nq, H, D), dtype, data=dO.data, strides=aligned_strides(sdo))
         Qa = T.decl_buffer((B, Nq, H, D), dtype, data=Q.data, strides=aligned_strides(sq))
         Ka = T.decl_buffer((B, Nk, Hk, D), dtype, data=K.data, strides=aligned_strides(sk))
         Va = T.decl_buffer((B, Nk, Hk, D), dtype, data=V.data, strides=aligned_strides(sv))
         dKa = T.decl_buffer((B, Nk, Hk, D), dtype, data=dK.data, strides=aligned_strides(sdk))
         dVa = T.decl_buffer((B, Nk, Hk, D), dtype, data=dV.data, strides=aligned_strides(sdv))
-        for s, bh in T.grid(n_split, masks.sequences() * Hk):
+        for s, bh in T.grid(n_split, ctx.sequences() * Hk):
             with T.sblock("kv_tile"):
                 vs, vbh = T.axis.remap("SS", [s, bh])
                 T.reads()
@@ -739,26 +643,26 @@ def cuda_backward(spec: CUDASpec, atomic_dq: bool = True, on_cpu: bool = False) 
                 # b: the sequence (plan.py's table); its rows start at row qs of batch tb of q (dout,
                 # stats, dq), at ks of batch tb of k and v (dk, dv)
                 b: T.let[T.int64] = T.truncdiv(vbh, Hk)
-                tb: T.let[T.int64] = masks.column(b, plan.Q_BATCH)
-                qs: T.let[T.int64] = masks.column(b, plan.Q_START)
-                ks: T.let[T.int64] = masks.column(b, plan.K_START)
-                masks.bind(b)
+                tb: T.let[T.int64] = ctx.column(b, plan.Q_BATCH)
+                qs: T.let[T.int64] = ctx.column(b, plan.Q_START)
+                ks: T.let[T.int64] = ctx.column(b, plan.K_START)
+                seq = T.meta_var(ctx.sequence(b))
                 hk: T.let[T.int64] = T.truncmod(vbh, Hk)
                 group: T.let[T.int64] = T.truncdiv(H, Hk)
                 part: T.let[T.int64] = T.int64(0) if atomic_dq else vs
                 # Key tiles vs, vs + n_split, ... of the sequence: a trip count, not a condition, keeps
                 # this block-uniform for TVM's barrier insertion (which refuses barriers under an `if`).
-                for t in T.serial(_ceildiv(_ceildiv(masks.seqlen_k, Bc) - vs, n_split)):
+                for t in T.serial(ceildiv(ceildiv(seq.k_len, Bc) - vs, n_split)):
                     if True:
                         k0: T.let[T.int64] = (vs + t * n_split) * Bc
                         for r, c in T.grid(T.int64(Bc), T.int64(D)):
                             with T.sblock("load_k"):
                                 vr, vc = T.axis.remap("SS", [r, c])
-                                Ks[vr, vc] = Ka[tb, ks + T.min(k0 + vr, masks.seqlen_k - 1), hk, vc]
+                                Ks[vr, vc] = Ka[tb, ks + T.min(k0 + vr, seq.k_len - 1), hk, vc]
                         for r, c in T.grid(T.int64(Bc), T.int64(D)):
                             with T.sblock("load_v"):
                                 vr, vc = T.axis.remap("SS", [r, c])
-                                Vs[vr, vc] = Va[tb, ks + T.min(k0 + vr, masks.seqlen_k - 1), hk, vc]
+                                Vs[vr, vc] = Va[tb, ks + T.min(k0 + vr, seq.k_len - 1), hk, vc]
                         for w, tx, td, s8 in T.grid(WARPS, 32, TD, 8):
                             with T.sblock("init_dkv"):
                                 vw, vtd, vtx, vs8 = T.axis.remap("SSSS", [w, td, tx, s8])
@@ -766,16 +670,16 @@ def cuda_backward(spec: CUDASpec, atomic_dq: bool = True, on_cpu: bool = False) 
                                 dVw[vw, vtd, vtx, vs8] = T.float32(0)
                         for g in T.serial(group):
                             h: T.let[T.int64] = hk * group + g
-                            for qt in T.serial(*masks.query_tiles(b, h, k0)):
+                            for qt in T.serial(*ctx.query_tiles(seq, h, k0)):
                                 q0: T.let[T.int64] = qt * Br
                                 for r, c in T.grid(T.int64(Br), T.int64(D)):
                                     with T.sblock("load_q"):
                                         vr, vc = T.axis.remap("SS", [r, c])
-                                        Qs[vr, vc] = Qa[tb, qs + T.min(q0 + vr, masks.seqlen_q - 1), h, vc]
+                                        Qs[vr, vc] = Qa[tb, qs + T.min(q0 + vr, seq.q_len - 1), h, vc]
                                 for r, c in T.grid(T.int64(Br), T.int64(D)):
                                     with T.sblock("load_do"):
                                         vr, vc = T.axis.remap("SS", [r, c])
-                                        dOs[vr, vc] = dOa[tb, qs + T.min(q0 + vr, masks.seqlen_q - 1), h, vc]
+                                        dOs[vr, vc] = dOa[tb, qs + T.min(q0 + vr, seq.q_len - 1), h, vc]
                                 for r, i in T.grid(3, Br):
                                     with T.sblock("load_stats"):  # rows past the sequence: 0 (padding or
                                         vr, vi = T.axis.remap("SS", [r, i])  # the next sequence: masked)
@@ -839,17 +743,18 @@ def cuda_backward(spec: CUDASpec, atomic_dq: bool = True, on_cpu: bool = False) 
                                                 scaled = T.meta_var(Sx[vw, S_, vtx, vs8] * T.Cast(F32, softmax_scale))
                                                 q_idx = T.meta_var(q0 + vti * 16 + frag_col(vtx, vs8))
                                                 kv_idx = T.meta_var(k0 + vw * 16 + frag_row(vtx, vs8))
-                                                Sx[vw, X_, vtx, vs8] = masks.score(scaled, b, h, q_idx, kv_idx)
-                                                Sx[vw, G_, vtx, vs8] = masks.score_grad(scaled, b, h, q_idx, kv_idx)
+                                                Sx[vw, X_, vtx, vs8] = ctx.score(seq, scaled, h, q_idx, kv_idx)
+                                                Sx[vw, G_, vtx, vs8] = ctx.score_grad(seq, scaled, h, q_idx, kv_idx)
                                     for w, tx, s8 in T.grid(WARPS, 32, 8):
                                         with T.sblock("probs"):  # P^T = 2^(X^T * c - lse2), masked; in place
                                             vw, vtx, vs8 = T.axis.remap("SSS", [w, tx, s8])
                                             vti = T.axis.spatial(TI, ti)
                                             col: T.let[T.int32] = vti * 16 + frag_col(vtx, vs8)
                                             Sx[vw, X_, vtx, vs8] = T.Select(
-                                                masks.kept(tirx.all(q0 + col < masks.seqlen_q, masks.sees(
-                                                    b, h, q0 + col, k0 + vw * 16 + frag_row(vtx, vs8))), Sx[vw, X_, vtx, vs8]),
-                                                exp2_(log2_exponent(Sx[vw, X_, vtx, vs8], masks.exponent_scale(softmax_scale),
+                                                ctx.kept(tirx.all(q0 + col < seq.q_len, ctx.sees(
+                                                    seq, h, q0 + col, k0 + vw * 16 + frag_row(vtx, vs8))),
+                                                    Sx[vw, X_, vtx, vs8]),
+                                                exp2_(log2_exponent(Sx[vw, X_, vtx, vs8], ctx.exponent_scale(softmax_scale),
                                                                     (Ls[0, col], Ls[1, col]))),
                                                 T.float32(0))
                                     for w, tx, s8 in T.grid(WARPS, 32, 8):
@@ -883,10 +788,10 @@ def cuda_backward(spec: CUDASpec, atomic_dq: bool = True, on_cpu: bool = False) 
                                         with T.sblock("dscores"):  # dS^T = P^T (dP^T - Delta), cast once for the mma
                                             vw, vtx, vs8 = T.axis.remap("SSS", [w, tx, s8])
                                             vti = T.axis.spatial(TI, ti)
-                                            dSh[vw, vtx, vs8] = T.Cast(dtype, masks.chain_rule(
+                                            dSh[vw, vtx, vs8] = T.Cast(dtype, ctx.chain_rule(
                                                 grad_scores(Sx[vw, X_, vtx, vs8], dPt[vw, vtx, vs8],
                                                             Ls[2, vti * 16 + frag_col(vtx, vs8)]), Sx[vw, G_, vtx, vs8]))
-                                    if masks.has_captured_grads:
+                                    if ctx.has_captured_grads:
                                         for w, tx, s8 in T.grid(WARPS, 32, 8):
                                             with T.sblock("captured_grads"):  # scatter-adds of dL/dX^T terms
                                                 vw, vtx, vs8 = T.axis.remap("SSS", [w, tx, s8])
@@ -895,12 +800,12 @@ def cuda_backward(spec: CUDASpec, atomic_dq: bool = True, on_cpu: bool = False) 
                                                 # access visitor rejects it): bind it first
                                                 seen: T.let[T.bool] = Sx[vw, X_, vtx, vs8] != T.float32(0)
                                                 if seen:
-                                                    masks.scatter_captured_grads(
-                                                        Sx[vw, S_, vtx, vs8] * T.Cast(F32, softmax_scale), b, h,
+                                                    ctx.scatter_captured_grads(
+                                                        seq, Sx[vw, S_, vtx, vs8] * T.Cast(F32, softmax_scale), h,
                                                         q0 + vti * 16 + frag_col(vtx, vs8),
                                                         k0 + vw * 16 + frag_row(vtx, vs8),
                                                         grad_scores(Sx[vw, X_, vtx, vs8], dPt[vw, vtx, vs8],
-                                                                    Ls[2, vti * 16 + frag_col(vtx, vs8)]), on_cpu)
+                                                                    Ls[2, vti * 16 + frag_col(vtx, vs8)]))
                                     for w, td, j, n, kk in T.grid(WARPS, TD, 16, 16, 16):
                                         with T.sblock("dk"):  # dK += dS^T Q (scaled at the end)
                                             vw, vtd, vj, vn, vk = T.axis.remap("SSSSR", [w, td, j, n, kk])
@@ -952,7 +857,7 @@ def cuda_backward(spec: CUDASpec, atomic_dq: bool = True, on_cpu: bool = False) 
                                             colq = T.meta_var(vtd * 16 + frag_col(vtx, vs8))
                                             T.reads(dQw[vw, vtx, vs8], dQacc[part, tb, qs + row, h, colq])
                                             T.writes(dQacc[part, tb, qs + row, h, colq])
-                                            if row < masks.seqlen_q:
+                                            if row < seq.q_len:
                                                 if not on_cpu:
                                                     T.evaluate(T.call_extern("float32", "atomicAdd",
                                                                              T.address_of(dQacc[part, tb, qs + row, h, colq]),
@@ -970,7 +875,7 @@ def cuda_backward(spec: CUDASpec, atomic_dq: bool = True, on_cpu: bool = False) 
                         for r, c, e in T.grid(T.int64(Bc), T.int64(D // VEC), T.int64(VEC)):
                             with T.sblock("store_dkv"):  # whole rows, 16 bytes per thread and step
                                 vr, vc, ve = T.axis.remap("SSS", [r, c, e])
-                                if k0 + vr < masks.seqlen_k:
+                                if k0 + vr < seq.k_len:
                                     dKa[tb, ks + k0 + vr, hk, vc * VEC + ve] = Ks[vr, vc * VEC + ve]
                                     dVa[tb, ks + k0 + vr, hk, vc * VEC + ve] = Vs[vr, vc * VEC + ve]
 

@@ -1,0 +1,908 @@
+"""Fused FlashAttention kernels for CPUs, in TensorIR (TVMScript).
+
+The tile-level math comes from ``attention_te`` (exp2, window mask, dS, LSE) and the score and
+mask mods from ``score_mods``; this module arranges it into the FlashAttention loop nests. Each
+stage is a named ``sblock`` (in brackets below): that is the contract with
+``schedules/llvm.py``, which tiles, vectorizes and parallelizes stages by name. Tile sizes
+(``block_q`` x ``block_k``) shape the loops and come from the kernel's config; head dim, dtypes
+and mods from its spec (``spec.py``). Everything else is a runtime argument: sizes, strides,
+the sequences (a table from ``plan.py``: batched, or packed varlen), the window (causal =
+right window 0), the thread count.
+
+Forward ``flash_fwd(q, k, v, out, lse, softmax_scale, window_left, window_right, n_threads,
+seq_table, q_tile_seq, k_tile_seq, *mod_inputs, [tile_state, kv_range])``::
+
+    [pack_kv]   Kp, Vp = K, V as product operands, each sequence zero-padded to whole key tiles
+    for slot in parallel(n_threads):                                          [slot]
+      for task (query head h, query tile) = slot, slot + n_threads, ...       (cyclic: balanced)
+        [load_q] QT = query tile, transposed         [init_o, init_stats] OT = 0, m = -inf, l = 0
+        for each key tile the window (and block mask) leaves non-empty:
+          [scores]       ST = K_tile . QT                     raw dot products
+          [score_mod]    ST = score_mods(ST * scale, ...)     if the spec has any
+          [mask]         ST = -inf where masked               only on partly masked tiles
+          [row_max]      m_next = max(m, max_j ST * c)        log2 units: c = scale * log2(e),
+          [rescale]      alpha = 2^(m - m_next)                 or log2(e) after score mods
+          [probs]        PT = 2^(ST * c - m_next)             0 where ST = -inf
+          [pack_p]       PTw = PT rounded to bf16             bf16 products only
+          [pv]           PVT = V_tile^T . PTw
+          [update_o]     OT = OT * alpha + PVT
+          [row_sum]      l_tile = sum_j PT
+          [update_stats] m = m_next, l = l * alpha + l_tile
+        [store_o]   out = OT / l (cast once)     [store_lse]  lse = (m + log2 l) ln 2 (float64, once)
+
+Backward ``flash_bwd(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale, window_left,
+window_right, n_threads, n_rounds, super_tile, seq_table, q_tile_seq, k_tile_seq, k_super_seq,
+*mod_inputs, *mod_input_grads, [tile_state])``::
+
+    [pack_q_do]   Qp, dOp (, Qw, dOw) = Q, dO as product operands, zero-padded to whole query tiles
+    [delta, lse_log2]  per query row: Delta = rowsum(dO * O); LSE * log2(e) as fp32 hi + lo
+    [zero_dq, zero_dkv, zero_mod_grads]   fp32 accumulators = 0
+    for round r in range(n_rounds):                         no two tasks of a round share rows
+      for slot in parallel(n_threads):                                        [round_slot]
+        for task (kv head, key super tile J) = slot, slot + n_threads, ...:
+          I = (J + r) mod M  (M: super tiles of the sequence; a super tile = super_tile tiles)
+          for key tile j of J:
+            (K_j, K_j^T, V_j^T packed as product operands once per key tile: [pack_k, pack_kt, pack_vt])
+            [init_dkv] the task's dK_j, dV_j sums = 0; [update_dkv] after the loop below adds
+            them into dKacc_j, dVacc_j, only if some tile (i, j) of the round was not empty
+            for query head h of the kv head's GQA group, query tile i of I, tile (i, j) not empty:
+              [load_row_stats]
+              [scores]      S = Q_i . K_j^T         P is recomputed once (rule 2) and
+              [score_mod]   X = score_mods(S * scale)      everything comes from it
+              [mask]        X = -inf where masked
+              [probs]       P = 2^(X * c - LSE)
+              [pack_p]      Pw = P rounded to bf16                        bf16 products only
+              [dv] [update_dv]   dVacc_j += Pw^T . dO_i
+              [dprobs]      dP = dO_i . V_j^T
+              [dscores]     dS = P (dP - Delta)   [dscores_mod]  dS *= d score_mods / d S
+              [mod_grads]   captured-tensor gradients += upstream terms (into the slot's partial)
+              [pack_ds]     dSw, dSb = dS rounded to bf16 (pairs of rows, rows)   bf16 products only
+              [dk] [update_dk]   dKacc_j += dSw^T . Q_i
+              [dq] [update_dq]   dQacc_i += dSb . K_j
+    [store_dq]  dq = dQacc * scale    [store_dkv]  dk = dKacc * scale, dv = dVacc    (cast once)
+    [sum_mod_grads]   captured-tensor gradients = the slots' partials, summed in slot order
+
+Rounds (``plan.py``): in round r key super tile J meets query super tile (J + r) mod M, so every
+query row and key row is updated by one task per round, in an order fixed by the problem: no
+races, results bitwise independent of the thread count, and scratch memory of a few fp32 copies
+of q and k at any thread count.
+
+Products (``config.products``) are an operand-format object (``Fp32Fma``, ``Bf16Dot``): the
+dtypes of its operands (``rows``: the reduction along a row; ``words``: pairs of rows), how a
+product block reduces (``product``), its three operand packs and whether P and dS are packed; a
+third format (AMX tiles) is one more such class. With fp32 FMAs (``fp32_fma``) the operands are fp32 copies and
+the packs only convert and pad; with bf16 dot products (``bf16_dot``, bf16 inputs on CPUs with
+AVX512-BF16) they stay bf16: bits of rows (uint16) where a product reads pairs along a row,
+pair words (uint32, ``pair_words.py``) where it reads pairs of rows, and every product block
+reduces over pairs ``(q, t)``, the form of the ``vdpbf16ps`` intrinsic it is tensorized into
+(``schedules/llvm_bf16.py``). P and dS are rounded to bf16 (round to nearest even) only as
+product inputs, as FlashAttention does on GPUs; their fp32 values feed the row sums and dS.
+
+All accumulators and row statistics are fp32 (rule 3). The forward keeps tiles transposed (query index innermost),
+so the row statistics are plain vector operations. Products sum one tile into a fresh partial
+and ``update_*`` stages add it to the running accumulator: error ~ block + N / block ulps
+instead of N. In-place stages (``update_*``, ``mask``, ``score_mod``, ``dscores_mod``) are plain
+loops that LLVM vectorizes (TensorIR's ``vectorize`` refuses blocks that read and write one
+buffer). Each stage sits in an opaque wrapper block under a unit loop (``stage``): TVM 0.27 needs
+a "stage pipeline" parent for ``cache_write``/``decompose_reduction`` and copies loops, not blocks,
+on write (DEVELOPING.md). The stages are module-level functions written in TVMScript whose first
+parameter is the kernel build (``Kernel``: tile sizes, format, context); each build expands them
+as fresh ``T.macro``s. The sequence table, windows, tile ranges and states, block masks and score
+mods come from the kernel context (``kernels/common.py``).
+"""
+
+from __future__ import annotations
+
+import math
+
+from tvm import tirx
+from tvm.script import tirx as T
+from tvm.script.ir_builder import IRBuilder
+
+from .. import plan
+from ..attention_te import (
+    FLT_MAX,
+    LOG2E,
+    NEG_INF,
+    exp2,
+    grad_scores,
+    lse_from_raw_max,
+    lse_log2_parts,
+    masked_log2_exponent,
+    normalizer,
+    shifted_log2_exponent,
+)
+from ..config import BF16_DOT, FP32_FMA, CPUKernelConfig
+from ..pair_words import bf16_bits, bits_value, half, pair_word, rounded_bits, rounded_pair_word
+from ..score_mods import exponent_constant
+from ..spec import AttentionSpec
+from .common import EMPTY, F32, I64, PARTIAL, CPUContext, TileRows, ceildiv, cyclic_count, i64, io_buffer, stage
+
+BF16 = "bfloat16"
+U16, U32 = "uint16", "uint32"  # bf16 bits and pair words (pair_words.py)
+
+
+# --- building blocks ---------------------------------------------------------------------------
+def _loops(*axes):
+    """``T.grid`` over ``(name, extent)`` axes, its loop variables named."""
+    frame = T.grid(*(extent for _, extent in axes))
+    return frame, [name for name, _ in axes]
+
+
+def _to_f32(x):
+    return T.Cast(F32, x)
+
+
+class Kernel:
+    """One kernel build: tile sizes, the operand format of its products, its context. Stage
+    functions (module level, TVMScript bodies, first parameter the build) become its macros:
+    fresh ones per build, since TVM suffixes the block names of a macro's later expansions."""
+
+    def __init__(self, spec: AttentionSpec, cfg: CPUKernelConfig, backward: bool):
+        self.spec, self.D, self.Br, self.Bc = spec, spec.head_dim, cfg.block_q, cfg.block_k
+        self.fmt = operand_format(spec, cfg)
+        self.ctx = CPUContext(spec, cfg.block_q, cfg.block_k, backward)
+        self.has_mods = bool(spec.score_mods)
+
+    def macros(self, *stages):
+        def bind(fn):
+            macro = T.macro(fn)
+            return lambda *args: macro(self, *args)
+
+        return [bind(fn) for fn in stages]
+
+
+# --- the operand packs of each format (TVMScript, expanded as macros of a Kernel) -----------------
+def fp32_pack_kv(k, Kp, Vp, K, V, kv: TileRows, hk, t):
+    for j, d in T.grid(k.Bc, k.D):
+        with T.sblock("pack_kv"):
+            vj, vd = T.axis.remap("SS", [j, d])
+            Kp[hk, t * k.Bc + vj, vd] = kv.load(K, vj, hk, vd, _to_f32, T.float32(0))
+            Vp[hk, t * k.Bc + vj, vd] = kv.load(V, vj, hk, vd, _to_f32, T.float32(0))
+
+
+def bf16_pack_kv(k, Kp, Vp, K, V, kv: TileRows, hk, t):
+    for j, d in T.grid(k.Bc, k.D):
+        with T.sblock("pack_k"):  # K's bits, zero-padded
+            vj, vd = T.axis.remap("SS", [j, d])
+            Kp[hk, t * k.Bc + vj, vd] = kv.load(K, vj, hk, vd, bf16_bits, T.uint16(0))
+    for p, d in T.grid(k.Bc // 2, k.D):
+        with T.sblock("pack_v"):  # V as pair words of rows 2p, 2p + 1
+            vp, vd = T.axis.remap("SS", [p, d])
+            Vp[hk, t * (k.Bc // 2) + vp, vd] = pair_word(kv.load(V, 2 * vp, hk, vd, bf16_bits, T.uint16(0)),
+                                                         kv.load(V, 2 * vp, hk, vd, bf16_bits, T.uint16(0), plus=1))
+
+
+def fp32_pack_q_do(k, Qp, dOp, Qw, dOw, Q, dO, q: TileRows, h, t):
+    for i, d in T.grid(k.Br, k.D):
+        with T.sblock("pack_q_do"):
+            vi, vd = T.axis.remap("SS", [i, d])
+            Qp[h, t * k.Br + vi, vd] = q.load(Q, vi, h, vd, _to_f32, T.float32(0))
+            dOp[h, t * k.Br + vi, vd] = q.load(dO, vi, h, vd, _to_f32, T.float32(0))
+
+
+def bf16_pack_q_do(k, Qp, dOp, Qw, dOw, Q, dO, q: TileRows, h, t):
+    for i, d in T.grid(k.Br, k.D):
+        with T.sblock("pack_q_do"):  # their bits, zero-padded
+            vi, vd = T.axis.remap("SS", [i, d])
+            Qp[h, t * k.Br + vi, vd] = q.load(Q, vi, h, vd, bf16_bits, T.uint16(0))
+            dOp[h, t * k.Br + vi, vd] = q.load(dO, vi, h, vd, bf16_bits, T.uint16(0))
+    for p, d in T.grid(k.Br // 2, k.D):
+        with T.sblock("pack_q_do_pairs"):  # pair words of rows 2p, 2p + 1
+            vp, vd = T.axis.remap("SS", [p, d])
+            Qw[h, t * (k.Br // 2) + vp, vd] = pair_word(Qp[h, t * k.Br + 2 * vp, vd], Qp[h, t * k.Br + 2 * vp + 1, vd])
+            dOw[h, t * (k.Br // 2) + vp, vd] = pair_word(dOp[h, t * k.Br + 2 * vp, vd],
+                                                         dOp[h, t * k.Br + 2 * vp + 1, vd])
+
+
+def fp32_pack_k_v(k, Kp, KTp, VTp, K, V, kv: TileRows, hk, t):
+    for j, d in T.grid(k.Bc, k.D):
+        with T.sblock("pack_k"):
+            vj, vd = T.axis.remap("SS", [j, d])
+            Kp[hk, t * k.Bc + vj, vd] = kv.load(K, vj, hk, vd, _to_f32, T.float32(0))
+    for d, j in T.grid(k.D, k.Bc):
+        with T.sblock("pack_kt"):
+            vd, vj = T.axis.remap("SS", [d, j])
+            KTp[hk, t, vd, vj] = Kp[hk, t * k.Bc + vj, vd]
+    for d, j in T.grid(k.D, k.Bc):
+        with T.sblock("pack_vt"):
+            vd, vj = T.axis.remap("SS", [d, j])
+            VTp[hk, t, vd, vj] = kv.load(V, vj, hk, vd, _to_f32, T.float32(0))
+
+
+def bf16_pack_k_v(k, Kp, KTp, VTp, K, V, kv: TileRows, hk, t):
+    for p, d in T.grid(k.Bc // 2, k.D):
+        with T.sblock("pack_k"):  # pair words of rows 2p, 2p + 1
+            vp, vd = T.axis.remap("SS", [p, d])
+            Kp[hk, t * (k.Bc // 2) + vp, vd] = pair_word(kv.load(K, 2 * vp, hk, vd, bf16_bits, T.uint16(0)),
+                                                         kv.load(K, 2 * vp, hk, vd, bf16_bits, T.uint16(0), plus=1))
+    for p, j in T.grid(k.D // 2, k.Bc):
+        with T.sblock("pack_kt"):  # pair words of elements 2p, 2p + 1 of each key row
+            vp, vj = T.axis.remap("SS", [p, j])
+            KTp[hk, t, vp, vj] = Bf16Dot.along_row(kv, K, vj, hk, vp)
+    for p, j in T.grid(k.D // 2, k.Bc):
+        with T.sblock("pack_vt"):
+            vp, vj = T.axis.remap("SS", [p, j])
+            VTp[hk, t, vp, vj] = Bf16Dot.along_row(kv, V, vj, hk, vp)
+
+
+# --- operand formats -----------------------------------------------------------------------------
+class Fp32Fma:
+    """Products as fp32 FMAs: the operands are fp32 copies of the inputs, the packs only convert
+    and zero-pad; P and dS are read as they are."""
+
+    products = FP32_FMA
+    pair = 1  # reduction elements per operand word
+    rows = words = F32  # operand dtypes: rows (reduction along a row), words (pairs of rows)
+    packed = False  # whether P and dS are packed (rounded) as product inputs
+    pack_kv, pack_q_do, pack_k_v = (staticmethod(f) for f in (fp32_pack_kv, fp32_pack_q_do, fp32_pack_k_v))
+
+    @staticmethod
+    def words_of(rows):
+        """The word offset of a row offset in a pairs-of-rows operand."""
+        return rows
+
+    @staticmethod
+    def along_row(tile: TileRows, buf, i, head, w):
+        """Operand word w of row i of a tile, read along the row (head dim): transposed loads."""
+        return tile.load(buf, i, head, w, _to_f32, T.float32(0))
+
+    @staticmethod
+    def product(block, C, x, y, red, a, b):
+        """``C[x, y] = sum over red of a * b`` (a reduction block named ``block``): x, y, red are
+        (loop name, extent); a and b are (kind, load(vx, vy, word)) operands: "row" operands hold
+        the reduction along a row, "word" operands in pairs of rows (the same for fp32)."""
+        frame, names = _loops(x, y, red)
+        with frame as loops:
+            for name, loop in zip(names, loops):
+                IRBuilder.name(name, loop)
+            with T.sblock(block):
+                vx, vy, vk = T.axis.remap("SSR", loops)
+                for name, var in zip(names, (vx, vy, vk)):
+                    IRBuilder.name(f"v{name}", var)
+                with T.init():
+                    T.buffer_store(C, T.float32(0), [vx, vy])
+                T.buffer_store(C, C[vx, vy] + a[1](vx, vy, vk) * b[1](vx, vy, vk), [vx, vy])
+
+
+class Bf16Dot:
+    """Products as bf16 dot products (``vdpbf16ps``, AVX512-BF16): the operands stay bf16 (bits
+    of rows as uint16 where a product reads along a row, pair words of rows as uint32 where it
+    reads pairs of rows), each product reduces over pairs ``(q, t)``, the intrinsic's form
+    (``schedules/llvm_bf16.py`` tensorizes it). P and dS are rounded to bf16 as product inputs."""
+
+    products = BF16_DOT
+    pair = 2
+    rows, words = U16, U32
+    packed = True
+    pack_kv, pack_q_do, pack_k_v = (staticmethod(f) for f in (bf16_pack_kv, bf16_pack_q_do, bf16_pack_k_v))
+
+    @staticmethod
+    def words_of(rows):
+        return rows // 2
+
+    @staticmethod
+    def along_row(tile: TileRows, buf, i, head, w):
+        return T.if_then_else(tile.inside(i), pair_word(bf16_bits(buf[tile.batch, tile.row(i), head, 2 * w]),
+                                                        bf16_bits(buf[tile.batch, tile.row(i), head, 2 * w + 1])),
+                              T.uint32(0))
+
+    @staticmethod
+    def product(block, C, x, y, red, a, b):
+        frame, names = _loops(x, y, ("q", red[1] // 2), ("t", 2))
+        with frame as loops:
+            for name, loop in zip(names, loops):
+                IRBuilder.name(name, loop)
+            with T.sblock(block):
+                vx, vy, vq, vt = T.axis.remap("SSRR", loops)
+                for name, var in zip(names, (vx, vy, vq, vt)):
+                    IRBuilder.name(f"v{name}", var)
+
+                def value(operand):
+                    kind, load = operand
+                    return bits_value(load(vx, vy, 2 * vq + vt)) if kind == "row" else half(load(vx, vy, vq), vt)
+
+                with T.init():
+                    T.buffer_store(C, T.float32(0), [vx, vy])
+                T.buffer_store(C, C[vx, vy] + value(a) * value(b), [vx, vy])
+
+
+def operand_format(spec: AttentionSpec, cfg: CPUKernelConfig):
+    """The operand format of a kernel's products (``config.products``)."""
+    if cfg.products != BF16_DOT:
+        return Fp32Fma
+    if spec.dtype != BF16 or spec.head_dim % 8:
+        raise ValueError(f"bf16_dot products need bfloat16 inputs, got {spec.dtype} (head dim {spec.head_dim})")
+    return Bf16Dot
+
+
+def _exponent_scale(spec: AttentionSpec, softmax_scale):
+    """c of 2^((x - max) * c) as float64: x is the raw dot product without score mods (the scale
+    folds into c), the modded natural-log score with them."""
+    return (tirx.const(1.0, "float64") if spec.score_mods else tirx.Cast("float64", softmax_scale)) * tirx.const(
+        LOG2E, "float64")
+
+
+
+
+# --- forward stages (tiles transposed: query index innermost) ------------------------------------
+def fwd_load_q(k, QT, Q, q: TileRows, h):
+    with stage("load_q_tile"):
+        for d, i in T.grid(k.D // k.fmt.pair, k.Br):
+            with T.sblock("load_q"):  # fp32, or pair words of elements 2d, 2d + 1 of each query row
+                vd, vi = T.axis.remap("SS", [d, i])
+                QT[vd, vi] = k.fmt.along_row(q, Q, vi, h, vd)
+
+
+def fwd_init(k, OT, m, l):
+    with stage("init_o_tile"):
+        for d, i in T.grid(k.D, k.Br):
+            with T.sblock("init_o"):
+                vd, vi = T.axis.remap("SS", [d, i])
+                OT[vd, vi] = T.float32(0)
+    with stage("init_stats_tile"):
+        for i in T.serial(k.Br):
+            with T.sblock("init_stats"):
+                vi = T.axis.remap("S", [i])
+                # not -inf: 2^(-inf - m) must be 0 for masked scores before a row sees any key
+                m[vi] = T.float32(-FLT_MAX)
+                l[vi] = T.float32(0)
+
+
+def fwd_scores(k, ST, Kp, QT, hk, krow):
+    with stage("scores_tile"):
+        k.fmt.product("scores", ST, ("j", k.Bc), ("i", k.Br), ("d", k.D), ("row", lambda j, i, w: Kp[hk, krow + j, w]),
+                      ("word", lambda j, i, w: QT[w, i]))
+
+
+def fwd_score_mod(k, ST, scale, seq, h, q0, k0):
+    with stage("score_mod_tile"):
+        for j, i in T.grid(k.Bc, k.Br):
+            with T.sblock("score_mod"):
+                vj, vi = T.axis.remap("SS", [j, i])
+                ST[vj, vi] = k.ctx.score(seq, ST[vj, vi] * scale, h, q0 + vi, k0 + vj)
+
+
+def fwd_mask(k, ST, seq, h, q0, k0):
+    with stage("mask_tile"):
+        for j, i in T.grid(k.Bc, k.Br):
+            with T.sblock("mask"):
+                vj, vi = T.axis.remap("SS", [j, i])
+                ST[vj, vi] = T.Select(k.ctx.sees(seq, h, q0 + vi, k0 + vj), ST[vj, vi], T.float32(NEG_INF))
+
+
+def fwd_online_softmax(k, ST, PT, m, m_next, alpha, c_hi, c_lo):
+    with stage("row_max_tile"):
+        for j, i in T.grid(k.Bc, k.Br):
+            with T.sblock("row_max"):
+                vj, vi = T.axis.remap("RS", [j, i])
+                with T.init():
+                    m_next[vi] = m[vi]
+                m_next[vi] = T.max(m_next[vi], ST[vj, vi])  # of raw scores (c > 0)
+    with stage("rescale_tile"):
+        for i in T.serial(k.Br):
+            with T.sblock("rescale"):
+                vi = T.axis.remap("S", [i])
+                # Equal maxima (also both -inf: nothing seen yet) rescale by exactly 1.
+                alpha[vi] = T.Select(m[vi] == m_next[vi], T.float32(1),
+                                     exp2(shifted_log2_exponent(m[vi], m_next[vi], (c_hi, c_lo))))
+    with stage("probs_tile"):
+        for j, i in T.grid(k.Bc, k.Br):
+            with T.sblock("probs"):
+                vj, vi = T.axis.remap("SS", [j, i])
+                PT[vj, vi] = exp2(shifted_log2_exponent(ST[vj, vi], m_next[vi], (c_hi, c_lo)))
+
+
+def fwd_pack_p(k, PTw, PT):
+    with stage("pack_p_tile"):
+        for q, i in T.grid(k.Bc // 2, k.Br):
+            with T.sblock("pack_p"):  # P rounded to bf16 as a product input only (rule 3)
+                vq, vi = T.axis.remap("SS", [q, i])
+                PTw[vq, vi] = rounded_pair_word(PT[2 * vq, vi], PT[2 * vq + 1, vi])
+
+
+def fwd_pv(k, PVT, Vp, PTw, hk, krow):
+    with stage("pv_tile"):
+        k.fmt.product("pv", PVT, ("d", k.D), ("i", k.Br), ("j", k.Bc),
+                      ("word", lambda d, i, w: Vp[hk, k.fmt.words_of(krow) + w, d]),
+                      ("word", lambda d, i, w: PTw[w, i]))
+
+
+def fwd_accumulate(k, OT, PVT, PT, m, m_next, l, l_tile, alpha):
+    with stage("update_o_tile"):
+        for d, i in T.grid(k.D, k.Br):
+            with T.sblock("update_o"):
+                vd, vi = T.axis.remap("SS", [d, i])
+                OT[vd, vi] = OT[vd, vi] * alpha[vi] + PVT[vd, vi]
+    with stage("row_sum_tile"):
+        for j, i in T.grid(k.Bc, k.Br):
+            with T.sblock("row_sum"):
+                vj, vi = T.axis.remap("RS", [j, i])
+                with T.init():
+                    l_tile[vi] = T.float32(0)
+                l_tile[vi] = l_tile[vi] + PT[vj, vi]
+    with stage("update_stats_tile"):
+        for i in T.serial(k.Br):
+            with T.sblock("update_stats"):
+                vi = T.axis.remap("S", [i])
+                m[vi] = m_next[vi]
+                l[vi] = l[vi] * alpha[vi] + l_tile[vi]
+
+
+def fwd_store(k, O, LSE, OT, m, l, scale_log2, q: TileRows, h):
+    for i, d in T.grid(k.Br, k.D):
+        with T.sblock("store_o"):
+            vi, vd = T.axis.remap("SS", [i, d])
+            if q.inside(vi):
+                O[q.batch, q.start + q.first + vi, h, vd] = T.Cast(k.spec.out_dtype, OT[vd, vi] * normalizer(l[vi]))
+    for i in T.serial(k.Br):
+        with T.sblock("store_lse"):
+            vi = T.axis.remap("S", [i])
+            if q.inside(vi):
+                LSE[q.batch, h, q.start + q.first + vi] = lse_from_raw_max(m[vi], scale_log2, l[vi])
+
+
+def fused_forward(spec: AttentionSpec, cfg: CPUKernelConfig) -> tirx.PrimFunc:
+    k = Kernel(spec, cfg, backward=False)
+    D, Br, Bc, fmt, ctx = k.D, k.Br, k.Bc, k.fmt, k.ctx
+    dtype, out_dtype, has_mods = spec.dtype, spec.out_dtype, k.has_mods
+    pack_kv, load_q, init_tile, scores, score_mod, mask, online_softmax, pack_p, pv, accumulate, store = k.macros(
+        fmt.pack_kv, fwd_load_q, fwd_init, fwd_scores, fwd_score_mod, fwd_mask, fwd_online_softmax, fwd_pack_p, fwd_pv,
+        fwd_accumulate, fwd_store)
+
+    @T.prim_func(s_tir=True)
+    def flash_fwd(q_h: T.handle, k_h: T.handle, v_h: T.handle, o_h: T.handle, lse_h: T.handle,
+                  softmax_scale: T.float64, window_left: T.int64, window_right: T.int64, n_threads: T.int64):
+        T.func_attr({"global_symbol": "flash_fwd", "tirx.noalias": True})
+        Bq = T.int64()
+        Nq = T.int64()
+        Bk = T.int64()
+        Nk = T.int64()
+        H = T.int64()
+        Hk = T.int64()
+        Q = io_buffer(q_h, (Bq, Nq, H, D), dtype, "sq")
+        K = io_buffer(k_h, (Bk, Nk, Hk, D), dtype, "sk")
+        V = io_buffer(v_h, (Bk, Nk, Hk, D), dtype, "sv")
+        O = io_buffer(o_h, (Bq, Nq, H, D), out_dtype, "so")
+        LSE = T.match_buffer(lse_h, (Bq, H, Nq), F32, align=4)
+        ctx.declare(window_left, window_right)
+        # K (rows) and V (pairs of rows with bf16 products), zero-padded to whole key tiles
+        Kp = T.alloc_buffer((Hk, ctx.key_tiles_total() * Bc, D), fmt.rows)
+        Vp = T.alloc_buffer((Hk, ctx.key_tiles_total() * (Bc // fmt.pair), D), fmt.words)
+        for hk, t in T.grid(Hk, ctx.key_tiles_total()):
+            with T.sblock("pack_kv_tile"):
+                vhk, vt = T.axis.remap("SS", [hk, t])
+                T.reads()
+                T.writes()
+                pack_kv(Kp, Vp, K, V, ctx.bind_tile_rows("k", vt), vhk, vt)
+        for slot in T.serial(n_threads):
+            with T.sblock("slot"):
+                vslot = T.axis.remap("S", [slot])
+                T.reads()
+                T.writes()
+                QT = T.sblock_alloc_buffer((D // fmt.pair, Br), fmt.words)  # query tile, transposed
+                ST = T.sblock_alloc_buffer((Bc, Br), F32)  # scores, transposed
+                PT = T.sblock_alloc_buffer((Bc, Br), F32)  # unnormalized probabilities
+                PTw = T.sblock_alloc_buffer((Bc // 2, Br), U32) if fmt.packed else PT  # P as the input of PV
+                OT = T.sblock_alloc_buffer((D, Br), F32)  # output accumulator
+                PVT = T.sblock_alloc_buffer((D, Br), F32)  # this key tile's P V
+                m = T.sblock_alloc_buffer((Br,), F32)  # running row max (log2 units)
+                m_next = T.sblock_alloc_buffer((Br,), F32)
+                l = T.sblock_alloc_buffer((Br,), F32)  # running denominator
+                l_tile = T.sblock_alloc_buffer((Br,), F32)
+                alpha = T.sblock_alloc_buffer((Br,), F32)  # 2^(m - m_next)
+                # The task's indices, the key-tile range and the tile's state go through small
+                # buffers, not let bindings: TVM's simplifier carries let values into every region
+                # analysis below, and compiling took minutes (DEVELOPING.md).
+                state = T.sblock_alloc_buffer((3,), I64)  # tile state, first and end key tile
+                at = T.sblock_alloc_buffer((2,), I64)  # query head, sequence
+                for e in T.serial(cyclic_count(vslot, H * ctx.query_tiles_total(), n_threads)):
+                    at[0] = (vslot + e * n_threads) // ctx.query_tiles_total()
+                    at[1] = ctx.q_tile_sequence((vslot + e * n_threads) % ctx.query_tiles_total())
+                    h: T.let[T.int64] = at[0]
+                    hk: T.let[T.int64] = h // (H // Hk)
+                    b: T.let[T.int64] = at[1]
+                    seq = T.meta_var(ctx.sequence(b))
+                    q0: T.let[T.int64] = ((vslot + e * n_threads) % ctx.query_tiles_total()
+                                          - seq.column(plan.Q_TILE0)) * Br
+                    q_len: T.let[T.int64] = seq.q_len
+                    q = T.meta_var(TileRows(seq.column(plan.Q_BATCH), seq.column(plan.Q_START), q0, q_len))
+                    load_q(QT, Q, q, h)
+                    init_tile(OT, m, l)
+                    state[1] = ctx.key_tiles(seq, h, q0)[0]
+                    state[2] = ctx.key_tiles(seq, h, q0)[1]
+                    for kt in T.serial(state[1], state[2]):
+                        k0: T.let[T.int64] = kt * Bc
+                        krow: T.let[T.int64] = (seq.column(plan.K_TILE0) + kt) * Bc
+                        state[0] = ctx.tile_state(seq, h, q0, k0)
+                        if state[0] != EMPTY:
+                            scores(ST, Kp, QT, hk, krow)
+                            if has_mods:
+                                score_mod(ST, T.Cast(F32, softmax_scale), seq, h, q0, k0)
+                            if state[0] == PARTIAL:
+                                mask(ST, seq, h, q0, k0)
+                            online_softmax(ST, PT, m, m_next, alpha, exponent_constant(spec, softmax_scale)[0],
+                                           exponent_constant(spec, softmax_scale)[1])
+                            if fmt.packed:
+                                pack_p(PTw, PT)
+                            pv(PVT, Vp, PTw, hk, krow)
+                            accumulate(OT, PVT, PT, m, m_next, l, l_tile, alpha)
+                    store(O, LSE, OT, m, l, _exponent_scale(spec, softmax_scale), q, h)
+
+    return flash_fwd
+
+
+# --- backward stages (tiles by query rows) ---------------------------------------------------------
+def bwd_row_stats(k, RowStats, dQacc, dO, O, LSE, q: TileRows, h, t):
+    """Per query row: Delta = rowsum(dO * O), LSE * log2(e) as fp32 hi + lo; dQ's sums = 0."""
+    for i, d in T.grid(k.Br, k.D):
+        with T.sblock("delta"):
+            vi, vd = T.axis.remap("SR", [i, d])
+            with T.init():
+                RowStats[h, 2, t * k.Br + vi] = T.float32(0)
+            RowStats[h, 2, t * k.Br + vi] = RowStats[h, 2, t * k.Br + vi] + T.if_then_else(
+                q.inside(vi), T.Cast(F32, dO[q.batch, q.row(vi), h, vd]) * T.Cast(F32, O[q.batch, q.row(vi), h, vd]),
+                T.float32(0))
+    for i in T.serial(k.Br):
+        with T.sblock("lse_log2"):
+            vi = T.axis.remap("S", [i])
+            # rows that see no key (LSE -inf) get +inf: 2^(score - LSE) = 0 for all scores
+            RowStats[h, 0, t * k.Br + vi] = T.if_then_else(q.inside(vi), T.Select(
+                LSE[q.batch, h, q.row(vi)] == T.float32(NEG_INF), T.float32(-NEG_INF),
+                lse_log2_parts(LSE[q.batch, h, q.row(vi)])[0]), T.float32(0))
+            RowStats[h, 1, t * k.Br + vi] = T.if_then_else(q.inside(vi), T.Select(
+                LSE[q.batch, h, q.row(vi)] == T.float32(NEG_INF), T.float32(0),
+                lse_log2_parts(LSE[q.batch, h, q.row(vi)])[1]), T.float32(0))
+    for i, d in T.grid(k.Br, k.D):
+        with T.sblock("zero_dq"):
+            vi, vd = T.axis.remap("SS", [i, d])
+            dQacc[h, t * k.Br + vi, vd] = T.float32(0)
+
+
+def bwd_zero_dkv(k, dKacc, dVacc, hk, t):
+    for j, d in T.grid(k.Bc, k.D):
+        with T.sblock("zero_dkv"):
+            vj, vd = T.axis.remap("SS", [j, d])
+            dKacc[hk, t * k.Bc + vj, vd] = T.float32(0)
+            dVacc[hk, t * k.Bc + vj, vd] = T.float32(0)
+
+
+def bwd_zero_mod_grads(k, partials, n_threads):
+    for s, x in T.grid(n_threads, partials.shape[1]):
+        with T.sblock("zero_mod_grads"):
+            vs, vx = T.axis.remap("SS", [s, x])
+            partials[vs, vx] = T.float32(0)
+
+
+def bwd_recompute_probs(k, P, S, X, row_stats, RowStats, Qp, KTp, softmax_scale, seq, h, hk, q0, k0, qrow, gk, state):
+    """S = Q_i K_j^T, X = mods(S * scale), masked, P = 2^(X c - LSE)."""
+    with stage("load_row_stats_tile"):
+        for r, i in T.grid(3, k.Br):
+            with T.sblock("load_row_stats"):
+                vr, vi = T.axis.remap("SS", [r, i])
+                row_stats[vr, vi] = RowStats[h, vr, qrow + vi]
+    with stage("scores_tile"):
+        k.fmt.product("scores", S, ("i", k.Br), ("j", k.Bc), ("d", k.D), ("row", lambda i, j, w: Qp[h, qrow + i, w]),
+                      ("word", lambda i, j, w: KTp[hk, gk, w, j]))
+    if k.has_mods:
+        with stage("score_mod_tile"):
+            for i, j in T.grid(k.Br, k.Bc):
+                with T.sblock("score_mod"):
+                    vi, vj = T.axis.remap("SS", [i, j])
+                    X[vi, vj] = k.ctx.score(seq, S[vi, vj] * T.Cast(F32, softmax_scale), h, q0 + vi, k0 + vj)
+    if state == PARTIAL:
+        with stage("mask_tile"):
+            for i, j in T.grid(k.Br, k.Bc):
+                with T.sblock("mask"):
+                    vi, vj = T.axis.remap("SS", [i, j])
+                    X[vi, vj] = T.Select(k.ctx.sees(seq, h, q0 + vi, k0 + vj), X[vi, vj], T.float32(NEG_INF))
+    with stage("probs_tile"):
+        for i, j in T.grid(k.Br, k.Bc):
+            with T.sblock("probs"):
+                vi, vj = T.axis.remap("SS", [i, j])
+                P[vi, vj] = exp2(masked_log2_exponent(X[vi, vj], exponent_constant(k.spec, softmax_scale),
+                                                      (row_stats[0, vi], row_stats[1, vi])))
+
+
+def bwd_pack_p(k, Pw, P):
+    with stage("pack_p_tile"):
+        for q, j in T.grid(k.Br // 2, k.Bc):
+            with T.sblock("pack_p"):  # P rounded to bf16 as a product input only (rule 3)
+                vq, vj = T.axis.remap("SS", [q, j])
+                Pw[vq, vj] = rounded_pair_word(P[2 * vq, vj], P[2 * vq + 1, vj])
+
+
+def bwd_accumulate_dv(k, dVtile, dVrun, Pw, dOw, h, qrow):
+    """dV_j += P^T dO_i."""
+    with stage("dv_tile"):
+        k.fmt.product("dv", dVtile, ("j", k.Bc), ("d", k.D), ("i", k.Br), ("word", lambda j, d, w: Pw[w, j]),
+                      ("word", lambda j, d, w: dOw[h, k.fmt.words_of(qrow) + w, d]))
+    with stage("update_dv_tile"):
+        for j, d in T.grid(k.Bc, k.D):
+            with T.sblock("update_dv"):
+                vj, vd = T.axis.remap("SS", [j, d])
+                dVrun[vj, vd] = dVrun[vj, vd] + dVtile[vj, vd]
+
+
+def bwd_grad_scores(k, dS, dP, P, S, VTp, dOp, row_stats, partials, softmax_scale, slot, seq, h, hk, q0, k0, qrow,
+                    gk):
+    """dP = dO_i V_j^T, dS = P (dP - Delta), the captured tensors' gradients, dS *= d mods / d S."""
+    with stage("dprobs_tile"):
+        k.fmt.product("dprobs", dP, ("i", k.Br), ("j", k.Bc), ("d", k.D), ("row", lambda i, j, w: dOp[h, qrow + i, w]),
+                      ("word", lambda i, j, w: VTp[hk, gk, w, j]))
+    with stage("dscores_tile"):
+        for i, j in T.grid(k.Br, k.Bc):
+            with T.sblock("dscores"):
+                vi, vj = T.axis.remap("SS", [i, j])
+                dS[vi, vj] = grad_scores(P[vi, vj], dP[vi, vj], row_stats[2, vi])
+    if k.ctx.has_captured_grads:
+        for i, j in T.grid(k.Br, k.Bc):  # scatter-adds: a plain serial loop
+            with T.sblock("mod_grads"):
+                vi, vj = T.axis.remap("SS", [i, j])
+                if P[vi, vj] != T.float32(0):
+                    k.ctx.scatter_captured_grads(partials, slot, seq, S[vi, vj] * T.Cast(F32, softmax_scale), h,
+                                                 q0 + vi, k0 + vj, dS[vi, vj])
+    if k.has_mods:
+        with stage("dscores_mod_tile"):
+            for i, j in T.grid(k.Br, k.Bc):
+                with T.sblock("dscores_mod"):
+                    vi, vj = T.axis.remap("SS", [i, j])
+                    # masked and underflowed entries have dS = 0: keep it 0 even where the mods'
+                    # derivative is not finite there
+                    dS[vi, vj] = T.Select(dS[vi, vj] == T.float32(0), T.float32(0), dS[vi, vj] * k.ctx.score_grad(
+                        seq, S[vi, vj] * T.Cast(F32, softmax_scale), h, q0 + vi, k0 + vj))
+
+
+def bwd_pack_ds(k, dSw, dSb, dS):
+    with stage("pack_ds_tile"):  # dS rounded to bf16 as a product input only (rule 3)
+        for q, j in T.grid(k.Br // 2, k.Bc):
+            with T.sblock("pack_ds_pairs"):  # for dK: pairs of rows
+                vq, vj = T.axis.remap("SS", [q, j])
+                dSw[vq, vj] = rounded_pair_word(dS[2 * vq, vj], dS[2 * vq + 1, vj])
+        for i, j in T.grid(k.Br, k.Bc):
+            with T.sblock("pack_ds"):  # for dQ: rows
+                vi, vj = T.axis.remap("SS", [i, j])
+                dSb[vi, vj] = rounded_bits(dS[vi, vj])
+
+
+def bwd_accumulate_dk_dq(k, dKtile, dKrun, dQtile, dQacc, dSw, dSb, Qw, Kp, h, hk, qrow, krow):
+    """dK_j += dS^T Q_i, dQ_i += dS K_j."""
+    with stage("dk_tile"):
+        k.fmt.product("dk", dKtile, ("j", k.Bc), ("d", k.D), ("i", k.Br), ("word", lambda j, d, w: dSw[w, j]),
+                      ("word", lambda j, d, w: Qw[h, k.fmt.words_of(qrow) + w, d]))
+    with stage("update_dk_tile"):
+        for j, d in T.grid(k.Bc, k.D):
+            with T.sblock("update_dk"):
+                vj, vd = T.axis.remap("SS", [j, d])
+                dKrun[vj, vd] = dKrun[vj, vd] + dKtile[vj, vd]
+    with stage("dq_tile"):
+        k.fmt.product("dq", dQtile, ("i", k.Br), ("d", k.D), ("j", k.Bc), ("row", lambda i, d, w: dSb[i, w]),
+                      ("word", lambda i, d, w: Kp[hk, k.fmt.words_of(krow) + w, d]))
+    with stage("update_dq_tile"):
+        for i, d in T.grid(k.Br, k.D):
+            with T.sblock("update_dq"):
+                vi, vd = T.axis.remap("SS", [i, d])
+                dQacc[h, qrow + vi, vd] = dQacc[h, qrow + vi, vd] + dQtile[vi, vd]
+
+
+def bwd_init_dkv(k, dKrun, dVrun):
+    with stage("init_dkv_tile"):
+        for j, d in T.grid(k.Bc, k.D):
+            with T.sblock("init_dkv"):
+                vj, vd = T.axis.remap("SS", [j, d])
+                dKrun[vj, vd] = T.float32(0)
+                dVrun[vj, vd] = T.float32(0)
+
+
+def bwd_update_dkv(k, dKacc, dVacc, dKrun, dVrun, hk, krow):
+    with stage("update_dkv_tile"):
+        for j, d in T.grid(k.Bc, k.D):
+            with T.sblock("update_dk_acc"):
+                vj, vd = T.axis.remap("SS", [j, d])
+                dKacc[hk, krow + vj, vd] = dKacc[hk, krow + vj, vd] + dKrun[vj, vd]
+        for j, d in T.grid(k.Bc, k.D):
+            with T.sblock("update_dv_acc"):
+                vj, vd = T.axis.remap("SS", [j, d])
+                dVacc[hk, krow + vj, vd] = dVacc[hk, krow + vj, vd] + dVrun[vj, vd]
+
+
+def bwd_store_dq(k, dQ, dQacc, softmax_scale, q: TileRows, h, t):
+    for i, d in T.grid(k.Br, k.D):
+        with T.sblock("store_dq"):
+            vi, vd = T.axis.remap("SS", [i, d])
+            if q.inside(vi):
+                dQ[q.batch, q.start + q.first + vi, h, vd] = T.Cast(
+                    k.spec.out_dtype, dQacc[h, t * k.Br + vi, vd] * T.Cast(F32, softmax_scale))
+
+
+def bwd_store_dkv(k, dK, dV, dKacc, dVacc, softmax_scale, kv: TileRows, hk, t):
+    for j, d in T.grid(k.Bc, k.D):
+        with T.sblock("store_dkv"):
+            vj, vd = T.axis.remap("SS", [j, d])
+            if kv.inside(vj):
+                dK[kv.batch, kv.start + kv.first + vj, hk, vd] = T.Cast(
+                    k.spec.out_dtype, dKacc[hk, t * k.Bc + vj, vd] * T.Cast(F32, softmax_scale))
+                dV[kv.batch, kv.start + kv.first + vj, hk, vd] = T.Cast(k.spec.out_dtype, dVacc[hk, t * k.Bc + vj, vd])
+
+
+def fused_backward(spec: AttentionSpec, cfg: CPUKernelConfig) -> tirx.PrimFunc:
+    k = Kernel(spec, cfg, backward=True)
+    D, Br, Bc, fmt, ctx = k.D, k.Br, k.Bc, k.fmt, k.ctx
+    dtype, out_dtype, has_grads = spec.dtype, spec.out_dtype, ctx.has_captured_grads
+    grad_elements = _grad_elements(spec)
+    (pack_q_do, pack_k_v, prepare_rows, zero_dkv, zero_mod_grads, recompute_probs, pack_p, accumulate_dv, grad_scores_,
+     pack_ds, accumulate_dk_dq, init_dkv, update_dkv, store_dq, store_dkv) = k.macros(
+        fmt.pack_q_do, fmt.pack_k_v, bwd_row_stats, bwd_zero_dkv, bwd_zero_mod_grads, bwd_recompute_probs, bwd_pack_p,
+        bwd_accumulate_dv, bwd_grad_scores, bwd_pack_ds, bwd_accumulate_dk_dq, bwd_init_dkv, bwd_update_dkv,
+        bwd_store_dq, bwd_store_dkv)
+
+    @T.prim_func(s_tir=True)
+    def flash_bwd(do_h: T.handle, q_h: T.handle, k_h: T.handle, v_h: T.handle, o_h: T.handle, lse_h: T.handle,
+                  dq_h: T.handle, dk_h: T.handle, dv_h: T.handle, softmax_scale: T.float64, window_left: T.int64,
+                  window_right: T.int64, n_threads: T.int64, n_rounds: T.int64, super_tile: T.int64):
+        T.func_attr({"global_symbol": "flash_bwd", "tirx.noalias": True})
+        Bq = T.int64()
+        Nq = T.int64()
+        Bk = T.int64()
+        Nk = T.int64()
+        H = T.int64()
+        Hk = T.int64()
+        dO = io_buffer(do_h, (Bq, Nq, H, D), dtype, "sdo")
+        Q = io_buffer(q_h, (Bq, Nq, H, D), dtype, "sq")
+        K = io_buffer(k_h, (Bk, Nk, Hk, D), dtype, "sk")
+        V = io_buffer(v_h, (Bk, Nk, Hk, D), dtype, "sv")
+        O = io_buffer(o_h, (Bq, Nq, H, D), dtype, "so")
+        LSE = T.match_buffer(lse_h, (Bq, H, Nq), F32, align=4)
+        dQ = io_buffer(dq_h, (Bq, Nq, H, D), out_dtype, "sdq")
+        dK = io_buffer(dk_h, (Bk, Nk, Hk, D), out_dtype, "sdk")
+        dV = io_buffer(dv_h, (Bk, Nk, Hk, D), out_dtype, "sdv")
+        ctx.declare(window_left, window_right, ("q_tile_seq", "k_tile_seq", "k_super_seq"))
+        # Padded global rows: every sequence starts on a whole tile (plan.py). The operand layouts
+        # the products read: fp32, or bf16 bits (U16) and pair words (U32) with bf16 products.
+        Qp = T.decl_buffer((H, ctx.query_tiles_total() * Br, D), fmt.rows)
+        dOp = T.decl_buffer((H, ctx.query_tiles_total() * Br, D), fmt.rows)
+        Qw = T.decl_buffer((H, ctx.query_tiles_total() * (Br // 2), D), U32) if fmt.packed else Qp
+        dOw = T.decl_buffer((H, ctx.query_tiles_total() * (Br // 2), D), U32) if fmt.packed else dOp
+        # Per query row: LSE * log2(e) as fp32 hi + lo, and Delta = rowsum(dO * O).
+        RowStats = T.decl_buffer((H, 3, ctx.query_tiles_total() * Br), F32)
+        dQacc = T.decl_buffer((H, ctx.query_tiles_total() * Br, D), F32)
+        # K (pairs of rows with bf16 products), K^T, V^T per key tile
+        Kp = T.decl_buffer((Hk, ctx.key_tiles_total() * (Bc // fmt.pair), D), fmt.words)
+        KTp = T.decl_buffer((Hk, ctx.key_tiles_total(), D // fmt.pair, Bc), fmt.words)
+        VTp = T.decl_buffer((Hk, ctx.key_tiles_total(), D // fmt.pair, Bc), fmt.words)
+        dKacc = T.decl_buffer((Hk, ctx.key_tiles_total() * Bc, D), F32)
+        dVacc = T.decl_buffer((Hk, ctx.key_tiles_total() * Bc, D), F32)
+        # each thread's partial gradients of captured tensors (summed in slot order at the end)
+        partials = T.decl_buffer((n_threads, grad_elements), F32)
+        for h, t in T.grid(H, ctx.query_tiles_total()):
+            with T.sblock("prepare_q_tile"):
+                vh, vt = T.axis.remap("SS", [h, t])
+                T.reads()
+                T.writes()
+                q = T.meta_var(ctx.bind_tile_rows("q", vt))
+                pack_q_do(Qp, dOp, Qw, dOw, Q, dO, q, vh, vt)
+                prepare_rows(RowStats, dQacc, dO, O, LSE, q, vh, vt)
+        for hk, t in T.grid(Hk, ctx.key_tiles_total()):
+            with T.sblock("prepare_k_tile"):
+                vhk, vt = T.axis.remap("SS", [hk, t])
+                T.reads()
+                T.writes()
+                pack_k_v(Kp, KTp, VTp, K, V, ctx.bind_tile_rows("k", vt), vhk, vt)
+                zero_dkv(dKacc, dVacc, vhk, vt)
+        if has_grads:
+            zero_mod_grads(partials, n_threads)
+        for rnd in T.serial(n_rounds):  # rounds run in order
+            vrnd: T.let[T.int64] = rnd
+            for slot in T.serial(n_threads):
+                with T.sblock("round_slot"):
+                    vslot = T.axis.remap("S", [slot])
+                    T.reads()
+                    T.writes()
+                    S = T.sblock_alloc_buffer((Br, Bc), F32)  # raw dot products
+                    X = T.sblock_alloc_buffer((Br, Bc), F32) if k.has_mods else S  # modded scores
+                    P = T.sblock_alloc_buffer((Br, Bc), F32)
+                    dP = T.sblock_alloc_buffer((Br, Bc), F32)
+                    dS = T.sblock_alloc_buffer((Br, Bc), F32)
+                    # P and dS as product inputs: pairs of rows (dV, dK) and rows (dQ) in bf16
+                    Pw = T.sblock_alloc_buffer((Br // 2, Bc), U32) if fmt.packed else P
+                    dSw = T.sblock_alloc_buffer((Br // 2, Bc), U32) if fmt.packed else dS
+                    dSb = T.sblock_alloc_buffer((Br, Bc), U16) if fmt.packed else dS
+                    dKtile = T.sblock_alloc_buffer((Bc, D), F32)  # one query tile's share
+                    dVtile = T.sblock_alloc_buffer((Bc, D), F32)
+                    dKrun = T.sblock_alloc_buffer((Bc, D), F32)  # this task's share
+                    dVrun = T.sblock_alloc_buffer((Bc, D), F32)
+                    dQtile = T.sblock_alloc_buffer((Br, D), F32)
+                    row_stats = T.sblock_alloc_buffer((3, Br), F32)  # lse hi, lse lo, Delta
+                    # The task's indices and the tile's state go through a small buffer, not let
+                    # bindings: TVM's simplifier carries let values into every region analysis
+                    # below, and compiling took minutes (DEVELOPING.md).
+                    state = T.sblock_alloc_buffer((2,), I64)  # tile state; whether the key tile got work
+                    at = T.sblock_alloc_buffer((4,), I64)  # kv head, sequence, J, I
+                    for e in T.serial(cyclic_count(vslot, Hk * ctx.key_super_tiles_total(), n_threads)):
+                        at[0] = (vslot + e * n_threads) // ctx.key_super_tiles_total()
+                        # super tiles rotate by kv head: under causal masks the busy tasks of a round
+                        # are the low J, which would otherwise land on the same slots for every head
+                        at[1] = i64(ctx.k_super_seq[(vslot + e * n_threads + at[0]) % ctx.key_super_tiles_total()])
+                        at[2] = (vslot + e * n_threads + at[0]) % ctx.key_super_tiles_total() - ctx.column(
+                            at[1], plan.K_SUPER0)
+                        hk: T.let[T.int64] = at[0]
+                        b: T.let[T.int64] = at[1]
+                        J: T.let[T.int64] = at[2]
+                        seq = T.meta_var(ctx.sequence(b))
+                        q_supers: T.let[T.int64] = ceildiv(seq.q_tiles, super_tile)
+                        supers: T.let[T.int64] = T.max(q_supers, ceildiv(seq.k_tiles, super_tile))
+                        at[3] = (J + vrnd) % supers
+                        I: T.let[T.int64] = at[3]
+                        if vrnd < supers and I < q_supers:
+                            for jj in T.serial(super_tile):  # key tile j of J
+                                kt: T.let[T.int64] = J * super_tile + jj
+                                if kt < seq.k_tiles:
+                                    k0: T.let[T.int64] = kt * Bc
+                                    gk: T.let[T.int64] = seq.column(plan.K_TILE0) + kt
+                                    krow: T.let[T.int64] = gk * Bc
+                                    init_dkv(dKrun, dVrun)
+                                    # added into dKacc/dVacc only if the round has work for this key
+                                    # tile (most rounds have none under windows and causal masks)
+                                    state[1] = T.int64(0)
+                                    for g in T.serial(H // Hk):  # query head h of the GQA group
+                                        h: T.let[T.int64] = hk * (H // Hk) + g
+                                        for ii in T.serial(super_tile):  # query tile i of I
+                                            qt: T.let[T.int64] = I * super_tile + ii
+                                            q0: T.let[T.int64] = qt * Br
+                                            qrow: T.let[T.int64] = (seq.column(plan.Q_TILE0) + qt) * Br
+                                            state[0] = T.if_then_else(qt < seq.q_tiles,
+                                                                      ctx.tile_state(seq, h, q0, k0), T.int64(EMPTY))
+                                            if state[0] != EMPTY:
+                                                state[1] = T.int64(1)
+                                                recompute_probs(P, S, X, row_stats, RowStats, Qp, KTp, softmax_scale,
+                                                                seq, h, hk, q0, k0, qrow, gk, state[0])
+                                                if fmt.packed:
+                                                    pack_p(Pw, P)
+                                                accumulate_dv(dVtile, dVrun, Pw, dOw, h, qrow)
+                                                grad_scores_(dS, dP, P, S, VTp, dOp, row_stats, partials, softmax_scale,
+                                                             vslot, seq, h, hk, q0, k0, qrow, gk)
+                                                if fmt.packed:
+                                                    pack_ds(dSw, dSb, dS)
+                                                accumulate_dk_dq(dKtile, dKrun, dQtile, dQacc, dSw, dSb, Qw, Kp, h, hk,
+                                                                 qrow, krow)
+                                    if state[1] == 1:
+                                        update_dkv(dKacc, dVacc, dKrun, dVrun, hk, krow)
+        for h, t in T.grid(H, ctx.query_tiles_total()):
+            with T.sblock("store_dq_tile"):
+                vh, vt = T.axis.remap("SS", [h, t])
+                T.reads()
+                T.writes()
+                store_dq(dQ, dQacc, softmax_scale, ctx.bind_tile_rows("q", vt), vh, vt)
+        for hk, t in T.grid(Hk, ctx.key_tiles_total()):
+            with T.sblock("store_dkv_tile"):
+                vhk, vt = T.axis.remap("SS", [hk, t])
+                T.reads()
+                T.writes()
+                store_dkv(dK, dV, dKacc, dVacc, softmax_scale, ctx.bind_tile_rows("k", vt), vhk, vt)
+        if has_grads:
+            sum_mod_grads(ctx, partials, n_threads)
+
+    return flash_bwd
+
+
+def _grad_elements(spec: AttentionSpec) -> int:
+    """Elements of every captured tensor's gradient together (at least 1: a buffer's size)."""
+    return max(sum(math.prod(i.shape) for i in spec.grad_inputs), 1)
+
+
+def sum_mod_grads(ctx: CPUContext, partials, n_threads) -> None:
+    """Each captured tensor's gradient: the slots' partials summed in slot order (emitted with
+    the IR builder: one loop nest per tensor)."""
+    offsets = ctx.grad_offsets()
+    for name, grad in ctx.grad_buffers.items():
+        with T.grid(grad.shape[0], n_threads) as (x, s):
+            with T.sblock(f"sum_{name}_grad"):
+                vx, vs = T.axis.remap("SR", [x, s])
+                with T.init():
+                    T.buffer_store(grad, T.float32(0), [vx])
+                T.buffer_store(grad, grad[vx] + partials[vs, vx + offsets[name]], [vx])
+
+
+def fused_kernel(kernel: str, spec: AttentionSpec, cfg: CPUKernelConfig) -> tirx.PrimFunc:
+    """The fused "forward" or "backward" kernel."""
+    return (fused_forward if kernel == "forward" else fused_backward)(spec, cfg)
