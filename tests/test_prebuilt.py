@@ -57,3 +57,30 @@ def test_cuda_kernels_export_for_a_gpu_machine(tmp_path):
         assert meta["target"]["kind"] == "cuda" and meta["target"]["arch"] == "sm_90" and meta["spec"]["head_dim"] == 64
         assert path.stat().st_size > 10_000
     assert json.loads(Path(str(written[1]) + ".json").read_text())["deterministic"] is True
+
+
+RUNTIME_ONLY_MISSING = r"""
+import torch
+from tvmflash import flash_attn_func, flash_attn_with_kvcache
+q = torch.randn(1, 20, 2, 32)
+for call in (lambda: flash_attn_func(q, q, q), lambda: flash_attn_func(q, q, q, softcap=5.0),
+             lambda: flash_attn_with_kvcache(q[:, :1], q, q)):
+    try:
+        call()
+    except RuntimeError as e:
+        print("ERROR", e)
+"""
+
+
+def test_runtime_only_without_a_matching_prebuilt_kernel_says_what_to_prebuild(tmp_path):
+    env = dict(os.environ, TVM_USE_RUNTIME_LIB="1", TVMFLASH_PREBUILT=str(tmp_path),
+               TVMFLASH_CACHE_DIR=str(tmp_path / "cache"))
+    run = subprocess.run([sys.executable, "-c", RUNTIME_ONLY_MISSING], env=env, capture_output=True, text=True,
+                         timeout=600)
+    errors = [line for line in run.stdout.splitlines() if line.startswith("ERROR")]
+    assert len(errors) == 3, run.stdout + run.stderr[-3000:]
+    plain, softcap, decode = errors
+    assert "tvmflash.prebuild(DIR, {'kind': 'llvm'}, head_dims=(32,), dtypes=('float32',))" in plain
+    assert f"no kernel in $TVMFLASH_PREBUILT={tmp_path} matches" in plain
+    assert "covers plain attention only" in softcap and "softcap" in softcap
+    assert "decode" in decode and "llvm_get_system_cpu" not in run.stdout + run.stderr

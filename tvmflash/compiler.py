@@ -186,6 +186,8 @@ def _compile_spec(target, spec: AttentionSpec, *, causal: bool, config, tuned: b
         prebuilt = _find_prebuilt(target, spec, deterministic, config, tuned)
         if prebuilt is not None:
             return prebuilt.with_causal(causal)
+    if tvm.base._RUNTIME_ONLY:
+        raise RuntimeError(_nothing_prebuilt(target, spec, deterministic))
     target = targets.resolve(target)
     is_cuda = target.kind.name == "cuda"
     if is_cuda:
@@ -276,6 +278,22 @@ def prebuild(directory, target="cuda", head_dims=(64, 128), dtypes=("float16", "
                 kern.export_library(directory / name)
                 written.append(directory / name)
     return written
+
+
+def _nothing_prebuilt(target, spec: AttentionSpec, deterministic: bool) -> str:
+    """What to prebuild, for a runtime-only TVM that was asked for kernels it cannot build."""
+    wish = _target_wish(target)
+    where = os.environ.get("TVMFLASH_PREBUILT")
+    found = f"no kernel in $TVMFLASH_PREBUILT={where} matches" if where else "$TVMFLASH_PREBUILT is not set for"
+    asked = f"{wish} {spec.describe()}" + (", deterministic" if deterministic else "")
+    if spec.score_mods or spec.mask_mod is not None or spec.block_sparse or spec.out_dtype != spec.dtype:
+        how = ("prebuild() covers plain attention only (no softcap, ALiBi, flex_attention mods or block masks, "
+               "no fp32-result kernels for ring attention): run this on a machine with TVM's compiler")
+    else:
+        how = (f"on a machine with TVM's compiler run tvmflash.prebuild(DIR, {wish!r}, head_dims=({spec.head_dim},), "
+               f"dtypes=({spec.dtype!r},){', deterministic=(True,)' if deterministic else ''}) and point "
+               "$TVMFLASH_PREBUILT at DIR")
+    return f"TVM's runtime alone cannot compile kernels, and {found} {asked}; {how}"
 
 
 _prebuilt_cache: dict[str, FlashKernels] = {}
@@ -404,6 +422,10 @@ def compile_decode(target, spec: AttentionSpec, *, config=None, cache: bool = Tr
     """The ``flash_decode`` kernel (``kernels_decode.py``) for a CPU target and spec, from the
     memory or disk cache or built. One kernel serves every batch, cache layout (dense or
     paged), length, split and window; the spec fixes head dim, dtype and softcap / ALiBi."""
+    if tvm.base._RUNTIME_ONLY:
+        raise RuntimeError(f"TVM's runtime alone cannot compile kernels, and prebuild() does not cover the decode "
+                           f"kernel ({spec.describe()}) of flash_attn_with_kvcache: use it where TVM's compiler is "
+                           "installed")
     target = targets.resolve(target)
     if target.kind.name != "llvm":
         raise NotImplementedError("flash_attn_with_kvcache runs on CPUs only so far")
