@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.util
 import math
 import os
 import shutil
@@ -447,6 +448,19 @@ def database_dir(log_dir: Path, target, spec: AttentionSpec) -> Path:
     return Path(log_dir) / targets.key(targets.resolve(target)) / records.variant_name(spec)
 
 
+# The optional ``tune`` extra: MetaSchedule's XGBoost cost model, its process pools (psutil,
+# cloudpickle) and RPC (tornado). Without them MetaSchedule fails deep inside, naming none of this.
+TUNE_EXTRA_MODULES = ("psutil", "xgboost", "cloudpickle", "tornado")
+
+
+def require_tune_extra() -> None:
+    """Raise ImportError naming the extra to install if a module the tuner needs is missing."""
+    missing = [name for name in TUNE_EXTRA_MODULES if importlib.util.find_spec(name) is None]
+    if missing:
+        raise ImportError(f"tuning needs {', '.join(missing)}, which is not installed: "
+                          "pip install 'tvmflash[tune]' (in this repository: .venv/bin/pip install -e '.[tune]')")
+
+
 def tune(target, spec: AttentionSpec, *, seqlen: int, batch: int, heads: int, heads_k: int | None = None,
          causal: bool = False, trials: int, log_dir: Path, kernels_to_tune=KERNELS, blocks=BLOCK_CANDIDATES,
          products=None, rpc_tracker: str | None = None, rpc_key: str | None = None, seed: int | None = None,
@@ -455,6 +469,7 @@ def tune(target, spec: AttentionSpec, *, seqlen: int, batch: int, heads: int, he
 
     Ends every worker process it started, also on errors and Ctrl-C (``reaped_workers``).
     """
+    require_tune_extra()
     import logging
 
     from tvm.s_tir import meta_schedule as ms
@@ -649,7 +664,8 @@ def _noting_interrupts():
         signal.signal(signal.SIGINT, previous)
 
 
-def main(argv=None) -> int:
+def command_line() -> argparse.ArgumentParser:
+    """The command line of ``python -m tvmflash.tune``."""
     parser = argparse.ArgumentParser(prog="python -m tvmflash.tune", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--target", default="llvm", choices=["llvm", "cuda"])
@@ -678,11 +694,21 @@ def main(argv=None) -> int:
     parser.add_argument("--verbose", action="store_true", help="MetaSchedule's own logs too")
     parser.add_argument("--verify-only", action="store_true",
                         help="no tuning: only the same-run default-vs-tuned comparison (writes the records)")
+    return parser
+
+
+def main(argv=None) -> int:
+    parser = command_line()
     args = parser.parse_args(argv)
     if args.target == "cuda":
         parser.error("tuning the CUDA kernels is not supported yet")
     if bool(args.rpc_tracker) != bool(args.rpc_key):
         parser.error("--rpc-tracker and --rpc-key go together")
+    if not args.verify_only:
+        try:
+            require_tune_extra()
+        except ImportError as missing:
+            parser.exit(2, f"{parser.prog}: {missing}\n")
     try:
         blocks = tuple(tuple(int(x) for x in b.split("x")) for b in args.blocks)
         if any(len(b) != 2 for b in blocks):
