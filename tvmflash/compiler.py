@@ -233,7 +233,13 @@ def _can_load(target: tvm.target.Target) -> bool:
     return target.kind.name != "cuda" or tvm.cuda(0).exist
 
 
+# Kernel sets compiled (not loaded from a cache) in this process: the demo says which it did.
+builds = 0
+
+
 def _build(target: tvm.target.Target, spec: AttentionSpec, configs: dict, meta: dict, transform=None) -> FlashKernels:
+    global builds
+    builds += 1
     desc = f"{targets.key(target)}, {spec.describe()}" + (", deterministic" if meta["deterministic"] else "")
     settings.progress(f"compiling flash attention forward+backward ({desc}) ...")
     start = time.perf_counter()
