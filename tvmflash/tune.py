@@ -457,7 +457,7 @@ def require_tune_extra() -> None:
     """Raise ImportError naming the extra to install if a module the tuner needs is missing."""
     missing = [name for name in TUNE_EXTRA_MODULES if importlib.util.find_spec(name) is None]
     if missing:
-        raise ImportError(f"tuning needs {', '.join(missing)}, which is not installed: "
+        raise ImportError(f"tuning needs {', '.join(missing)}, not installed: "
                           "pip install 'tvmflash[tune]' (in this repository: .venv/bin/pip install -e '.[tune]')")
 
 
