@@ -138,6 +138,8 @@ def test_tiny_tuning_writes_verified_records_that_compile_uses(tuned, monkeypatc
     for kernel, entry in written.items():
         row = next(line for line in table if line.startswith(f"| {kernel} |"))
         assert f"| 1.25x | {entry['metaschedule_ms']:.2f} | yes |" in row
+    flagged = tune.report(written, SPEC, path, same_as_hand_written={"forward"})
+    assert "(same config: the difference is noise)" in next(line for line in flagged if line.startswith("| forward |"))
     monkeypatch.setenv("TVMFLASH_TUNE_LOGS", str(log_dir))
     kernels = tvmflash.compile("llvm", head_dim=32, dtype="float32")
     assert kernels.tuning_record is not None and set(kernels.tuning_record) == {"forward", "backward"}

@@ -388,14 +388,16 @@ def reaped_workers():
         psutil.wait_procs(killed, timeout=10)
 
 
-def _measure_defaults(workloads: dict[str, Workload], target, builder, runner, database) -> None:
-    """Measure the hand-written schedule of each workload and store it as a tuning record.
+def _measure_defaults(workloads: dict[str, Workload], target, builder, runner, database) -> dict[str, float]:
+    """Measure the hand-written schedule of each workload and store it as a tuning record;
+    returns the seconds of each.
 
     The evolutionary search starts from the best records in the database, so it refines the
     hand-written choices, and the result can only match or beat them (as measured).
     """
     from tvm.s_tir import meta_schedule as ms
 
+    measured = {}
     for name, workload in workloads.items():
         mod = tvm.IRModule({"main": workload.prim_func()})
         sch = s_tir.Schedule(mod)
@@ -409,15 +411,17 @@ def _measure_defaults(workloads: dict[str, Workload], target, builder, runner, d
             raise RuntimeError(f"measuring the hand-written {name} failed: {result.error_msg}")
         record = ms.database.TuningRecord(sch.trace, database.commit_workload(mod), result.run_secs, target, args)
         database.commit_tuning_record(record)
-        secs = _mean(result.run_secs)
+        secs = measured[name] = _mean(result.run_secs)
         print(f"  hand-written {name}: {secs * 1e3:.2f} ms ({workload.flops() / secs / 1e9:.1f} GFLOP/s)", flush=True)
+    return measured
 
 
 def _mean(run_secs) -> float:
     return sum(float(s) for s in run_secs) / len(run_secs)
 
 
-def _progress_callback(workloads: dict[str, Workload], total: int):
+def _progress_callback(workloads: dict[str, Workload], total: int, hand_written: dict[str, float]):
+    """A line per measured batch: the task's best time so far, its hand-written seed included."""
     from tvm.ir.utils import derived_object
     from tvm.s_tir import meta_schedule as ms
 
@@ -425,7 +429,7 @@ def _progress_callback(workloads: dict[str, Workload], total: int):
     class Progress(ms.measure_callback.PyMeasureCallback):
         def __init__(self):
             self.done = 0
-            self.best: dict[str, float] = {}
+            self.best: dict[str, float] = dict(hand_written)
             self.start = time.perf_counter()
 
         def apply(self, task_scheduler, task_id, measure_candidates, builder_results, runner_results):
@@ -437,8 +441,9 @@ def _progress_callback(workloads: dict[str, Workload], total: int):
             best = self.best.get(task, math.inf)
             gflops = workloads[task].flops() / best / 1e9 if math.isfinite(best) else 0.0
             elapsed = time.perf_counter() - self.start
+            seed = " (the hand-written seed)" if best == hand_written.get(task) else ""
             print(f"  [{self.done}/{total} trials, {elapsed:.0f} s] {task}: best search time {best * 1e3:.2f} ms "
-                  f"({gflops:.1f} GFLOP/s)", flush=True)
+                  f"({gflops:.1f} GFLOP/s){seed}", flush=True)
 
     return Progress()
 
@@ -515,7 +520,6 @@ def tune(target, spec: AttentionSpec, *, seqlen: int, batch: int, heads: int, he
             runner = _synchronous(inner)
             space = ms.space_generator.ScheduleFn(space_function, sch_rules=[], postprocs=[],
                                                   mutator_probs={ms.mutator.MutateTileSize(): 1.0})
-            callbacks = [*ms.measure_callback.MeasureCallback.create("default"), _progress_callback(workloads, trials)]
             # Round robin, one batch per task per round: every tile shape gets trials even on small budgets.
             per_round = max(1, min(16, trials // len(workloads)))
             database = ms.database.JSONDatabase(work_dir=str(directory))
@@ -524,7 +528,9 @@ def tune(target, spec: AttentionSpec, *, seqlen: int, batch: int, heads: int, he
                   f"this shape, mean of 3 x 3 runs in a worker process; a task is one kernel with one tile shape, "
                   f"so 'best' is per task. Compare them with each other; the same-run table at the end, which "
                   f"times the kernels compile() builds, decides)", flush=True)
-            _measure_defaults(workloads, target, builder, runner, database)
+            hand_written = _measure_defaults(workloads, target, builder, runner, database)
+            callbacks = [*ms.measure_callback.MeasureCallback.create("default"),
+                         _progress_callback(workloads, trials, hand_written)]
             # The spaces are small (a few hundred tile shapes per kernel): a small population keeps
             # the evolutionary search's own time per round low (each member replays the schedule).
             strategy = ms.search_strategy.EvolutionarySearch(population_size=min(96, max(16, 8 * per_round)),
@@ -631,8 +637,9 @@ def verify(target, spec: AttentionSpec, *, seqlen: int, batch: int, heads: int, 
     return written
 
 
-def report(written: dict[str, dict], spec: AttentionSpec, path: Path) -> list[str]:
-    """The default-vs-tuned table of ``verify``'s records, saying how its times differ from the search's."""
+def report(written: dict[str, dict], spec: AttentionSpec, path: Path, same_as_hand_written=()) -> list[str]:
+    """The default-vs-tuned table of ``verify``'s records, saying how its times differ from the search's.
+    ``same_as_hand_written``: kernels whose best config is the hand-written one (their ratio is noise)."""
     lines = ["Same run: the kernels compile() builds (sizes read at run time), hand-written and tuned interleaved "
              "in this process, medians; these decide. Search ms: the tuned config's time during the search "
              "(specialized kernel, worker process, measured once at its own moment): not comparable with the "
@@ -644,8 +651,10 @@ def report(written: dict[str, dict], spec: AttentionSpec, path: Path) -> list[st
         cfg = entry["config"]
         tiles = ", ".join(f"{name} {r}x{v}" for name, (r, v) in cfg["tiles"].items())
         ms_ = entry["same_run_ms"]
-        lines.append(f"| {kernel} | {cfg['block_q']}x{cfg['block_k']}; {tiles} | {ms_['default']:.2f} | "
-                     f"{ms_['tuned']:.2f} | {entry['speedup']:.2f}x | {entry['metaschedule_ms']:.2f} | "
+        same = kernel in same_as_hand_written
+        lines.append(f"| {kernel} | {cfg['block_q']}x{cfg['block_k']}; {tiles}{' (the hand-written config)' * same} | "
+                     f"{ms_['default']:.2f} | {ms_['tuned']:.2f} | {entry['speedup']:.2f}x"
+                     f"{' (same config: the difference is noise)' * same} | {entry['metaschedule_ms']:.2f} | "
                      f"{'yes' if entry['verified'] else 'no'} |")
     lines.append(f"(written to {path}: compile() uses a tuned config only if it differs from the hand-written one "
                  f"and ran >= {records.MIN_VERIFIED_SPEEDUP:.2f}x as fast here)")
@@ -754,7 +763,9 @@ def main(argv=None) -> int:
         print(f"no tuning records for this workload in {database_dir(log_dir, target, spec)}")
         return 1
     path = records.record_path(args.records_dir or log_dir, targets.key(target), spec)
-    print("\n".join(report(written, spec, path)))
+    same = {kernel for kernel, entry in written.items()
+            if CPUKernelConfig.from_json(entry["config"]) == llvm_schedules.default_config(target, kernel, spec.dtype)}
+    print("\n".join(report(written, spec, path, same)))
     return 0
 
 
