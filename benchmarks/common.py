@@ -85,7 +85,11 @@ def relative_error(ours, ref) -> float:
 
 
 def plt():
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError as missing:
+        raise ImportError("the benchmark plots need matplotlib: pip install 'tvmflash[bench]' "
+                          "(in this repository: .venv/bin/pip install -e '.[bench]')") from missing
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as pyplot

@@ -9,9 +9,8 @@ on every machine, no network), read in sorted order; every 20th file is held out
 
 Precision: fp32 master weights and AdamW state, forward and backward under CPU autocast to
 bfloat16, the usual mixed-precision recipe: attention gets bf16 q, k, v, and the kernels' row
-statistics and gradient accumulators are where rules 1 and 3 apply. tvmflash's torch op does not
-follow autocast by itself (RoPE hands it fp32 q and k, so it would run in fp32 while SDPA runs in
-bf16): this script registers an autocast rule for it, so that both see the same bf16 inputs.
+statistics and gradient accumulators are where rules 1 and 3 apply. RoPE hands attention fp32 q
+and k; SDPA and tvmflash's op both follow autocast and run on them cast to bf16.
 
 The four runs:
   sdpa             transformers' ``sdpa`` attention (PyTorch's CPU flash kernel)
@@ -141,8 +140,6 @@ def register_runs(lse_stats: LseStats) -> dict:
     """attn_implementation name of each run (and of the control: the wrapper, nothing changed)."""
     from transformers import AttentionInterface, AttentionMaskInterface
 
-    # Under autocast the tvmflash op gets the bf16 inputs SDPA gets (see the module docstring).
-    torch.library.register_autocast("tvmflash::flash_attn_forward", "cpu", AUTOCAST)
     names = {SDPA: "sdpa", TVMFLASH: tvm_hf.register()}
     shipping = lambda q: torch_op.kernels_for(q, causal=True)  # noqa: E731 - what flash_attn_func runs
     accumulators = {}

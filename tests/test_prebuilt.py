@@ -19,14 +19,17 @@ from conftest import reference_attention
 from tvmflash import flash_attn_func
 g = torch.Generator().manual_seed(int(sys.argv[2]))
 q, k, v = (torch.randn(1, n, h, 32, generator=g).requires_grad_() for n, h in ((70, 4), (90, 2), (90, 2)))
-out = flash_attn_func(q, k, v, causal=True)
-dout = torch.randn(out.shape, generator=g)
-grads = torch.autograd.grad(out, (q, k, v), dout)
-leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
-ref, _ = reference_attention(*leaves, True)
-ref_grads = torch.autograd.grad(ref, leaves, dout.double())
-errors = [(out.double() - ref).abs().max().item()] + [(a.double() - b).abs().max().item()
-                                                      for a, b in zip(grads, ref_grads)]
+slopes = torch.rand(4, generator=g)
+errors = []
+for mods in ({}, {"softcap": 3.0, "alibi_slopes": slopes}):  # the plain library and the softcap+alibi one
+    out = flash_attn_func(q, k, v, causal=True, **mods)
+    dout = torch.randn(out.shape, generator=g)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    ref, _ = reference_attention(*leaves, True, **mods)
+    ref_grads = torch.autograd.grad(ref, leaves, dout.double())
+    errors += [(out.double() - ref).abs().max().item()] + [(a.double() - b).abs().max().item()
+                                                           for a, b in zip(grads, ref_grads)]
 assert max(errors) < 1e-5, errors
 from test_architecture import LAYERS, layer_of
 generators = [m for m in sys.modules if m.startswith("tvmflash.")
@@ -37,9 +40,11 @@ print("ok", errors)
 
 
 def test_prebuilt_cpu_kernels_run_with_the_tvm_runtime_alone(tmp_path, seed):
-    written = tvmflash.prebuild(tmp_path, "llvm", head_dims=(32,), dtypes=("float32",))
+    written = tvmflash.prebuild(tmp_path, "llvm", head_dims=(32,), dtypes=("float32",),
+                                score_mods=("none", "softcap+alibi"))
     # kernels take the mask per call: one library serves causal and full attention
-    assert [p.name for p in written] == [f"{written[0].name.split('-d32')[0]}-d32-float32.so"]
+    stem = f"{written[0].name.split('-d32')[0]}-d32-float32"
+    assert [p.name for p in written] == [f"{stem}.so", f"{stem}-softcap+alibi.so"]
     env = dict(os.environ, TVM_USE_RUNTIME_LIB="1", TVMFLASH_PREBUILT=str(tmp_path))
     run = subprocess.run([sys.executable, "-c", RUNTIME_ONLY_CHECK, str(Path(__file__).parent), str(seed)],
                          env=env, capture_output=True, text=True, timeout=600)
@@ -57,3 +62,30 @@ def test_cuda_kernels_export_for_a_gpu_machine(tmp_path):
         assert meta["target"]["kind"] == "cuda" and meta["target"]["arch"] == "sm_90" and meta["spec"]["head_dim"] == 64
         assert path.stat().st_size > 10_000
     assert json.loads(Path(str(written[1]) + ".json").read_text())["deterministic"] is True
+
+
+RUNTIME_ONLY_MISSING = r"""
+import torch
+from tvmflash import flash_attn_func, flash_attn_with_kvcache
+q = torch.randn(1, 20, 2, 32)
+for call in (lambda: flash_attn_func(q, q, q), lambda: flash_attn_func(q, q, q, softcap=5.0),
+             lambda: flash_attn_with_kvcache(q[:, :1], q, q)):
+    try:
+        call()
+    except RuntimeError as e:
+        print("ERROR", e)
+"""
+
+
+def test_runtime_only_without_a_matching_prebuilt_kernel_says_what_to_prebuild(tmp_path):
+    env = dict(os.environ, TVM_USE_RUNTIME_LIB="1", TVMFLASH_PREBUILT=str(tmp_path),
+               TVMFLASH_CACHE_DIR=str(tmp_path / "cache"))
+    run = subprocess.run([sys.executable, "-c", RUNTIME_ONLY_MISSING], env=env, capture_output=True, text=True,
+                         timeout=600)
+    errors = [line for line in run.stdout.splitlines() if line.startswith("ERROR")]
+    assert len(errors) == 3, run.stdout + run.stderr[-3000:]
+    plain, softcap, decode = errors
+    assert "tvmflash.prebuild(DIR, {'kind': 'llvm'}, head_dims=(32,), dtypes=('float32',))" in plain
+    assert f"no kernel in $TVMFLASH_PREBUILT={tmp_path} matches" in plain
+    assert "score_mods=('softcap',)) and point $TVMFLASH_PREBUILT at DIR" in softcap
+    assert "decode" in decode and "llvm_get_system_cpu" not in run.stdout + run.stderr

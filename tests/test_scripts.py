@@ -24,8 +24,12 @@ def _run(*args, timeout=900):
 
 def test_demo_checks_itself():
     out = _run("-m", "tvmflash.demo", "--rounds", "1", "--lengths", "256", "512")
-    assert out.count(": OK") == 3 and "FAILED" not in out
-    assert "SDPA flash" in out and "512" in out
+    assert out.count(": OK") == 6 and "FAILED" not in out  # 3 checks in each timed dtype
+    assert "float32: fp32 FMAs" in out and "bfloat16: " in out  # the instruction-set path of each dtype
+    assert "compiled in" in out or "loaded from the cache" in out
+    assert "SDPA flash" in out and "512" in out and "load average" in out
+    assert out.count("x (") == 6  # each ratio with its spread over the rounds
+    assert "GiB, standard" in out
 
 
 def test_speed_benchmark_quick(tmp_path):

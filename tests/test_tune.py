@@ -133,6 +133,13 @@ def test_tiny_tuning_writes_verified_records_that_compile_uses(tuned, monkeypatc
     monkeypatch.setattr(reference, "median_times", _fake_timing({"forward": 1.25, "backward": 1.25}))
     written = tune.verify("llvm", SPEC, log_dir=log_dir, **SHAPE)
     assert all(entry["verified"] and entry["speedup"] == 1.25 for entry in written.values())
+    table = tune.report(written, SPEC, path)  # same-run and search times side by side, each named
+    assert "not comparable" in table[0] and "(same run)" in table[1] and "(search)" in table[1]
+    for kernel, entry in written.items():
+        row = next(line for line in table if line.startswith(f"| {kernel} |"))
+        assert f"| 1.25x | {entry['metaschedule_ms']:.2f} | yes |" in row
+    flagged = tune.report(written, SPEC, path, same_as_hand_written={"forward"})
+    assert "(same config: the difference is noise)" in next(line for line in flagged if line.startswith("| forward |"))
     monkeypatch.setenv("TVMFLASH_TUNE_LOGS", str(log_dir))
     kernels = tvmflash.compile("llvm", head_dim=32, dtype="float32")
     assert kernels.tuning_record is not None and set(kernels.tuning_record) == {"forward", "backward"}

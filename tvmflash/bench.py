@@ -11,13 +11,14 @@ Methodology (machines are noisy; absolute times do not compare across runs):
 
 from __future__ import annotations
 
+import statistics
 from dataclasses import dataclass
 
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from .analysis import model_flops
-from .reference import geomean, median_times  # noqa: F401 - the one timing helper, re-exported
+from .reference import geomean, interleaved_times, median_times  # noqa: F401 - the one timing helper, re-exported
 from .torch_op import flash_attn_func, kernels_for
 
 
@@ -102,8 +103,9 @@ def run_case(case: Case, rounds: int = 7, implementations=("tvmflash", "sdpa_fla
     for name in implementations:
         fwd, fwd_bwd, bwd = _fwd_and_bwd_calls(IMPLEMENTATIONS[name], q, k, v, dout, case.causal)
         calls[f"{name}/fwd"], calls[f"{name}/bwd"], calls[f"{name}/fwd+bwd"] = fwd, bwd, fwd_bwd
-    times = median_times(calls, rounds)
-    result = {"case": case, "times": times}
+    per_round = interleaved_times(calls, rounds)
+    times = {name: statistics.median(t) for name, t in per_round.items()}
+    result = {"case": case, "times": times, "per_round": per_round}
     result["gflops"] = {key: case.flops(key.split("/")[1]) / t / 1e9 for key, t in times.items()}
     return result
 

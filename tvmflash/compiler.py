@@ -26,7 +26,7 @@ from . import cache, checks, import_closure, records, runtime, settings
 from . import target as targets
 from .config import BF16_DOT, KERNELS, CPUKernelConfig, CUDAKernelConfig, default_cpu_config, default_products
 from .runtime import FlashKernels
-from .spec import AttentionSpec
+from .spec import Alibi, AttentionSpec, Softcap
 from .version import __version__
 
 # The modules that generate kernels: a build runs them and everything they import, and the disk
@@ -186,6 +186,8 @@ def _compile_spec(target, spec: AttentionSpec, *, causal: bool, config, tuned: b
         prebuilt = _find_prebuilt(target, spec, deterministic, config, tuned)
         if prebuilt is not None:
             return prebuilt.with_causal(causal)
+    if tvm.base._RUNTIME_ONLY:
+        raise RuntimeError(_nothing_prebuilt(target, spec, deterministic))
     target = targets.resolve(target)
     is_cuda = target.kind.name == "cuda"
     if is_cuda:
@@ -231,7 +233,13 @@ def _can_load(target: tvm.target.Target) -> bool:
     return target.kind.name != "cuda" or tvm.cuda(0).exist
 
 
+# Kernel sets compiled (not loaded from a cache) in this process: the demo says which it did.
+builds = 0
+
+
 def _build(target: tvm.target.Target, spec: AttentionSpec, configs: dict, meta: dict, transform=None) -> FlashKernels:
+    global builds
+    builds += 1
     desc = f"{targets.key(target)}, {spec.describe()}" + (", deterministic" if meta["deterministic"] else "")
     settings.progress(f"compiling flash attention forward+backward ({desc}) ...")
     start = time.perf_counter()
@@ -253,29 +261,59 @@ def build_transformed(spec: AttentionSpec, transform, description: str, target="
 
 
 # --- prebuilt kernels: built on one machine, loaded on another with TVM's runtime alone ---------
+PREBUILD_MODS = {"none": (), "softcap": (Softcap(),), "alibi": (Alibi(),), "softcap+alibi": (Softcap(), Alibi())}
+
+
 def prebuild(directory, target="cuda", head_dims=(64, 128), dtypes=("float16", "bfloat16"),
-             deterministic=(False,)) -> list[Path]:
+             deterministic=(False,), score_mods=("none",)) -> list[Path]:
     """Compile and export every combination into ``directory`` (``<target>-d<D>-<dtype>...so``).
 
     Point ``$TVMFLASH_PREBUILT`` at the directory and ``compile()`` (hence the torch op) loads
     matching kernels from it before trying to compile: a machine without TVM's compiler library
     (``TVM_USE_RUNTIME_LIB=1``, or a runtime-only TVM) can then run them. Kernels take the mask
-    per call (causal, windows), so one library serves every mask. CUDA kernels built on a machine without a
-    GPU hold their CUDA source; TVM compiles it (NVRTC or nvcc) when they load.
+    per call (causal, windows, varlen), so one library serves every mask. ``score_mods``: which
+    of flash-attn's built-in mods, keys of ``PREBUILD_MODS`` ("none", "softcap", "alibi",
+    "softcap+alibi"). Not covered: flex_attention's traced mods and block masks, the decode
+    kernel of flash_attn_with_kvcache, ring attention's fp32-result kernels. CUDA kernels built
+    on a machine without a GPU hold their CUDA source; TVM compiles it (NVRTC or nvcc) when they load.
     """
+    unknown = [m for m in score_mods if m not in PREBUILD_MODS]
+    if unknown:
+        raise ValueError(f"score_mods {unknown} unknown: choose from {list(PREBUILD_MODS)}")
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     written = []
     is_cuda = targets.resolve(target).kind.name == "cuda"
     for head_dim in head_dims:
         for dtype in dtypes:
-            for det in (deterministic if is_cuda else (False,)):
-                kern = compile(target, head_dim=head_dim, dtype=dtype, deterministic=det)
-                name = (f"{targets.key(kern.meta['target'])}-d{head_dim}-{dtype}"
-                        + ("-deterministic" if kern.deterministic else "") + ".so")
-                kern.export_library(directory / name)
-                written.append(directory / name)
+            for mods in score_mods:
+                for det in (deterministic if is_cuda else (False,)):
+                    checks.check_kernel_params(head_dim, dtype)
+                    spec = AttentionSpec(checks.head_dim_value(head_dim), str(dtype), score_mods=PREBUILD_MODS[mods])
+                    kern = compile_spec(target, spec, deterministic=det, cache=True)
+                    name = (f"{targets.key(kern.meta['target'])}-d{head_dim}-{dtype}"
+                            + ("" if mods == "none" else f"-{mods}")
+                            + ("-deterministic" if kern.deterministic else "") + ".so")
+                    kern.export_library(directory / name)
+                    written.append(directory / name)
     return written
+
+
+def _nothing_prebuilt(target, spec: AttentionSpec, deterministic: bool) -> str:
+    """What to prebuild, for a runtime-only TVM that was asked for kernels it cannot build."""
+    wish = _target_wish(target)
+    where = os.environ.get("TVMFLASH_PREBUILT")
+    found = f"no kernel in $TVMFLASH_PREBUILT={where} matches" if where else "$TVMFLASH_PREBUILT is not set for"
+    asked = f"{wish} {spec.describe()}" + (", deterministic" if deterministic else "")
+    mods = next((name for name, m in PREBUILD_MODS.items() if m == spec.score_mods), None)
+    if mods is None or spec.mask_mod is not None or spec.block_sparse or spec.out_dtype != spec.dtype:
+        how = ("prebuild() covers flash-attn's functions only (with softcap and ALiBi), not flex_attention's mods or "
+               "block masks nor ring attention's fp32-result kernels: run this on a machine with TVM's compiler")
+    else:
+        how = (f"on a machine with TVM's compiler run tvmflash.prebuild(DIR, {wish!r}, head_dims=({spec.head_dim},), "
+               f"dtypes=({spec.dtype!r},){', deterministic=(True,)' if deterministic else ''}"
+               f"{'' if mods == 'none' else f', score_mods=({mods!r},)'}) and point $TVMFLASH_PREBUILT at DIR")
+    return f"TVM's runtime alone cannot compile kernels, and {found} {asked}; {how}"
 
 
 _prebuilt_cache: dict[str, FlashKernels] = {}
@@ -404,6 +442,10 @@ def compile_decode(target, spec: AttentionSpec, *, config=None, cache: bool = Tr
     """The ``flash_decode`` kernel (``kernels/decode.py``) for a CPU target and spec, from the
     memory or disk cache or built. One kernel serves every batch, cache layout (dense or
     paged), length, split and window; the spec fixes head dim, dtype and softcap / ALiBi."""
+    if tvm.base._RUNTIME_ONLY:
+        raise RuntimeError(f"TVM's runtime alone cannot compile kernels, and prebuild() does not cover the decode "
+                           f"kernel ({spec.describe()}) of flash_attn_with_kvcache: use it where TVM's compiler is "
+                           "installed")
     target = targets.resolve(target)
     if target.kind.name != "llvm":
         raise NotImplementedError("flash_attn_with_kvcache runs on CPUs only so far")

@@ -170,7 +170,12 @@ def chunked_reference_f64(q, k, v, dout, causal: bool, scale: float | None = Non
 
 
 def median_times(candidates: dict, rounds: int, pause: float = PAUSE_S, sync=None) -> dict[str, float]:
-    """Median seconds per candidate over interleaved rounds (after one warm-up call each).
+    """Median seconds per candidate over interleaved rounds (``interleaved_times``)."""
+    return {name: statistics.median(t) for name, t in interleaved_times(candidates, rounds, pause, sync).items()}
+
+
+def interleaved_times(candidates: dict, rounds: int, pause: float = PAUSE_S, sync=None) -> dict[str, list[float]]:
+    """Seconds of each candidate in each round (after one warm-up call each).
 
     Every candidate runs once per round, rounds interleave the candidates, and a short pause
     precedes each timed call, so thread pools that spin after their last job (TVM's and
@@ -189,7 +194,7 @@ def median_times(candidates: dict, rounds: int, pause: float = PAUSE_S, sync=Non
             if sync:
                 sync()
             times[name].append(time.perf_counter() - start)
-    return {name: statistics.median(t) for name, t in times.items()}
+    return times
 
 
 def geomean(values) -> float:

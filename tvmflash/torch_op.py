@@ -159,6 +159,30 @@ def _autograd_backward(ctx, dout, _dlse):
 _forward.register_autograd(_autograd_backward, setup_context=_setup_context)
 
 
+def _follow_autocast(device_type: str) -> None:
+    """Under ``torch.autocast(device_type, dtype)`` the forward runs on q, k, v cast to ``dtype``
+    and returns ``dtype``, as ``scaled_dot_product_attention`` does (it is on autocast's
+    lower-precision list), so a model gets the same attention precision from either. Not
+    ``torch.library.register_autocast``: it casts to one fixed dtype, and every float input
+    (the fp32 ALiBi slopes too); here only q, k, v follow the region's dtype. The casts are
+    autograd ops, so gradients reach the fp32 leaves; the backward has no autocast rule."""
+    key = "Autocast" + torch._C._dispatch_key_for_device(device_type)
+    excluded = torch._C.DispatchKeySet(getattr(torch._C.DispatchKey, key))
+
+    def forward_under_autocast(q, k, v, *rest):
+        dtype = torch.get_autocast_dtype(device_type)
+        cast = (t.to(dtype) if t.device.type == device_type and t.dtype != torch.float64 else t for t in (q, k, v))
+        with torch._C._ExcludeDispatchKeyGuard(excluded):
+            return _forward(*cast, *rest)
+
+    _AUTOCAST_LIBRARY.impl("flash_attn_forward", forward_under_autocast, key)
+
+
+_AUTOCAST_LIBRARY = torch.library.Library("tvmflash", "IMPL")
+for _device_type in ("cpu", "cuda"):
+    _follow_autocast(_device_type)
+
+
 def kernel_layout(t: torch.Tensor) -> torch.Tensor:
     """The tensor itself if the kernels can read it in place, else a copy.
 

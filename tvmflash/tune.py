@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.util
 import math
 import os
 import shutil
@@ -388,14 +389,16 @@ def reaped_workers():
         psutil.wait_procs(killed, timeout=10)
 
 
-def _measure_defaults(workloads: dict[str, Workload], target, builder, runner, database) -> None:
-    """Measure the hand-written schedule of each workload and store it as a tuning record.
+def _measure_defaults(workloads: dict[str, Workload], target, builder, runner, database) -> dict[str, float]:
+    """Measure the hand-written schedule of each workload and store it as a tuning record;
+    returns the seconds of each.
 
     The evolutionary search starts from the best records in the database, so it refines the
     hand-written choices, and the result can only match or beat them (as measured).
     """
     from tvm.s_tir import meta_schedule as ms
 
+    measured = {}
     for name, workload in workloads.items():
         mod = tvm.IRModule({"main": workload.prim_func()})
         sch = s_tir.Schedule(mod)
@@ -409,15 +412,17 @@ def _measure_defaults(workloads: dict[str, Workload], target, builder, runner, d
             raise RuntimeError(f"measuring the hand-written {name} failed: {result.error_msg}")
         record = ms.database.TuningRecord(sch.trace, database.commit_workload(mod), result.run_secs, target, args)
         database.commit_tuning_record(record)
-        secs = _mean(result.run_secs)
+        secs = measured[name] = _mean(result.run_secs)
         print(f"  hand-written {name}: {secs * 1e3:.2f} ms ({workload.flops() / secs / 1e9:.1f} GFLOP/s)", flush=True)
+    return measured
 
 
 def _mean(run_secs) -> float:
     return sum(float(s) for s in run_secs) / len(run_secs)
 
 
-def _progress_callback(workloads: dict[str, Workload], total: int):
+def _progress_callback(workloads: dict[str, Workload], total: int, hand_written: dict[str, float]):
+    """A line per measured batch: the task's best time so far, its hand-written seed included."""
     from tvm.ir.utils import derived_object
     from tvm.s_tir import meta_schedule as ms
 
@@ -425,7 +430,7 @@ def _progress_callback(workloads: dict[str, Workload], total: int):
     class Progress(ms.measure_callback.PyMeasureCallback):
         def __init__(self):
             self.done = 0
-            self.best: dict[str, float] = {}
+            self.best: dict[str, float] = dict(hand_written)
             self.start = time.perf_counter()
 
         def apply(self, task_scheduler, task_id, measure_candidates, builder_results, runner_results):
@@ -437,8 +442,9 @@ def _progress_callback(workloads: dict[str, Workload], total: int):
             best = self.best.get(task, math.inf)
             gflops = workloads[task].flops() / best / 1e9 if math.isfinite(best) else 0.0
             elapsed = time.perf_counter() - self.start
-            print(f"  [{self.done}/{total} trials, {elapsed:.0f} s] {task}: best {best * 1e3:.2f} ms "
-                  f"({gflops:.1f} GFLOP/s)", flush=True)
+            seed = " (the hand-written seed)" if best == hand_written.get(task) else ""
+            print(f"  [{self.done}/{total} trials, {elapsed:.0f} s] {task}: best search time {best * 1e3:.2f} ms "
+                  f"({gflops:.1f} GFLOP/s){seed}", flush=True)
 
     return Progress()
 
@@ -446,6 +452,19 @@ def _progress_callback(workloads: dict[str, Workload], total: int):
 def database_dir(log_dir: Path, target, spec: AttentionSpec) -> Path:
     """Where the MetaSchedule databases of a target and spec live (the tuner's working files)."""
     return Path(log_dir) / targets.key(targets.resolve(target)) / records.variant_name(spec)
+
+
+# The optional ``tune`` extra: MetaSchedule's XGBoost cost model, its process pools (psutil,
+# cloudpickle) and RPC (tornado). Without them MetaSchedule fails deep inside, naming none of this.
+TUNE_EXTRA_MODULES = ("psutil", "xgboost", "cloudpickle", "tornado")
+
+
+def require_tune_extra() -> None:
+    """Raise ImportError naming the extra to install if a module the tuner needs is missing."""
+    missing = [name for name in TUNE_EXTRA_MODULES if importlib.util.find_spec(name) is None]
+    if missing:
+        raise ImportError(f"tuning needs {', '.join(missing)}, not installed: "
+                          "pip install 'tvmflash[tune]' (in this repository: .venv/bin/pip install -e '.[tune]')")
 
 
 def tune(target, spec: AttentionSpec, *, seqlen: int, batch: int, heads: int, heads_k: int | None = None,
@@ -456,6 +475,7 @@ def tune(target, spec: AttentionSpec, *, seqlen: int, batch: int, heads: int, he
 
     Ends every worker process it started, also on errors and Ctrl-C (``reaped_workers``).
     """
+    require_tune_extra()
     import logging
 
     from tvm.s_tir import meta_schedule as ms
@@ -501,12 +521,17 @@ def tune(target, spec: AttentionSpec, *, seqlen: int, batch: int, heads: int, he
             runner = _synchronous(inner)
             space = ms.space_generator.ScheduleFn(space_function, sch_rules=[], postprocs=[],
                                                   mutator_probs={ms.mutator.MutateTileSize(): 1.0})
-            callbacks = [*ms.measure_callback.MeasureCallback.create("default"), _progress_callback(workloads, trials)]
             # Round robin, one batch per task per round: every tile shape gets trials even on small budgets.
             per_round = max(1, min(16, trials // len(workloads)))
             database = ms.database.JSONDatabase(work_dir=str(directory))
-            print(f"measuring the hand-written configs ({len(workloads)} tasks) ...", flush=True)
-            _measure_defaults(workloads, target, builder, runner, database)
+            print(f"measuring the hand-written configs ({len(workloads)} tasks) ...\n"
+                  f"  (search times, here and below: MetaSchedule's runner, each task's kernel specialized to "
+                  f"this shape, mean of 3 x 3 runs in a worker process; a task is one kernel with one tile shape, "
+                  f"so 'best' is per task. Compare them with each other; the same-run table at the end, which "
+                  f"times the kernels compile() builds, decides)", flush=True)
+            hand_written = _measure_defaults(workloads, target, builder, runner, database)
+            callbacks = [*ms.measure_callback.MeasureCallback.create("default"),
+                         _progress_callback(workloads, trials, hand_written)]
             # The spaces are small (a few hundred tile shapes per kernel): a small population keeps
             # the evolutionary search's own time per round low (each member replays the schedule).
             strategy = ms.search_strategy.EvolutionarySearch(population_size=min(96, max(16, 8 * per_round)),
@@ -613,16 +638,25 @@ def verify(target, spec: AttentionSpec, *, seqlen: int, batch: int, heads: int, 
     return written
 
 
-def report(written: dict[str, dict], spec: AttentionSpec, path: Path) -> list[str]:
-    """The default-vs-tuned table of ``verify``'s records."""
-    lines = ["| kernel | tuned config (blocks; register tiles rows x vectors) | hand-written ms | tuned ms | speedup "
-             "| used by compile() |", "|---|---|---|---|---|---|"]
+def report(written: dict[str, dict], spec: AttentionSpec, path: Path, same_as_hand_written=()) -> list[str]:
+    """The default-vs-tuned table of ``verify``'s records, saying how its times differ from the search's.
+    ``same_as_hand_written``: kernels whose best config is the hand-written one (their ratio is noise)."""
+    lines = ["Same run: the kernels compile() builds (sizes read at run time), hand-written and tuned interleaved "
+             "in this process, medians; these decide. Search ms: the tuned config's time during the search "
+             "(specialized kernel, worker process, measured once at its own moment): not comparable with the "
+             "same-run columns.",
+             "| kernel | tuned config (blocks; register tiles rows x vectors) | hand-written ms (same run) "
+             "| tuned ms (same run) | speedup | tuned ms (search) | used by compile() |",
+             "|---|---|---|---|---|---|---|"]
     for kernel, entry in written.items():
         cfg = entry["config"]
         tiles = ", ".join(f"{name} {r}x{v}" for name, (r, v) in cfg["tiles"].items())
         ms_ = entry["same_run_ms"]
-        lines.append(f"| {kernel} | {cfg['block_q']}x{cfg['block_k']}; {tiles} | {ms_['default']:.2f} | "
-                     f"{ms_['tuned']:.2f} | {entry['speedup']:.2f}x | {'yes' if entry['verified'] else 'no'} |")
+        same = kernel in same_as_hand_written
+        lines.append(f"| {kernel} | {cfg['block_q']}x{cfg['block_k']}; {tiles}{' (the hand-written config)' * same} | "
+                     f"{ms_['default']:.2f} | {ms_['tuned']:.2f} | {entry['speedup']:.2f}x"
+                     f"{' (same config: the difference is noise)' * same} | {entry['metaschedule_ms']:.2f} | "
+                     f"{'yes' if entry['verified'] else 'no'} |")
     lines.append(f"(written to {path}: compile() uses a tuned config only if it differs from the hand-written one "
                  f"and ran >= {records.MIN_VERIFIED_SPEEDUP:.2f}x as fast here)")
     return lines
@@ -650,7 +684,8 @@ def _noting_interrupts():
         signal.signal(signal.SIGINT, previous)
 
 
-def main(argv=None) -> int:
+def command_line() -> argparse.ArgumentParser:
+    """The command line of ``python -m tvmflash.tune``."""
     parser = argparse.ArgumentParser(prog="python -m tvmflash.tune", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--target", default="llvm", choices=["llvm", "cuda"])
@@ -679,11 +714,21 @@ def main(argv=None) -> int:
     parser.add_argument("--verbose", action="store_true", help="MetaSchedule's own logs too")
     parser.add_argument("--verify-only", action="store_true",
                         help="no tuning: only the same-run default-vs-tuned comparison (writes the records)")
+    return parser
+
+
+def main(argv=None) -> int:
+    parser = command_line()
     args = parser.parse_args(argv)
     if args.target == "cuda":
         parser.error("tuning the CUDA kernels is not supported yet")
     if bool(args.rpc_tracker) != bool(args.rpc_key):
         parser.error("--rpc-tracker and --rpc-key go together")
+    if not args.verify_only:
+        try:
+            require_tune_extra()
+        except ImportError as missing:
+            parser.exit(2, f"{parser.prog}: {missing}\n")
     try:
         blocks = tuple(tuple(int(x) for x in b.split("x")) for b in args.blocks)
         if any(len(b) != 2 for b in blocks):
@@ -719,7 +764,9 @@ def main(argv=None) -> int:
         print(f"no tuning records for this workload in {database_dir(log_dir, target, spec)}")
         return 1
     path = records.record_path(args.records_dir or log_dir, targets.key(target), spec)
-    print("\n".join(report(written, spec, path)))
+    same = {kernel for kernel, entry in written.items()
+            if CPUKernelConfig.from_json(entry["config"]) == llvm_schedules.default_config(target, kernel, spec.dtype)}
+    print("\n".join(report(written, spec, path, same)))
     return 0
 
 

@@ -78,7 +78,11 @@ def register(name: str = NAME) -> str:
         raise ValueError(
             f"{name!r} cannot name tvmflash in transformers: it routes names containing 'flash' to its flash-attention "
             "kernel loader, 'sdpa' and 'flex_attention' to its own checks, 'owner/repo' to the Hub kernels")
-    from transformers import AttentionInterface, AttentionMaskInterface
+    try:
+        from transformers import AttentionInterface, AttentionMaskInterface
+    except ImportError as missing:  # not installed, or older than 4.56
+        raise ImportError("tvmflash.integrations.transformers needs transformers>=4.56: "
+                          "pip install 'tvmflash[hf]'") from missing
 
     AttentionInterface.register(name, attention_forward)
     AttentionMaskInterface.register(name, key_padding_mask)
