@@ -219,7 +219,9 @@ def _compile_spec(target, spec: AttentionSpec, *, causal: bool, config, tuned: b
             found = _build(target, spec, configs, meta)
             if _can_load(target):
                 library = cache_store(key, request, found)
-                if library is not None:
+                if library is not None and not is_cuda:  # run the stored library: threads.py routes its launches
+                    found = FlashKernels(tvm.runtime.load_module(str(library)), meta, found._source, library=library)
+                elif library is not None:  # (loading a CUDA library compiles its source again)
                     found._library = library
         with _lock:
             _memory_cache[key] = found
@@ -451,7 +453,7 @@ def compile_decode(target, spec: AttentionSpec, *, config=None, cache: bool = Tr
         if cache:
             library = _cache.store(key, request, lib, found._source)
             if library is not None:
-                found._library = library
+                found = runtime.DecodeKernels(tvm.runtime.load_module(str(library)), meta, found._source, library)
     if cache:
         with _lock:
             _memory_cache[key] = found

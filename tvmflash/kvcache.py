@@ -29,7 +29,7 @@ import os
 
 import torch
 
-from . import checks, compiler, plan, settings
+from . import checks, compiler, plan
 from .spec import SUPPORTED_DTYPES, UNLIMITED_WINDOW, Alibi, AttentionSpec, Softcap
 
 __all__ = ["flash_attn_with_kvcache", "apply_rotary"]
@@ -252,7 +252,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         _write_new_tokens(k_cache, v_cache, k, v, seqlens, cache_rows, pages if paged else None)
 
     # --- attention ------------------------------------------------------------------------------
-    threads = settings.num_threads()
+    threads = kernels.plan_threads()
     window = tuple(UNLIMITED_WINDOW if w < 0 else min(w, UNLIMITED_WINDOW) for w in (left, right))
     group = plan.decode_head_group(heads_k, block_k, head_dim, q.element_size())
     seq_info, units = plan.decode_units(starts, ends, seqlen_q=seqlen_q, window=window, block_k=block_k,

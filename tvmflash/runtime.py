@@ -20,7 +20,7 @@ from pathlib import Path
 import tvm
 import tvm_ffi
 
-from . import checks, plan, settings
+from . import checks, plan, settings, threads
 from .config import BF16_DOT, config_from_json
 
 CPU_FUNCTIONS = ("flash_fwd", "flash_bwd")
@@ -58,12 +58,21 @@ class FlashKernels:
         self._source = source_text
         self._functions = {name: module[name] for name in functions_of(meta)}
         self._mod_inputs = [tuple(i) for i in meta.get("mod_inputs", [])]
+        # parallel loops on torch's OpenMP threads when torch is here (threads.py)
+        self._on_torch_threads = not self.is_cuda and threads.route(library)
 
     def with_causal(self, causal: bool) -> FlashKernels:
         """The same module with another default mask."""
         if causal == self.causal:
             return self
         return FlashKernels(self._module, self.meta, self._source, self._library, causal)
+
+    def plan_threads(self, num_threads: int | None = None) -> int:
+        """The slot count a call plans for: ``num_threads``, else torch's intra-op thread count
+        for kernels on torch's threads, else tvmflash's (``settings.num_threads``)."""
+        if num_threads is None and self._on_torch_threads:
+            return threads.torch_threads()
+        return _threads(num_threads)
 
     # parsed on demand: loading prebuilt kernels must work without TVM's compiler library
     @property
@@ -152,7 +161,7 @@ class FlashKernels:
             self._functions["flash_fwd"](q, k, v, out, lse, scale, left, right, tables[0], tables[1],
                                          *self._mods(mod_inputs), *(block_mask or ()))
             return
-        self._functions["flash_fwd"](q, k, v, out, lse, scale, left, right, _threads(num_threads), *tables[:3],
+        self._functions["flash_fwd"](q, k, v, out, lse, scale, left, right, self.plan_threads(num_threads), *tables[:3],
                                      *self._mods(mod_inputs), *(block_mask or ()))
 
     def backward(self, dout, q, k, v, out, lse, dq, dk, dv, softmax_scale: float | None = None, *,
@@ -175,7 +184,8 @@ class FlashKernels:
                                 [*self._mods(mod_inputs, mod_grads), *(block_mask or ())], heads_k,
                                 packed=cu_seqlens_q is not None)
             return
-        self._functions["flash_bwd"](dout, q, k, v, out, lse, dq, dk, dv, scale, left, right, _threads(num_threads),
+        self._functions["flash_bwd"](dout, q, k, v, out, lse, dq, dk, dv, scale, left, right,
+                                     self.plan_threads(num_threads),
                                      seqs.rounds, seqs.super_tile, *tables, *self._mods(mod_inputs, mod_grads),
                                      *((block_mask[0],) if block_mask else ()))
 
@@ -378,6 +388,11 @@ class DecodeKernels:
         self.score_mods = tuple(spec["score_mods"])
         self._source = source_text
         self._function = module["flash_decode"]
+        self._on_torch_threads = threads.route(library)
+
+    def plan_threads(self) -> int:
+        """The thread count to plan splits for: torch's when the kernel runs on torch's threads."""
+        return threads.torch_threads() if self._on_torch_threads else settings.num_threads()
 
     @functools.cached_property
     def config(self):
