@@ -53,10 +53,16 @@ static void run_in_team(void* data) {
   run_task((Job*)data, omp_get_thread_num(), omp_get_num_threads());
 }
 
+/* At most this many threads for this calling thread's launches (0: no limit): tvmflash sets it
+ * before each call from the work's size, so a call with one task wakes no worker. */
+static __thread int team_limit = 0;
+void tvmflash_threads_limit(int limit) { team_limit = limit; }
+
 int tvmflash_parallel_launch(ParallelLambda lambda, void* cdata, int num_task) {
   Job job = {lambda, cdata, 0};
   int team = omp_get_max_threads();
   if (num_task > 0 && num_task < team) team = num_task;
+  if (team_limit > 0 && team_limit < team) team = team_limit;
   __atomic_fetch_add(&launches, 1, __ATOMIC_RELAXED);
   if (team <= 1 || forked_child || omp_in_parallel()) {
     last_team = 1;

@@ -87,6 +87,8 @@ def _shim_for(gomp: ctypes.CDLL) -> ctypes.CDLL | None:
                            ("GOMP_parallel", "omp_get_thread_num", "omp_get_num_threads", "omp_get_max_threads",
                             "omp_in_parallel")]
                 shim.tvmflash_threads_init(*address)
+                shim.tvmflash_threads_limit.argtypes = [ctypes.c_int]
+                shim.tvmflash_threads_limit.restype = None
                 _shim = shim
             except (OSError, AttributeError, subprocess.SubprocessError) as err:
                 _shim_failed = str(err)
@@ -98,9 +100,11 @@ def _shim_for(gomp: ctypes.CDLL) -> ctypes.CDLL | None:
 def route(library: Path | str | None) -> bool:
     """Point the parallel launch of the loaded kernel ``library`` at torch's OpenMP threads.
 
-    Returns whether it did: False without torch, without GNU OpenMP, for an in-memory module
-    (``library`` None), for kernels that use TVM's parallel barrier, or where the shim cannot be
-    built (then with one warning).
+    ``library``: the name the library was loaded by (``dlopen`` finds it by that name; another
+    path to the same file would become a second name of it: see ``cache.store``). Returns whether
+    it did: False without torch, without GNU OpenMP, for an in-memory module (``library`` None),
+    for kernels that use TVM's parallel barrier, or where the shim cannot be built (then with one
+    warning).
     """
     if library is None:
         return False
@@ -122,6 +126,12 @@ def route(library: Path | str | None) -> bool:
         return False
     slot.value = ctypes.cast(shim.tvmflash_parallel_launch, ctypes.c_void_p).value
     return True
+
+
+def limit(count: int) -> None:
+    """At most ``count`` threads for the routed launches this thread makes next (every routed
+    call sets it: a call with fewer tasks than threads wakes no idle worker)."""
+    _shim.tvmflash_threads_limit(count)
 
 
 def torch_threads() -> int:
