@@ -131,3 +131,22 @@ def test_without_torch_the_kernels_keep_tvms_pool():
         print(sys.modules["torch"] is not None, kernels._on_torch_threads, np.isfinite(out).all())
     """)
     assert out.split() == ["False", "False", "True"], out
+
+
+def test_without_a_c_compiler_the_kernels_keep_tvms_pool(tmp_path):
+    """The shim cannot be built: one warning, and the kernels run on TVM's pool, correctly."""
+    out = _run(f"""
+        import os, warnings
+        os.environ["CC"] = "{tmp_path}/no-such-cc"
+        os.environ["PATH"] = "{tmp_path}"
+        import torch
+        from tvmflash import flash_attn_func, torch_op
+        q, k, v = (torch.randn(1, 70, 2, 64) for _ in range(3))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            out = flash_attn_func(q, k, v)
+        ref = torch.nn.functional.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (q, k, v)))
+        print(torch_op.kernels_for(q)._on_torch_threads, sum("TVM's thread pool" in str(w.message) for w in caught),
+              torch.allclose(out, ref.transpose(1, 2), atol=1e-5))
+    """)
+    assert out.split() == ["False", "1", "True"], out

@@ -43,6 +43,14 @@ def _unsafe_reason(path: Path, st: os.stat_result) -> str | None:
     return None
 
 
+def check_own_file(path: Path) -> None:
+    """Raise UnsafeCacheError unless ``path`` (about to be loaded: its code runs) is this user's
+    and writable by no one else."""
+    reason = _unsafe_reason(path, path.stat())
+    if reason:
+        raise UnsafeCacheError(f"tvmflash will not load {path}: {reason}. Delete it and it will be rebuilt.")
+
+
 def safe_directory(path: Path | None = None, create: bool = True) -> Path | None:
     """The cache directory, created 0700 if missing; raises UnsafeCacheError if another user
     could plant files in it. None if it does not exist and ``create`` is False."""

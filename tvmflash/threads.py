@@ -59,7 +59,7 @@ def _compiler() -> str | None:
 
 def _build_shim() -> ctypes.CDLL:
     """threads.c compiled into the cache directory (once per source and compiler), loaded."""
-    from .cache import safe_directory
+    from .cache import check_own_file, safe_directory
 
     compiler = _compiler()
     if compiler is None:
@@ -74,6 +74,7 @@ def _build_shim() -> ctypes.CDLL:
             subprocess.run([compiler, "-O2", "-shared", "-fPIC", "-pthread", "-o", str(built), str(_SOURCE)],
                            check=True, capture_output=True, timeout=120)
             os.replace(built, library)
+    check_own_file(library)  # loading runs its code
     return ctypes.CDLL(str(library))
 
 
