@@ -103,6 +103,30 @@ def test_no_torch_compute_around_the_kernels(gen):
                    "aten::to", "aten::resolve_conj", "aten::resolve_neg", "aten::view", "aten::as_strided"}, ops
 
 
+def test_calls_without_autograd_skip_the_dispatcher_but_not_modes(gen):
+    """An inference call runs the op's body directly (torch's custom-op layers cost more than a
+    small kernel); the result is the op's, and a dispatch mode (tracing, profiling) still sees
+    the op."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    q, k, v = random_inputs(gen, 2, 37, 53, 4, 2, 64, "float32")
+    seen: list[str] = []
+    with torch.no_grad():
+        direct = flash_attn_func(q, k, v, causal=True)
+        with Record():
+            traced = flash_attn_func(q, k, v, causal=True)
+    via_op = torch.ops.tvmflash.flash_attn_forward(q, k, v, None, None, None, 0.125, -1, 0, 0.0, False, False,
+                                                   None)[0]
+    assert any("tvmflash.flash_attn_forward" in name for name in seen), seen
+    assert torch.equal(direct, traced) and torch.equal(direct, via_op)
+    torch.testing.assert_close(direct.double(), reference_attention(q, k, v, causal=True)[0], atol=1e-5, rtol=1e-5)
+
+
 def test_empty_sizes():
     q, k = torch.randn(0, 5, 2, 64), torch.randn(0, 7, 2, 64)
     assert flash_attn_func(q, k, k).shape == (0, 5, 2, 64)

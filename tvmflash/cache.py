@@ -43,6 +43,14 @@ def _unsafe_reason(path: Path, st: os.stat_result) -> str | None:
     return None
 
 
+def check_own_file(path: Path) -> None:
+    """Raise UnsafeCacheError unless ``path`` (about to be loaded: its code runs) is this user's
+    and writable by no one else."""
+    reason = _unsafe_reason(path, path.stat())
+    if reason:
+        raise UnsafeCacheError(f"tvmflash will not load {path}: {reason}. Delete it and it will be rebuilt.")
+
+
 def safe_directory(path: Path | None = None, create: bool = True) -> Path | None:
     """The cache directory, created 0700 if missing; raises UnsafeCacheError if another user
     could plant files in it. None if it does not exist and ``create`` is False."""
@@ -107,8 +115,16 @@ def load(key: str, request: dict, functions: tuple[str, ...]):
     return module, (src.read_text() if src.exists() else None), so
 
 
-def store(key: str, request: dict, module, source: str | None) -> Path | None:
-    """Write an entry; returns the .so path, or None (with a warning) if it could not be written."""
+def store(key: str, request: dict, module, source: str | None, reload: bool = False):
+    """Write an entry; returns the .so path, or None (with a warning) if it could not be written.
+
+    ``reload``: returns (path, the library loaded back, the name it was loaded by) instead. It is
+    loaded from its temporary name, before the rename, so that the process holds no library under
+    the entry's name (``dlopen`` of a name already loaded returns that library, even after the
+    file was replaced); ``threads.route`` must use that name too.
+    """
+    import tvm
+
     try:
         directory = safe_directory()
         with tempfile.TemporaryDirectory(dir=directory) as tmp:
@@ -120,8 +136,9 @@ def store(key: str, request: dict, module, source: str | None) -> Path | None:
                 (Path(tmp) / "kernels.src").write_text(source)
                 os.replace(Path(tmp) / "kernels.src", directory / f"{key}.src")
             os.replace(Path(tmp) / "kernels.json", directory / f"{key}.json")
+            loaded = tvm.runtime.load_module(str(tmp_so)) if reload else None
             os.replace(tmp_so, directory / f"{key}.so")  # last: its presence marks a complete entry
-        return directory / f"{key}.so"
+        return (directory / f"{key}.so", loaded, tmp_so) if reload else directory / f"{key}.so"
     except (OSError, RuntimeError, UnsafeCacheError) as err:  # TVM reports export failures as RuntimeError
         warn(f"could not write the compile cache in {cache_dir()} ({err}); continuing without it")
-        return None
+        return (None, None, None) if reload else None

@@ -154,13 +154,19 @@ def compile(  # noqa: A001 - the public name the API promises
                         deterministic=checks.require_bool("deterministic", deterministic))
 
 
+def request_state() -> tuple:
+    """What besides the request decides which kernels a compile returns (the records' generation,
+    the steering environment variables): part of every memo of compile results."""
+    return records.generation, *(os.environ.get(name) for name in _STEERING_ENV)
+
+
 def compile_spec(target, spec: AttentionSpec, *, causal: bool = False, config=None, tuned: bool = True,
                  seqlen: int | None = None, cache: bool = True, deterministic: bool = False) -> FlashKernels:
     """``compile`` for any spec (score/mask mods, block sparsity, fp32 results)."""
     memo = None
     if cache and config is None and isinstance(target, (str, dict)):
         memo = (json.dumps(target, sort_keys=True), spec.digest(), spec.mod_inputs, causal, deterministic, tuned,
-                seqlen, records.generation, *(os.environ.get(name) for name in _STEERING_ENV))
+                seqlen, *request_state())
         with _lock:
             found = _request_memo.get(memo)
         if found is not None:
@@ -206,16 +212,16 @@ def _compile_spec(target, spec: AttentionSpec, *, causal: bool, config, tuned: b
         if found is None:
             found = _build(target, spec, configs, meta)
             if _can_load(target):
-                library = cache_store(key, request, found)
-                if library is not None:
+                # CPU kernels run from the stored library (threads.py routes a library's parallel
+                # launches); a CUDA library would compile its source again when loaded
+                library, loaded, name = _cache.store(key, request, found._module, found._source, reload=not is_cuda)
+                if loaded is not None:
+                    found = FlashKernels(loaded, meta, found._source, library=library, loaded_as=name)
+                elif library is not None:
                     found._library = library
         with _lock:
             _memory_cache[key] = found
     return found.with_causal(causal)
-
-
-def cache_store(key, request, kernels_obj: FlashKernels):
-    return cache.store(key, request, kernels_obj._module, kernels_obj._source)
 
 
 def _load_from_disk(key: str, request: dict, meta: dict) -> FlashKernels | None:
@@ -471,9 +477,9 @@ def compile_decode(target, spec: AttentionSpec, *, config=None, cache: bool = Tr
         found = runtime.DecodeKernels(lib, meta, build.module_source(target, lib))
         settings.progress(f"compiled in {time.perf_counter() - start:.1f} s")
         if cache:
-            library = _cache.store(key, request, lib, found._source)
-            if library is not None:
-                found._library = library
+            library, loaded, name = _cache.store(key, request, lib, found._source, reload=True)
+            if loaded is not None:
+                found = runtime.DecodeKernels(loaded, meta, found._source, library, loaded_as=name)
     if cache:
         with _lock:
             _memory_cache[key] = found

@@ -25,11 +25,12 @@ splits through their row statistics (fp32). Forward only, like flash-attn's; CPU
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
 
-from . import checks, compiler, plan, settings
+from . import checks, compiler, plan
 from .spec import SUPPORTED_DTYPES, UNLIMITED_WINDOW, Alibi, AttentionSpec, Softcap
 
 __all__ = ["flash_attn_with_kvcache", "apply_rotary"]
@@ -174,11 +175,12 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
             if k_cache.shape[0] < batch:
                 raise ValueError(f"k_cache has {k_cache.shape[0]} rows for a batch of {batch}: pass cache_batch_idx")
             cache_rows = list(range(batch))
+            pages = _first_rows(batch)
         else:
             cache_rows = _int_vector("cache_batch_idx", cache_batch_idx, batch)
             if any(r < 0 or r >= k_cache.shape[0] for r in cache_rows):
                 raise ValueError(f"cache_batch_idx values must lie in [0, {k_cache.shape[0]})")
-        pages = torch.tensor(cache_rows, dtype=torch.int32).reshape(batch, 1)
+            pages = torch.tensor(cache_rows, dtype=torch.int32).reshape(batch, 1)
 
     # --- lengths ---------------------------------------------------------------------------------
     seqlen_new = 0
@@ -252,7 +254,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         _write_new_tokens(k_cache, v_cache, k, v, seqlens, cache_rows, pages if paged else None)
 
     # --- attention ------------------------------------------------------------------------------
-    threads = settings.num_threads()
+    threads = kernels.plan_threads()
     window = tuple(UNLIMITED_WINDOW if w < 0 else min(w, UNLIMITED_WINDOW) for w in (left, right))
     group = plan.decode_head_group(heads_k, block_k, head_dim, q.element_size())
     seq_info, units = plan.decode_units(starts, ends, seqlen_q=seqlen_q, window=window, block_k=block_k,
@@ -262,6 +264,13 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     kernels.decode(q_in, k_cache, v_cache, out, lse, scale, window, threads, torch.from_numpy(seq_info),
                    torch.from_numpy(units), pages, mods)
     return (out, lse) if return_softmax_lse else out
+
+
+@functools.lru_cache(maxsize=64)
+def _first_rows(batch: int) -> torch.Tensor:
+    """The cache rows 0 .. batch - 1 as the kernel's (batch, 1) table (read only; a decode step
+    would otherwise build it every token)."""
+    return torch.arange(batch, dtype=torch.int32).reshape(batch, 1)
 
 
 def _with_padded_head_dim(padding: int, **args):

@@ -20,7 +20,7 @@ from pathlib import Path
 import tvm
 import tvm_ffi
 
-from . import checks, plan, settings
+from . import checks, plan, settings, threads
 from .config import BF16_DOT, config_from_json
 
 CPU_FUNCTIONS = ("flash_fwd", "flash_bwd")
@@ -43,9 +43,10 @@ class FlashKernels:
     """
 
     def __init__(self, module, meta: dict, source_text: str | None = None, library: Path | None = None,
-                 causal: bool = False):
+                 causal: bool = False, loaded_as: Path | None = None):
         self._module = module
         self._library = library  # the shared library this module was loaded from, if any
+        self._loaded_as = loaded_as or library  # the name dlopen knows it by (cache.store)
         self.meta = meta
         self.target_kind = meta["target"]["kind"]
         self.is_cuda = self.target_kind == "cuda"
@@ -58,12 +59,21 @@ class FlashKernels:
         self._source = source_text
         self._functions = {name: module[name] for name in functions_of(meta)}
         self._mod_inputs = [tuple(i) for i in meta.get("mod_inputs", [])]
+        # parallel loops on torch's OpenMP threads when torch is here (threads.py)
+        self._on_torch_threads = not self.is_cuda and threads.route(self._loaded_as)
 
     def with_causal(self, causal: bool) -> FlashKernels:
         """The same module with another default mask."""
         if causal == self.causal:
             return self
-        return FlashKernels(self._module, self.meta, self._source, self._library, causal)
+        return FlashKernels(self._module, self.meta, self._source, self._library, causal, self._loaded_as)
+
+    def plan_threads(self, num_threads: int | None = None) -> int:
+        """The slot count a call plans for: ``num_threads``, else torch's intra-op thread count
+        for kernels on torch's threads, else tvmflash's (``settings.num_threads``)."""
+        if num_threads is None and self._on_torch_threads:
+            return threads.torch_threads()
+        return _threads(num_threads)
 
     # parsed on demand: loading prebuilt kernels must work without TVM's compiler library
     @property
@@ -142,18 +152,30 @@ class FlashKernels:
         them). ``diagonal``: the key query 0 is aligned with (default bottom-right,
         ``seqlen_k - seqlen_q``). ``num_threads``: the plan's thread count (results do not
         depend on it)."""
-        batch, seqlen_q, heads, heads_k = checks.check_forward_args(self, q, k, v, out, lse)
+        dims = checks.check_forward_args(self, q, k, v, out, lse)
         scale = checks.softmax_scale(softmax_scale, self.head_dim)
+        self.launch_forward(dims, q, k, v, out, lse, scale, self._window(causal, window_size), cu_seqlens_q,
+                            cu_seqlens_k, self._mods(mod_inputs), block_mask, diagonal, num_threads)
+
+    def launch_forward(self, dims, q, k, v, out, lse, scale: float, window: tuple[int, int], cu_seqlens_q,
+                       cu_seqlens_k, mods: list, block_mask=None, diagonal=None, num_threads=None) -> None:
+        """``forward`` on checked arguments: ``dims`` = ``checks.check_forward_args(...)``, scale
+        and window final (the torch op checks its inputs once and allocates out and lse itself)."""
+        batch, seqlen_q, heads, heads_k = dims
         self._check_runs_here()
-        left, right = self._window(causal, window_size)
+        left, right = window
         seqs, tables = self._sequences("forward", batch, seqlen_q, _len(k), heads_k, cu_seqlens_q, cu_seqlens_k,
                                        diagonal, like=q)
         if self.is_cuda:
-            self._functions["flash_fwd"](q, k, v, out, lse, scale, left, right, tables[0], tables[1],
-                                         *self._mods(mod_inputs), *(block_mask or ()))
+            checks.check_cuda_grid(heads)
+            self._functions["flash_fwd"](q, k, v, out, lse, scale, left, right, tables[0], tables[1], *mods,
+                                         *(block_mask or ()))
             return
-        self._functions["flash_fwd"](q, k, v, out, lse, scale, left, right, _threads(num_threads), *tables[:3],
-                                     *self._mods(mod_inputs), *(block_mask or ()))
+        n_threads = self.plan_threads(num_threads)
+        if self._on_torch_threads:  # no more threads than tasks (query or key tiles x heads)
+            threads.limit(min(n_threads, max(seqs.query_tiles * heads, seqs.key_tiles * heads_k)))
+        self._functions["flash_fwd"](q, k, v, out, lse, scale, left, right, n_threads, *tables[:3], *mods,
+                                     *(block_mask or ()))
 
     def backward(self, dout, q, k, v, out, lse, dq, dk, dv, softmax_scale: float | None = None, *,
                  causal: bool | None = None, window_size=(-1, -1), cu_seqlens_q=None, cu_seqlens_k=None,
@@ -175,7 +197,10 @@ class FlashKernels:
                                 [*self._mods(mod_inputs, mod_grads), *(block_mask or ())], heads_k,
                                 packed=cu_seqlens_q is not None)
             return
-        self._functions["flash_bwd"](dout, q, k, v, out, lse, dq, dk, dv, scale, left, right, _threads(num_threads),
+        n_threads = self.plan_threads(num_threads)
+        if self._on_torch_threads:
+            threads.limit(n_threads)
+        self._functions["flash_bwd"](dout, q, k, v, out, lse, dq, dk, dv, scale, left, right, n_threads,
                                      seqs.rounds, seqs.super_tile, *tables, *self._mods(mod_inputs, mod_grads),
                                      *((block_mask[0],) if block_mask else ()))
 
@@ -369,7 +394,8 @@ class DecodeKernels:
     PyTorch function, ``kvcache.py``) checks the inputs, updates the cache and plans the splits.
     """
 
-    def __init__(self, module, meta: dict, source_text: str | None = None, library: Path | None = None):
+    def __init__(self, module, meta: dict, source_text: str | None = None, library: Path | None = None,
+                 loaded_as: Path | None = None):
         self._module = module
         self._library = library
         self.meta = meta
@@ -378,6 +404,11 @@ class DecodeKernels:
         self.score_mods = tuple(spec["score_mods"])
         self._source = source_text
         self._function = module["flash_decode"]
+        self._on_torch_threads = threads.route(loaded_as or library)
+
+    def plan_threads(self) -> int:
+        """The thread count to plan splits for: torch's when the kernel runs on torch's threads."""
+        return threads.torch_threads() if self._on_torch_threads else settings.num_threads()
 
     @functools.cached_property
     def config(self):
@@ -394,6 +425,9 @@ class DecodeKernels:
     def decode(self, q, k_cache, v_cache, out, lse, softmax_scale: float, window: tuple[int, int], num_threads: int,
                seq_info, units, block_table, mod_inputs=()) -> None:
         """out, lse = attention of q against the cache (see ``kernels/decode.py`` for the tables)."""
+        if self._on_torch_threads:  # no more threads than units
+            num_threads = min(num_threads, max(1, int(units.shape[0])))
+            threads.limit(num_threads)
         self._function(q, k_cache, v_cache, out, lse, softmax_scale, window[0], window[1], num_threads, seq_info,
                        units, block_table, *mod_inputs)
 

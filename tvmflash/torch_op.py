@@ -33,10 +33,21 @@ def kernels_for(q: torch.Tensor, *, causal: bool = False, deterministic: bool = 
     callers that sum partial results (ring attention). CUDA kernels run on torch's current stream
     (tvm-ffi reads it from the tensors). Kernels take the mask per call; ``causal`` is the default.
     """
-    dtype = _dtype_name(q)
-    mods = (Softcap(),) * softcap + (Alibi(),) * alibi
-    spec = AttentionSpec(q.shape[-1], dtype, "float32" if fp32_results else dtype, score_mods=mods)
-    return compiler.compile_spec(device_target(q.device), spec, causal=causal, deterministic=deterministic)
+    memo = (q.device, q.dtype, q.shape[-1], causal, deterministic, softcap, alibi, fp32_results,
+            compiler.request_state())
+    found = _kernels.get(memo)
+    if found is None:
+        dtype = _dtype_name(q)
+        mods = (Softcap(),) * softcap + (Alibi(),) * alibi
+        spec = AttentionSpec(q.shape[-1], dtype, "float32" if fp32_results else dtype, score_mods=mods)
+        found = _kernels[memo] = compiler.compile_spec(device_target(q.device), spec, causal=causal,
+                                                       deterministic=deterministic)
+    return found
+
+
+# kernels_for's answers, keyed by what selects them (compile_spec's own memo costs ~20 us a call:
+# it serializes the target and hashes the spec)
+_kernels: dict[tuple, FlashKernels] = {}
 
 
 def device_target(device: torch.device) -> dict:
@@ -74,11 +85,18 @@ def _empty_problem(q: torch.Tensor, k: torch.Tensor, varlen: bool) -> bool:
     return q.numel() == 0 or k.numel() == 0 or (not varlen and k.shape[1] == 0)
 
 
-@torch.library.custom_op("tvmflash::flash_attn_forward", mutates_args=())
-def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor | None,
-             cu_seqlens_k: torch.Tensor | None, alibi_slopes: torch.Tensor | None, softmax_scale: float,
-             window_left: int, window_right: int, softcap: float, deterministic: bool, fp32_results: bool,
-             diagonal: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+def _forward_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor | None,
+                  cu_seqlens_k: torch.Tensor | None, alibi_slopes: torch.Tensor | None, softmax_scale: float,
+                  window_left: int, window_right: int, softcap: float, deterministic: bool, fp32_results: bool,
+                  diagonal: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    return _run_forward(None, q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, softmax_scale, window_left,
+                        window_right, softcap, deterministic, fp32_results, diagonal)
+
+
+def _run_forward(dims, q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, softmax_scale, window_left, window_right,
+                 softcap, deterministic, fp32_results, diagonal):
+    """The forward op's body; ``dims``: ``checks.check_qkv``'s result when the caller checked
+    q, k, v already (``_attention``), else None."""
     varlen = cu_seqlens_q is not None
     out_dtype = torch.float32 if fp32_results else q.dtype
     out = torch.empty(q.shape, dtype=out_dtype, device=q.device)
@@ -91,10 +109,29 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: to
         q4, k4, v4, out4, lse3 = (_as_batch(t) for t in (q, k, v, out, lse))
     else:
         q4, k4, v4, out4, lse3 = q, k, v, out, lse
-    kernels.forward(q4, k4, v4, out4, lse3, softmax_scale, causal=False, window_size=(window_left, window_right),
-                    cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
-                    mod_inputs=_mod_inputs(q, softcap, alibi_slopes), diagonal=diagonal)
+    # out and lse were just allocated here: only the inputs need checking (once per call)
+    if dims is None:
+        dims = checks.check_inputs(kernels, q4, k4, v4)
+    scale = checks.softmax_scale(softmax_scale, kernels.head_dim)
+    window = checks.window((window_left, window_right), False)
+    kernels.launch_forward(dims, q4, k4, v4, out4, lse3, scale, window, cu_seqlens_q, cu_seqlens_k,
+                           kernels._mods(_mod_inputs(q, softcap, alibi_slopes)), diagonal=diagonal)
     return out, lse
+
+
+_forward = torch.library.custom_op("tvmflash::flash_attn_forward", mutates_args=())(_forward_impl)
+
+
+def _without_dispatcher(*tensors) -> bool:
+    """Whether a call may run the op's implementation directly, skipping torch's dispatcher (its
+    Python custom-op layers cost ~30-60 us a call): plain tensors, nothing for autograd to record,
+    no torch.compile tracing, vmap or dispatch/function mode that must see the op."""
+    if any(type(t) is not torch.Tensor for t in tensors if t is not None):
+        return False
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors if t is not None):
+        return False
+    return (not torch.compiler.is_compiling() and torch._C._len_torch_dispatch_stack() == 0
+            and torch._C._len_torch_function_stack() == 0 and torch._C._functorch.maybe_current_level() is None)
 
 
 @_forward.register_fake
@@ -208,11 +245,11 @@ def _cuda_readable(t: torch.Tensor) -> torch.Tensor:
 
 
 # --- flash-attn's Python surface --------------------------------------------------------------------
-def _check_tensors(tensors: dict) -> None:
+def _check_tensors(tensors: dict) -> list:
     for name, t in tensors.items():
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        checks.info(t, name)  # sparse and other layouts
+    return [checks.info(t, name) for name, t in tensors.items()]  # sparse and other layouts
 
 
 def _check_common(tensors: dict, dropout_p, softcap, alibi_slopes, heads: int, batch: int | None) -> float:
@@ -234,14 +271,17 @@ def _attention(q, k, v, cu_seqlens_q, cu_seqlens_k, dropout_p, softmax_scale, ca
                alibi_slopes, deterministic, return_attn_probs, *, fp32_results=False, diagonal=None):
     varlen = cu_seqlens_q is not None
     tensors = {"q": q, "k": k, "v": v}
-    _check_tensors(tensors)
+    infos = _check_tensors(tensors)
     heads = q.shape[-2] if q.dim() >= 2 else 0
     batch = (cu_seqlens_q.shape[0] - 1 if cu_seqlens_q.dim() == 1 else None) if varlen else (
         q.shape[0] if q.dim() == 4 else None)
     softcap = _check_common(tensors, dropout_p, softcap, alibi_slopes, heads, batch)
     head_dim = q.shape[-1] if q.dim() else 0
     scale = checks.softmax_scale(softmax_scale, head_dim) if head_dim else None
-    q, k, v = _padded_head_dims(q, k, v)
+    padded = _padded_head_dims(q, k, v)
+    if padded[0] is not q:
+        q, k, v = padded
+        infos = [checks.info(t, n) for n, t in zip("qkv", padded)]
     tensors = {"q": q, "k": k, "v": v}
     causal = checks.require_bool("causal", causal)
     checks.require_bool("deterministic", deterministic)
@@ -251,15 +291,19 @@ def _attention(q, k, v, cu_seqlens_q, cu_seqlens_k, dropout_p, softmax_scale, ca
             if t.dim() != 3:
                 raise ValueError(f"{name} must have 3 dimensions (total_tokens, heads, head_dim) for the varlen "
                                  f"functions, got shape {tuple(t.shape)}")
-        checks.check_qkv(*(checks.info(t.unsqueeze(0), n) for n, t in tensors.items()))
+        dims = checks.check_qkv(*(checks.info(t.unsqueeze(0), n) for n, t in tensors.items()))
     else:
-        checks.check_qkv(*(checks.info(t, n) for n, t in tensors.items()))
+        dims = checks.check_qkv(*infos)
     if q.dtype not in tuple(getattr(torch, d) for d in SUPPORTED_DTYPES):
         raise TypeError(f"dtype {q.dtype} is not supported")
     left, right = checks.window_pair(window_size, causal)
     q, k, v = (kernel_layout(t) for t in (q, k, v))
-    out, lse = _forward(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, scale, left, right, softcap,
-                        bool(deterministic), fp32_results, diagonal)
+    args = (q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, scale, left, right, softcap, bool(deterministic),
+            fp32_results, diagonal)
+    if _without_dispatcher(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes):
+        out, lse = _run_forward(dims, *args)
+    else:
+        out, lse = _forward(*args)
     out = out[..., :head_dim]
     return (out, lse, None) if return_attn_probs else out
 

@@ -1,0 +1,150 @@
+"""One thread pool: the CPU kernels' parallel loops run on torch's OpenMP threads.
+
+TVM's LLVM code starts each ``T.parallel`` region through a function pointer that every
+generated library holds (``__TVMBackendParallelLaunch``), which TVM's library loader points at
+its own thread pool. In a model, torch's ops run on torch's OpenMP workers right before and after
+attention, and both pools' workers spin after a region on the same cores (DEVELOPING.md,
+"Threads"). When torch is imported and runs on GNU OpenMP, ``route`` points that pointer at a
+small C function (``threads.c``, compiled once into the cache directory) that runs the tasks as a
+parallel region of torch's libgomp: the same workers as torch's intra-op pool, as many as
+``torch.get_num_threads()``. Without torch (the compile API alone), or where the shim cannot be
+built, kernels keep TVM's pool.
+
+After ``fork`` GNU libgomp's pool is unusable in the child (a parallel region waits for the
+parent's workers forever, torch's own ops included); the shim then runs the tasks on the calling
+thread.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+from pathlib import Path
+
+from . import settings
+
+_SOURCE = Path(__file__).with_name("threads.c")
+_LAUNCH_SLOT = "__TVMBackendParallelLaunch"
+_BARRIER_SLOT = "__TVMBackendParallelBarrier"
+
+_lock = threading.Lock()
+_shim: ctypes.CDLL | None = None
+_shim_failed: str | None = None  # why torch's threads are not used (None: not tried yet, or working)
+
+
+def torch_openmp() -> ctypes.CDLL | None:
+    """libtorch_cpu, if torch is imported and its intra-op pool is GNU OpenMP (libgomp)."""
+    torch = sys.modules.get("torch")
+    if torch is None or not torch.backends.openmp.is_available():
+        return None
+    library = Path(torch.__file__).parent / "lib" / "libtorch_cpu.so"
+    try:
+        # dlsym on this handle searches libtorch_cpu's own dependencies: its libgomp
+        handle = ctypes.CDLL(str(library), mode=os.RTLD_NOLOAD | os.RTLD_LAZY)
+        handle.GOMP_parallel  # GNU OpenMP (not Intel's or LLVM's runtime under that name)
+    except (OSError, AttributeError):
+        return None
+    return handle
+
+
+def _compiler() -> str | None:
+    return shutil.which(os.environ.get("CC", "gcc")) or shutil.which("cc")
+
+
+def _build_shim() -> ctypes.CDLL:
+    """threads.c compiled into the cache directory (once per source and compiler), loaded."""
+    from .cache import check_own_file, safe_directory
+
+    compiler = _compiler()
+    if compiler is None:
+        raise OSError("no C compiler (gcc or $CC) found")
+    source = _SOURCE.read_bytes()
+    digest = hashlib.sha256(source + compiler.encode()).hexdigest()[:16]
+    directory = safe_directory()
+    library = directory / f"threads-{digest}.so"
+    if not library.exists():
+        with tempfile.TemporaryDirectory(dir=directory) as tmp:
+            built = Path(tmp) / "threads.so"
+            subprocess.run([compiler, "-O2", "-shared", "-fPIC", "-pthread", "-o", str(built), str(_SOURCE)],
+                           check=True, capture_output=True, timeout=120)
+            os.replace(built, library)
+    check_own_file(library)  # loading runs its code
+    return ctypes.CDLL(str(library))
+
+
+def _shim_for(gomp: ctypes.CDLL) -> ctypes.CDLL | None:
+    global _shim, _shim_failed
+    with _lock:
+        if _shim is None and _shim_failed is None:
+            try:
+                shim = _build_shim()
+                address = [ctypes.cast(getattr(gomp, name), ctypes.c_void_p) for name in
+                           ("GOMP_parallel", "omp_get_thread_num", "omp_get_num_threads", "omp_get_max_threads",
+                            "omp_in_parallel")]
+                shim.tvmflash_threads_init(*address)
+                shim.tvmflash_threads_limit.argtypes = [ctypes.c_int]
+                shim.tvmflash_threads_limit.restype = None
+                _shim = shim
+            except (OSError, AttributeError, subprocess.SubprocessError) as err:
+                _shim_failed = str(err)
+                settings.warn(f"the kernels keep TVM's thread pool (torch's OpenMP threads are not usable: {err}); "
+                              "torch's and TVM's workers will compete for the cores")
+        return _shim
+
+
+def route(library: Path | str | None) -> bool:
+    """Point the parallel launch of the loaded kernel ``library`` at torch's OpenMP threads.
+
+    ``library``: the name the library was loaded by (``dlopen`` finds it by that name; another
+    path to the same file would become a second name of it: see ``cache.store``). Returns whether
+    it did: False without torch, without GNU OpenMP, for an in-memory module (``library`` None),
+    for kernels that use TVM's parallel barrier, or where the shim cannot be built (then with one
+    warning).
+    """
+    if library is None:
+        return False
+    gomp = torch_openmp()
+    if gomp is None:
+        return False
+    try:  # the library TVM loaded (RTLD_NOLOAD: this never loads anything new)
+        handle = ctypes.CDLL(str(library), mode=os.RTLD_NOLOAD | os.RTLD_LAZY)
+        slot = ctypes.c_void_p.in_dll(handle, _LAUNCH_SLOT)
+    except (OSError, ValueError):
+        return False
+    try:
+        ctypes.c_void_p.in_dll(handle, _BARRIER_SLOT)
+        return False  # barriers inside a region: not implemented by the shim
+    except ValueError:
+        pass
+    shim = _shim_for(gomp)
+    if shim is None:
+        return False
+    slot.value = ctypes.cast(shim.tvmflash_parallel_launch, ctypes.c_void_p).value
+    return True
+
+
+def limit(count: int) -> None:
+    """At most ``count`` threads for the routed launches this thread makes next (every routed
+    call sets it: a call with fewer tasks than threads wakes no idle worker)."""
+    _shim.tvmflash_threads_limit(count)
+
+
+def torch_threads() -> int:
+    """torch's intra-op thread count (what a routed kernel's region gets)."""
+    return sys.modules["torch"].get_num_threads()
+
+
+def last_launch() -> tuple[int, list[int], int]:
+    """(team size, OS thread id of each task, launches so far) of the shim's last launch: for tests."""
+    if _shim is None:
+        return 0, [], 0
+    tids = (ctypes.c_long * 256)()
+    count = ctypes.c_long()
+    team = _shim.tvmflash_threads_last(tids, 256, ctypes.byref(count))
+    return team, list(tids[:team]), count.value
