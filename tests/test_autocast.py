@@ -41,6 +41,19 @@ def test_autocast_runs_the_kernels_in_the_regions_dtype(gen, seed, dtype):
                              alibi_slopes=slopes)
 
 
+@pytest.mark.parametrize("no_autograd", [torch.no_grad, torch.inference_mode])
+def test_autocast_holds_for_inference_calls(gen, no_autograd):
+    """Calls with nothing for autograd to record skip torch's dispatcher (per-call cost): not
+    inside an autocast region, whose rule lives in the dispatcher."""
+    q, k, v = (torch.randn(1, 45, 2, 32, generator=gen) for _ in range(3))
+    with no_autograd(), torch.autocast("cpu", dtype=torch.bfloat16):
+        out = flash_attn_func(q, k, v, causal=True)
+    assert out.dtype == torch.bfloat16
+    with no_autograd():
+        expected = flash_attn_func(*(t.to(torch.bfloat16) for t in (q, k, v)), causal=True)
+    assert torch.equal(out, expected)
+
+
 def test_autocast_leaves_other_devices_and_disabled_regions_alone(gen):
     q, k, v = _leaves(gen, (1, 40, 2, 16), (1, 40, 2, 16), (1, 40, 2, 16))
     with torch.autocast("cuda", dtype=torch.float16, enabled=torch.cuda.is_available()):

@@ -125,10 +125,12 @@ _forward = torch.library.custom_op("tvmflash::flash_attn_forward", mutates_args=
 def _without_dispatcher(*tensors) -> bool:
     """Whether a call may run the op's implementation directly, skipping torch's dispatcher (its
     Python custom-op layers cost ~30-60 us a call): plain tensors, nothing for autograd to record,
-    no torch.compile tracing, vmap or dispatch/function mode that must see the op."""
+    no autocast region, no torch.compile tracing, vmap or dispatch/function mode that must see the op."""
     if any(type(t) is not torch.Tensor for t in tensors if t is not None):
         return False
     if torch.is_grad_enabled() and any(t.requires_grad for t in tensors if t is not None):
+        return False
+    if torch.is_autocast_enabled(tensors[0].device.type):  # the op's autocast rule must see the call
         return False
     return (not torch.compiler.is_compiling() and torch._C._len_torch_dispatch_stack() == 0
             and torch._C._len_torch_function_stack() == 0 and torch._C._functorch.maybe_current_level() is None)
