@@ -183,6 +183,26 @@ def test_generate_greedy_matches_eager(model, gen, monkeypatch):
                            eager.generate(single, max_new_tokens=12, do_sample=False, pad_token_id=0))
 
 
+def test_generate_under_inference_mode_matches_no_grad(gen):
+    """torch.inference_mode() (what serving code uses): its tensors have no version counter, which
+    the per-tensor caches of masks and documents key on."""
+    _, ours = _models("llama")
+    ours.eval()
+    ids = torch.randint(1, 128, (2, 11), generator=gen)
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0
+    kwargs = dict(attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        want = ours.generate(ids * mask, **kwargs)
+    with torch.inference_mode():
+        got = ours.generate(ids * mask, **kwargs)
+        packed = torch.tensor([[0, 1, 2, 3, 0, 1, 2, 0, 1, 2, 3]])  # documents by restarting positions
+        logits = ours(input_ids=ids[:1], position_ids=packed).logits
+    assert torch.equal(got, want)
+    with torch.no_grad():
+        assert torch.equal(logits, ours(input_ids=ids[:1], position_ids=packed).logits)
+
+
 def test_generate_with_static_cache_matches_eager(gen):
     """A static cache: slots after the last token are empty (zeros); generate() drops an all-ones
     mask for non-flash implementations, so the mask builder cuts the keys to the written ones."""

@@ -301,6 +301,8 @@ def _unpad_plan(mask: torch.Tensor, len_q: int) -> _Unpad:
     A model builds its masks once per forward and hands the same tensor to every layer of a
     kind, so the indices (and the device sync for the lengths) are found once, not per layer.
     """
+    if mask.is_inference():  # no version counter to tell an in-place change: computed per call
+        return _Unpad(mask, len_q)
     stamp = (mask._version, len_q)
     cached = getattr(mask, "_tvmflash_unpad", None)
     if cached is not None and cached[0] == stamp:
@@ -425,9 +427,10 @@ def _documents_from_positions(position_ids: torch.Tensor | None, batch: int, len
         return None
     if position_ids.shape[0] not in (1, batch):
         return None
-    stamp = (position_ids._version, batch)
+    # inference tensors have no version counter to tell an in-place change: computed per call
+    stamp = None if position_ids.is_inference() else (position_ids._version, batch)
     cached = getattr(position_ids, "_tvmflash_documents", None)
-    if cached is not None and cached[0] == stamp:
+    if stamp is not None and cached is not None and cached[0] == stamp:
         return cached[1]
     positions = position_ids.expand(batch, -1)
     starts = torch.ones(batch, length, dtype=torch.bool, device=position_ids.device)
@@ -436,8 +439,9 @@ def _documents_from_positions(position_ids: torch.Tensor | None, batch: int, len
     if bool(starts[:, 1:].any()):
         first = starts.flatten().nonzero().flatten().to(torch.int32)
         cu = torch.cat([first, first.new_tensor([batch * length])])
-    try:
-        position_ids._tvmflash_documents = (stamp, cu)
-    except (AttributeError, RuntimeError):
-        pass
+    if stamp is not None:
+        try:
+            position_ids._tvmflash_documents = (stamp, cu)
+        except (AttributeError, RuntimeError):
+            pass
     return cu
