@@ -33,6 +33,7 @@ plain loops) against float64 PyTorch, which checks the layouts and the math with
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from tvm import tirx
@@ -267,6 +268,304 @@ def reciprocal(x, on_cpu: bool):
     return T.float32(1) / x if on_cpu else T.call_pure_extern(F32, "__frcp_rn", x)
 
 
+# --- named stages ---------------------------------------------------------------------------
+# The kernels below are sequences of these stages. Each emits one or a few blocks over the warps'
+# fragments; the schedules (schedules/cuda.py) find every block by the name the kernel passes in.
+
+
+def stage(func):
+    """A ``T.macro`` whose blocks keep the names its caller passes: TVMScript suffixes the blocks
+    of every later expansion of one macro (``pv_1``, ``dv_2``, ...), and the schedules find the
+    stages by block name, so every call expands a macro of its own."""
+
+    @functools.wraps(func)
+    def expand(*args, **kwargs):
+        return T.macro(func)(*args, **kwargs)
+
+    return expand
+
+
+def _one(value) -> bool:
+    """Whether a tile count is a loop of the stage (an int) rather than an enclosing loop's tile
+    (its ``(var, extent)``). A function: TVMScript evaluates it while parsing, a static branch."""
+    return not isinstance(value, tuple)
+
+
+@stage
+def load_rows(name, tile, src, batch, start, row0, length, head):
+    """Rows ``row0 ...`` of a sequence (its rows start at ``start`` of ``batch`` in ``src``) into a
+    shared tile. The row is clamped, not tested: the copies stay plain 16-byte loads, and rows past
+    the sequence are masked (keys) or never stored (queries)."""
+    for r, c in T.grid(T.int64(int(tile.shape[0])), T.int64(int(tile.shape[1]))):  # int64: the copy stays a ramp
+        with T.sblock(name):
+            vr, vc = T.axis.remap("SS", [r, c])
+            tile[vr, vc] = src[batch, start + T.min(row0 + vr, length - 1), head, vc]
+
+
+@stage
+def store_rows(name, dst, tile, batch, start, row0, length, head, dst2=None, tile2=None):
+    """The tile's rows (those before ``length``) to rows ``row0 ...`` of the sequence in ``dst``,
+    whole rows, 16 bytes per thread and step (FlashAttention-2's epilogue); ``tile2`` to ``dst2``
+    in the same loop. The row test sits outside the 16-byte vector."""
+    for r, c, e in T.grid(T.int64(int(tile.shape[0])), T.int64(int(tile.shape[1]) // VEC), T.int64(VEC)):
+        with T.sblock(name):
+            vr, vc, ve = T.axis.remap("SSS", [r, c, e])
+            if row0 + vr < length:
+                dst[batch, start + row0 + vr, head, vc * VEC + ve] = tile[vr, vc * VEC + ve]
+                if dst2 is not None:
+                    dst2[batch, start + row0 + vr, head, vc * VEC + ve] = tile2[vr, vc * VEC + ve]
+
+
+@stage
+def ldmatrix_rows(name, frags, tile, transposed=False):
+    """The warp's own 16 rows of ``tile`` (an A operand: query rows, key rows) as fragments, one
+    per 16 columns; ``transposed``: the warp's 16 columns, as rows (dS by query rows)."""
+    for w, t, r, c in T.grid(WARPS, frags.shape[1], 16, 16):
+        with T.sblock(name):
+            vw, vt, vr, vc = T.axis.remap("SSSS", [w, t, r, c])
+            if transposed:
+                lane, slot = T.meta_var(frag(vc, vr))
+                frags[vw, vt, lane, slot] = tile[vt * 16 + vr, vw * 16 + vc]
+            else:
+                lane, slot = T.meta_var(frag(vr, vc))
+                frags[vw, vt, lane, slot] = tile[vw * 16 + vr, vt * 16 + vc]
+
+
+@stage
+def ldmatrix_tiles(name, frags, tile):
+    """Every 16 x 16 tile of ``tile`` into every warp's fragments (B operands)."""
+    for w, tr, tc, r, c in T.grid(WARPS, frags.shape[1], frags.shape[2], 16, 16):
+        with T.sblock(name):
+            vw, vtr, vtc, vr, vc = T.axis.remap("SSSSS", [w, tr, tc, r, c])
+            lane, slot = T.meta_var(frag(vr, vc))
+            frags[vw, vtr, vtc, lane, slot] = tile[vtr * 16 + vr, vtc * 16 + vc]
+
+
+def _operand(lead, w, n, k, lane_slot):
+    """The index of a product operand's element: its leading indices, named "w" (the warp), "n"
+    (the output tile), "k" (the reduction tile) in a string ("w n k") or a tuple that may also
+    hold constants (a slot of the backward's score buffer), then (lane, slot)."""
+    loops = {"w": w, "n": n, "k": k}
+    lead = lead.split() if isinstance(lead, str) else lead
+    return tuple(loops[i] if isinstance(i, str) else i for i in lead) + tuple(lane_slot)
+
+
+@T.macro
+def _multiply_add(C, c, A, a, B, b, w, n, k, i, j, kk, b_rows):
+    """C[i, j] += A[i, kk] B[kk, j] in tiles n, k of warp w (B[j, kk] if ``b_rows``), in fp32."""
+    ci = T.meta_var(_operand(c, w, n, k, frag(i, j)))
+    ai = T.meta_var(_operand(a, w, n, k, frag(i, kk)))
+    bi = T.meta_var(_operand(b, w, n, k, frag(j, kk) if b_rows else frag(kk, j)))
+    C[ci] = C[ci] + T.Cast(F32, A[ai]) * T.Cast(F32, B[bi])
+
+
+@stage
+def mma(name, C, c, A, a, B, b, n, k, b_rows=False):
+    """C[c] += A[a] B[b]: every warp, 16 x 16 x 16 steps in exactly the form of TVM's mma tensor
+    intrinsics (two ``mma.m16n8k16`` each once tensorized). ``c``, ``a``, ``b``: each operand's
+    leading indices (``_operand``: "w n k"); ``n`` output tiles by ``k`` reduction tiles, each a loop of the
+    stage (an int) or the tile of an enclosing loop (``(var, extent)``, bound by the block).
+    ``b_rows``: B given as rows of its transpose (K in Q K^T). The fragment loads it consumes are
+    scheduled into its innermost tile loop."""
+    if not _one(n):  # one output tile, the enclosing loop's
+        for w, tk, i, j, kk in T.grid(WARPS, k, 16, 16, 16):
+            with T.sblock(name):
+                vw, vk, vi, vj, vkk = T.axis.remap("SRSSR", [w, tk, i, j, kk])
+                vn = T.axis.spatial(n[1], n[0])
+                _multiply_add(C, c, A, a, B, b, vw, vn, vk, vi, vj, vkk, b_rows)
+    elif not _one(k):  # one reduction tile, the enclosing loop's
+        for w, tn, i, j, kk in T.grid(WARPS, n, 16, 16, 16):
+            with T.sblock(name):
+                vw, vn, vi, vj, vkk = T.axis.remap("SSSSR", [w, tn, i, j, kk])
+                vk = T.axis.reduce(k[1], k[0])
+                _multiply_add(C, c, A, a, B, b, vw, vn, vk, vi, vj, vkk, b_rows)
+    else:
+        for w, tn, tk, i, j, kk in T.grid(WARPS, n, k, 16, 16, 16):
+            with T.sblock(name):
+                vw, vn, vk, vi, vj, vkk = T.axis.remap("SSRSSR", [w, tn, tk, i, j, kk])
+                _multiply_add(C, c, A, a, B, b, vw, vn, vk, vi, vj, vkk, b_rows)
+
+
+@stage
+def fill(name, value, frags, frags2=None, slot=None):
+    """Every element of the warps' fragments := value (and of ``frags2``, of the same shape);
+    ``frags`` is [warp, tile, lane, element] or one tile [warp, lane, element]; ``slot``: only
+    that slot of the backward's score buffer."""
+    if slot is not None:
+        for w, tx, s in T.grid(WARPS, 32, 8):
+            with T.sblock(name):
+                vw, vtx, vs = T.axis.remap("SSS", [w, tx, s])
+                frags[vw, slot, vtx, vs] = value
+    elif _tiled(frags):
+        for w, tx, t, s in T.grid(WARPS, 32, frags.shape[1], 8):
+            with T.sblock(name):
+                vw, vt, vtx, vs = T.axis.remap("SSSS", [w, t, tx, s])
+                frags[vw, vt, vtx, vs] = value
+                if frags2 is not None:
+                    frags2[vw, vt, vtx, vs] = value
+    else:
+        for w, tx, s in T.grid(WARPS, 32, 8):
+            with T.sblock(name):
+                vw, vtx, vs = T.axis.remap("SSS", [w, tx, s])
+                frags[vw, vtx, vs] = value
+
+
+def _tiled(frags) -> bool:
+    return len(frags.shape) == 4
+
+
+@stage
+def quad_reduce(name, op, out, prev, partial, pair, alpha=None):
+    """Per row, the ``op`` ("max" or "sum") of the lanes' ``partial``s, folded into ``prev``:
+    out := max(prev, row max), or prev * alpha + row sum. Lanes ``4 r ... 4 r + 3`` hold rows r
+    and r + 8: exchanging with lane ^ 1, then lane ^ 2 combines a row (FlashAttention-2's quad
+    allreduce; TVM lowers the reads of another lane's registers to ``__shfl_sync``: no barrier)."""
+    for w, tx, hf in T.grid(WARPS, 32, 2):
+        with T.sblock(name + "_pair"):
+            vw, vtx, vhf = T.axis.remap("SSS", [w, tx, hf])
+            if op == "max":
+                pair[vw, vtx, vhf] = T.max(partial[vw, vtx, vhf], partial[vw, quad_partner(vtx, 1), vhf])
+            else:
+                pair[vw, vtx, vhf] = partial[vw, vtx, vhf] + partial[vw, quad_partner(vtx, 1), vhf]
+    for w, tx, hf in T.grid(WARPS, 32, 2):
+        with T.sblock(name):
+            vw, vtx, vhf = T.axis.remap("SSS", [w, tx, hf])
+            if op == "max":
+                out[vw, vtx, vhf] = T.max(prev[vw, vtx, vhf], T.max(pair[vw, vtx, vhf], pair[vw, quad_partner(vtx, 2), vhf]))
+            else:
+                out[vw, vtx, vhf] = prev[vw, vtx, vhf] * alpha[vw, vtx, vhf] + (
+                    pair[vw, vtx, vhf] + pair[vw, quad_partner(vtx, 2), vhf])
+
+
+# --- forward stages: FlashAttention-2's online softmax on the score fragments S[warp, key tile] --
+# Query q0 + 16 w + frag_row, key k0 + 16 t + frag_col; per lane the statistics of its two rows.
+
+
+def exp2(x):
+    return CUDASpec.exp2_fn()(x)
+
+
+@stage
+def init_row_stats(m, l):
+    for w, tx, hf in T.grid(WARPS, 32, 2):
+        with T.sblock("init_stats"):
+            vw, vtx, vhf = T.axis.remap("SSS", [w, tx, hf])
+            m[vw, vtx, vhf] = T.float32(NEG_INF)
+            l[vw, vtx, vhf] = T.float32(0)
+
+
+@stage
+def mod_scores(S, masks, scale, b, h, q0, k0):
+    """S := mods(S * scale), in place (natural-log units)."""
+    for w, tx, tj, s in T.grid(WARPS, 32, S.shape[1], 8):
+        with T.sblock("score_mod"):
+            vw, vtj, vtx, vs = T.axis.remap("SSSS", [w, tj, tx, s])
+            S[vw, vtj, vtx, vs] = masks.score(S[vw, vtj, vtx, vs] * T.Cast(F32, scale), b, h,
+                                              q0 + vw * 16 + frag_row(vtx, vs), k0 + vtj * 16 + frag_col(vtx, vs))
+
+
+@stage
+def row_max(m_new, m, S, partial, pair, masks, scale, b, h, q0, k0):
+    """m_new := max(m, the row maxima of the scores each row sees), in exp2 units."""
+    for w, tx, hf, tj, qq in T.grid(WARPS, 32, 2, S.shape[1], 4):
+        with T.sblock("row_max_lane"):
+            vw, vtx, vhf, vtj, vq = T.axis.remap("SSSRR", [w, tx, hf, tj, qq])
+            with T.init():
+                partial[vw, vtx, vhf] = T.float32(NEG_INF)
+            partial[vw, vtx, vhf] = T.max(partial[vw, vtx, vhf], T.Select(
+                masks.sees(b, h, q0 + vw * 16 + frag_row(vtx, half_slot(vhf, vq)),
+                           k0 + vtj * 16 + frag_col(vtx, half_slot(vhf, vq))),
+                S[vw, vtj, vtx, half_slot(vhf, vq)] * masks.exponent_scale(scale)[0], T.float32(NEG_INF)))
+    quad_reduce("row_max", "max", m_new, m, partial, pair)
+
+
+@stage
+def rescale_factor(alpha, m, m_new):
+    """alpha := 2^(m - m_new), what the running sums shrink by (1 while the maximum stays -inf)."""
+    for w, tx, hf in T.grid(WARPS, 32, 2):
+        with T.sblock("rescale"):
+            vw, vtx, vhf = T.axis.remap("SSS", [w, tx, hf])
+            alpha[vw, vtx, vhf] = T.Select(m[vw, vtx, vhf] == m_new[vw, vtx, vhf], T.float32(1),
+                                           exp2(m[vw, vtx, vhf] - m_new[vw, vtx, vhf]))
+
+
+@stage
+def probs(S, P, m_new, masks, scale, b, h, q0, k0):
+    """S := 2^(S c - m_new) in place, 0 where masked (also where a score_mod returned -inf, and
+    in rows that see nothing); P := S in the operand dtype: the accumulator layout is the A
+    operand layout of P V, so P never goes through memory."""
+    for w, tx, tj, s in T.grid(WARPS, 32, S.shape[1], 8):
+        with T.sblock("probs"):
+            vw, vtj, vtx, vs = T.axis.remap("SSSS", [w, tj, tx, s])
+            S[vw, vtj, vtx, vs] = T.Select(
+                masks.kept(masks.sees(b, h, q0 + vw * 16 + frag_row(vtx, vs),
+                                      k0 + vtj * 16 + frag_col(vtx, vs)), S[vw, vtj, vtx, vs]),
+                exp2(log2_exponent(S[vw, vtj, vtx, vs], masks.exponent_scale(scale),
+                                   (m_new[vw, vtx, vs % 4 // 2], T.float32(0)))),
+                T.float32(0))
+    for w, tx, tj, s in T.grid(WARPS, 32, S.shape[1], 8):
+        with T.sblock("cast_p"):
+            vw, vtj, vtx, vs = T.axis.remap("SSSS", [w, tj, tx, s])
+            P[vw, vtj, vtx, vs] = T.Cast(str(P.dtype), S[vw, vtj, vtx, vs])
+
+
+@stage
+def row_sum(l, alpha, S, partial, pair):
+    """l := l alpha + the row sums of S (= P)."""
+    for w, tx, hf, tj, qq in T.grid(WARPS, 32, 2, S.shape[1], 4):
+        with T.sblock("row_sum_lane"):
+            vw, vtx, vhf, vtj, vq = T.axis.remap("SSSRR", [w, tx, hf, tj, qq])
+            with T.init():
+                partial[vw, vtx, vhf] = T.float32(0)
+            partial[vw, vtx, vhf] = partial[vw, vtx, vhf] + S[vw, vtj, vtx, half_slot(vhf, vq)]
+    quad_reduce("row_sum", "sum", l, l, partial, pair, alpha)
+
+
+@stage
+def scale_rows(name, O, alpha):
+    """O := O alpha, row by row."""
+    for w, tx, td, s in T.grid(WARPS, 32, O.shape[1], 8):
+        with T.sblock(name):
+            vw, vtd, vtx, vs = T.axis.remap("SSSS", [w, td, tx, s])
+            O[vw, vtd, vtx, vs] = O[vw, vtd, vtx, vs] * alpha[vw, vtx, vs % 4 // 2]
+
+
+@stage
+def copy_stats(name, dst, src):
+    for w, tx, hf in T.grid(WARPS, 32, 2):
+        with T.sblock(name):
+            vw, vtx, vhf = T.axis.remap("SSS", [w, tx, hf])
+            dst[vw, vtx, vhf] = src[vw, vtx, vhf]
+
+
+@stage
+def stage_output(tile, O, l, inv_l, on_cpu):
+    """O / l by rows into ``tile`` (the Q tile, free since its fragments were loaded): 1 / l once
+    per row, correctly rounded (``reciprocal``), 0 in rows that see no key."""
+    for w, tx, hf in T.grid(WARPS, 32, 2):
+        with T.sblock("inverse_sum"):
+            vw, vtx, vhf = T.axis.remap("SSS", [w, tx, hf])
+            inv_l[vw, vtx, vhf] = T.Select(l[vw, vtx, vhf] > T.float32(0), reciprocal(l[vw, vtx, vhf], on_cpu),
+                                           T.float32(0))
+    for w, tx, td, s in T.grid(WARPS, 32, O.shape[1], 8):
+        with T.sblock("stage_o"):
+            vw, vtd, vtx, vs = T.axis.remap("SSSS", [w, td, tx, s])
+            tile[vw * 16 + frag_row(vtx, vs), vtd * 16 + frag_col(vtx, vs)] = T.Cast(
+                str(tile.dtype), O[vw, vtd, vtx, vs] * inv_l[vw, vtx, vs % 4 // 2])
+
+
+@stage
+def store_lse(LSE, m, l, batch, h, start, q0, length):
+    """LSE of each row (``attention_te.lse_from_stats``) by the lane that holds it first: lane
+    4 r holds rows r and r + 8."""
+    for w, tx, hf in T.grid(WARPS, 32, 2):
+        with T.sblock("store_lse"):
+            vw, vtx, vhf = T.axis.remap("SSS", [w, tx, hf])
+            if vtx % 4 == 0 and q0 + vw * 16 + vtx // 4 + 8 * vhf < length:
+                LSE[batch, h, start + q0 + vw * 16 + vtx // 4 + 8 * vhf] = lse_from_stats(m[vw, vtx, vhf],
+                                                                                          l[vw, vtx, vhf])
+
+
 def cuda_forward(spec: CUDASpec, on_cpu: bool = False) -> tirx.PrimFunc:
     """flash_fwd(q, k, v, out, lse, softmax_scale, window_left, window_right, seq_table,
     q_tile_seq, *mod_inputs, [tile_state, kv_range]) for tensor cores (fp16/bf16 inputs). The
@@ -281,7 +580,6 @@ def cuda_forward(spec: CUDASpec, on_cpu: bool = False) -> tirx.PrimFunc:
     if spec.block_q != Br or D % 16 or Bc % 16:
         raise ValueError(f"CUDA kernels need block_q = {Br} and multiples of 16 (got {spec})")
     TD, TC = D // 16, Bc // 16  # 16-wide tiles along the head dim and along the keys
-    exp2_ = spec.exp2_fn()
     elem = DataType(dtype).bits // 8
 
     @T.prim_func(s_tir=True)
@@ -343,153 +641,30 @@ def cuda_forward(spec: CUDASpec, on_cpu: bool = False) -> tirx.PrimFunc:
                 h: T.let[T.int64] = vbh
                 hk: T.let[T.int64] = T.truncdiv(h, T.truncdiv(H, Hk))
                 q0: T.let[T.int64] = (vqt - masks.column(b, plan.Q_TILE0)) * Br
-                for r, c in T.grid(T.int64(Br), T.int64(D)):  # int64: the vectorized copy stays a ramp
-                    with T.sblock("load_q"):
-                        vr, vc = T.axis.remap("SS", [r, c])
-                        Qs[vr, vc] = Qa[tb, qs + T.min(q0 + vr, masks.seqlen_q - 1), h, vc]
-                for w, tk, i, kk in T.grid(WARPS, TD, 16, 16):
-                    with T.sblock("ldmatrix_q"):
-                        vw, vtk, vi, vk = T.axis.remap("SSSS", [w, tk, i, kk])
-                        lane, slot = T.meta_var(frag(vi, vk))
-                        Qw[vw, vtk, lane, slot] = Qs[vw * 16 + vi, vtk * 16 + vk]
-                for w, tx, td, s in T.grid(WARPS, 32, TD, 8):
-                    with T.sblock("init_o"):
-                        vw, vtd, vtx, vs = T.axis.remap("SSSS", [w, td, tx, s])
-                        Ow[vw, vtd, vtx, vs] = T.float32(0)
-                for w, tx, hf in T.grid(WARPS, 32, 2):
-                    with T.sblock("init_stats"):
-                        vw, vtx, vhf = T.axis.remap("SSS", [w, tx, hf])
-                        m[vw, vtx, vhf] = T.float32(NEG_INF)
-                        l[vw, vtx, vhf] = T.float32(0)
-                for kt in T.serial(*masks.key_tiles(b, h, q0)):
+                load_rows("load_q", Qs, Qa, tb, qs, q0, masks.seqlen_q, h)
+                ldmatrix_rows("ldmatrix_q", Qw, Qs)  # A operand of Q K^T: the warp's 16 query rows
+                fill("init_o", T.float32(0), Ow)
+                init_row_stats(m, l)  # m = -inf, l = 0
+                for kt in T.serial(*masks.key_tiles(b, h, q0)):  # the key tiles the query tile sees
                     k0: T.let[T.int64] = kt * Bc
-                    for r, c in T.grid(T.int64(Bc), T.int64(D)):
-                        with T.sblock("load_k"):
-                            vr, vc = T.axis.remap("SS", [r, c])
-                            Ks[vr, vc] = Ka[tb, ks + T.min(k0 + vr, masks.seqlen_k - 1), hk, vc]
-                    for r, c in T.grid(T.int64(Bc), T.int64(D)):
-                        with T.sblock("load_v"):
-                            vr, vc = T.axis.remap("SS", [r, c])
-                            Vs[vr, vc] = Va[tb, ks + T.min(k0 + vr, masks.seqlen_k - 1), hk, vc]
-                    for w, tj, tk, j, kk in T.grid(WARPS, TC, TD, 16, 16):
-                        with T.sblock("ldmatrix_k"):  # B operand of Q K^T: K rows as columns
-                            vw, vtj, vtk, vj, vk = T.axis.remap("SSSSS", [w, tj, tk, j, kk])
-                            lane, slot = T.meta_var(frag(vj, vk))
-                            Kw[vw, vtj, vtk, lane, slot] = Ks[vtj * 16 + vj, vtk * 16 + vk]
-                    for w, tx, tj, s in T.grid(WARPS, 32, TC, 8):
-                        with T.sblock("init_s"):
-                            vw, vtj, vtx, vs = T.axis.remap("SSSS", [w, tj, tx, s])
-                            Sw[vw, vtj, vtx, vs] = T.float32(0)
-                    for w, tj, tk, i, j, kk in T.grid(WARPS, TC, TD, 16, 16, 16):
-                        with T.sblock("scores"):  # S += Q K^T: one 16 x 16 x 16 mma step per (tj, tk)
-                            vw, vtj, vtk, vi, vj, vk = T.axis.remap("SSRSSR", [w, tj, tk, i, j, kk])
-                            c_lane, c_slot = T.meta_var(frag(vi, vj))
-                            a_lane, a_slot = T.meta_var(frag(vi, vk))
-                            b_lane, b_slot = T.meta_var(frag(vj, vk))
-                            Sw[vw, vtj, c_lane, c_slot] = Sw[vw, vtj, c_lane, c_slot] + T.Cast(
-                                F32, Qw[vw, vtk, a_lane, a_slot]) * T.Cast(F32, Kw[vw, vtj, vtk, b_lane, b_slot])
+                    load_rows("load_k", Ks, Ka, tb, ks, k0, masks.seqlen_k, hk)
+                    load_rows("load_v", Vs, Va, tb, ks, k0, masks.seqlen_k, hk)
+                    ldmatrix_tiles("ldmatrix_k", Kw, Ks)  # B operand of Q K^T: K rows as columns
+                    fill("init_s", T.float32(0), Sw)
+                    mma("scores", Sw, "w n", Qw, "w k", Kw, "w n k", TC, TD, b_rows=True)  # S = Q K^T
                     if has_mods:
-                        for w, tx, tj, s in T.grid(WARPS, 32, TC, 8):
-                            with T.sblock("score_mod"):  # in place: natural-log scores, modded
-                                vw, vtj, vtx, vs = T.axis.remap("SSSS", [w, tj, tx, s])
-                                Sw[vw, vtj, vtx, vs] = masks.score(
-                                    Sw[vw, vtj, vtx, vs] * T.Cast(F32, softmax_scale), b, h,
-                                    q0 + vw * 16 + frag_row(vtx, vs), k0 + vtj * 16 + frag_col(vtx, vs))
-                    for w, tx, hf, tj, qq in T.grid(WARPS, 32, 2, TC, 4):
-                        with T.sblock("row_max_lane"):
-                            vw, vtx, vhf, vtj, vq = T.axis.remap("SSSRR", [w, tx, hf, tj, qq])
-                            with T.init():
-                                Red[vw, vtx, vhf] = T.float32(NEG_INF)
-                            Red[vw, vtx, vhf] = T.max(Red[vw, vtx, vhf], T.Select(
-                                masks.sees(b, h, q0 + vw * 16 + frag_row(vtx, half_slot(vhf, vq)),
-                                           k0 + vtj * 16 + frag_col(vtx, half_slot(vhf, vq))),
-                                Sw[vw, vtj, vtx, half_slot(vhf, vq)] * masks.exponent_scale(softmax_scale)[0],
-                                T.float32(NEG_INF)))
-                    for w, tx, hf in T.grid(WARPS, 32, 2):
-                        with T.sblock("row_max_pair"):  # the 4 lanes sharing a row: a butterfly
-                            vw, vtx, vhf = T.axis.remap("SSS", [w, tx, hf])
-                            Pair[vw, vtx, vhf] = T.max(Red[vw, vtx, vhf], Red[vw, quad_partner(vtx, 1), vhf])
-                    for w, tx, hf in T.grid(WARPS, 32, 2):
-                        with T.sblock("row_max"):
-                            vw, vtx, vhf = T.axis.remap("SSS", [w, tx, hf])
-                            m_new[vw, vtx, vhf] = T.max(m[vw, vtx, vhf], T.max(
-                                Pair[vw, vtx, vhf], Pair[vw, quad_partner(vtx, 2), vhf]))
-                    for w, tx, hf in T.grid(WARPS, 32, 2):
-                        with T.sblock("rescale"):
-                            vw, vtx, vhf = T.axis.remap("SSS", [w, tx, hf])
-                            alpha[vw, vtx, vhf] = T.Select(m[vw, vtx, vhf] == m_new[vw, vtx, vhf], T.float32(1),
-                                                           exp2_(m[vw, vtx, vhf] - m_new[vw, vtx, vhf]))
-                    for w, tx, tj, s in T.grid(WARPS, 32, TC, 8):
-                        with T.sblock("probs"):  # in place: S becomes P (fp32)
-                            vw, vtj, vtx, vs = T.axis.remap("SSSS", [w, tj, tx, s])
-                            # a score_mod may itself return -inf: 0 there, also where the whole row is -inf
-                            Sw[vw, vtj, vtx, vs] = T.Select(
-                                masks.kept(masks.sees(b, h, q0 + vw * 16 + frag_row(vtx, vs),
-                                                      k0 + vtj * 16 + frag_col(vtx, vs)), Sw[vw, vtj, vtx, vs]),
-                                exp2_(log2_exponent(Sw[vw, vtj, vtx, vs], masks.exponent_scale(softmax_scale),
-                                                    (m_new[vw, vtx, vs % 4 // 2], T.float32(0)))),
-                                T.float32(0))
-                    for w, tx, tj, s in T.grid(WARPS, 32, TC, 8):
-                        with T.sblock("cast_p"):  # P in the accumulator layout = A operand layout
-                            vw, vtj, vtx, vs = T.axis.remap("SSSS", [w, tj, tx, s])
-                            Pw[vw, vtj, vtx, vs] = T.Cast(dtype, Sw[vw, vtj, vtx, vs])
-                    for w, tx, hf, tj, qq in T.grid(WARPS, 32, 2, TC, 4):
-                        with T.sblock("row_sum_lane"):
-                            vw, vtx, vhf, vtj, vq = T.axis.remap("SSSRR", [w, tx, hf, tj, qq])
-                            with T.init():
-                                Red[vw, vtx, vhf] = T.float32(0)
-                            Red[vw, vtx, vhf] = Red[vw, vtx, vhf] + Sw[vw, vtj, vtx, half_slot(vhf, vq)]
-                    for w, tx, hf in T.grid(WARPS, 32, 2):
-                        with T.sblock("row_sum_pair"):
-                            vw, vtx, vhf = T.axis.remap("SSS", [w, tx, hf])
-                            Pair[vw, vtx, vhf] = Red[vw, vtx, vhf] + Red[vw, quad_partner(vtx, 1), vhf]
-                    for w, tx, hf in T.grid(WARPS, 32, 2):
-                        with T.sblock("row_sum"):
-                            vw, vtx, vhf = T.axis.remap("SSS", [w, tx, hf])
-                            l[vw, vtx, vhf] = l[vw, vtx, vhf] * alpha[vw, vtx, vhf] + (
-                                Pair[vw, vtx, vhf] + Pair[vw, quad_partner(vtx, 2), vhf])
-                    for w, tx, td, s in T.grid(WARPS, 32, TD, 8):
-                        with T.sblock("rescale_o"):
-                            vw, vtd, vtx, vs = T.axis.remap("SSSS", [w, td, tx, s])
-                            Ow[vw, vtd, vtx, vs] = Ow[vw, vtd, vtx, vs] * alpha[vw, vtx, vs % 4 // 2]
-                    for w, tj, td, kk, n in T.grid(WARPS, TC, TD, 16, 16):
-                        with T.sblock("ldmatrix_v"):  # B operand of P V, not transposed
-                            vw, vtj, vtd, vk, vn = T.axis.remap("SSSSS", [w, tj, td, kk, n])
-                            lane, slot = T.meta_var(frag(vk, vn))
-                            Vw[vw, vtj, vtd, lane, slot] = Vs[vtj * 16 + vk, vtd * 16 + vn]
-                    for w, td, tj, i, n, kk in T.grid(WARPS, TD, TC, 16, 16, 16):
-                        with T.sblock("pv"):
-                            vw, vtd, vtj, vi, vn, vk = T.axis.remap("SSRSSR", [w, td, tj, i, n, kk])
-                            c_lane, c_slot = T.meta_var(frag(vi, vn))
-                            a_lane, a_slot = T.meta_var(frag(vi, vk))
-                            b_lane, b_slot = T.meta_var(frag(vk, vn))
-                            Ow[vw, vtd, c_lane, c_slot] = Ow[vw, vtd, c_lane, c_slot] + T.Cast(
-                                F32, Pw[vw, vtj, a_lane, a_slot]) * T.Cast(F32, Vw[vw, vtj, vtd, b_lane, b_slot])
-                    for w, tx, hf in T.grid(WARPS, 32, 2):
-                        with T.sblock("keep_max"):
-                            vw, vtx, vhf = T.axis.remap("SSS", [w, tx, hf])
-                            m[vw, vtx, vhf] = m_new[vw, vtx, vhf]
-                for w, tx, hf in T.grid(WARPS, 32, 2):
-                    with T.sblock("inverse_sum"):  # 1 / l once per row
-                        vw, vtx, vhf = T.axis.remap("SSS", [w, tx, hf])
-                        inv_l[vw, vtx, vhf] = T.Select(l[vw, vtx, vhf] > T.float32(0),
-                                                       reciprocal(l[vw, vtx, vhf], on_cpu), T.float32(0))
-                for w, tx, td, s in T.grid(WARPS, 32, TD, 8):
-                    with T.sblock("stage_o"):  # O by rows into the Q tile (free since ldmatrix_q)
-                        vw, vtd, vtx, vs = T.axis.remap("SSSS", [w, td, tx, s])
-                        Qs[vw * 16 + frag_row(vtx, vs), vtd * 16 + frag_col(vtx, vs)] = T.Cast(
-                            dtype, Ow[vw, vtd, vtx, vs] * inv_l[vw, vtx, vs % 4 // 2])
-                for r, c, e in T.grid(T.int64(Br), T.int64(D // VEC), T.int64(VEC)):
-                    with T.sblock("store_o"):  # whole rows, 16 bytes per thread and step
-                        vr, vc, ve = T.axis.remap("SSS", [r, c, e])
-                        if q0 + vr < masks.seqlen_q:
-                            Oa[tb, qs + q0 + vr, h, vc * VEC + ve] = Qs[vr, vc * VEC + ve]
-                for w, tx, hf in T.grid(WARPS, 32, 2):
-                    with T.sblock("store_lse"):  # lane 4 r holds rows r and r + 8
-                        vw, vtx, vhf = T.axis.remap("SSS", [w, tx, hf])
-                        if vtx % 4 == 0 and q0 + vw * 16 + vtx // 4 + 8 * vhf < masks.seqlen_q:
-                            LSE[tb, h, qs + q0 + vw * 16 + vtx // 4 + 8 * vhf] = lse_from_stats(
-                                m[vw, vtx, vhf], l[vw, vtx, vhf])
+                        mod_scores(Sw, masks, softmax_scale, b, h, q0, k0)  # S = mods(S * scale)
+                    row_max(m_new, m, Sw, Red, Pair, masks, softmax_scale, b, h, q0, k0)
+                    rescale_factor(alpha, m, m_new)  # alpha = 2^(m - m_new)
+                    probs(Sw, Pw, m_new, masks, softmax_scale, b, h, q0, k0)  # P = 2^(S c - m_new), masked
+                    row_sum(l, alpha, Sw, Red, Pair)  # l = l alpha + rowsum(P)
+                    scale_rows("rescale_o", Ow, alpha)  # O = O alpha
+                    ldmatrix_tiles("ldmatrix_v", Vw, Vs)  # B operand of P V
+                    mma("pv", Ow, "w n", Pw, "w k", Vw, "w k n", TD, TC)  # O += P V
+                    copy_stats("keep_max", m, m_new)
+                stage_output(Qs, Ow, l, inv_l, on_cpu)  # O / l by rows into the Q tile
+                store_rows("store_o", Oa, Qs, tb, qs, q0, masks.seqlen_q, h)
+                store_lse(LSE, m, l, tb, h, qs, q0, masks.seqlen_q)
 
     return flash_fwd
 
@@ -645,6 +820,126 @@ def cuda_backward_dq(head_dim: int, dtype: str) -> tirx.PrimFunc:
     return flash_bwd_dq
 
 
+# --- backward stages: one 16-query sub-tile of S^T[warp] (keys as rows, queries as columns) -----
+# Key k0 + 16 w + frag_row, query q0 + 16 ti + frag_col; Sx holds S^T, X^T = mods(S^T) (-> P^T)
+# and d mods / d S^T in its slots (S_, X_, G_), Ls the sub-tile's lse2 hi, lo and Delta by query.
+
+
+@stage
+def load_row_stats(Ls, Stats, batch, h, start, q0):
+    """The query tile's lse2 hi, lo and Delta (rows past the sequence: 0 in the padding, or the
+    next sequence's, which the mask zeroes)."""
+    for r, i in T.grid(3, Ls.shape[1]):
+        with T.sblock("load_stats"):
+            vr, vi = T.axis.remap("SS", [r, i])
+            Ls[vr, vi] = Stats[batch, h, vr, start + q0 + vi]
+
+
+@stage
+def mod_scores_t(Sx, slots, masks, scale, b, h, q0, k0, sub):
+    """X^T := mods(S^T * scale) and the derivative d mods / d S^T (for dS)."""
+    for w, tx, s8 in T.grid(WARPS, 32, 8):
+        with T.sblock("score_mod"):
+            vw, vtx, vs8 = T.axis.remap("SSS", [w, tx, s8])
+            vti = T.axis.spatial(sub[1], sub[0])
+            scaled = T.meta_var(Sx[vw, slots[0], vtx, vs8] * T.Cast(F32, scale))
+            q_idx = T.meta_var(q0 + vti * 16 + frag_col(vtx, vs8))
+            kv_idx = T.meta_var(k0 + vw * 16 + frag_row(vtx, vs8))
+            Sx[vw, slots[1], vtx, vs8] = masks.score(scaled, b, h, q_idx, kv_idx)
+            Sx[vw, slots[2], vtx, vs8] = masks.score_grad(scaled, b, h, q_idx, kv_idx)
+
+
+@stage
+def probs_t(Sx, X_, Ph, Ls, masks, scale, b, h, q0, k0, sub):
+    """P^T := 2^(X^T c - lse2) in place over X^T, masked (and where the query is past the
+    sequence); Ph := P^T in the operand dtype, the A operand of dV += P^T dO."""
+    for w, tx, s8 in T.grid(WARPS, 32, 8):
+        with T.sblock("probs"):
+            vw, vtx, vs8 = T.axis.remap("SSS", [w, tx, s8])
+            vti = T.axis.spatial(sub[1], sub[0])
+            col: T.let[T.int32] = vti * 16 + frag_col(vtx, vs8)
+            Sx[vw, X_, vtx, vs8] = T.Select(
+                masks.kept(tirx.all(q0 + col < masks.seqlen_q, masks.sees(
+                    b, h, q0 + col, k0 + vw * 16 + frag_row(vtx, vs8))), Sx[vw, X_, vtx, vs8]),
+                exp2(log2_exponent(Sx[vw, X_, vtx, vs8], masks.exponent_scale(scale), (Ls[0, col], Ls[1, col]))),
+                T.float32(0))
+    for w, tx, s8 in T.grid(WARPS, 32, 8):
+        with T.sblock("cast_p"):
+            vw, vtx, vs8 = T.axis.remap("SSS", [w, tx, s8])
+            Ph[vw, vtx, vs8] = T.Cast(str(Ph.dtype), Sx[vw, X_, vtx, vs8])
+
+
+@stage
+def dscores_t(dSh, Sx, slots, dPt, Ls, masks, sub):
+    """dS^T := P^T (dP^T - Delta) (times d mods / d S^T), cast once for the mma."""
+    for w, tx, s8 in T.grid(WARPS, 32, 8):
+        with T.sblock("dscores"):
+            vw, vtx, vs8 = T.axis.remap("SSS", [w, tx, s8])
+            vti = T.axis.spatial(sub[1], sub[0])
+            dSh[vw, vtx, vs8] = T.Cast(str(dSh.dtype), masks.chain_rule(
+                grad_scores(Sx[vw, slots[1], vtx, vs8], dPt[vw, vtx, vs8], Ls[2, vti * 16 + frag_col(vtx, vs8)]),
+                Sx[vw, slots[2], vtx, vs8]))
+
+
+@stage
+def captured_grads_t(Sx, slots, dPt, Ls, masks, scale, b, h, q0, k0, sub, on_cpu):
+    """Scatter-adds dL/dX^T times d mods / d captured into the captured tensors' gradients."""
+    for w, tx, s8 in T.grid(WARPS, 32, 8):
+        with T.sblock("captured_grads"):
+            vw, vtx, vs8 = T.axis.remap("SSS", [w, tx, s8])
+            vti = T.axis.spatial(sub[1], sub[0])
+            # a warp-buffer read cannot be an `if` condition (ThreadSync's access visitor rejects
+            # it): bind it first
+            seen: T.let[T.bool] = Sx[vw, slots[1], vtx, vs8] != T.float32(0)
+            if seen:
+                masks.scatter_captured_grads(
+                    Sx[vw, slots[0], vtx, vs8] * T.Cast(F32, scale), b, h, q0 + vti * 16 + frag_col(vtx, vs8),
+                    k0 + vw * 16 + frag_row(vtx, vs8),
+                    grad_scores(Sx[vw, slots[1], vtx, vs8], dPt[vw, vtx, vs8], Ls[2, vti * 16 + frag_col(vtx, vs8)]),
+                    on_cpu)
+
+
+@stage
+def store_ds_t(dSs, dSh, sub):
+    """dS^T by rows into shared memory, for dQ (which needs it by query rows)."""
+    for w, tx, s8 in T.grid(WARPS, 32, 8):
+        with T.sblock("store_ds"):
+            vw, vtx, vs8 = T.axis.remap("SSS", [w, tx, s8])
+            vti = T.axis.spatial(sub[1], sub[0])
+            dSs[vw * 16 + frag_row(vtx, vs8), vti * 16 + frag_col(vtx, vs8)] = dSh[vw, vtx, vs8]
+
+
+@stage
+def add_dq(dQacc, dQw, part, batch, start, h, q0, length, dq_tile, on_cpu):
+    """The warp's 16 x 16 dQ tile into the fp32 accumulator: ``atomicAdd`` (``red.global.add``),
+    plain adds in the CPU test build."""
+    for w, tx, s8 in T.grid(WARPS, 32, 8):
+        with T.sblock("add_dq"):
+            vw, vtx, vs8 = T.axis.remap("SSS", [w, tx, s8])
+            vtd = T.axis.spatial(dq_tile[1], dq_tile[0])
+            row = T.meta_var(q0 + vw * 16 + frag_row(vtx, vs8))
+            colq = T.meta_var(vtd * 16 + frag_col(vtx, vs8))
+            T.reads(dQw[vw, vtx, vs8], dQacc[part, batch, start + row, h, colq])
+            T.writes(dQacc[part, batch, start + row, h, colq])
+            if row < length:
+                if not on_cpu:
+                    T.evaluate(T.call_extern("float32", "atomicAdd",
+                                             T.address_of(dQacc[part, batch, start + row, h, colq]), dQw[vw, vtx, vs8]))
+                else:
+                    dQacc[part, batch, start + row, h, colq] = dQacc[part, batch, start + row, h, colq] + dQw[vw, vtx, vs8]
+
+
+@stage
+def stage_dkv(Ks, Vs, dKw, dVw, scale):
+    """dK * scale and dV by rows into the K and V tiles (done with)."""
+    for w, tx, td, s8 in T.grid(WARPS, 32, dKw.shape[1], 8):
+        with T.sblock("stage_dkv"):
+            vw, vtd, vtx, vs8 = T.axis.remap("SSSS", [w, td, tx, s8])
+            Ks[vw * 16 + frag_row(vtx, vs8), vtd * 16 + frag_col(vtx, vs8)] = T.Cast(
+                str(Ks.dtype), dKw[vw, vtd, vtx, vs8] * T.Cast(F32, scale))
+            Vs[vw * 16 + frag_row(vtx, vs8), vtd * 16 + frag_col(vtx, vs8)] = T.Cast(str(Vs.dtype), dVw[vw, vtd, vtx, vs8])
+
+
 def cuda_backward(spec: CUDASpec, atomic_dq: bool = True, on_cpu: bool = False) -> tirx.PrimFunc:
     """flash_bwd(dout, q, k, v, stats, dq_acc, dk, dv, softmax_scale, n_split, window_left,
     window_right, seq_table, *mod_inputs, *mod_input_grads, [tile_state, q_range]): a thread
@@ -669,7 +964,6 @@ def cuda_backward(spec: CUDASpec, atomic_dq: bool = True, on_cpu: bool = False) 
     if spec.block_q != Br or Bc != Br or D % 16:
         raise ValueError(f"the CUDA backward needs 64 x 64 tiles and a multiple of 16 as head dim (got {spec})")
     TD, TI, TC = D // 16, Br // 16, Bc // 16
-    exp2_ = spec.exp2_fn()
     elem = DataType(dtype).bits // 8
 
     @T.prim_func(s_tir=True)
@@ -751,227 +1045,54 @@ def cuda_backward(spec: CUDASpec, atomic_dq: bool = True, on_cpu: bool = False) 
                 for t in T.serial(_ceildiv(_ceildiv(masks.seqlen_k, Bc) - vs, n_split)):
                     if True:
                         k0: T.let[T.int64] = (vs + t * n_split) * Bc
-                        for r, c in T.grid(T.int64(Bc), T.int64(D)):
-                            with T.sblock("load_k"):
-                                vr, vc = T.axis.remap("SS", [r, c])
-                                Ks[vr, vc] = Ka[tb, ks + T.min(k0 + vr, masks.seqlen_k - 1), hk, vc]
-                        for r, c in T.grid(T.int64(Bc), T.int64(D)):
-                            with T.sblock("load_v"):
-                                vr, vc = T.axis.remap("SS", [r, c])
-                                Vs[vr, vc] = Va[tb, ks + T.min(k0 + vr, masks.seqlen_k - 1), hk, vc]
-                        for w, tx, td, s8 in T.grid(WARPS, 32, TD, 8):
-                            with T.sblock("init_dkv"):
-                                vw, vtd, vtx, vs8 = T.axis.remap("SSSS", [w, td, tx, s8])
-                                dKw[vw, vtd, vtx, vs8] = T.float32(0)
-                                dVw[vw, vtd, vtx, vs8] = T.float32(0)
-                        for g in T.serial(group):
+                        load_rows("load_k", Ks, Ka, tb, ks, k0, masks.seqlen_k, hk)
+                        load_rows("load_v", Vs, Va, tb, ks, k0, masks.seqlen_k, hk)
+                        fill("init_dkv", T.float32(0), dKw, dVw)
+                        for g in T.serial(group):  # the query heads of the GQA group
                             h: T.let[T.int64] = hk * group + g
-                            for qt in T.serial(*masks.query_tiles(b, h, k0)):
+                            for qt in T.serial(*masks.query_tiles(b, h, k0)):  # the query tiles that see the keys
                                 q0: T.let[T.int64] = qt * Br
-                                for r, c in T.grid(T.int64(Br), T.int64(D)):
-                                    with T.sblock("load_q"):
-                                        vr, vc = T.axis.remap("SS", [r, c])
-                                        Qs[vr, vc] = Qa[tb, qs + T.min(q0 + vr, masks.seqlen_q - 1), h, vc]
-                                for r, c in T.grid(T.int64(Br), T.int64(D)):
-                                    with T.sblock("load_do"):
-                                        vr, vc = T.axis.remap("SS", [r, c])
-                                        dOs[vr, vc] = dOa[tb, qs + T.min(q0 + vr, masks.seqlen_q - 1), h, vc]
-                                for r, i in T.grid(3, Br):
-                                    with T.sblock("load_stats"):  # rows past the sequence: 0 (padding or
-                                        vr, vi = T.axis.remap("SS", [r, i])  # the next sequence: masked)
-                                        Ls[vr, vi] = Stats[tb, h, vr, qs + q0 + vi]
-                                for w, tk, j, kk in T.grid(WARPS, TD, 16, 16):
-                                    with T.sblock("ldmatrix_k"):
-                                        vw, vtk, vj, vk = T.axis.remap("SSSS", [w, tk, j, kk])
-                                        lane, slot = T.meta_var(frag(vj, vk))
-                                        Ka_f[vw, vtk, lane, slot] = Ks[vw * 16 + vj, vtk * 16 + vk]
-                                for w, ti, tk, i, kk in T.grid(WARPS, TI, TD, 16, 16):
-                                    with T.sblock("ldmatrix_qt"):
-                                        vw, vti, vtk, vi, vk = T.axis.remap("SSSSS", [w, ti, tk, i, kk])
-                                        lane, slot = T.meta_var(frag(vi, vk))
-                                        Qbt[vw, vti, vtk, lane, slot] = Qs[vti * 16 + vi, vtk * 16 + vk]
-                                for w, ti, td, kk, n in T.grid(WARPS, TI, TD, 16, 16):
-                                    with T.sblock("ldmatrix_do"):
-                                        vw, vti, vtd, vk, vn = T.axis.remap("SSSSS", [w, ti, td, kk, n])
-                                        lane, slot = T.meta_var(frag(vk, vn))
-                                        dOb[vw, vti, vtd, lane, slot] = dOs[vti * 16 + vk, vtd * 16 + vn]
-                                for w, td, j, kk in T.grid(WARPS, TD, 16, 16):
-                                    with T.sblock("ldmatrix_v"):
-                                        vw, vtd, vj, vk = T.axis.remap("SSSS", [w, td, j, kk])
-                                        lane, slot = T.meta_var(frag(vj, vk))
-                                        Va_f[vw, vtd, lane, slot] = Vs[vw * 16 + vj, vtd * 16 + vk]
-                                for w, ti, td, i, kk in T.grid(WARPS, TI, TD, 16, 16):
-                                    with T.sblock("ldmatrix_dot"):
-                                        vw, vti, vtd, vi, vk = T.axis.remap("SSSSS", [w, ti, td, i, kk])
-                                        lane, slot = T.meta_var(frag(vi, vk))
-                                        dObt[vw, vti, vtd, lane, slot] = dOs[vti * 16 + vi, vtd * 16 + vk]
-                                for w, ti, td, kk, n in T.grid(WARPS, TI, TD, 16, 16):
-                                    with T.sblock("ldmatrix_q"):
-                                        vw, vti, vtd, vk, vn = T.axis.remap("SSSSS", [w, ti, td, kk, n])
-                                        lane, slot = T.meta_var(frag(vk, vn))
-                                        Qb[vw, vti, vtd, lane, slot] = Qs[vti * 16 + vk, vtd * 16 + vn]
+                                load_rows("load_q", Qs, Qa, tb, qs, q0, masks.seqlen_q, h)
+                                load_rows("load_do", dOs, dOa, tb, qs, q0, masks.seqlen_q, h)
+                                load_row_stats(Ls, Stats, tb, h, qs, q0)
+                                ldmatrix_rows("ldmatrix_k", Ka_f, Ks)  # A operands: the warp's 16 keys
+                                ldmatrix_tiles("ldmatrix_qt", Qbt, Qs)
+                                ldmatrix_tiles("ldmatrix_do", dOb, dOs)
+                                ldmatrix_rows("ldmatrix_v", Va_f, Vs)
+                                ldmatrix_tiles("ldmatrix_dot", dObt, dOs)
+                                ldmatrix_tiles("ldmatrix_q", Qb, Qs)
                                 # One 16-query sub-tile (ti) at a time, from S^T to dK: besides dK and dV
                                 # only 16 x 16 tiles stay live (S^T/P^T, dP^T: 8 fp32 registers each
                                 # instead of 32), what lets the D = 128 backward fit in 255 registers. The
                                 # price: the warp's K and V fragments (A operands) are loaded per sub-tile.
                                 for ti in T.serial(TI):
-                                    for w, tx, s8 in T.grid(WARPS, 32, 8):
-                                        with T.sblock("init_s"):
-                                            vw, vtx, vs8 = T.axis.remap("SSS", [w, tx, s8])
-                                            Sx[vw, S_, vtx, vs8] = T.float32(0)
-                                    for w, tk, j, i, kk in T.grid(WARPS, TD, 16, 16, 16):
-                                        with T.sblock("scores"):  # S^T += K Q^T
-                                            vw, vtk, vj, vi, vk = T.axis.remap("SRSSR", [w, tk, j, i, kk])
-                                            vti = T.axis.spatial(TI, ti)
-                                            c_lane, c_slot = T.meta_var(frag(vj, vi))
-                                            a_lane, a_slot = T.meta_var(frag(vj, vk))
-                                            b_lane, b_slot = T.meta_var(frag(vi, vk))
-                                            Sx[vw, S_, c_lane, c_slot] = Sx[vw, S_, c_lane, c_slot] + T.Cast(
-                                                F32, Ka_f[vw, vtk, a_lane, a_slot]) * T.Cast(
-                                                    F32, Qbt[vw, vti, vtk, b_lane, b_slot])
+                                    sub = T.meta_var((ti, TI))
+                                    fill("init_s", T.float32(0), Sx, slot=S_)
+                                    mma("scores", Sx, ("w", S_), Ka_f, "w k", Qbt, "w n k", sub, TD,
+                                        b_rows=True)  # S^T = K Q^T
                                     if has_mods:
-                                        for w, tx, s8 in T.grid(WARPS, 32, 8):
-                                            # X^T = mods(S^T * scale), then d mods / d S^T (for dS; over
-                                            # S^T unless the captured gradients read S^T later)
-                                            with T.sblock("score_mod"):
-                                                vw, vtx, vs8 = T.axis.remap("SSS", [w, tx, s8])
-                                                vti = T.axis.spatial(TI, ti)
-                                                scaled = T.meta_var(Sx[vw, S_, vtx, vs8] * T.Cast(F32, softmax_scale))
-                                                q_idx = T.meta_var(q0 + vti * 16 + frag_col(vtx, vs8))
-                                                kv_idx = T.meta_var(k0 + vw * 16 + frag_row(vtx, vs8))
-                                                Sx[vw, X_, vtx, vs8] = masks.score(scaled, b, h, q_idx, kv_idx)
-                                                Sx[vw, G_, vtx, vs8] = masks.score_grad(scaled, b, h, q_idx, kv_idx)
-                                    for w, tx, s8 in T.grid(WARPS, 32, 8):
-                                        with T.sblock("probs"):  # P^T = 2^(X^T * c - lse2), masked; in place
-                                            vw, vtx, vs8 = T.axis.remap("SSS", [w, tx, s8])
-                                            vti = T.axis.spatial(TI, ti)
-                                            col: T.let[T.int32] = vti * 16 + frag_col(vtx, vs8)
-                                            Sx[vw, X_, vtx, vs8] = T.Select(
-                                                masks.kept(tirx.all(q0 + col < masks.seqlen_q, masks.sees(
-                                                    b, h, q0 + col, k0 + vw * 16 + frag_row(vtx, vs8))), Sx[vw, X_, vtx, vs8]),
-                                                exp2_(log2_exponent(Sx[vw, X_, vtx, vs8], masks.exponent_scale(softmax_scale),
-                                                                    (Ls[0, col], Ls[1, col]))),
-                                                T.float32(0))
-                                    for w, tx, s8 in T.grid(WARPS, 32, 8):
-                                        with T.sblock("cast_p"):
-                                            vw, vtx, vs8 = T.axis.remap("SSS", [w, tx, s8])
-                                            Ph[vw, vtx, vs8] = T.Cast(dtype, Sx[vw, X_, vtx, vs8])
-                                    for w, td, j, n, kk in T.grid(WARPS, TD, 16, 16, 16):
-                                        with T.sblock("dv"):  # dV += P^T dO
-                                            vw, vtd, vj, vn, vk = T.axis.remap("SSSSR", [w, td, j, n, kk])
-                                            vti = T.axis.reduce(TI, ti)
-                                            c_lane, c_slot = T.meta_var(frag(vj, vn))
-                                            a_lane, a_slot = T.meta_var(frag(vj, vk))
-                                            b_lane, b_slot = T.meta_var(frag(vk, vn))
-                                            dVw[vw, vtd, c_lane, c_slot] = dVw[vw, vtd, c_lane, c_slot] + T.Cast(
-                                                F32, Ph[vw, a_lane, a_slot]) * T.Cast(F32, dOb[vw, vti, vtd, b_lane, b_slot])
-                                    for w, tx, s8 in T.grid(WARPS, 32, 8):
-                                        with T.sblock("init_dp"):
-                                            vw, vtx, vs8 = T.axis.remap("SSS", [w, tx, s8])
-                                            dPt[vw, vtx, vs8] = T.float32(0)
-                                    for w, td, j, i, kk in T.grid(WARPS, TD, 16, 16, 16):
-                                        with T.sblock("dprobs"):  # dP^T += V dO^T
-                                            vw, vtd, vj, vi, vk = T.axis.remap("SRSSR", [w, td, j, i, kk])
-                                            vti = T.axis.spatial(TI, ti)
-                                            c_lane, c_slot = T.meta_var(frag(vj, vi))
-                                            a_lane, a_slot = T.meta_var(frag(vj, vk))
-                                            b_lane, b_slot = T.meta_var(frag(vi, vk))
-                                            dPt[vw, c_lane, c_slot] = dPt[vw, c_lane, c_slot] + T.Cast(
-                                                F32, Va_f[vw, vtd, a_lane, a_slot]) * T.Cast(
-                                                    F32, dObt[vw, vti, vtd, b_lane, b_slot])
-                                    for w, tx, s8 in T.grid(WARPS, 32, 8):
-                                        with T.sblock("dscores"):  # dS^T = P^T (dP^T - Delta), cast once for the mma
-                                            vw, vtx, vs8 = T.axis.remap("SSS", [w, tx, s8])
-                                            vti = T.axis.spatial(TI, ti)
-                                            dSh[vw, vtx, vs8] = T.Cast(dtype, masks.chain_rule(
-                                                grad_scores(Sx[vw, X_, vtx, vs8], dPt[vw, vtx, vs8],
-                                                            Ls[2, vti * 16 + frag_col(vtx, vs8)]), Sx[vw, G_, vtx, vs8]))
+                                        mod_scores_t(Sx, SLOTS, masks, softmax_scale, b, h, q0, k0, sub)
+                                    probs_t(Sx, X_, Ph, Ls, masks, softmax_scale, b, h, q0, k0, sub)  # P^T
+                                    mma("dv", dVw, "w n", Ph, "w", dOb, "w k n", TD, sub)  # dV += P^T dO
+                                    fill("init_dp", T.float32(0), dPt)
+                                    mma("dprobs", dPt, "w", Va_f, "w k", dObt, "w n k", sub, TD,
+                                        b_rows=True)  # dP^T = V dO^T
+                                    dscores_t(dSh, Sx, SLOTS, dPt, Ls, masks, sub)  # dS^T = P^T (dP^T - Delta)
                                     if masks.has_captured_grads:
-                                        for w, tx, s8 in T.grid(WARPS, 32, 8):
-                                            with T.sblock("captured_grads"):  # scatter-adds of dL/dX^T terms
-                                                vw, vtx, vs8 = T.axis.remap("SSS", [w, tx, s8])
-                                                vti = T.axis.spatial(TI, ti)
-                                                # a warp-buffer read cannot be an `if` condition (ThreadSync's
-                                                # access visitor rejects it): bind it first
-                                                seen: T.let[T.bool] = Sx[vw, X_, vtx, vs8] != T.float32(0)
-                                                if seen:
-                                                    masks.scatter_captured_grads(
-                                                        Sx[vw, S_, vtx, vs8] * T.Cast(F32, softmax_scale), b, h,
-                                                        q0 + vti * 16 + frag_col(vtx, vs8),
-                                                        k0 + vw * 16 + frag_row(vtx, vs8),
-                                                        grad_scores(Sx[vw, X_, vtx, vs8], dPt[vw, vtx, vs8],
-                                                                    Ls[2, vti * 16 + frag_col(vtx, vs8)]), on_cpu)
-                                    for w, td, j, n, kk in T.grid(WARPS, TD, 16, 16, 16):
-                                        with T.sblock("dk"):  # dK += dS^T Q (scaled at the end)
-                                            vw, vtd, vj, vn, vk = T.axis.remap("SSSSR", [w, td, j, n, kk])
-                                            vti = T.axis.reduce(TI, ti)
-                                            c_lane, c_slot = T.meta_var(frag(vj, vn))
-                                            a_lane, a_slot = T.meta_var(frag(vj, vk))
-                                            b_lane, b_slot = T.meta_var(frag(vk, vn))
-                                            dKw[vw, vtd, c_lane, c_slot] = dKw[vw, vtd, c_lane, c_slot] + T.Cast(
-                                                F32, dSh[vw, a_lane, a_slot]) * T.Cast(F32, Qb[vw, vti, vtd, b_lane, b_slot])
-                                    for w, tx, s8 in T.grid(WARPS, 32, 8):
-                                        with T.sblock("store_ds"):
-                                            vw, vtx, vs8 = T.axis.remap("SSS", [w, tx, s8])
-                                            vti = T.axis.spatial(TI, ti)
-                                            dSs[vw * 16 + frag_row(vtx, vs8), vti * 16 + frag_col(vtx, vs8)] = dSh[
-                                                vw, vtx, vs8]
-                                for w, tj, kk, i in T.grid(WARPS, TC, 16, 16):
-                                    with T.sblock("ldmatrix_ds"):  # dS by query rows: A operand, transposed load
-                                        vw, vtj, vk, vi = T.axis.remap("SSSS", [w, tj, kk, i])
-                                        lane, slot = T.meta_var(frag(vi, vk))
-                                        dSa[vw, vtj, lane, slot] = dSs[vtj * 16 + vk, vw * 16 + vi]
-                                for w, tj, td, kk, n in T.grid(WARPS, TC, TD, 16, 16):
-                                    with T.sblock("ldmatrix_kb"):
-                                        vw, vtj, vtd, vk, vn = T.axis.remap("SSSSS", [w, tj, td, kk, n])
-                                        lane, slot = T.meta_var(frag(vk, vn))
-                                        Kb[vw, vtj, vtd, lane, slot] = Ks[vtj * 16 + vk, vtd * 16 + vn]
+                                        captured_grads_t(Sx, SLOTS, dPt, Ls, masks, softmax_scale, b, h, q0, k0,
+                                                         sub, on_cpu)
+                                    mma("dk", dKw, "w n", dSh, "w", Qb, "w k n", TD, sub)  # dK += dS^T Q
+                                    store_ds_t(dSs, dSh, sub)
+                                ldmatrix_rows("ldmatrix_ds", dSa, dSs, transposed=True)  # dS by query rows
+                                ldmatrix_tiles("ldmatrix_kb", Kb, Ks)
                                 # dQ one 16-column tile at a time, added to the accumulator as soon as
                                 # it is complete: 8 fp32 registers live instead of D / 2 (what kept the
                                 # D = 128 backward from fitting in 255 registers).
                                 for td in T.serial(TD):
-                                    for w, tx, s8 in T.grid(WARPS, 32, 8):
-                                        with T.sblock("init_dq"):
-                                            vw, vtx, vs8 = T.axis.remap("SSS", [w, tx, s8])
-                                            dQw[vw, vtx, vs8] = T.float32(0)
-                                    for w, tj, i, n, kk in T.grid(WARPS, TC, 16, 16, 16):
-                                        with T.sblock("dq"):  # warp w: query rows 16 w ..., columns 16 td ...
-                                            vw, vtj, vi, vn, vk = T.axis.remap("SRSSR", [w, tj, i, n, kk])
-                                            vtd = T.axis.spatial(TD, td)
-                                            c_lane, c_slot = T.meta_var(frag(vi, vn))
-                                            a_lane, a_slot = T.meta_var(frag(vi, vk))
-                                            b_lane, b_slot = T.meta_var(frag(vk, vn))
-                                            dQw[vw, c_lane, c_slot] = dQw[vw, c_lane, c_slot] + T.Cast(
-                                                F32, dSa[vw, vtj, a_lane, a_slot]) * T.Cast(
-                                                    F32, Kb[vw, vtj, vtd, b_lane, b_slot])
-                                    for w, tx, s8 in T.grid(WARPS, 32, 8):
-                                        with T.sblock("add_dq"):
-                                            vw, vtx, vs8 = T.axis.remap("SSS", [w, tx, s8])
-                                            vtd = T.axis.spatial(TD, td)
-                                            row = T.meta_var(q0 + vw * 16 + frag_row(vtx, vs8))
-                                            colq = T.meta_var(vtd * 16 + frag_col(vtx, vs8))
-                                            T.reads(dQw[vw, vtx, vs8], dQacc[part, tb, qs + row, h, colq])
-                                            T.writes(dQacc[part, tb, qs + row, h, colq])
-                                            if row < masks.seqlen_q:
-                                                if not on_cpu:
-                                                    T.evaluate(T.call_extern("float32", "atomicAdd",
-                                                                             T.address_of(dQacc[part, tb, qs + row, h, colq]),
-                                                                             dQw[vw, vtx, vs8]))
-                                                else:
-                                                    dQacc[part, tb, qs + row, h, colq] = dQacc[part, tb, qs + row, h, colq] + dQw[
-                                                        vw, vtx, vs8]
-                        for w, tx, td, s8 in T.grid(WARPS, 32, TD, 8):
-                            with T.sblock("stage_dkv"):  # dK, dV by rows into the K, V tiles (done with)
-                                vw, vtd, vtx, vs8 = T.axis.remap("SSSS", [w, td, tx, s8])
-                                Ks[vw * 16 + frag_row(vtx, vs8), vtd * 16 + frag_col(vtx, vs8)] = T.Cast(
-                                    dtype, dKw[vw, vtd, vtx, vs8] * T.Cast(F32, softmax_scale))
-                                Vs[vw * 16 + frag_row(vtx, vs8), vtd * 16 + frag_col(vtx, vs8)] = T.Cast(
-                                    dtype, dVw[vw, vtd, vtx, vs8])
-                        for r, c, e in T.grid(T.int64(Bc), T.int64(D // VEC), T.int64(VEC)):
-                            with T.sblock("store_dkv"):  # whole rows, 16 bytes per thread and step
-                                vr, vc, ve = T.axis.remap("SSS", [r, c, e])
-                                if k0 + vr < masks.seqlen_k:
-                                    dKa[tb, ks + k0 + vr, hk, vc * VEC + ve] = Ks[vr, vc * VEC + ve]
-                                    dVa[tb, ks + k0 + vr, hk, vc * VEC + ve] = Vs[vr, vc * VEC + ve]
+                                    fill("init_dq", T.float32(0), dQw)
+                                    mma("dq", dQw, "w", dSa, "w k", Kb, "w k n", (td, TD), TC)  # dQ = dS K
+                                    add_dq(dQacc, dQw, part, tb, qs, h, q0, masks.seqlen_q, (td, TD), on_cpu)
+                        stage_dkv(Ks, Vs, dKw, dVw, softmax_scale)  # dK, dV by rows into the K, V tiles
+                        store_rows("store_dkv", dKa, Ks, tb, ks, k0, masks.seqlen_k, hk, dVa, Vs)
 
     return flash_bwd
