@@ -285,12 +285,6 @@ def stage(func):
     return expand
 
 
-def _one(value) -> bool:
-    """Whether a tile count is a loop of the stage (an int) rather than an enclosing loop's tile
-    (its ``(var, extent)``). A function: TVMScript evaluates it while parsing, a static branch."""
-    return not isinstance(value, tuple)
-
-
 @stage
 def load_rows(name, tile, src, batch, start, row0, length, head):
     """Rows ``row0 ...`` of a sequence (its rows start at ``start`` of ``batch`` in ``src``) into a
@@ -367,13 +361,13 @@ def mma(name, C, c, A, a, B, b, n, k, b_rows=False):
     stage (an int) or the tile of an enclosing loop (``(var, extent)``, bound by the block).
     ``b_rows``: B given as rows of its transpose (K in Q K^T). The fragment loads it consumes are
     scheduled into its innermost tile loop."""
-    if not _one(n):  # one output tile, the enclosing loop's
+    if isinstance(n, tuple):  # one output tile, the enclosing loop's
         for w, tk, i, j, kk in T.grid(WARPS, k, 16, 16, 16):
             with T.sblock(name):
                 vw, vk, vi, vj, vkk = T.axis.remap("SRSSR", [w, tk, i, j, kk])
                 vn = T.axis.spatial(n[1], n[0])
                 _multiply_add(C, c, A, a, B, b, vw, vn, vk, vi, vj, vkk, b_rows)
-    elif not _one(k):  # one reduction tile, the enclosing loop's
+    elif isinstance(k, tuple):  # one reduction tile, the enclosing loop's
         for w, tn, i, j, kk in T.grid(WARPS, n, 16, 16, 16):
             with T.sblock(name):
                 vw, vn, vi, vj, vkk = T.axis.remap("SSSSR", [w, tn, i, j, kk])
@@ -686,6 +680,20 @@ def cuda_forward(spec: CUDASpec, on_cpu: bool = False) -> tirx.PrimFunc:
 PREP_ROWS = WARPS * 16  # query rows per block of the pre-pass: 2 threads per row
 
 
+@stage
+def load_half_rows(name, dst, src, group, padded_rows):
+    """Lanes 2 r and 2 r + 1 of each warp: every other 16-byte chunk of row r of the group's 16 x
+    warps rows (over B x H x padded_rows; past a sequence: its last row)."""
+    for w, lane, c, e in T.grid(WARPS, 32, int(src.shape[3]) // (2 * VEC), VEC):
+        with T.sblock(name):
+            vw, vl, vc, ve = T.axis.remap("SSSS", [w, lane, c, e])
+            row = T.meta_var(group * PREP_ROWS + vw * 16 + vl // 2)
+            bh = T.meta_var(T.truncdiv(row, padded_rows))
+            dst[vw, vl, vc * VEC + ve] = src[T.truncdiv(bh, src.shape[2]), T.min(
+                T.truncmod(row, padded_rows), src.shape[1] - 1), T.truncmod(bh, src.shape[2]),
+                (vc * 2 + vl % 2) * VEC + ve]
+
+
 def cuda_backward_prep(head_dim: int, dtype: str) -> tirx.PrimFunc:
     """flash_bwd_prep(dout, out, lse, stats, dq_acc): stats = (lse2_hi, lse2_lo, delta), dq_acc = 0.
 
@@ -724,20 +732,8 @@ def cuda_backward_prep(head_dim: int, dtype: str) -> tirx.PrimFunc:
                 Ol = T.sblock_alloc_buffer((WARPS, 32, CH * VEC), dtype)
                 part = T.sblock_alloc_buffer((WARPS, 32, 1), F32)  # per lane: its half of the dot product
                 pair = T.sblock_alloc_buffer((WARPS, 32, 1), F32)
-                for w, lane, c, e in T.grid(WARPS, 32, CH, VEC):
-                    with T.sblock("load_do_row"):
-                        vw, vl, vc, ve = T.axis.remap("SSSS", [w, lane, c, e])
-                        row = T.meta_var(vg * PREP_ROWS + vw * 16 + vl // 2)  # over B * H * NqP
-                        dOl[vw, vl, vc * VEC + ve] = dOa[T.truncdiv(T.truncdiv(row, NqP), H), T.min(
-                            T.truncmod(row, NqP), Nq - 1), T.truncmod(T.truncdiv(row, NqP), H),
-                            (vc * 2 + vl % 2) * VEC + ve]
-                for w, lane, c, e in T.grid(WARPS, 32, CH, VEC):
-                    with T.sblock("load_o_row"):
-                        vw, vl, vc, ve = T.axis.remap("SSSS", [w, lane, c, e])
-                        row = T.meta_var(vg * PREP_ROWS + vw * 16 + vl // 2)
-                        Ol[vw, vl, vc * VEC + ve] = Oa[T.truncdiv(T.truncdiv(row, NqP), H), T.min(
-                            T.truncmod(row, NqP), Nq - 1), T.truncmod(T.truncdiv(row, NqP), H),
-                            (vc * 2 + vl % 2) * VEC + ve]
+                load_half_rows("load_do_row", dOl, dOa, vg, NqP)
+                load_half_rows("load_o_row", Ol, Oa, vg, NqP)
                 for w, lane, c, e in T.grid(WARPS, 32, CH, VEC):
                     with T.sblock("dot"):
                         vw, vl, vc, ve = T.axis.remap("SSRR", [w, lane, c, e])
