@@ -357,8 +357,9 @@ def _multiply_add(C, c, A, a, B, b, w, n, k, i, j, kk, b_rows):
 def mma(name, C, c, A, a, B, b, n, k, b_rows=False):
     """C[c] += A[a] B[b]: every warp, 16 x 16 x 16 steps in exactly the form of TVM's mma tensor
     intrinsics (two ``mma.m16n8k16`` each once tensorized). ``c``, ``a``, ``b``: each operand's
-    leading indices (``_operand``: "w n k"); ``n`` output tiles by ``k`` reduction tiles, each a loop of the
-    stage (an int) or the tile of an enclosing loop (``(var, extent)``, bound by the block).
+    leading indices (``_operand``: "w n k"); ``n`` output tiles by ``k`` reduction tiles, each a
+    loop of the stage (an int) or the tile of an enclosing loop (``(var, extent)``, bound by the
+    block).
     ``b_rows``: B given as rows of its transpose (K in Q K^T). The fragment loads it consumes are
     scheduled into its innermost tile loop."""
     if isinstance(n, tuple):  # one output tile, the enclosing loop's
@@ -425,7 +426,8 @@ def quad_reduce(name, op, out, prev, partial, pair, alpha=None):
         with T.sblock(name):
             vw, vtx, vhf = T.axis.remap("SSS", [w, tx, hf])
             if op == "max":
-                out[vw, vtx, vhf] = T.max(prev[vw, vtx, vhf], T.max(pair[vw, vtx, vhf], pair[vw, quad_partner(vtx, 2), vhf]))
+                out[vw, vtx, vhf] = T.max(prev[vw, vtx, vhf], T.max(
+                    pair[vw, vtx, vhf], pair[vw, quad_partner(vtx, 2), vhf]))
             else:
                 out[vw, vtx, vhf] = prev[vw, vtx, vhf] * alpha[vw, vtx, vhf] + (
                     pair[vw, vtx, vhf] + pair[vw, quad_partner(vtx, 2), vhf])
@@ -919,10 +921,11 @@ def add_dq(dQacc, dQw, part, batch, start, h, q0, length, dq_tile, on_cpu):
             T.writes(dQacc[part, batch, start + row, h, colq])
             if row < length:
                 if not on_cpu:
-                    T.evaluate(T.call_extern("float32", "atomicAdd",
-                                             T.address_of(dQacc[part, batch, start + row, h, colq]), dQw[vw, vtx, vs8]))
+                    T.evaluate(T.call_extern("float32", "atomicAdd", T.address_of(
+                        dQacc[part, batch, start + row, h, colq]), dQw[vw, vtx, vs8]))
                 else:
-                    dQacc[part, batch, start + row, h, colq] = dQacc[part, batch, start + row, h, colq] + dQw[vw, vtx, vs8]
+                    dQacc[part, batch, start + row, h, colq] = dQacc[part, batch, start + row, h, colq] + dQw[
+                        vw, vtx, vs8]
 
 
 @stage
@@ -933,7 +936,8 @@ def stage_dkv(Ks, Vs, dKw, dVw, scale):
             vw, vtd, vtx, vs8 = T.axis.remap("SSSS", [w, td, tx, s8])
             Ks[vw * 16 + frag_row(vtx, vs8), vtd * 16 + frag_col(vtx, vs8)] = T.Cast(
                 str(Ks.dtype), dKw[vw, vtd, vtx, vs8] * T.Cast(F32, scale))
-            Vs[vw * 16 + frag_row(vtx, vs8), vtd * 16 + frag_col(vtx, vs8)] = T.Cast(str(Vs.dtype), dVw[vw, vtd, vtx, vs8])
+            Vs[vw * 16 + frag_row(vtx, vs8), vtd * 16 + frag_col(vtx, vs8)] = T.Cast(
+                str(Vs.dtype), dVw[vw, vtd, vtx, vs8])
 
 
 def cuda_backward(spec: CUDASpec, atomic_dq: bool = True, on_cpu: bool = False) -> tirx.PrimFunc:
