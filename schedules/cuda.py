@@ -24,7 +24,7 @@ from tvm.script import tirx as T
 from tvm.s_tir import TensorIntrin
 
 from tvmflash.config import CUDAKernelConfig
-from tvmflash.kernels.cuda import frag
+from tvmflash.kernels.cuda_stages import frag
 from tvmflash.spec import AttentionSpec
 
 WARP = 32
@@ -150,9 +150,9 @@ FORWARD_FRAGMENTS = (("ldmatrix_q", 0), ("ldmatrix_k", 0), ("ldmatrix_v", 0), ("
 FORWARD_LANE_STAGES = ("init_o", "init_stats", "init_s", "row_max_lane", "row_max_pair", "row_max", "rescale",
                        "probs", "cast_p", "row_sum_lane", "row_sum_pair", "row_sum", "rescale_o", "keep_max",
                        "inverse_sum", "stage_o", "store_lse")
-# (product, fragment loads it consumes at which of its loops, mma B operand transposed?)
-FORWARD_PRODUCTS = (("scores", (("ldmatrix_k", "tk", "B_trans"),), True),
-                    ("pv", (("ldmatrix_v", "tj", "B"),), False))
+# (product, the fragment loads it consumes as which ldmatrix operand, mma B operand transposed?)
+FORWARD_PRODUCTS = (("scores", (("ldmatrix_k", "B_trans"),), True),
+                    ("pv", (("ldmatrix_v", "B"),), False))
 
 
 def _loop(sch, block, name: str):
@@ -216,16 +216,19 @@ def _schedule_tile_store(sch, name: str, warps: int) -> None:
 
 
 def _schedule_product(sch, name: str, loads, b_transposed: bool, dtype: str) -> None:
-    """One warp-level product: fragment loads at the right loop, then ldmatrix + mma."""
+    """One warp-level product (``kernels/cuda_stages.mma``: loops warp, tiles..., 16 x 16 x 16): its
+    fragment loads at its innermost tile loop, where their tile changes (A operands reused
+    across that loop are loaded once per outer step), then ldmatrix + mma."""
     block = sch.get_sblock(name)
-    for load, at, operand in loads:
-        sch.compute_at(sch.get_sblock(load), _loop(sch, block, at))
+    loops = _own_loops(sch, block)
+    for load, operand in loads:
+        sch.compute_at(sch.get_sblock(load), loops[-4])
     loops = _own_loops(sch, block)
     sch.bind(loops[0], "threadIdx.y")
     for loop in loops[1:-3]:
         sch.unroll(loop)
     sch.tensorize(loops[-3], intrinsic("mma", dtype, b_transposed))
-    for load, _, operand in loads:
+    for load, operand in loads:
         sch.tensorize(sch.get_loops(sch.get_sblock(load))[-2], intrinsic("ldmatrix", dtype, operand, "shared.dyn"))
 
 
@@ -263,13 +266,11 @@ BACKWARD_LANE_STAGES = ("init_dkv", "init_s", "probs", "cast_p", "init_dp", "dsc
                         "add_dq", "stage_dkv")
 # Fragment loads that are a stage of their own (each tile loaded once, used by a later loop).
 BACKWARD_FRAGMENT_STAGES = (("ldmatrix_ds", "A_trans", "shared"),)
-# Fragment loads sit at the loop where their tile changes: A operands reused across the inner
-# loop (K and V rows of the warp, dS) are loaded once per outer step.
-BACKWARD_PRODUCTS = (("scores", (("ldmatrix_k", "tk", "A"), ("ldmatrix_qt", "tk", "B_trans")), True),
-                     ("dv", (("ldmatrix_do", "td", "B"),), False),
-                     ("dprobs", (("ldmatrix_v", "td", "A"), ("ldmatrix_dot", "td", "B_trans")), True),
-                     ("dk", (("ldmatrix_q", "td", "B"),), False),
-                     ("dq", (("ldmatrix_kb", "tj", "B"),), False))
+BACKWARD_PRODUCTS = (("scores", (("ldmatrix_k", "A"), ("ldmatrix_qt", "B_trans")), True),
+                     ("dv", (("ldmatrix_do", "B"),), False),
+                     ("dprobs", (("ldmatrix_v", "A"), ("ldmatrix_dot", "B_trans")), True),
+                     ("dk", (("ldmatrix_q", "B"),), False),
+                     ("dq", (("ldmatrix_kb", "B"),), False))
 
 
 def _schedule_fragment_stage(sch, name: str, operand: str, scope: str, dtype: str) -> None:

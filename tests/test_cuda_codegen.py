@@ -490,6 +490,26 @@ def test_generated_cuda_runs_in_the_emulator(args):
     assert all("races=0 uninit=0 oob=0 misaligned=0 deadlock=0 divergent=0" in ln for ln in lines), run.stdout
 
 
+def test_stages_keep_the_block_names_the_schedules_find():
+    """The kernels are sequences of stage macros (``kernels/cuda_stages.stage``). TVMScript suffixes the
+    blocks of a macro's later expansions (``pv_1``, ``dv_2``), and the schedules find the stages by
+    block name: every call keeps the name it passes, and every name a schedule looks up exists."""
+    from tvmflash.schedules import cuda as schedules
+
+    spec = cuda_spec(64, "float16", "flex+grad")
+    found = {kind: re.findall(r'T\.sblock\("(\w+)"\)', func.script()) for kind, func in (
+        ("forward", cuda_kernels.cuda_forward(spec, CUDAKernelConfig("forward"))),
+        ("backward", cuda_kernels.cuda_backward(spec, CUDAKernelConfig("backward"))))}
+    wanted = {"forward": {n for n, _ in schedules.FORWARD_FRAGMENTS} | set(schedules.FORWARD_LANE_STAGES) | {
+                  p for p, _, _ in schedules.FORWARD_PRODUCTS} | {"score_mod", "load_q", "store_o"},
+              "backward": {n for n, _ in schedules.BACKWARD_FRAGMENTS} | set(schedules.BACKWARD_LANE_STAGES) | {
+                  p for p, _, _ in schedules.BACKWARD_PRODUCTS} | {"score_mod", "captured_grads", "store_dkv"}}
+    for kind, names in found.items():
+        assert len(names) == len(set(names)), kind
+        assert not [n for n in names if re.search(r"_\d+$", n)], kind
+        assert wanted[kind] <= set(names), (kind, wanted[kind] - set(names))
+
+
 def test_one_cuda_build_serves_every_mask():
     """Causal and windows are runtime arguments of the CUDA kernels too: ``causal`` is only the
     default of the calls, and both defaults share one compiled module."""

@@ -22,11 +22,17 @@ indexed through ``frag(row, col) -> (lane, slot)`` (TVM's ``shared_16x16_to_ldma
   default), so one build serves every mask; the forward walks only the key tiles its query
   tile's window (and block mask) reaches, the backward only the query tiles that see its key
   tile. Score mods (softcap, ALiBi, a traced score_mod) rewrite the score fragment in place, a
-  traced mask_mod joins the window test:
-  the same ``score_mods`` emitters as the CPU kernels, with the GPU's exp2;
+  traced mask_mod joins the window test: the same ``score_mods`` emitters as the CPU kernels,
+  with the GPU's exp2;
 * sequences are plan.py's table, as on CPUs: batched tensors and packed (varlen) sequences
   alike; a forward block takes one query tile of any sequence (``q_tile_seq``), a backward
   block one key tile (or split) of one sequence, and reads its rows, lengths and diagonal.
+
+Each kernel reads top to bottom as a sequence of named stages (``@stage``): the tile copies,
+fragment loads (``ldmatrix_rows``, ``ldmatrix_tiles``), products (one ``mma``) and quad
+reductions shared by all are in ``cuda_stages.py``, the forward's and backward's own below. A
+stage reaches the masks and mods through the build's context ``ctx`` and the block's sequence
+``seq`` (``common.SequenceInfo``).
 
 Unscheduled, the skeleton is ordinary TIR: the tests run it on the CPU (warps and lanes as
 plain loops) against float64 PyTorch, which checks the layouts and the math without a GPU.
@@ -49,12 +55,27 @@ from ..attention_te import (
 )
 from ..config import CUDA_ROWS_PER_WARP as ROWS_PER_WARP
 from ..config import CUDA_WARPS as WARPS
-from ..config import VECTOR_BYTES, CUDAKernelConfig
+from ..config import CUDAKernelConfig
 from ..score_mods import NATIVE_INTRINSICS, ModContext, exponent_constant, kernel_argument
 from ..spec import AttentionSpec
 from .common import EMPTY, F32, FULL, PARTIAL, KernelContext, SequenceInfo, ceildiv
-
-VEC = VECTOR_BYTES // 2  # fp16/bf16 elements per 16-byte copy
+from .cuda_stages import (
+    VEC,
+    aligned_strides,
+    fill,
+    frag_col,
+    frag_row,
+    half_slot,
+    ldmatrix_rows,
+    ldmatrix_tiles,
+    load_rows,
+    mma,
+    quad_partner,
+    quad_reduce,
+    reciprocal,
+    stage,
+    store_rows,
+)
 
 
 class CUDAContext(KernelContext):
@@ -134,40 +155,133 @@ class CUDAContext(KernelContext):
         return exponent_constant(self.spec, softmax_scale)
 
 
-def aligned_strides(strides):
-    return (*(T.truncdiv(s, VEC) * VEC for s in strides), 1)
+# --- forward stages: FlashAttention-2's online softmax on the score fragments S[warp, key tile] --
+# Query q0 + 16 w + frag_row, key k0 + 16 t + frag_col; per lane the statistics of its two rows.
 
 
-def frag(row, col):
-    """(lane, slot) of element (row, col) of a 16 x 16 tile in the mma register layout."""
-    return 4 * (row % 8) + (col % 8) // 2, 4 * (col // 8) + (row // 8) * 2 + col % 2
+def exp2(x):
+    return tirx.exp2(x)  # ex2.approx in hardware
 
 
-def frag_row(lane, slot):
-    return 8 * (slot % 4 // 2) + lane // 4
+@stage
+def init_row_stats(m, l):
+    for w, tx, hf in T.grid(WARPS, 32, 2):
+        with T.sblock("init_stats"):
+            vw, vtx, vhf = T.axis.remap("SSS", [w, tx, hf])
+            m[vw, vtx, vhf] = T.float32(NEG_INF)
+            l[vw, vtx, vhf] = T.float32(0)
 
 
-def frag_col(lane, slot):
-    return 8 * (slot // 4) + (lane % 4) * 2 + slot % 2
+@stage
+def mod_scores(S, ctx, seq, scale, h, q0, k0):
+    """S := mods(S * scale), in place (natural-log units)."""
+    for w, tx, tj, s in T.grid(WARPS, 32, S.shape[1], 8):
+        with T.sblock("score_mod"):
+            vw, vtj, vtx, vs = T.axis.remap("SSSS", [w, tj, tx, s])
+            S[vw, vtj, vtx, vs] = ctx.score(seq, S[vw, vtj, vtx, vs] * T.Cast(F32, scale), h,
+                                            q0 + vw * 16 + frag_row(vtx, vs), k0 + vtj * 16 + frag_col(vtx, vs))
 
 
-def quad_partner(lane, bit: int):
-    """``lane ^ bit`` (bit 1 or 2): the lanes ``4 r ... 4 r + 3`` hold the 16 columns of rows r
-    and r + 8, so two exchanges (bit 1, then bit 2) combine a row (FlashAttention-2's quad
-    allreduce). Written with + and %, which TVM's index analysis bounds (it does not bound xor)."""
-    return lane + bit - 2 * bit * (lane // bit % 2)
+@stage
+def row_max(m_new, m, S, partial, pair, ctx, seq, scale, h, q0, k0):
+    """m_new := max(m, the row maxima of the scores each row sees), in exp2 units."""
+    for w, tx, hf, tj, qq in T.grid(WARPS, 32, 2, S.shape[1], 4):
+        with T.sblock("row_max_lane"):
+            vw, vtx, vhf, vtj, vq = T.axis.remap("SSSRR", [w, tx, hf, tj, qq])
+            with T.init():
+                partial[vw, vtx, vhf] = T.float32(NEG_INF)
+            partial[vw, vtx, vhf] = T.max(partial[vw, vtx, vhf], T.Select(
+                ctx.sees(seq, h, q0 + vw * 16 + frag_row(vtx, half_slot(vhf, vq)),
+                         k0 + vtj * 16 + frag_col(vtx, half_slot(vhf, vq))),
+                S[vw, vtj, vtx, half_slot(vhf, vq)] * ctx.exponent_scale(scale)[0], T.float32(NEG_INF)))
+    quad_reduce("row_max", "max", m_new, m, partial, pair)
 
 
-def half_slot(half, q):
-    """The q-th (of 4) slot holding row ``lane // 4 + 8 * half`` of a tile."""
-    return (q // 2) * 4 + half * 2 + q % 2
+@stage
+def rescale_factor(alpha, m, m_new):
+    """alpha := 2^(m - m_new), what the running sums shrink by (1 while the maximum stays -inf)."""
+    for w, tx, hf in T.grid(WARPS, 32, 2):
+        with T.sblock("rescale"):
+            vw, vtx, vhf = T.axis.remap("SSS", [w, tx, hf])
+            alpha[vw, vtx, vhf] = T.Select(m[vw, vtx, vhf] == m_new[vw, vtx, vhf], T.float32(1),
+                                           exp2(m[vw, vtx, vhf] - m_new[vw, vtx, vhf]))
 
 
-def reciprocal(x, on_cpu: bool):
-    """1 / x correctly rounded, also under ``nvcc --use_fast_math`` (TVM's flag at load time),
-    which turns a plain ``1 / x`` into the approximate ``rcp.approx``: ``__frcp_rn`` is
-    ``rcp.rn`` whatever the flags. ``on_cpu``: the same IEEE division for the CPU test build."""
-    return T.float32(1) / x if on_cpu else T.call_pure_extern(F32, "__frcp_rn", x)
+@stage
+def probs(S, P, m_new, ctx, seq, scale, h, q0, k0):
+    """S := 2^(S c - m_new) in place, 0 where masked (also where a score_mod returned -inf, and
+    in rows that see nothing); P := S in the operand dtype: the accumulator layout is the A
+    operand layout of P V, so P never goes through memory."""
+    for w, tx, tj, s in T.grid(WARPS, 32, S.shape[1], 8):
+        with T.sblock("probs"):
+            vw, vtj, vtx, vs = T.axis.remap("SSSS", [w, tj, tx, s])
+            S[vw, vtj, vtx, vs] = T.Select(
+                ctx.kept(ctx.sees(seq, h, q0 + vw * 16 + frag_row(vtx, vs),
+                                  k0 + vtj * 16 + frag_col(vtx, vs)), S[vw, vtj, vtx, vs]),
+                exp2(log2_exponent(S[vw, vtj, vtx, vs], ctx.exponent_scale(scale),
+                                   (m_new[vw, vtx, vs % 4 // 2], T.float32(0)))),
+                T.float32(0))
+    for w, tx, tj, s in T.grid(WARPS, 32, S.shape[1], 8):
+        with T.sblock("cast_p"):
+            vw, vtj, vtx, vs = T.axis.remap("SSSS", [w, tj, tx, s])
+            P[vw, vtj, vtx, vs] = T.Cast(str(P.dtype), S[vw, vtj, vtx, vs])
+
+
+@stage
+def row_sum(l, alpha, S, partial, pair):
+    """l := l alpha + the row sums of S (= P)."""
+    for w, tx, hf, tj, qq in T.grid(WARPS, 32, 2, S.shape[1], 4):
+        with T.sblock("row_sum_lane"):
+            vw, vtx, vhf, vtj, vq = T.axis.remap("SSSRR", [w, tx, hf, tj, qq])
+            with T.init():
+                partial[vw, vtx, vhf] = T.float32(0)
+            partial[vw, vtx, vhf] = partial[vw, vtx, vhf] + S[vw, vtj, vtx, half_slot(vhf, vq)]
+    quad_reduce("row_sum", "sum", l, l, partial, pair, alpha)
+
+
+@stage
+def scale_rows(name, O, alpha):
+    """O := O alpha, row by row."""
+    for w, tx, td, s in T.grid(WARPS, 32, O.shape[1], 8):
+        with T.sblock(name):
+            vw, vtd, vtx, vs = T.axis.remap("SSSS", [w, td, tx, s])
+            O[vw, vtd, vtx, vs] = O[vw, vtd, vtx, vs] * alpha[vw, vtx, vs % 4 // 2]
+
+
+@stage
+def copy_stats(name, dst, src):
+    for w, tx, hf in T.grid(WARPS, 32, 2):
+        with T.sblock(name):
+            vw, vtx, vhf = T.axis.remap("SSS", [w, tx, hf])
+            dst[vw, vtx, vhf] = src[vw, vtx, vhf]
+
+
+@stage
+def stage_output(tile, O, l, inv_l, on_cpu):
+    """O / l by rows into ``tile`` (the Q tile, free since its fragments were loaded): 1 / l once
+    per row, correctly rounded (``reciprocal``), 0 in rows that see no key."""
+    for w, tx, hf in T.grid(WARPS, 32, 2):
+        with T.sblock("inverse_sum"):
+            vw, vtx, vhf = T.axis.remap("SSS", [w, tx, hf])
+            inv_l[vw, vtx, vhf] = T.Select(l[vw, vtx, vhf] > T.float32(0), reciprocal(l[vw, vtx, vhf], on_cpu),
+                                           T.float32(0))
+    for w, tx, td, s in T.grid(WARPS, 32, O.shape[1], 8):
+        with T.sblock("stage_o"):
+            vw, vtd, vtx, vs = T.axis.remap("SSSS", [w, td, tx, s])
+            tile[vw * 16 + frag_row(vtx, vs), vtd * 16 + frag_col(vtx, vs)] = T.Cast(
+                str(tile.dtype), O[vw, vtd, vtx, vs] * inv_l[vw, vtx, vs % 4 // 2])
+
+
+@stage
+def store_lse(LSE, m, l, batch, h, start, q0, length):
+    """LSE of each row (``attention_te.lse_from_stats``) by the lane that holds it first: lane
+    4 r holds rows r and r + 8."""
+    for w, tx, hf in T.grid(WARPS, 32, 2):
+        with T.sblock("store_lse"):
+            vw, vtx, vhf = T.axis.remap("SSS", [w, tx, hf])
+            if vtx % 4 == 0 and q0 + vw * 16 + vtx // 4 + 8 * vhf < length:
+                LSE[batch, h, start + q0 + vw * 16 + vtx // 4 + 8 * vhf] = lse_from_stats(m[vw, vtx, vhf],
+                                                                                          l[vw, vtx, vhf])
 
 
 def cuda_forward(spec: AttentionSpec, cfg: CUDAKernelConfig, on_cpu: bool = False) -> tirx.PrimFunc:
@@ -184,7 +298,6 @@ def cuda_forward(spec: AttentionSpec, cfg: CUDAKernelConfig, on_cpu: bool = Fals
     if cfg.block_q != Br or D % 16 or Bc % 16:
         raise ValueError(f"CUDA kernels need block_q = {Br} and multiples of 16 (got {spec}, {cfg})")
     TD, TC = D // 16, Bc // 16  # 16-wide tiles along the head dim and along the keys
-    exp2_ = tirx.exp2  # ex2.approx in hardware
     elem = DataType(dtype).bits // 8
 
     @T.prim_func(s_tir=True)
@@ -246,153 +359,30 @@ def cuda_forward(spec: AttentionSpec, cfg: CUDAKernelConfig, on_cpu: bool = Fals
                 h: T.let[T.int64] = vbh
                 hk: T.let[T.int64] = T.truncdiv(h, T.truncdiv(H, Hk))
                 q0: T.let[T.int64] = (vqt - ctx.column(b, plan.Q_TILE0)) * Br
-                for r, c in T.grid(T.int64(Br), T.int64(D)):  # int64: the vectorized copy stays a ramp
-                    with T.sblock("load_q"):
-                        vr, vc = T.axis.remap("SS", [r, c])
-                        Qs[vr, vc] = Qa[tb, qs + T.min(q0 + vr, seq.q_len - 1), h, vc]
-                for w, tk, i, kk in T.grid(WARPS, TD, 16, 16):
-                    with T.sblock("ldmatrix_q"):
-                        vw, vtk, vi, vk = T.axis.remap("SSSS", [w, tk, i, kk])
-                        lane, slot = T.meta_var(frag(vi, vk))
-                        Qw[vw, vtk, lane, slot] = Qs[vw * 16 + vi, vtk * 16 + vk]
-                for w, tx, td, s in T.grid(WARPS, 32, TD, 8):
-                    with T.sblock("init_o"):
-                        vw, vtd, vtx, vs = T.axis.remap("SSSS", [w, td, tx, s])
-                        Ow[vw, vtd, vtx, vs] = T.float32(0)
-                for w, tx, hf in T.grid(WARPS, 32, 2):
-                    with T.sblock("init_stats"):
-                        vw, vtx, vhf = T.axis.remap("SSS", [w, tx, hf])
-                        m[vw, vtx, vhf] = T.float32(NEG_INF)
-                        l[vw, vtx, vhf] = T.float32(0)
-                for kt in T.serial(*ctx.key_tiles(seq, h, q0)):
+                load_rows("load_q", Qs, Qa, tb, qs, q0, seq.q_len, h)
+                ldmatrix_rows("ldmatrix_q", Qw, Qs)  # A operand of Q K^T: the warp's 16 query rows
+                fill("init_o", T.float32(0), Ow)
+                init_row_stats(m, l)  # m = -inf, l = 0
+                for kt in T.serial(*ctx.key_tiles(seq, h, q0)):  # the key tiles the query tile sees
                     k0: T.let[T.int64] = kt * Bc
-                    for r, c in T.grid(T.int64(Bc), T.int64(D)):
-                        with T.sblock("load_k"):
-                            vr, vc = T.axis.remap("SS", [r, c])
-                            Ks[vr, vc] = Ka[tb, ks + T.min(k0 + vr, seq.k_len - 1), hk, vc]
-                    for r, c in T.grid(T.int64(Bc), T.int64(D)):
-                        with T.sblock("load_v"):
-                            vr, vc = T.axis.remap("SS", [r, c])
-                            Vs[vr, vc] = Va[tb, ks + T.min(k0 + vr, seq.k_len - 1), hk, vc]
-                    for w, tj, tk, j, kk in T.grid(WARPS, TC, TD, 16, 16):
-                        with T.sblock("ldmatrix_k"):  # B operand of Q K^T: K rows as columns
-                            vw, vtj, vtk, vj, vk = T.axis.remap("SSSSS", [w, tj, tk, j, kk])
-                            lane, slot = T.meta_var(frag(vj, vk))
-                            Kw[vw, vtj, vtk, lane, slot] = Ks[vtj * 16 + vj, vtk * 16 + vk]
-                    for w, tx, tj, s in T.grid(WARPS, 32, TC, 8):
-                        with T.sblock("init_s"):
-                            vw, vtj, vtx, vs = T.axis.remap("SSSS", [w, tj, tx, s])
-                            Sw[vw, vtj, vtx, vs] = T.float32(0)
-                    for w, tj, tk, i, j, kk in T.grid(WARPS, TC, TD, 16, 16, 16):
-                        with T.sblock("scores"):  # S += Q K^T: one 16 x 16 x 16 mma step per (tj, tk)
-                            vw, vtj, vtk, vi, vj, vk = T.axis.remap("SSRSSR", [w, tj, tk, i, j, kk])
-                            c_lane, c_slot = T.meta_var(frag(vi, vj))
-                            a_lane, a_slot = T.meta_var(frag(vi, vk))
-                            b_lane, b_slot = T.meta_var(frag(vj, vk))
-                            Sw[vw, vtj, c_lane, c_slot] = Sw[vw, vtj, c_lane, c_slot] + T.Cast(
-                                F32, Qw[vw, vtk, a_lane, a_slot]) * T.Cast(F32, Kw[vw, vtj, vtk, b_lane, b_slot])
+                    load_rows("load_k", Ks, Ka, tb, ks, k0, seq.k_len, hk)
+                    load_rows("load_v", Vs, Va, tb, ks, k0, seq.k_len, hk)
+                    ldmatrix_tiles("ldmatrix_k", Kw, Ks)  # B operand of Q K^T: K rows as columns
+                    fill("init_s", T.float32(0), Sw)
+                    mma("scores", Sw, "w n", Qw, "w k", Kw, "w n k", TC, TD, b_rows=True)  # S = Q K^T
                     if has_mods:
-                        for w, tx, tj, s in T.grid(WARPS, 32, TC, 8):
-                            with T.sblock("score_mod"):  # in place: natural-log scores, modded
-                                vw, vtj, vtx, vs = T.axis.remap("SSSS", [w, tj, tx, s])
-                                Sw[vw, vtj, vtx, vs] = ctx.score(
-                                    seq, Sw[vw, vtj, vtx, vs] * T.Cast(F32, softmax_scale), h,
-                                    q0 + vw * 16 + frag_row(vtx, vs), k0 + vtj * 16 + frag_col(vtx, vs))
-                    for w, tx, hf, tj, qq in T.grid(WARPS, 32, 2, TC, 4):
-                        with T.sblock("row_max_lane"):
-                            vw, vtx, vhf, vtj, vq = T.axis.remap("SSSRR", [w, tx, hf, tj, qq])
-                            with T.init():
-                                Red[vw, vtx, vhf] = T.float32(NEG_INF)
-                            Red[vw, vtx, vhf] = T.max(Red[vw, vtx, vhf], T.Select(
-                                ctx.sees(seq, h, q0 + vw * 16 + frag_row(vtx, half_slot(vhf, vq)),
-                                         k0 + vtj * 16 + frag_col(vtx, half_slot(vhf, vq))),
-                                Sw[vw, vtj, vtx, half_slot(vhf, vq)] * ctx.exponent_scale(softmax_scale)[0],
-                                T.float32(NEG_INF)))
-                    for w, tx, hf in T.grid(WARPS, 32, 2):
-                        with T.sblock("row_max_pair"):  # the 4 lanes sharing a row: a butterfly
-                            vw, vtx, vhf = T.axis.remap("SSS", [w, tx, hf])
-                            Pair[vw, vtx, vhf] = T.max(Red[vw, vtx, vhf], Red[vw, quad_partner(vtx, 1), vhf])
-                    for w, tx, hf in T.grid(WARPS, 32, 2):
-                        with T.sblock("row_max"):
-                            vw, vtx, vhf = T.axis.remap("SSS", [w, tx, hf])
-                            m_new[vw, vtx, vhf] = T.max(m[vw, vtx, vhf], T.max(
-                                Pair[vw, vtx, vhf], Pair[vw, quad_partner(vtx, 2), vhf]))
-                    for w, tx, hf in T.grid(WARPS, 32, 2):
-                        with T.sblock("rescale"):
-                            vw, vtx, vhf = T.axis.remap("SSS", [w, tx, hf])
-                            alpha[vw, vtx, vhf] = T.Select(m[vw, vtx, vhf] == m_new[vw, vtx, vhf], T.float32(1),
-                                                           exp2_(m[vw, vtx, vhf] - m_new[vw, vtx, vhf]))
-                    for w, tx, tj, s in T.grid(WARPS, 32, TC, 8):
-                        with T.sblock("probs"):  # in place: S becomes P (fp32)
-                            vw, vtj, vtx, vs = T.axis.remap("SSSS", [w, tj, tx, s])
-                            # a score_mod may itself return -inf: 0 there, also where the whole row is -inf
-                            Sw[vw, vtj, vtx, vs] = T.Select(
-                                ctx.kept(ctx.sees(seq, h, q0 + vw * 16 + frag_row(vtx, vs),
-                                                  k0 + vtj * 16 + frag_col(vtx, vs)), Sw[vw, vtj, vtx, vs]),
-                                exp2_(log2_exponent(Sw[vw, vtj, vtx, vs], ctx.exponent_scale(softmax_scale),
-                                                    (m_new[vw, vtx, vs % 4 // 2], T.float32(0)))),
-                                T.float32(0))
-                    for w, tx, tj, s in T.grid(WARPS, 32, TC, 8):
-                        with T.sblock("cast_p"):  # P in the accumulator layout = A operand layout
-                            vw, vtj, vtx, vs = T.axis.remap("SSSS", [w, tj, tx, s])
-                            Pw[vw, vtj, vtx, vs] = T.Cast(dtype, Sw[vw, vtj, vtx, vs])
-                    for w, tx, hf, tj, qq in T.grid(WARPS, 32, 2, TC, 4):
-                        with T.sblock("row_sum_lane"):
-                            vw, vtx, vhf, vtj, vq = T.axis.remap("SSSRR", [w, tx, hf, tj, qq])
-                            with T.init():
-                                Red[vw, vtx, vhf] = T.float32(0)
-                            Red[vw, vtx, vhf] = Red[vw, vtx, vhf] + Sw[vw, vtj, vtx, half_slot(vhf, vq)]
-                    for w, tx, hf in T.grid(WARPS, 32, 2):
-                        with T.sblock("row_sum_pair"):
-                            vw, vtx, vhf = T.axis.remap("SSS", [w, tx, hf])
-                            Pair[vw, vtx, vhf] = Red[vw, vtx, vhf] + Red[vw, quad_partner(vtx, 1), vhf]
-                    for w, tx, hf in T.grid(WARPS, 32, 2):
-                        with T.sblock("row_sum"):
-                            vw, vtx, vhf = T.axis.remap("SSS", [w, tx, hf])
-                            l[vw, vtx, vhf] = l[vw, vtx, vhf] * alpha[vw, vtx, vhf] + (
-                                Pair[vw, vtx, vhf] + Pair[vw, quad_partner(vtx, 2), vhf])
-                    for w, tx, td, s in T.grid(WARPS, 32, TD, 8):
-                        with T.sblock("rescale_o"):
-                            vw, vtd, vtx, vs = T.axis.remap("SSSS", [w, td, tx, s])
-                            Ow[vw, vtd, vtx, vs] = Ow[vw, vtd, vtx, vs] * alpha[vw, vtx, vs % 4 // 2]
-                    for w, tj, td, kk, n in T.grid(WARPS, TC, TD, 16, 16):
-                        with T.sblock("ldmatrix_v"):  # B operand of P V, not transposed
-                            vw, vtj, vtd, vk, vn = T.axis.remap("SSSSS", [w, tj, td, kk, n])
-                            lane, slot = T.meta_var(frag(vk, vn))
-                            Vw[vw, vtj, vtd, lane, slot] = Vs[vtj * 16 + vk, vtd * 16 + vn]
-                    for w, td, tj, i, n, kk in T.grid(WARPS, TD, TC, 16, 16, 16):
-                        with T.sblock("pv"):
-                            vw, vtd, vtj, vi, vn, vk = T.axis.remap("SSRSSR", [w, td, tj, i, n, kk])
-                            c_lane, c_slot = T.meta_var(frag(vi, vn))
-                            a_lane, a_slot = T.meta_var(frag(vi, vk))
-                            b_lane, b_slot = T.meta_var(frag(vk, vn))
-                            Ow[vw, vtd, c_lane, c_slot] = Ow[vw, vtd, c_lane, c_slot] + T.Cast(
-                                F32, Pw[vw, vtj, a_lane, a_slot]) * T.Cast(F32, Vw[vw, vtj, vtd, b_lane, b_slot])
-                    for w, tx, hf in T.grid(WARPS, 32, 2):
-                        with T.sblock("keep_max"):
-                            vw, vtx, vhf = T.axis.remap("SSS", [w, tx, hf])
-                            m[vw, vtx, vhf] = m_new[vw, vtx, vhf]
-                for w, tx, hf in T.grid(WARPS, 32, 2):
-                    with T.sblock("inverse_sum"):  # 1 / l once per row
-                        vw, vtx, vhf = T.axis.remap("SSS", [w, tx, hf])
-                        inv_l[vw, vtx, vhf] = T.Select(l[vw, vtx, vhf] > T.float32(0),
-                                                       reciprocal(l[vw, vtx, vhf], on_cpu), T.float32(0))
-                for w, tx, td, s in T.grid(WARPS, 32, TD, 8):
-                    with T.sblock("stage_o"):  # O by rows into the Q tile (free since ldmatrix_q)
-                        vw, vtd, vtx, vs = T.axis.remap("SSSS", [w, td, tx, s])
-                        Qs[vw * 16 + frag_row(vtx, vs), vtd * 16 + frag_col(vtx, vs)] = T.Cast(
-                            dtype, Ow[vw, vtd, vtx, vs] * inv_l[vw, vtx, vs % 4 // 2])
-                for r, c, e in T.grid(T.int64(Br), T.int64(D // VEC), T.int64(VEC)):
-                    with T.sblock("store_o"):  # whole rows, 16 bytes per thread and step
-                        vr, vc, ve = T.axis.remap("SSS", [r, c, e])
-                        if q0 + vr < seq.q_len:
-                            Oa[tb, qs + q0 + vr, h, vc * VEC + ve] = Qs[vr, vc * VEC + ve]
-                for w, tx, hf in T.grid(WARPS, 32, 2):
-                    with T.sblock("store_lse"):  # lane 4 r holds rows r and r + 8
-                        vw, vtx, vhf = T.axis.remap("SSS", [w, tx, hf])
-                        if vtx % 4 == 0 and q0 + vw * 16 + vtx // 4 + 8 * vhf < seq.q_len:
-                            LSE[tb, h, qs + q0 + vw * 16 + vtx // 4 + 8 * vhf] = lse_from_stats(
-                                m[vw, vtx, vhf], l[vw, vtx, vhf])
+                        mod_scores(Sw, ctx, seq, softmax_scale, h, q0, k0)  # S = mods(S * scale)
+                    row_max(m_new, m, Sw, Red, Pair, ctx, seq, softmax_scale, h, q0, k0)
+                    rescale_factor(alpha, m, m_new)  # alpha = 2^(m - m_new)
+                    probs(Sw, Pw, m_new, ctx, seq, softmax_scale, h, q0, k0)  # P = 2^(S c - m_new), masked
+                    row_sum(l, alpha, Sw, Red, Pair)  # l = l alpha + rowsum(P)
+                    scale_rows("rescale_o", Ow, alpha)  # O = O alpha
+                    ldmatrix_tiles("ldmatrix_v", Vw, Vs)  # B operand of P V
+                    mma("pv", Ow, "w n", Pw, "w k", Vw, "w k n", TD, TC)  # O += P V
+                    copy_stats("keep_max", m, m_new)
+                stage_output(Qs, Ow, l, inv_l, on_cpu)  # O / l by rows into the Q tile
+                store_rows("store_o", Oa, Qs, tb, qs, q0, seq.q_len, h)
+                store_lse(LSE, m, l, tb, h, qs, q0, seq.q_len)
 
     return flash_fwd
 
@@ -412,6 +402,20 @@ def cuda_forward(spec: AttentionSpec, cfg: CUDAKernelConfig, on_cpu: bool = Fals
 
 
 PREP_ROWS = WARPS * 16  # query rows per block of the pre-pass: 2 threads per row
+
+
+@stage
+def load_half_rows(name, dst, src, group, padded_rows):
+    """Lanes 2 r and 2 r + 1 of each warp: every other 16-byte chunk of row r of the group's 16 x
+    warps rows (over B x H x padded_rows; past a sequence: its last row)."""
+    for w, lane, c, e in T.grid(WARPS, 32, int(src.shape[3]) // (2 * VEC), VEC):
+        with T.sblock(name):
+            vw, vl, vc, ve = T.axis.remap("SSSS", [w, lane, c, e])
+            row = T.meta_var(group * PREP_ROWS + vw * 16 + vl // 2)
+            bh = T.meta_var(T.truncdiv(row, padded_rows))
+            dst[vw, vl, vc * VEC + ve] = src[T.truncdiv(bh, src.shape[2]), T.min(
+                T.truncmod(row, padded_rows), src.shape[1] - 1), T.truncmod(bh, src.shape[2]),
+                (vc * 2 + vl % 2) * VEC + ve]
 
 
 def cuda_backward_prep(head_dim: int, dtype: str) -> tirx.PrimFunc:
@@ -452,20 +456,8 @@ def cuda_backward_prep(head_dim: int, dtype: str) -> tirx.PrimFunc:
                 Ol = T.sblock_alloc_buffer((WARPS, 32, CH * VEC), dtype)
                 part = T.sblock_alloc_buffer((WARPS, 32, 1), F32)  # per lane: its half of the dot product
                 pair = T.sblock_alloc_buffer((WARPS, 32, 1), F32)
-                for w, lane, c, e in T.grid(WARPS, 32, CH, VEC):
-                    with T.sblock("load_do_row"):
-                        vw, vl, vc, ve = T.axis.remap("SSSS", [w, lane, c, e])
-                        row = T.meta_var(vg * PREP_ROWS + vw * 16 + vl // 2)  # over B * H * NqP
-                        dOl[vw, vl, vc * VEC + ve] = dOa[T.truncdiv(T.truncdiv(row, NqP), H), T.min(
-                            T.truncmod(row, NqP), Nq - 1), T.truncmod(T.truncdiv(row, NqP), H),
-                            (vc * 2 + vl % 2) * VEC + ve]
-                for w, lane, c, e in T.grid(WARPS, 32, CH, VEC):
-                    with T.sblock("load_o_row"):
-                        vw, vl, vc, ve = T.axis.remap("SSSS", [w, lane, c, e])
-                        row = T.meta_var(vg * PREP_ROWS + vw * 16 + vl // 2)
-                        Ol[vw, vl, vc * VEC + ve] = Oa[T.truncdiv(T.truncdiv(row, NqP), H), T.min(
-                            T.truncmod(row, NqP), Nq - 1), T.truncmod(T.truncdiv(row, NqP), H),
-                            (vc * 2 + vl % 2) * VEC + ve]
+                load_half_rows("load_do_row", dOl, dOa, vg, NqP)
+                load_half_rows("load_o_row", Ol, Oa, vg, NqP)
                 for w, lane, c, e in T.grid(WARPS, 32, CH, VEC):
                     with T.sblock("dot"):
                         vw, vl, vc, ve = T.axis.remap("SSRR", [w, lane, c, e])
@@ -548,6 +540,127 @@ def cuda_backward_dq(head_dim: int, dtype: str) -> tirx.PrimFunc:
     return flash_bwd_dq
 
 
+# --- backward stages: one 16-query sub-tile of S^T[warp] (keys as rows, queries as columns) -----
+# Key k0 + 16 w + frag_row, query q0 + 16 ti + frag_col; Sx holds S^T, X^T = mods(S^T) (-> P^T)
+# and d mods / d S^T in its slots (S_, X_, G_), Ls the sub-tile's lse2 hi, lo and Delta by query.
+
+
+@stage
+def load_row_stats(Ls, Stats, batch, h, start, q0):
+    """The query tile's lse2 hi, lo and Delta (rows past the sequence: 0 in the padding, or the
+    next sequence's, which the mask zeroes)."""
+    for r, i in T.grid(3, Ls.shape[1]):
+        with T.sblock("load_stats"):
+            vr, vi = T.axis.remap("SS", [r, i])
+            Ls[vr, vi] = Stats[batch, h, vr, start + q0 + vi]
+
+
+@stage
+def mod_scores_t(Sx, slots, ctx, seq, scale, h, q0, k0, sub):
+    """X^T := mods(S^T * scale) and the derivative d mods / d S^T (for dS)."""
+    for w, tx, s8 in T.grid(WARPS, 32, 8):
+        with T.sblock("score_mod"):
+            vw, vtx, vs8 = T.axis.remap("SSS", [w, tx, s8])
+            vti = T.axis.spatial(sub[1], sub[0])
+            scaled = T.meta_var(Sx[vw, slots[0], vtx, vs8] * T.Cast(F32, scale))
+            q_idx = T.meta_var(q0 + vti * 16 + frag_col(vtx, vs8))
+            kv_idx = T.meta_var(k0 + vw * 16 + frag_row(vtx, vs8))
+            Sx[vw, slots[1], vtx, vs8] = ctx.score(seq, scaled, h, q_idx, kv_idx)
+            Sx[vw, slots[2], vtx, vs8] = ctx.score_grad(seq, scaled, h, q_idx, kv_idx)
+
+
+@stage
+def probs_t(Sx, X_, Ph, Ls, ctx, seq, scale, h, q0, k0, sub):
+    """P^T := 2^(X^T c - lse2) in place over X^T, masked (and where the query is past the
+    sequence); Ph := P^T in the operand dtype, the A operand of dV += P^T dO."""
+    for w, tx, s8 in T.grid(WARPS, 32, 8):
+        with T.sblock("probs"):
+            vw, vtx, vs8 = T.axis.remap("SSS", [w, tx, s8])
+            vti = T.axis.spatial(sub[1], sub[0])
+            col: T.let[T.int32] = vti * 16 + frag_col(vtx, vs8)
+            Sx[vw, X_, vtx, vs8] = T.Select(
+                ctx.kept(tirx.all(q0 + col < seq.q_len, ctx.sees(
+                    seq, h, q0 + col, k0 + vw * 16 + frag_row(vtx, vs8))), Sx[vw, X_, vtx, vs8]),
+                exp2(log2_exponent(Sx[vw, X_, vtx, vs8], ctx.exponent_scale(scale), (Ls[0, col], Ls[1, col]))),
+                T.float32(0))
+    for w, tx, s8 in T.grid(WARPS, 32, 8):
+        with T.sblock("cast_p"):
+            vw, vtx, vs8 = T.axis.remap("SSS", [w, tx, s8])
+            Ph[vw, vtx, vs8] = T.Cast(str(Ph.dtype), Sx[vw, X_, vtx, vs8])
+
+
+@stage
+def dscores_t(dSh, Sx, slots, dPt, Ls, ctx, sub):
+    """dS^T := P^T (dP^T - Delta) (times d mods / d S^T), cast once for the mma."""
+    for w, tx, s8 in T.grid(WARPS, 32, 8):
+        with T.sblock("dscores"):
+            vw, vtx, vs8 = T.axis.remap("SSS", [w, tx, s8])
+            vti = T.axis.spatial(sub[1], sub[0])
+            dSh[vw, vtx, vs8] = T.Cast(str(dSh.dtype), ctx.chain_rule(
+                grad_scores(Sx[vw, slots[1], vtx, vs8], dPt[vw, vtx, vs8], Ls[2, vti * 16 + frag_col(vtx, vs8)]),
+                Sx[vw, slots[2], vtx, vs8]))
+
+
+@stage
+def captured_grads_t(Sx, slots, dPt, Ls, ctx, seq, scale, h, q0, k0, sub):
+    """Scatter-adds dL/dX^T times d mods / d captured into the captured tensors' gradients."""
+    for w, tx, s8 in T.grid(WARPS, 32, 8):
+        with T.sblock("captured_grads"):
+            vw, vtx, vs8 = T.axis.remap("SSS", [w, tx, s8])
+            vti = T.axis.spatial(sub[1], sub[0])
+            # a warp-buffer read cannot be an `if` condition (ThreadSync's access visitor rejects
+            # it): bind it first
+            seen: T.let[T.bool] = Sx[vw, slots[1], vtx, vs8] != T.float32(0)
+            if seen:
+                ctx.scatter_captured_grads(
+                    seq, Sx[vw, slots[0], vtx, vs8] * T.Cast(F32, scale), h, q0 + vti * 16 + frag_col(vtx, vs8),
+                    k0 + vw * 16 + frag_row(vtx, vs8),
+                    grad_scores(Sx[vw, slots[1], vtx, vs8], dPt[vw, vtx, vs8], Ls[2, vti * 16 + frag_col(vtx, vs8)]))
+
+
+@stage
+def store_ds_t(dSs, dSh, sub):
+    """dS^T by rows into shared memory, for dQ (which needs it by query rows)."""
+    for w, tx, s8 in T.grid(WARPS, 32, 8):
+        with T.sblock("store_ds"):
+            vw, vtx, vs8 = T.axis.remap("SSS", [w, tx, s8])
+            vti = T.axis.spatial(sub[1], sub[0])
+            dSs[vw * 16 + frag_row(vtx, vs8), vti * 16 + frag_col(vtx, vs8)] = dSh[vw, vtx, vs8]
+
+
+@stage
+def add_dq(dQacc, dQw, part, batch, start, h, q0, length, dq_tile, on_cpu):
+    """The warp's 16 x 16 dQ tile into the fp32 accumulator: ``atomicAdd`` (``red.global.add``),
+    plain adds in the CPU test build."""
+    for w, tx, s8 in T.grid(WARPS, 32, 8):
+        with T.sblock("add_dq"):
+            vw, vtx, vs8 = T.axis.remap("SSS", [w, tx, s8])
+            vtd = T.axis.spatial(dq_tile[1], dq_tile[0])
+            row = T.meta_var(q0 + vw * 16 + frag_row(vtx, vs8))
+            colq = T.meta_var(vtd * 16 + frag_col(vtx, vs8))
+            T.reads(dQw[vw, vtx, vs8], dQacc[part, batch, start + row, h, colq])
+            T.writes(dQacc[part, batch, start + row, h, colq])
+            if row < length:
+                if not on_cpu:
+                    T.evaluate(T.call_extern("float32", "atomicAdd", T.address_of(
+                        dQacc[part, batch, start + row, h, colq]), dQw[vw, vtx, vs8]))
+                else:
+                    dQacc[part, batch, start + row, h, colq] = dQacc[part, batch, start + row, h, colq] + dQw[
+                        vw, vtx, vs8]
+
+
+@stage
+def stage_dkv(Ks, Vs, dKw, dVw, scale):
+    """dK * scale and dV by rows into the K and V tiles (done with)."""
+    for w, tx, td, s8 in T.grid(WARPS, 32, dKw.shape[1], 8):
+        with T.sblock("stage_dkv"):
+            vw, vtd, vtx, vs8 = T.axis.remap("SSSS", [w, td, tx, s8])
+            Ks[vw * 16 + frag_row(vtx, vs8), vtd * 16 + frag_col(vtx, vs8)] = T.Cast(
+                str(Ks.dtype), dKw[vw, vtd, vtx, vs8] * T.Cast(F32, scale))
+            Vs[vw * 16 + frag_row(vtx, vs8), vtd * 16 + frag_col(vtx, vs8)] = T.Cast(
+                str(Vs.dtype), dVw[vw, vtd, vtx, vs8])
+
+
 def cuda_backward(spec: AttentionSpec, cfg: CUDAKernelConfig, atomic_dq: bool = True,
                   on_cpu: bool = False) -> tirx.PrimFunc:
     """flash_bwd(dout, q, k, v, stats, dq_acc, dk, dv, softmax_scale, n_split, window_left,
@@ -573,7 +686,6 @@ def cuda_backward(spec: AttentionSpec, cfg: CUDAKernelConfig, atomic_dq: bool = 
     if cfg.block_q != Br or Bc != Br or D % 16:
         raise ValueError(f"the CUDA backward needs 64 x 64 tiles and a multiple of 16 as head dim (got {spec}, {cfg})")
     TD, TI, TC = D // 16, Br // 16, Bc // 16
-    exp2_ = tirx.exp2  # ex2.approx in hardware
     elem = DataType(dtype).bits // 8
 
     @T.prim_func(s_tir=True)
@@ -655,228 +767,53 @@ def cuda_backward(spec: AttentionSpec, cfg: CUDAKernelConfig, atomic_dq: bool = 
                 for t in T.serial(ceildiv(ceildiv(seq.k_len, Bc) - vs, n_split)):
                     if True:
                         k0: T.let[T.int64] = (vs + t * n_split) * Bc
-                        for r, c in T.grid(T.int64(Bc), T.int64(D)):
-                            with T.sblock("load_k"):
-                                vr, vc = T.axis.remap("SS", [r, c])
-                                Ks[vr, vc] = Ka[tb, ks + T.min(k0 + vr, seq.k_len - 1), hk, vc]
-                        for r, c in T.grid(T.int64(Bc), T.int64(D)):
-                            with T.sblock("load_v"):
-                                vr, vc = T.axis.remap("SS", [r, c])
-                                Vs[vr, vc] = Va[tb, ks + T.min(k0 + vr, seq.k_len - 1), hk, vc]
-                        for w, tx, td, s8 in T.grid(WARPS, 32, TD, 8):
-                            with T.sblock("init_dkv"):
-                                vw, vtd, vtx, vs8 = T.axis.remap("SSSS", [w, td, tx, s8])
-                                dKw[vw, vtd, vtx, vs8] = T.float32(0)
-                                dVw[vw, vtd, vtx, vs8] = T.float32(0)
-                        for g in T.serial(group):
+                        load_rows("load_k", Ks, Ka, tb, ks, k0, seq.k_len, hk)
+                        load_rows("load_v", Vs, Va, tb, ks, k0, seq.k_len, hk)
+                        fill("init_dkv", T.float32(0), dKw, dVw)
+                        for g in T.serial(group):  # the query heads of the GQA group
                             h: T.let[T.int64] = hk * group + g
-                            for qt in T.serial(*ctx.query_tiles(seq, h, k0)):
+                            for qt in T.serial(*ctx.query_tiles(seq, h, k0)):  # the query tiles that see the keys
                                 q0: T.let[T.int64] = qt * Br
-                                for r, c in T.grid(T.int64(Br), T.int64(D)):
-                                    with T.sblock("load_q"):
-                                        vr, vc = T.axis.remap("SS", [r, c])
-                                        Qs[vr, vc] = Qa[tb, qs + T.min(q0 + vr, seq.q_len - 1), h, vc]
-                                for r, c in T.grid(T.int64(Br), T.int64(D)):
-                                    with T.sblock("load_do"):
-                                        vr, vc = T.axis.remap("SS", [r, c])
-                                        dOs[vr, vc] = dOa[tb, qs + T.min(q0 + vr, seq.q_len - 1), h, vc]
-                                for r, i in T.grid(3, Br):
-                                    with T.sblock("load_stats"):  # rows past the sequence: 0 (padding or
-                                        vr, vi = T.axis.remap("SS", [r, i])  # the next sequence: masked)
-                                        Ls[vr, vi] = Stats[tb, h, vr, qs + q0 + vi]
-                                for w, tk, j, kk in T.grid(WARPS, TD, 16, 16):
-                                    with T.sblock("ldmatrix_k"):
-                                        vw, vtk, vj, vk = T.axis.remap("SSSS", [w, tk, j, kk])
-                                        lane, slot = T.meta_var(frag(vj, vk))
-                                        Ka_f[vw, vtk, lane, slot] = Ks[vw * 16 + vj, vtk * 16 + vk]
-                                for w, ti, tk, i, kk in T.grid(WARPS, TI, TD, 16, 16):
-                                    with T.sblock("ldmatrix_qt"):
-                                        vw, vti, vtk, vi, vk = T.axis.remap("SSSSS", [w, ti, tk, i, kk])
-                                        lane, slot = T.meta_var(frag(vi, vk))
-                                        Qbt[vw, vti, vtk, lane, slot] = Qs[vti * 16 + vi, vtk * 16 + vk]
-                                for w, ti, td, kk, n in T.grid(WARPS, TI, TD, 16, 16):
-                                    with T.sblock("ldmatrix_do"):
-                                        vw, vti, vtd, vk, vn = T.axis.remap("SSSSS", [w, ti, td, kk, n])
-                                        lane, slot = T.meta_var(frag(vk, vn))
-                                        dOb[vw, vti, vtd, lane, slot] = dOs[vti * 16 + vk, vtd * 16 + vn]
-                                for w, td, j, kk in T.grid(WARPS, TD, 16, 16):
-                                    with T.sblock("ldmatrix_v"):
-                                        vw, vtd, vj, vk = T.axis.remap("SSSS", [w, td, j, kk])
-                                        lane, slot = T.meta_var(frag(vj, vk))
-                                        Va_f[vw, vtd, lane, slot] = Vs[vw * 16 + vj, vtd * 16 + vk]
-                                for w, ti, td, i, kk in T.grid(WARPS, TI, TD, 16, 16):
-                                    with T.sblock("ldmatrix_dot"):
-                                        vw, vti, vtd, vi, vk = T.axis.remap("SSSSS", [w, ti, td, i, kk])
-                                        lane, slot = T.meta_var(frag(vi, vk))
-                                        dObt[vw, vti, vtd, lane, slot] = dOs[vti * 16 + vi, vtd * 16 + vk]
-                                for w, ti, td, kk, n in T.grid(WARPS, TI, TD, 16, 16):
-                                    with T.sblock("ldmatrix_q"):
-                                        vw, vti, vtd, vk, vn = T.axis.remap("SSSSS", [w, ti, td, kk, n])
-                                        lane, slot = T.meta_var(frag(vk, vn))
-                                        Qb[vw, vti, vtd, lane, slot] = Qs[vti * 16 + vk, vtd * 16 + vn]
+                                load_rows("load_q", Qs, Qa, tb, qs, q0, seq.q_len, h)
+                                load_rows("load_do", dOs, dOa, tb, qs, q0, seq.q_len, h)
+                                load_row_stats(Ls, Stats, tb, h, qs, q0)
+                                ldmatrix_rows("ldmatrix_k", Ka_f, Ks)  # A operands: the warp's 16 keys
+                                ldmatrix_tiles("ldmatrix_qt", Qbt, Qs)
+                                ldmatrix_tiles("ldmatrix_do", dOb, dOs)
+                                ldmatrix_rows("ldmatrix_v", Va_f, Vs)
+                                ldmatrix_tiles("ldmatrix_dot", dObt, dOs)
+                                ldmatrix_tiles("ldmatrix_q", Qb, Qs)
                                 # One 16-query sub-tile (ti) at a time, from S^T to dK: besides dK and dV
                                 # only 16 x 16 tiles stay live (S^T/P^T, dP^T: 8 fp32 registers each
                                 # instead of 32), what lets the D = 128 backward fit in 255 registers. The
                                 # price: the warp's K and V fragments (A operands) are loaded per sub-tile.
                                 for ti in T.serial(TI):
-                                    for w, tx, s8 in T.grid(WARPS, 32, 8):
-                                        with T.sblock("init_s"):
-                                            vw, vtx, vs8 = T.axis.remap("SSS", [w, tx, s8])
-                                            Sx[vw, S_, vtx, vs8] = T.float32(0)
-                                    for w, tk, j, i, kk in T.grid(WARPS, TD, 16, 16, 16):
-                                        with T.sblock("scores"):  # S^T += K Q^T
-                                            vw, vtk, vj, vi, vk = T.axis.remap("SRSSR", [w, tk, j, i, kk])
-                                            vti = T.axis.spatial(TI, ti)
-                                            c_lane, c_slot = T.meta_var(frag(vj, vi))
-                                            a_lane, a_slot = T.meta_var(frag(vj, vk))
-                                            b_lane, b_slot = T.meta_var(frag(vi, vk))
-                                            Sx[vw, S_, c_lane, c_slot] = Sx[vw, S_, c_lane, c_slot] + T.Cast(
-                                                F32, Ka_f[vw, vtk, a_lane, a_slot]) * T.Cast(
-                                                    F32, Qbt[vw, vti, vtk, b_lane, b_slot])
+                                    sub = T.meta_var((ti, TI))
+                                    fill("init_s", T.float32(0), Sx, slot=S_)
+                                    mma("scores", Sx, ("w", S_), Ka_f, "w k", Qbt, "w n k", sub, TD,
+                                        b_rows=True)  # S^T = K Q^T
                                     if has_mods:
-                                        for w, tx, s8 in T.grid(WARPS, 32, 8):
-                                            # X^T = mods(S^T * scale), then d mods / d S^T (for dS; over
-                                            # S^T unless the captured gradients read S^T later)
-                                            with T.sblock("score_mod"):
-                                                vw, vtx, vs8 = T.axis.remap("SSS", [w, tx, s8])
-                                                vti = T.axis.spatial(TI, ti)
-                                                scaled = T.meta_var(Sx[vw, S_, vtx, vs8] * T.Cast(F32, softmax_scale))
-                                                q_idx = T.meta_var(q0 + vti * 16 + frag_col(vtx, vs8))
-                                                kv_idx = T.meta_var(k0 + vw * 16 + frag_row(vtx, vs8))
-                                                Sx[vw, X_, vtx, vs8] = ctx.score(seq, scaled, h, q_idx, kv_idx)
-                                                Sx[vw, G_, vtx, vs8] = ctx.score_grad(seq, scaled, h, q_idx, kv_idx)
-                                    for w, tx, s8 in T.grid(WARPS, 32, 8):
-                                        with T.sblock("probs"):  # P^T = 2^(X^T * c - lse2), masked; in place
-                                            vw, vtx, vs8 = T.axis.remap("SSS", [w, tx, s8])
-                                            vti = T.axis.spatial(TI, ti)
-                                            col: T.let[T.int32] = vti * 16 + frag_col(vtx, vs8)
-                                            Sx[vw, X_, vtx, vs8] = T.Select(
-                                                ctx.kept(tirx.all(q0 + col < seq.q_len, ctx.sees(
-                                                    seq, h, q0 + col, k0 + vw * 16 + frag_row(vtx, vs8))),
-                                                    Sx[vw, X_, vtx, vs8]),
-                                                exp2_(log2_exponent(Sx[vw, X_, vtx, vs8], ctx.exponent_scale(softmax_scale),
-                                                                    (Ls[0, col], Ls[1, col]))),
-                                                T.float32(0))
-                                    for w, tx, s8 in T.grid(WARPS, 32, 8):
-                                        with T.sblock("cast_p"):
-                                            vw, vtx, vs8 = T.axis.remap("SSS", [w, tx, s8])
-                                            Ph[vw, vtx, vs8] = T.Cast(dtype, Sx[vw, X_, vtx, vs8])
-                                    for w, td, j, n, kk in T.grid(WARPS, TD, 16, 16, 16):
-                                        with T.sblock("dv"):  # dV += P^T dO
-                                            vw, vtd, vj, vn, vk = T.axis.remap("SSSSR", [w, td, j, n, kk])
-                                            vti = T.axis.reduce(TI, ti)
-                                            c_lane, c_slot = T.meta_var(frag(vj, vn))
-                                            a_lane, a_slot = T.meta_var(frag(vj, vk))
-                                            b_lane, b_slot = T.meta_var(frag(vk, vn))
-                                            dVw[vw, vtd, c_lane, c_slot] = dVw[vw, vtd, c_lane, c_slot] + T.Cast(
-                                                F32, Ph[vw, a_lane, a_slot]) * T.Cast(F32, dOb[vw, vti, vtd, b_lane, b_slot])
-                                    for w, tx, s8 in T.grid(WARPS, 32, 8):
-                                        with T.sblock("init_dp"):
-                                            vw, vtx, vs8 = T.axis.remap("SSS", [w, tx, s8])
-                                            dPt[vw, vtx, vs8] = T.float32(0)
-                                    for w, td, j, i, kk in T.grid(WARPS, TD, 16, 16, 16):
-                                        with T.sblock("dprobs"):  # dP^T += V dO^T
-                                            vw, vtd, vj, vi, vk = T.axis.remap("SRSSR", [w, td, j, i, kk])
-                                            vti = T.axis.spatial(TI, ti)
-                                            c_lane, c_slot = T.meta_var(frag(vj, vi))
-                                            a_lane, a_slot = T.meta_var(frag(vj, vk))
-                                            b_lane, b_slot = T.meta_var(frag(vi, vk))
-                                            dPt[vw, c_lane, c_slot] = dPt[vw, c_lane, c_slot] + T.Cast(
-                                                F32, Va_f[vw, vtd, a_lane, a_slot]) * T.Cast(
-                                                    F32, dObt[vw, vti, vtd, b_lane, b_slot])
-                                    for w, tx, s8 in T.grid(WARPS, 32, 8):
-                                        with T.sblock("dscores"):  # dS^T = P^T (dP^T - Delta), cast once for the mma
-                                            vw, vtx, vs8 = T.axis.remap("SSS", [w, tx, s8])
-                                            vti = T.axis.spatial(TI, ti)
-                                            dSh[vw, vtx, vs8] = T.Cast(dtype, ctx.chain_rule(
-                                                grad_scores(Sx[vw, X_, vtx, vs8], dPt[vw, vtx, vs8],
-                                                            Ls[2, vti * 16 + frag_col(vtx, vs8)]), Sx[vw, G_, vtx, vs8]))
+                                        mod_scores_t(Sx, SLOTS, ctx, seq, softmax_scale, h, q0, k0, sub)
+                                    probs_t(Sx, X_, Ph, Ls, ctx, seq, softmax_scale, h, q0, k0, sub)  # P^T
+                                    mma("dv", dVw, "w n", Ph, "w", dOb, "w k n", TD, sub)  # dV += P^T dO
+                                    fill("init_dp", T.float32(0), dPt)
+                                    mma("dprobs", dPt, "w", Va_f, "w k", dObt, "w n k", sub, TD,
+                                        b_rows=True)  # dP^T = V dO^T
+                                    dscores_t(dSh, Sx, SLOTS, dPt, Ls, ctx, sub)  # dS^T = P^T (dP^T - Delta)
                                     if ctx.has_captured_grads:
-                                        for w, tx, s8 in T.grid(WARPS, 32, 8):
-                                            with T.sblock("captured_grads"):  # scatter-adds of dL/dX^T terms
-                                                vw, vtx, vs8 = T.axis.remap("SSS", [w, tx, s8])
-                                                vti = T.axis.spatial(TI, ti)
-                                                # a warp-buffer read cannot be an `if` condition (ThreadSync's
-                                                # access visitor rejects it): bind it first
-                                                seen: T.let[T.bool] = Sx[vw, X_, vtx, vs8] != T.float32(0)
-                                                if seen:
-                                                    ctx.scatter_captured_grads(
-                                                        seq, Sx[vw, S_, vtx, vs8] * T.Cast(F32, softmax_scale), h,
-                                                        q0 + vti * 16 + frag_col(vtx, vs8),
-                                                        k0 + vw * 16 + frag_row(vtx, vs8),
-                                                        grad_scores(Sx[vw, X_, vtx, vs8], dPt[vw, vtx, vs8],
-                                                                    Ls[2, vti * 16 + frag_col(vtx, vs8)]))
-                                    for w, td, j, n, kk in T.grid(WARPS, TD, 16, 16, 16):
-                                        with T.sblock("dk"):  # dK += dS^T Q (scaled at the end)
-                                            vw, vtd, vj, vn, vk = T.axis.remap("SSSSR", [w, td, j, n, kk])
-                                            vti = T.axis.reduce(TI, ti)
-                                            c_lane, c_slot = T.meta_var(frag(vj, vn))
-                                            a_lane, a_slot = T.meta_var(frag(vj, vk))
-                                            b_lane, b_slot = T.meta_var(frag(vk, vn))
-                                            dKw[vw, vtd, c_lane, c_slot] = dKw[vw, vtd, c_lane, c_slot] + T.Cast(
-                                                F32, dSh[vw, a_lane, a_slot]) * T.Cast(F32, Qb[vw, vti, vtd, b_lane, b_slot])
-                                    for w, tx, s8 in T.grid(WARPS, 32, 8):
-                                        with T.sblock("store_ds"):
-                                            vw, vtx, vs8 = T.axis.remap("SSS", [w, tx, s8])
-                                            vti = T.axis.spatial(TI, ti)
-                                            dSs[vw * 16 + frag_row(vtx, vs8), vti * 16 + frag_col(vtx, vs8)] = dSh[
-                                                vw, vtx, vs8]
-                                for w, tj, kk, i in T.grid(WARPS, TC, 16, 16):
-                                    with T.sblock("ldmatrix_ds"):  # dS by query rows: A operand, transposed load
-                                        vw, vtj, vk, vi = T.axis.remap("SSSS", [w, tj, kk, i])
-                                        lane, slot = T.meta_var(frag(vi, vk))
-                                        dSa[vw, vtj, lane, slot] = dSs[vtj * 16 + vk, vw * 16 + vi]
-                                for w, tj, td, kk, n in T.grid(WARPS, TC, TD, 16, 16):
-                                    with T.sblock("ldmatrix_kb"):
-                                        vw, vtj, vtd, vk, vn = T.axis.remap("SSSSS", [w, tj, td, kk, n])
-                                        lane, slot = T.meta_var(frag(vk, vn))
-                                        Kb[vw, vtj, vtd, lane, slot] = Ks[vtj * 16 + vk, vtd * 16 + vn]
+                                        captured_grads_t(Sx, SLOTS, dPt, Ls, ctx, seq, softmax_scale, h, q0, k0, sub)
+                                    mma("dk", dKw, "w n", dSh, "w", Qb, "w k n", TD, sub)  # dK += dS^T Q
+                                    store_ds_t(dSs, dSh, sub)
+                                ldmatrix_rows("ldmatrix_ds", dSa, dSs, transposed=True)  # dS by query rows
+                                ldmatrix_tiles("ldmatrix_kb", Kb, Ks)
                                 # dQ one 16-column tile at a time, added to the accumulator as soon as
                                 # it is complete: 8 fp32 registers live instead of D / 2 (what kept the
                                 # D = 128 backward from fitting in 255 registers).
                                 for td in T.serial(TD):
-                                    for w, tx, s8 in T.grid(WARPS, 32, 8):
-                                        with T.sblock("init_dq"):
-                                            vw, vtx, vs8 = T.axis.remap("SSS", [w, tx, s8])
-                                            dQw[vw, vtx, vs8] = T.float32(0)
-                                    for w, tj, i, n, kk in T.grid(WARPS, TC, 16, 16, 16):
-                                        with T.sblock("dq"):  # warp w: query rows 16 w ..., columns 16 td ...
-                                            vw, vtj, vi, vn, vk = T.axis.remap("SRSSR", [w, tj, i, n, kk])
-                                            vtd = T.axis.spatial(TD, td)
-                                            c_lane, c_slot = T.meta_var(frag(vi, vn))
-                                            a_lane, a_slot = T.meta_var(frag(vi, vk))
-                                            b_lane, b_slot = T.meta_var(frag(vk, vn))
-                                            dQw[vw, c_lane, c_slot] = dQw[vw, c_lane, c_slot] + T.Cast(
-                                                F32, dSa[vw, vtj, a_lane, a_slot]) * T.Cast(
-                                                    F32, Kb[vw, vtj, vtd, b_lane, b_slot])
-                                    for w, tx, s8 in T.grid(WARPS, 32, 8):
-                                        with T.sblock("add_dq"):
-                                            vw, vtx, vs8 = T.axis.remap("SSS", [w, tx, s8])
-                                            vtd = T.axis.spatial(TD, td)
-                                            row = T.meta_var(q0 + vw * 16 + frag_row(vtx, vs8))
-                                            colq = T.meta_var(vtd * 16 + frag_col(vtx, vs8))
-                                            T.reads(dQw[vw, vtx, vs8], dQacc[part, tb, qs + row, h, colq])
-                                            T.writes(dQacc[part, tb, qs + row, h, colq])
-                                            if row < seq.q_len:
-                                                if not on_cpu:
-                                                    T.evaluate(T.call_extern("float32", "atomicAdd",
-                                                                             T.address_of(dQacc[part, tb, qs + row, h, colq]),
-                                                                             dQw[vw, vtx, vs8]))
-                                                else:
-                                                    dQacc[part, tb, qs + row, h, colq] = dQacc[part, tb, qs + row, h, colq] + dQw[
-                                                        vw, vtx, vs8]
-                        for w, tx, td, s8 in T.grid(WARPS, 32, TD, 8):
-                            with T.sblock("stage_dkv"):  # dK, dV by rows into the K, V tiles (done with)
-                                vw, vtd, vtx, vs8 = T.axis.remap("SSSS", [w, td, tx, s8])
-                                Ks[vw * 16 + frag_row(vtx, vs8), vtd * 16 + frag_col(vtx, vs8)] = T.Cast(
-                                    dtype, dKw[vw, vtd, vtx, vs8] * T.Cast(F32, softmax_scale))
-                                Vs[vw * 16 + frag_row(vtx, vs8), vtd * 16 + frag_col(vtx, vs8)] = T.Cast(
-                                    dtype, dVw[vw, vtd, vtx, vs8])
-                        for r, c, e in T.grid(T.int64(Bc), T.int64(D // VEC), T.int64(VEC)):
-                            with T.sblock("store_dkv"):  # whole rows, 16 bytes per thread and step
-                                vr, vc, ve = T.axis.remap("SSS", [r, c, e])
-                                if k0 + vr < seq.k_len:
-                                    dKa[tb, ks + k0 + vr, hk, vc * VEC + ve] = Ks[vr, vc * VEC + ve]
-                                    dVa[tb, ks + k0 + vr, hk, vc * VEC + ve] = Vs[vr, vc * VEC + ve]
+                                    fill("init_dq", T.float32(0), dQw)
+                                    mma("dq", dQw, "w", dSa, "w k", Kb, "w k n", (td, TD), TC)  # dQ = dS K
+                                    add_dq(dQacc, dQw, part, tb, qs, h, q0, seq.q_len, (td, TD), on_cpu)
+                        stage_dkv(Ks, Vs, dKw, dVw, softmax_scale)  # dK, dV by rows into the K, V tiles
+                        store_rows("store_dkv", dKa, Ks, tb, ks, k0, seq.k_len, hk, dVa, Vs)
 
     return flash_bwd
