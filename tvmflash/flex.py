@@ -33,7 +33,7 @@ import math
 
 import torch
 
-from . import checks, compiler, flex_trace, torch_op
+from . import checks, compiler, flex_trace, plan, torch_op
 from .runtime import FlashKernels
 from .spec import AttentionSpec
 
@@ -115,7 +115,7 @@ def create_block_mask(mask_mod, B, H, Q_LEN, KV_LEN, device="cpu", BLOCK_SIZE=12
                                    _compile=_compile)
 
 
-EMPTY, PARTIAL, FULL = 0, 1, 2
+EMPTY, PARTIAL, FULL = plan.EMPTY, plan.PARTIAL, plan.FULL
 
 
 def _block_states(block_mask) -> torch.Tensor:

@@ -61,8 +61,14 @@ class Sequences:
         return self.table, self.q_tile_seq, self.k_tile_seq, self.k_super_seq
 
 
-def _ceildiv(a, b):
-    return -(-a // b)
+# Tile states: block masks store them per tile (int8, flex.tile_maps), the kernels compute the
+# window's and read the stored ones.
+EMPTY, PARTIAL, FULL = 0, 1, 2
+
+
+def ceildiv(a, b):
+    """ceil(a / b) for b > 0: Python ints and TIR expressions alike."""
+    return (a + b - 1) // b
 
 
 def super_tile_size(key_tiles: int, heads_k: int) -> int:
@@ -79,10 +85,10 @@ def sequences(q_starts, q_lens, k_starts, k_lens, *, packed: bool, block_q: int,
     """The table for sequences at the given rows (packed: all in batch row 0; else batch b)."""
     q_lens, k_lens = np.asarray(q_lens, np.int64), np.asarray(k_lens, np.int64)
     count = len(q_lens)
-    q_tiles, k_tiles = _ceildiv(q_lens, block_q), _ceildiv(k_lens, block_k)
+    q_tiles, k_tiles = ceildiv(q_lens, block_q), ceildiv(k_lens, block_k)
     key_tiles = int(k_tiles.sum())
     size = super_tile_size(key_tiles, heads_k)
-    k_supers, q_supers = _ceildiv(k_tiles, size), _ceildiv(q_tiles, size)
+    k_supers, q_supers = ceildiv(k_tiles, size), ceildiv(q_tiles, size)
     table = np.zeros((count, TABLE_COLUMNS), np.int64)
     batch = np.zeros(count, np.int64) if packed else np.arange(count)
     table[:, Q_BATCH], table[:, K_BATCH] = batch, batch
@@ -191,14 +197,14 @@ def decode_units(k_start, k_end, *, seqlen_q: int, window: tuple[int, int], bloc
         lo = max(start, end - seqlen_q - left, 0)
         hi = min(end, end + right)
         first = lo // block_k
-        spans.append((first, _ceildiv(hi, block_k) - first if hi > lo else 0))
+        spans.append((first, ceildiv(hi, block_k) - first if hi > lo else 0))
     if num_splits <= 0:
         total = sum(tiles for _, tiles in spans) * len(groups)
-        chunk = max(DECODE_MIN_SPLIT_TILES, _ceildiv(total, max(1, threads * DECODE_TASKS_PER_THREAD)))
+        chunk = max(DECODE_MIN_SPLIT_TILES, ceildiv(total, max(1, threads * DECODE_TASKS_PER_THREAD)))
     seq_info, units = [], []
     for b, ((start, end), (first, tiles)) in enumerate(zip(zip(k_start, k_end), spans)):
         if num_splits > 0:
-            chunk = _ceildiv(tiles, max(1, min(tiles, num_splits)))
+            chunk = ceildiv(tiles, max(1, min(tiles, num_splits)))
         unit0 = len(units)
         units += [(b, t, min(t + chunk, first + tiles), h0, h1)
                   for t in range(first, first + tiles, max(chunk, 1)) for h0, h1 in groups]

@@ -256,10 +256,6 @@ def _builder(pool, directory: str):
     return PoolBuilder()
 
 
-def _ceildiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
 def sequence_tables(args_info) -> list:
     """The int32 sequence tables of a kernel call with these arguments, as ``plan.batched`` makes them.
 
@@ -278,8 +274,8 @@ def sequence_tables(args_info) -> list:
     batch, seqlen_q, _heads, _ = shapes[1 if backward else 0]
     _, seqlen_k, heads_k, _ = shapes[2 if backward else 1]
     query_tiles, key_tiles = shapes[int_args[1]][0], shapes[int_args[2]][0]
-    seqs = plan.batched(batch, seqlen_q, seqlen_k, block_q=_ceildiv(seqlen_q, query_tiles // batch),
-                        block_k=_ceildiv(seqlen_k, key_tiles // batch), heads_k=heads_k)
+    seqs = plan.batched(batch, seqlen_q, seqlen_k, block_q=plan.ceildiv(seqlen_q, query_tiles // batch),
+                        block_k=plan.ceildiv(seqlen_k, key_tiles // batch), heads_k=heads_k)
     arrays = list(seqs.arrays()[:len(int_args)])
     for i, array in zip(int_args, arrays):
         if array.shape != shapes[i]:

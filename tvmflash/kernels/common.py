@@ -38,16 +38,12 @@ from ..score_mods import FAST_INTRINSICS, ModContext, declare_inputs, emitters, 
 from ..spec import AttentionSpec
 
 F32, I64 = "float32", "int64"
-# Tile states: block masks store them per tile (int8, flex.tile_maps); the window's are computed.
-EMPTY, PARTIAL, FULL = 0, 1, 2
+EMPTY, PARTIAL, FULL = plan.EMPTY, plan.PARTIAL, plan.FULL
+ceildiv = plan.ceildiv
 
 
 def i64(x):
     return tirx.Cast(I64, x)
-
-
-def ceildiv(a, b):
-    return (a + b - 1) // b
 
 
 def cyclic_count(slot, tasks, n_threads):
