@@ -364,11 +364,11 @@ class StandardAttention:
 
     def forward(self, q, k, v, out, lse, softmax_scale: float | None = None) -> None:
         checks.check_forward_args(self, q, k, v, out, lse)
-        self._module["standard_fwd"](q, k, v, out, lse, checks.softmax_scale(softmax_scale, self.head_dim))
+        runtime.fork_safe(self._module["standard_fwd"])(q, k, v, out, lse, checks.softmax_scale(softmax_scale, self.head_dim))
 
     def backward(self, dout, q, k, v, out, lse, dq, dk, dv, softmax_scale: float | None = None) -> None:
         checks.check_backward_args(self, dout, q, k, v, out, lse, dq, dk, dv)
-        self._module["standard_bwd"](dout, q, k, v, out, lse, dq, dk, dv,
+        runtime.fork_safe(self._module["standard_bwd"])(dout, q, k, v, out, lse, dq, dk, dv,
                                      checks.softmax_scale(softmax_scale, self.head_dim))
 
 

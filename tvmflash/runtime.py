@@ -15,6 +15,8 @@ import math
 import os
 import shutil
 import sys
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import tvm
@@ -29,6 +31,45 @@ CUDA_FUNCTIONS = ("flash_fwd", "flash_bwd_prep", "flash_bwd", "flash_bwd_dq")
 
 def functions_of(meta: dict) -> tuple[str, ...]:
     return CUDA_FUNCTIONS if meta["target"]["kind"] == "cuda" else CPU_FUNCTIONS
+
+
+# --- fork safety ---------------------------------------------------------------------------------
+# TVM's CPU thread pool is thread-local, created at a thread's first parallel launch. fork() copies
+# it into the child without its worker threads: the next launch from the thread that forked waits
+# for them forever. In a forked child that thread's launches therefore run on a helper thread,
+# whose pool TVM creates anew (every other thread of a child is new, and so is its pool).
+_forked_thread: int | None = None
+_helper: ThreadPoolExecutor | None = None
+_helper_lock = threading.Lock()
+
+
+def _after_fork_in_child() -> None:
+    global _forked_thread, _helper, _helper_lock
+    _forked_thread, _helper, _helper_lock = threading.get_ident(), None, threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def _on_helper_thread(function, args):
+    global _helper
+    with _helper_lock:
+        if _helper is None:
+            _helper = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tvmflash-after-fork")
+        helper = _helper
+    return helper.submit(function, *args).result()
+
+
+def fork_safe(function):
+    """A compiled CPU function that also runs in a forked child (results are the same: the
+    kernels do not depend on which thread launches them)."""
+    def call(*args):
+        if threading.get_ident() == _forked_thread:
+            return _on_helper_thread(function, args)
+        return function(*args)
+
+    return call
 
 
 class FlashKernels:
@@ -56,7 +97,8 @@ class FlashKernels:
         self.deterministic = bool(meta.get("deterministic", False))
         self.tuning_record = meta.get("tuning_record")
         self._source = source_text
-        self._functions = {name: module[name] for name in functions_of(meta)}
+        self._functions = {name: module[name] if self.is_cuda else fork_safe(module[name])
+                           for name in functions_of(meta)}
         self._mod_inputs = [tuple(i) for i in meta.get("mod_inputs", [])]
 
     def with_causal(self, causal: bool) -> FlashKernels:
@@ -377,7 +419,7 @@ class DecodeKernels:
         self.head_dim, self.dtype, self.out_dtype = spec["head_dim"], spec["dtype"], spec["out_dtype"]
         self.score_mods = tuple(spec["score_mods"])
         self._source = source_text
-        self._function = module["flash_decode"]
+        self._function = fork_safe(module["flash_decode"])
 
     @functools.cached_property
     def config(self):
