@@ -4,12 +4,18 @@ children and DataLoader workers, ..."""
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import textwrap
+import warnings
 
 import pytest
+
+import tvmflash
+from tvmflash import cache, compiler
+from tvmflash.settings import TvmflashWarning
 
 
 def _run_isolated(script: str, tmp_path, *args, env=None, timeout: float = 400) -> subprocess.CompletedProcess:
@@ -96,3 +102,47 @@ def test_kernels_run_in_forked_and_spawned_workers(tmp_path, seed, mode):
     flash_attn_func's forward and backward and flash_attn_with_kvcache."""
     run = _run_isolated(_FORK_SCRIPT, tmp_path, mode.removeprefix("dataloader-"), env={"SEED": str(seed)})
     assert run.returncode == 0, f"{run.stdout[-2000:]}\n{run.stderr[-3000:]}"
+
+
+# --- 6. every file of a cache entry is checksummed ---------------------------------------------------
+@pytest.fixture(scope="module")
+def stored_kernels():
+    kernels = tvmflash.compile("llvm", head_dim=32, dtype="float32", cache=False)  # built here: has its source
+    assert kernels._source
+    return kernels
+
+
+def _damage(path, how: str) -> None:
+    if how == "garbage-byte":
+        data = bytearray(path.read_bytes())
+        data[len(data) // 2] = 0xFF  # never valid in UTF-8
+        path.write_bytes(bytes(data))
+    elif how == "directory":
+        path.unlink()
+        path.mkdir()
+        (path / "inside").write_text("x")
+    elif how == "missing":
+        path.unlink()
+
+
+@pytest.mark.parametrize("file,how", [(".src", "garbage-byte"), (".src", "directory"), (".src", "missing"),
+                                      (".so", "directory"), (".json", "directory")])
+def test_every_file_of_a_cache_entry_is_checked_and_rebuilt(tmp_path, monkeypatch, stored_kernels, file, how):
+    """Before: a garbage byte in <key>.src raised UnicodeDecodeError at every later call, and a
+    .src or .so replaced by a directory raised IsADirectoryError. Now the entry is refused with
+    one warning and the rebuilt entry replaces it."""
+    monkeypatch.setenv("TVMFLASH_CACHE_DIR", str(tmp_path / "cache"))
+    key, request = stored_kernels.meta["cache_key"], {k: v for k, v in stored_kernels.meta.items() if k != "cache_key"}
+    functions = ("flash_fwd", "flash_bwd")
+    assert cache.store(key, request, stored_kernels._module, stored_kernels._source) is not None
+    _damage(tmp_path / "cache" / f"{key}{file}", how)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert cache.load(key, request, functions) is None
+    assert [str(w.message) for w in caught if issubclass(w.category, TvmflashWarning)] == [
+        next(str(w.message) for w in caught if "rebuilding cache entry" in str(w.message))]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert cache.store(key, request, stored_kernels._module, stored_kernels._source) is not None
+        module, source, so = cache.load(key, request, functions)
+    assert source == stored_kernels._source and so.is_file()

@@ -1,7 +1,7 @@
 """The disk cache of compiled kernels: safe to share a machine with, safe against broken files.
 
 An entry is three files under the cache directory: ``<key>.so`` (the compiled module),
-``<key>.json`` (what it is: the request it was built for, plus the SHA-256 of the ``.so``) and
+``<key>.json`` (what it is: the request it was built for, plus the SHA-256 of the other files) and
 ``<key>.src`` (generated source, for ``FlashKernels.source()``). The key is a hash of the
 request (versions, sources, target, spec, configs), so a change to any of them builds anew.
 
@@ -11,8 +11,9 @@ Loading a shared library runs its code, so nothing is loaded unless:
   unsafe directory is an error that says how to fix it, never silently used);
 * the entry's files are owned by this user and not group/world-writable;
 * the metadata parses and describes exactly the request (else the entry is rebuilt);
-* the ``.so`` hashes to the digest in the metadata (a truncated or altered file is rebuilt,
-  with one warning), and the loaded module has every function the kernels call.
+* every other file of the entry (``.so``, ``.src``) is a regular file that hashes to its digest
+  in the metadata (a truncated, altered or replaced file is rebuilt, with one warning), and the
+  loaded module has every function the kernels call.
 
 Writes go to a temporary directory inside the cache and are renamed into place (the ``.so``
 last), so concurrent processes never see half an entry. A failure to write is a warning: the
@@ -24,6 +25,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import stat
 import tempfile
 from pathlib import Path
@@ -68,6 +70,17 @@ def _digest(path: Path) -> str:
     return h.hexdigest()
 
 
+class _BrokenEntry(Exception):
+    """Why an entry cannot be used (it is rebuilt)."""
+
+
+def _check_file(path: Path, digest: str) -> None:
+    if not stat.S_ISREG(os.stat(path).st_mode):
+        raise _BrokenEntry(f"{path.name} is not a regular file")
+    if _digest(path) != digest:
+        raise _BrokenEntry(f"{path.name} does not match its recorded checksum (truncated or modified)")
+
+
 def load(key: str, request: dict, functions: tuple[str, ...]):
     """(module, source text or None, path of the .so) of a valid entry for ``request``, or None."""
     import tvm
@@ -76,35 +89,48 @@ def load(key: str, request: dict, functions: tuple[str, ...]):
     if directory is None:
         return None
     so, meta_path, src = (directory / f"{key}{ext}" for ext in (".so", ".json", ".src"))
-    if not so.exists():
+    if not os.path.lexists(so):
         return None
-    for path in (so, meta_path):
+    for path in (so, meta_path, src):
         if path.exists():
             reason = _unsafe_reason(path, path.stat())
             if reason:
                 raise UnsafeCacheError(f"tvmflash will not load {path}: {reason}. Delete it (or the cache "
                                        f"directory {directory}) and it will be rebuilt.")
     try:
-        meta = json.loads(meta_path.read_text())
-        stored_request, digest = meta["request"], meta["sha256"]
-    except (OSError, ValueError, KeyError, TypeError):
-        warn(f"rebuilding cache entry {so.name}: its metadata {meta_path} is missing or unreadable")
+        try:
+            meta = json.loads(meta_path.read_text(encoding="utf-8"))
+            stored_request, digests = meta["request"], meta["sha256"]
+            digests[".so"]
+        except (OSError, ValueError, KeyError, TypeError) as err:
+            raise _BrokenEntry(f"its metadata {meta_path.name} is missing or unreadable") from err
+        if stored_request != request:
+            raise _BrokenEntry("it was built for another request")
+        _check_file(so, digests[".so"])
+        source = None
+        if ".src" in digests:
+            _check_file(src, digests[".src"])
+            source = src.read_bytes().decode("utf-8", errors="replace")
+        try:
+            module = tvm.runtime.load_module(str(so))
+            for name in functions:
+                module[name]
+        except (OSError, ValueError, RuntimeError, AttributeError) as err:
+            raise _BrokenEntry(f"it does not load ({err})") from err
+    except OSError as err:  # unreadable files (a directory, EIO, ...)
+        warn(f"rebuilding cache entry {so.name}: {err}")
         return None
-    if stored_request != request:
-        warn(f"rebuilding cache entry {so.name}: it was built for another request")
+    except _BrokenEntry as err:
+        warn(f"rebuilding cache entry {so.name}: {err}")
         return None
-    if _digest(so) != digest:
-        warn(f"rebuilding cache entry {so.name}: the library does not match its recorded checksum "
-             "(truncated or modified)")
-        return None
-    try:
-        module = tvm.runtime.load_module(str(so))
-        for name in functions:
-            module[name]
-    except (OSError, ValueError, RuntimeError, AttributeError) as err:
-        warn(f"rebuilding cache entry {so.name}: it does not load ({err})")
-        return None
-    return module, (src.read_text() if src.exists() else None), so
+    return module, source, so
+
+
+def _replace(tmp: Path, path: Path) -> None:
+    """Rename ``tmp`` to ``path``, over a directory left at ``path`` too (a broken entry)."""
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    os.replace(tmp, path)
 
 
 def store(key: str, request: dict, module, source: str | None) -> Path | None:
@@ -112,15 +138,18 @@ def store(key: str, request: dict, module, source: str | None) -> Path | None:
     try:
         directory = safe_directory()
         with tempfile.TemporaryDirectory(dir=directory) as tmp:
-            tmp_so = Path(tmp) / "kernels.so"
+            tmp_so, tmp_src = Path(tmp) / "kernels.so", Path(tmp) / "kernels.src"
             module.export_library(str(tmp_so))
-            meta = {"request": request, "sha256": _digest(tmp_so)}
-            (Path(tmp) / "kernels.json").write_text(json.dumps(meta, indent=1))
+            digests = {".so": _digest(tmp_so)}
             if source is not None:
-                (Path(tmp) / "kernels.src").write_text(source)
-                os.replace(Path(tmp) / "kernels.src", directory / f"{key}.src")
-            os.replace(Path(tmp) / "kernels.json", directory / f"{key}.json")
-            os.replace(tmp_so, directory / f"{key}.so")  # last: its presence marks a complete entry
+                tmp_src.write_bytes(source.encode("utf-8"))
+                digests[".src"] = _digest(tmp_src)
+            (Path(tmp) / "kernels.json").write_text(json.dumps({"request": request, "sha256": digests}, indent=1),
+                                                    encoding="utf-8")
+            if source is not None:
+                _replace(tmp_src, directory / f"{key}.src")
+            _replace(Path(tmp) / "kernels.json", directory / f"{key}.json")
+            _replace(tmp_so, directory / f"{key}.so")  # last: its presence marks a complete entry
         return directory / f"{key}.so"
     except (OSError, RuntimeError, UnsafeCacheError) as err:  # TVM reports export failures as RuntimeError
         warn(f"could not write the compile cache in {cache_dir()} ({err}); continuing without it")
