@@ -146,3 +146,47 @@ def test_every_file_of_a_cache_entry_is_checked_and_rebuilt(tmp_path, monkeypatc
         assert cache.store(key, request, stored_kernels._module, stored_kernels._source) is not None
         module, source, so = cache.load(key, request, functions)
     assert source == stored_kernels._source and so.is_file()
+
+
+# --- 7. kernels compiled for another CPU refuse to run ------------------------------------------------
+_FOREIGN_CPU_SCRIPT = """
+    import sys, torch, tvmflash
+    from tvmflash import compiler, target
+    from tvmflash.spec import AttentionSpec
+
+    mcpu = sys.argv[1]
+    kernels = tvmflash.compile({"kind": "llvm", "mcpu": mcpu}, head_dim=32, dtype="float32")
+    decode = compiler.compile_decode({"kind": "llvm", "mcpu": mcpu}, AttentionSpec(32, "float32"))
+    q = torch.randn(1, 10, 1, 32)
+    out, lse = torch.empty_like(q), torch.zeros(1, 1, 10)
+    for name, call in (("forward", lambda: kernels.forward(q, q, q, out, lse)),
+                       ("backward", lambda: kernels.backward(q, q, q, q, out, lse, *(torch.empty_like(q) for _ in range(3)))),
+                       ("decode", lambda: decode.decode(q, q, q, out, lse, 1.0, (0, 0), 1, None, None, None))):
+        try:
+            call()
+        except RuntimeError as err:
+            assert "instructions this CPU lacks" in str(err), err
+            print(name, "refused")
+"""
+
+
+def _foreign_cpu() -> str | None:
+    """A CPU model whose instructions this CPU lacks (as the target module tells)."""
+    from tvmflash import target
+
+    for mcpu in ("bdver4", "sapphirerapids", "znver5"):
+        if target.missing_isa_features(target.isa_features(target.resolve({"kind": "llvm", "mcpu": mcpu}))):
+            return mcpu
+    return None
+
+
+def test_kernels_for_another_cpu_refuse_to_run(tmp_path):
+    """Before: kernels compiled in-process for another CPU model (bdver4's XOP/FMA4 on Intel or
+    Zen, AVX-512 on an AVX2 machine) ran and died with SIGILL; only ``load()`` refused such a
+    library. Now each call refuses with a clear error (and the process lives)."""
+    mcpu = _foreign_cpu()
+    if mcpu is None:
+        pytest.skip("this CPU has every extension of the candidate models")
+    run = _run_isolated(_FOREIGN_CPU_SCRIPT, tmp_path, mcpu)
+    assert run.returncode == 0, f"exit {run.returncode} (-4: SIGILL)\n{run.stderr[-3000:]}"
+    assert run.stdout.split("\n")[:3] == ["forward refused", "backward refused", "decode refused"], run.stdout

@@ -124,21 +124,23 @@ class FlashKernels:
         return f"FlashKernels({key(self.meta['target'])}, head_dim={self.head_dim}, {self.dtype}, {mask}{extra})"
 
     @functools.cached_property
-    def _missing_product_features(self) -> list[str]:
-        """The instruction-set extensions the products of these CPU kernels need and this CPU
-        lacks (kernels compiled here for another CPU model, e.g. to inspect their code)."""
-        from .target import BF16_DOT_FEATURES, missing_isa_features
+    def _missing_features(self) -> list[str]:
+        """The instruction-set extensions these CPU kernels need and this CPU lacks (kernels
+        compiled here for another CPU model, e.g. to inspect their code): the ones their products
+        need, and for another CPU model every extension it was compiled for."""
+        from .target import BF16_DOT_FEATURES, missing_for_another_cpu, missing_isa_features
 
         # (CUDA configs have no products: they need no CPU feature)
         needed = {f for cfg in self.configs.values() if getattr(cfg, "products", None) == BF16_DOT
                   for f in BF16_DOT_FEATURES}
-        return missing_isa_features(sorted(needed)) if needed else []
+        missing = missing_isa_features(sorted(needed)) if needed else []
+        return sorted({*missing, *missing_for_another_cpu(self.meta["target"], self.meta.get("isa_features", []))})
 
     def _check_runs_here(self) -> None:
-        if self._missing_product_features:
-            raise RuntimeError(f"these kernels were compiled for {self.meta['target'].get('mcpu')} and their "
-                               f"matrix products use instructions this CPU lacks "
-                               f"({', '.join(self._missing_product_features)})")
+        if self._missing_features:
+            raise RuntimeError(f"these kernels were compiled for {self.meta['target'].get('mcpu')} and use "
+                               f"instructions this CPU lacks ({', '.join(self._missing_features)}): they would crash "
+                               "here; compile them for this CPU (target \"llvm\") to run them")
 
     # --- planning ------------------------------------------------------------------------------
     def _window(self, causal, window_size) -> tuple[int, int]:
@@ -422,6 +424,12 @@ class DecodeKernels:
         self._function = fork_safe(module["flash_decode"])
 
     @functools.cached_property
+    def _missing_features(self) -> list[str]:
+        from .target import missing_for_another_cpu
+
+        return missing_for_another_cpu(self.meta["target"], self.meta.get("isa_features", []))
+
+    @functools.cached_property
     def config(self):
         from .config import DecodeConfig
 
@@ -436,6 +444,10 @@ class DecodeKernels:
     def decode(self, q, k_cache, v_cache, out, lse, softmax_scale: float, window: tuple[int, int], num_threads: int,
                seq_info, units, block_table, mod_inputs=()) -> None:
         """out, lse = attention of q against the cache (see ``kernels_decode.py`` for the tables)."""
+        if self._missing_features:
+            raise RuntimeError(f"this decode kernel was compiled for {self.meta['target'].get('mcpu')} and uses "
+                               f"instructions this CPU lacks ({', '.join(self._missing_features)}): it would crash "
+                               "here")
         self._function(q, k_cache, v_cache, out, lse, softmax_scale, window[0], window[1], num_threads, seq_info,
                        units, block_table, *mod_inputs)
 
