@@ -12,9 +12,10 @@ import textwrap
 import warnings
 
 import pytest
+import torch
 
 import tvmflash
-from tvmflash import cache, compiler
+from tvmflash import cache, compiler, torch_op
 from tvmflash.settings import TvmflashWarning
 
 
@@ -190,3 +191,47 @@ def test_kernels_for_another_cpu_refuse_to_run(tmp_path):
     run = _run_isolated(_FOREIGN_CPU_SCRIPT, tmp_path, mcpu)
     assert run.returncode == 0, f"exit {run.returncode} (-4: SIGILL)\n{run.stderr[-3000:]}"
     assert run.stdout.split("\n")[:3] == ["forward refused", "backward refused", "decode refused"], run.stdout
+
+
+# --- 9. every tensor argument's device is checked ----------------------------------------------------
+def _varlen_inputs(gen):
+    q, k, v = (torch.randn(50, 2, 32, generator=gen) for _ in range(3))
+    return q, k, v, torch.tensor([0, 20, 50], dtype=torch.int32)
+
+
+def _call_with_meta(entry: str, gen):
+    q, k, v, cu = _varlen_inputs(gen)
+    meta = lambda t: t.to("meta")  # noqa: E731
+    if entry == "varlen cu_seqlens_q":
+        return tvmflash.flash_attn_varlen_func(q, k, v, meta(cu), cu, 30, 30)
+    if entry == "varlen cu_seqlens_k":
+        return tvmflash.flash_attn_varlen_func(q, k, v, cu, meta(cu), 30, 30)
+    if entry == "varlen kvpacked cu_seqlens_k":
+        return tvmflash.flash_attn_varlen_kvpacked_func(q, torch.stack([k, v], 1), cu, meta(cu), 30, 30)
+    if entry == "func alibi_slopes":
+        return tvmflash.flash_attn_func(q[None], k[None], v[None], alibi_slopes=meta(torch.ones(2)))
+    if entry == "kvcache cache_seqlens":
+        return tvmflash.flash_attn_with_kvcache(q[None, :1], k[None], v[None],
+                                                cache_seqlens=meta(torch.tensor([40], dtype=torch.int32)))
+    if entry == "kvcache block_table":
+        pages = torch.randn(1, 64, 2, 32, generator=gen)
+        return tvmflash.flash_attn_with_kvcache(q[None, :1], pages, pages.clone(),
+                                                block_table=meta(torch.zeros(1, 1, dtype=torch.int32)))
+    kernels = torch_op.kernels_for(q[None], softcap=True)
+    out, lse = torch.empty_like(q[None]), torch.empty(1, 2, 50)
+    if entry == "kernels mod_inputs":
+        return kernels.forward(q[None], k[None], v[None], out, lse, mod_inputs=[meta(torch.tensor([30.0]))])
+    assert entry == "kernels cu_seqlens_k"
+    return kernels.forward(q[None], k[None], v[None], out, lse, cu_seqlens_q=cu, cu_seqlens_k=meta(cu),
+                           mod_inputs=[torch.tensor([30.0])])
+
+
+@pytest.mark.parametrize("entry", ["varlen cu_seqlens_q", "varlen cu_seqlens_k", "varlen kvpacked cu_seqlens_k",
+                                   "func alibi_slopes", "kvcache cache_seqlens", "kvcache block_table",
+                                   "kernels mod_inputs", "kernels cu_seqlens_k"])
+def test_tensor_arguments_on_another_device_are_refused(gen, entry):
+    """Before: flash_attn_varlen_func with cu_seqlens on the ``meta`` device returned uninitialised
+    memory (torch sent the op to its shape-only implementation), and a meta mod input reached
+    DLPack ("Cannot pack tensors on meta"). Now every entry point names the argument and devices."""
+    with pytest.raises(ValueError, match=r"is on meta, q on cpu|is on meta: .* CPU tensors"):
+        _call_with_meta(entry, gen)

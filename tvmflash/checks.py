@@ -326,14 +326,29 @@ def check_backward_args(kernels, dout, q, k, v, out, lse, dq, dk, dv) -> tuple[i
     return dims
 
 
-def check_cu_seqlens(name: str, cu, total_rows: int, batch: int | None = None) -> list[int]:
-    """Cumulative sequence lengths: int32, 1-D, starting at 0, non-decreasing, ending at the
-    number of rows. Returns them as Python ints."""
+def check_devices(device: str, tensors: dict, reference: str = "q") -> None:
+    """Every tensor argument lives on the device of ``reference`` (a kernel handed a pointer of
+    another device reads garbage or faults; torch sends an op with a ``meta`` argument to its
+    shape-only implementation, which returns uninitialised memory)."""
+    for name, t in tensors.items():
+        if t is None:
+            continue
+        found = t.device if isinstance(t, TensorInfo) else info(t, name).device
+        if found != device:
+            raise ValueError(f"{name} is on {found}, {reference} on {device}: every tensor argument must be on "
+                             f"{reference}'s device")
+
+
+def check_cu_seqlens(name: str, cu, total_rows: int, batch: int | None = None, device: str | None = None) -> list[int]:
+    """Cumulative sequence lengths: int32, 1-D, on ``device`` (q's), starting at 0,
+    non-decreasing, ending at the number of rows. Returns them as Python ints."""
     import numpy as np
 
     t = info(cu, name)
     if t.dtype != "int32" or len(t.shape) != 1:
         raise TypeError(f"{name} must be a 1-D int32 tensor, got {t.dtype} with shape {t.shape}")
+    if device is not None:
+        check_devices(device, {name: t})
     if t.device != "cpu" and not t.device.startswith("cuda"):
         raise ValueError(f"{name} must be on the CPU or a GPU, got {t.device}")
     values = [int(x) for x in np.asarray(cu.cpu() if hasattr(cu, "cpu") else cu).tolist()]

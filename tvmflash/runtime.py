@@ -159,12 +159,19 @@ class FlashKernels:
             raise ValueError("cu_seqlens_q and cu_seqlens_k go together")
         if batch != 1:
             raise ValueError(f"packed (varlen) tensors have batch 1 (1, total, heads, head_dim), got batch {batch}")
-        cu_q = checks.check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, seqlen_q)
-        cu_k = checks.check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, seqlen_k, batch=len(cu_q) - 1)
+        device = checks.info(like, "q").device
+        cu_q = checks.check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, seqlen_q, device=device)
+        cu_k = checks.check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, seqlen_k, batch=len(cu_q) - 1, device=device)
         seqs = plan.varlen(cu_q, cu_k, block_q=cfg.block_q, block_k=cfg.block_k, heads_k=heads_k)
         return seqs, [tvm.runtime.tensor(a, device) for a in seqs.arrays()]
 
-    def _mods(self, mod_inputs, mod_grads=None) -> list:
+    def _mods(self, q, mod_inputs, mod_grads=None, block_mask=None) -> list:
+        """The mod inputs (and gradients) the kernels take, then the block mask's tensors, each
+        checked to be on q's device."""
+        extra = [*mod_inputs, *(mod_grads or ()), *(block_mask or ())]
+        if extra:
+            checks.check_devices(checks.info(q, "q").device, {f"mod input / block mask tensor {i}": t
+                                                              for i, t in enumerate(extra)})
         if len(mod_inputs) != len(self._mod_inputs):
             names = [i[0] for i in self._mod_inputs]
             raise ValueError(f"these kernels read {len(names)} mod inputs {names}, got {len(mod_inputs)}")
@@ -174,7 +181,7 @@ class FlashKernels:
             if len(mod_grads) != len(wanted):
                 raise ValueError(f"the backward writes {len(wanted)} mod-input gradients, got {len(mod_grads)}")
             args += list(mod_grads)
-        return args
+        return args + list(block_mask or ())
 
     # --- launches --------------------------------------------------------------------------------
     def forward(self, q, k, v, out, lse, softmax_scale: float | None = None, *, causal: bool | None = None,
@@ -194,10 +201,10 @@ class FlashKernels:
                                        diagonal, like=q)
         if self.is_cuda:
             self._functions["flash_fwd"](q, k, v, out, lse, scale, left, right, tables[0], tables[1],
-                                         *self._mods(mod_inputs), *(block_mask or ()))
+                                         *self._mods(q, mod_inputs, block_mask=block_mask))
             return
         self._functions["flash_fwd"](q, k, v, out, lse, scale, left, right, _threads(num_threads), *tables[:3],
-                                     *self._mods(mod_inputs), *(block_mask or ()))
+                                     *self._mods(q, mod_inputs, block_mask=block_mask))
 
     def backward(self, dout, q, k, v, out, lse, dq, dk, dv, softmax_scale: float | None = None, *,
                  causal: bool | None = None, window_size=(-1, -1), cu_seqlens_q=None, cu_seqlens_k=None,
@@ -216,12 +223,12 @@ class FlashKernels:
                                        diagonal, like=q)
         if self.is_cuda:
             self._cuda_backward(dout, q, k, v, out, lse, dq, dk, dv, scale, (left, right), seqs, tables[0],
-                                [*self._mods(mod_inputs, mod_grads), *(block_mask or ())], heads_k,
+                                self._mods(q, mod_inputs, mod_grads, block_mask), heads_k,
                                 packed=cu_seqlens_q is not None)
             return
         self._functions["flash_bwd"](dout, q, k, v, out, lse, dq, dk, dv, scale, left, right, _threads(num_threads),
-                                     seqs.rounds, seqs.super_tile, *tables, *self._mods(mod_inputs, mod_grads),
-                                     *((block_mask[0],) if block_mask else ()))
+                                     seqs.rounds, seqs.super_tile, *tables,
+                                     *self._mods(q, mod_inputs, mod_grads, block_mask[:1] if block_mask else None))
 
     def workspace_bytes(self, kernel: str, batch: int, seqlen_q: int, seqlen_k: int, heads: int, heads_k: int,
                         num_threads: int | None = None) -> int:

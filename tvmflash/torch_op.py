@@ -211,6 +211,11 @@ def _attention(q, k, v, cu_seqlens_q, cu_seqlens_k, dropout_p, softmax_scale, ca
     varlen = cu_seqlens_q is not None
     tensors = {"q": q, "k": k, "v": v}
     _check_tensors(tensors)
+    for name, t in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k), ("alibi_slopes", alibi_slopes),
+                    ("k", k), ("v", v)):
+        # (the custom op sends a call with any meta tensor to its shape-only implementation)
+        if isinstance(t, torch.Tensor) and t.device != q.device:
+            raise ValueError(f"{name} is on {t.device}, q on {q.device}: every tensor argument must be on q's device")
     heads = q.shape[-2] if q.dim() >= 2 else 0
     batch = (cu_seqlens_q.shape[0] - 1 if cu_seqlens_q.dim() == 1 else None) if varlen else (
         q.shape[0] if q.dim() == 4 else None)
