@@ -235,3 +235,62 @@ def test_tensor_arguments_on_another_device_are_refused(gen, entry):
     DLPack ("Cannot pack tensors on meta"). Now every entry point names the argument and devices."""
     with pytest.raises(ValueError, match=r"is on meta, q on cpu|is on meta: .* CPU tensors"):
         _call_with_meta(entry, gen)
+
+
+# --- 11. one argument-checking path for every entry point ---------------------------------------------
+@pytest.fixture(scope="module")
+def single_rank_group():
+    """A gloo process group of this process alone (ring attention's checks run on every rank)."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialized in this process")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield dist.group.WORLD
+    finally:
+        dist.destroy_process_group()
+
+
+ALL_OPTIONS = {"causal", "deterministic", "return_attn_probs", "softmax_scale", "dropout_p", "window_size", "softcap"}
+
+
+def _entry_points(group):
+    """Each public function's call with options (q, k, v of 1 x 40 x 2 x 32), and the options it
+    takes."""
+    from tvmflash.distributed import ring_flash_attn_func, zigzag_ring_flash_attn_func
+
+    q, k, v = (torch.randn(1, 40, 2, 32) for _ in range(3))
+    cu = torch.tensor([0, 40], dtype=torch.int32)
+    ring = ALL_OPTIONS - {"softcap"}
+    return {
+        "flash_attn_qkvpacked_func": (lambda **o: tvmflash.flash_attn_qkvpacked_func(torch.stack([q, k, v], 2), **o),
+                                      ALL_OPTIONS),
+        "flash_attn_varlen_func": (lambda **o: tvmflash.flash_attn_varlen_func(q[0], k[0], v[0], cu, cu, 40, 40, **o),
+                                   ALL_OPTIONS),
+        "flash_attn_with_kvcache": (lambda **o: tvmflash.flash_attn_with_kvcache(q, k.clone(), v.clone(), **o),
+                                    {"causal", "softmax_scale", "window_size", "softcap"}),
+        "ring_flash_attn_func": (lambda **o: ring_flash_attn_func(q, k, v, group=group, **o), ring),
+        "zigzag_ring_flash_attn_func": (lambda **o: zigzag_ring_flash_attn_func(q, k, v, group=group, **o), ring),
+    }, (lambda **o: tvmflash.flash_attn_func(q, k, v, **o))
+
+
+BAD_OPTIONS = [{"causal": "False"}, {"causal": 1}, {"deterministic": "no"}, {"return_attn_probs": "yes"},
+               {"softmax_scale": "0.5"}, {"softmax_scale": -1.0}, {"dropout_p": 0.1}, {"window_size": (3,)},
+               {"window_size": (-2, 0)}, {"softcap": -1.0}]
+
+
+@pytest.mark.parametrize("option", BAD_OPTIONS, ids=lambda o: "-".join(f"{k}={v!r}" for k, v in o.items()))
+def test_every_entry_point_refuses_bad_options_as_flash_attn_func_does(single_rank_group, option):
+    """Before: ring attention accepted causal="False" (and computed causal: a non-empty string is
+    truthy), deterministic="no" and softmax_scale="0.5", which flash_attn_func refuses. Now every
+    entry point checks its options by the same function, with the same error."""
+    calls, flash_attn_func = _entry_points(single_rank_group)
+    with pytest.raises((TypeError, ValueError)) as expected:
+        flash_attn_func(**option)
+    for name, (call, takes) in calls.items():
+        if not set(option) <= takes:
+            continue
+        with pytest.raises(type(expected.value)) as got:
+            call(**option)
+        assert str(got.value) == str(expected.value), name

@@ -143,6 +143,39 @@ def window(window_size, causal: bool) -> tuple[int, int]:
     return tuple(UNLIMITED_WINDOW if w < 0 else min(w, UNLIMITED_WINDOW) for w in window_pair(window_size, causal))
 
 
+def dropout(dropout_p) -> None:
+    if dropout_p is not None and (isinstance(dropout_p, (str, bytes)) or dropout_p != 0):
+        raise ValueError(f"dropout is not supported by tvmflash (dropout_p={dropout_p!r}); use 0.0")
+
+
+@dataclass(frozen=True)
+class FlashOptions:
+    """flash-attn's keyword options, checked, as the kernels take them."""
+    softmax_scale: float | None  # None: no head dim to default from (the shape checks refuse it)
+    causal: bool
+    window: tuple[int, int]  # (left, right), -1: no limit, causal folded in as right = 0
+    softcap: float
+    deterministic: bool
+
+
+_softmax_scale, _softcap = softmax_scale, softcap  # (flash_options' parameters have their names)
+
+
+def flash_options(head_dim: int, *, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
+                  softcap=0.0, deterministic=False, **flags) -> FlashOptions:
+    """flash-attn's options, checked the one way for every entry point (``flash_attn_*``,
+    ``flash_attn_with_kvcache``, ring attention): flags are real booleans (``causal="False"``
+    is truthy), scale and softcap real numbers, windows integer pairs, no dropout. ``flags``:
+    the entry point's other booleans (``return_attn_probs=...``), checked the same way."""
+    dropout(dropout_p)
+    causal = require_bool("causal", causal)
+    deterministic = require_bool("deterministic", deterministic)
+    for name, value in flags.items():
+        require_bool(name, value)
+    return FlashOptions(_softmax_scale(softmax_scale, head_dim) if head_dim else None, causal,
+                        window_pair(window_size, causal), _softcap(softcap), deterministic)
+
+
 CUDA_DTYPES = ("float16", "bfloat16")
 CUDA_MAX_HEAD_DIM = 128
 CUDA_VECTOR_ELEMENTS = 8  # 16-byte copies of fp16/bf16
