@@ -11,6 +11,7 @@ import sys
 import textwrap
 import warnings
 
+import numpy as np
 import pytest
 import torch
 
@@ -277,7 +278,8 @@ def _entry_points(group):
 
 BAD_OPTIONS = [{"causal": "False"}, {"causal": 1}, {"deterministic": "no"}, {"return_attn_probs": "yes"},
                {"softmax_scale": "0.5"}, {"softmax_scale": -1.0}, {"dropout_p": 0.1}, {"window_size": (3,)},
-               {"window_size": (-2, 0)}, {"softcap": -1.0}]
+               {"window_size": (-2, 0)}, {"softcap": -1.0}, {"window_size": (True, False)}, {"softcap": "30"},
+               {"softcap": torch.tensor([30.0])}]
 
 
 @pytest.mark.parametrize("option", BAD_OPTIONS, ids=lambda o: "-".join(f"{k}={v!r}" for k, v in o.items()))
@@ -294,3 +296,19 @@ def test_every_entry_point_refuses_bad_options_as_flash_attn_func_does(single_ra
         with pytest.raises(type(expected.value)) as got:
             call(**option)
         assert str(got.value) == str(expected.value), name
+
+
+# --- 14. numpy and torch scalars are numbers; bools are not window sizes ------------------------------
+@pytest.mark.parametrize("scalar", [np.float32, np.float64, np.array, torch.tensor], ids=lambda f: f.__name__)
+def test_numpy_and_torch_scalars_are_accepted_as_numbers(gen, scalar):
+    """Before: softcap=np.float32(30.) was refused ("softcap must be a finite number >= 0", which
+    it is) and softmax_scale=torch.tensor(0.125) too. Now real 0-d scalars of numpy and torch
+    give bitwise the results of the Python floats (flash_attn_func, flash_attn_with_kvcache);
+    window_size=(True, False) is refused (BAD_OPTIONS above, at every entry point)."""
+    q, k, v = (torch.randn(1, 45, 2, 32, generator=gen) for _ in range(3))
+    expected = tvmflash.flash_attn_func(q, k, v, softcap=30.0, softmax_scale=0.125, causal=True)
+    got = tvmflash.flash_attn_func(q, k, v, softcap=scalar(30.0), softmax_scale=scalar(0.125), causal=True)
+    assert torch.equal(got, expected)
+    expected = tvmflash.flash_attn_with_kvcache(q[:, :2], k, v, softcap=30.0, softmax_scale=0.125)
+    got = tvmflash.flash_attn_with_kvcache(q[:, :2], k, v, softcap=scalar(30.0), softmax_scale=scalar(0.125))
+    assert torch.equal(got, expected)

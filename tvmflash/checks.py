@@ -106,14 +106,30 @@ def require_bool(name: str, value) -> bool:
     raise TypeError(f"{name} must be True or False, got {value!r}")
 
 
+def _is_bool(value) -> bool:
+    return isinstance(value, bool) or str(getattr(value, "dtype", "")) in ("bool", "torch.bool")
+
+
+def real_number(name: str, value) -> float:
+    """A real scalar as a float: Python and numpy numbers, 0-d numpy arrays and torch tensors of a
+    real dtype (``np.float32(30.)``, ``torch.tensor(0.125)``); not bools, strings or complex."""
+    if not _is_bool(value) and "complex" not in str(getattr(value, "dtype", "")):
+        if isinstance(value, numbers.Real):
+            return float(value)
+        if getattr(value, "shape", None) == ():  # 0-d array or tensor
+            try:
+                return float(value)
+            except (TypeError, ValueError, RuntimeError, NotImplementedError):  # e.g. a meta tensor
+                pass
+    raise TypeError(f"{name} must be a real number, got {type(value).__name__} {value!r}")
+
+
 def softmax_scale(value, head_dim: int) -> float:
     """The one check of ``softmax_scale`` for every entry point: None -> 1/sqrt(head_dim); any
     finite number > 0 works (the kernels' exponents keep the scale as an fp32 hi + lo pair)."""
     if value is None:
         return 1.0 / math.sqrt(head_dim)
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"softmax_scale must be a real number, got {type(value).__name__} {value!r}")
-    value = float(value)
+    value = real_number("softmax_scale", value)
     if not math.isfinite(value) or value <= 0:
         raise ValueError(f"softmax_scale must be a finite number > 0, got {value}")
     return value
@@ -121,16 +137,23 @@ def softmax_scale(value, head_dim: int) -> float:
 
 def softcap(value) -> float:
     """flash-attn's ``softcap``: scores become ``softcap * tanh(s / softcap)``; 0 is off."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0 or value == float("inf"):
+    value = real_number("softcap", value)
+    if not value >= 0 or value == float("inf"):
         raise ValueError(f"softcap must be a finite number >= 0 (0: off), got {value!r}")
-    return float(value)
+    return value
+
+
+def _window_entry(value) -> int:
+    if _is_bool(value):  # operator.index(True) is 1
+        raise TypeError
+    return operator.index(value)
 
 
 def window_pair(window_size, causal: bool) -> tuple[int, int]:
     """flash-attn's (left, right) as the user gave it, -1 = no limit, causal folded in as right = 0."""
     try:
         left, right = window_size
-        left, right = operator.index(left), operator.index(right)
+        left, right = _window_entry(left), _window_entry(right)
     except (TypeError, ValueError):
         raise TypeError(f"window_size must be a pair of integers (left, right), got {window_size!r}") from None
     if left < -1 or right < -1:
