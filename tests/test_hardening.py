@@ -390,8 +390,8 @@ def test_malformed_prebuilt_metadata_names_the_file(tmp_path, monkeypatch):
     (tmp_path / "broken.so.json").write_text("{not json")
     monkeypatch.setenv("TVMFLASH_PREBUILT", str(tmp_path))
     compiler._prebuilt_cache.clear()
-    with pytest.raises(ValueError, match="broken.so.json"):
-        tvmflash.compile("llvm", head_dim=32, dtype="float32")
+    with pytest.warns(TvmflashWarning, match="broken.so.json"):  # skipped (issue 21: it broke every call)
+        assert compiler._find_prebuilt("llvm", SPEC32, False, None, True) is None
 
 
 # --- bitwise independent of the thread count ---------------------------------------------------------

@@ -3,8 +3,8 @@ children and DataLoader workers, ..."""
 
 from __future__ import annotations
 
+import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -18,6 +18,7 @@ import torch
 import tvmflash
 from tvmflash import cache, compiler, torch_op
 from tvmflash.settings import TvmflashWarning
+from tvmflash.spec import AttentionSpec
 
 
 def _run_isolated(script: str, tmp_path, *args, env=None, timeout: float = 400) -> subprocess.CompletedProcess:
@@ -312,3 +313,69 @@ def test_numpy_and_torch_scalars_are_accepted_as_numbers(gen, scalar):
     expected = tvmflash.flash_attn_with_kvcache(q[:, :2], k, v, softcap=30.0, softmax_scale=0.125)
     got = tvmflash.flash_attn_with_kvcache(q[:, :2], k, v, softcap=scalar(30.0), softmax_scale=scalar(0.125))
     assert torch.equal(got, expected)
+
+
+# --- 10. $TVMFLASH_PREBUILT: the cache's rules -------------------------------------------------------------
+@pytest.fixture
+def prebuilt_dir(tmp_path, monkeypatch, stored_kernels):
+    """A private directory with one exported library (k.so), as $TVMFLASH_PREBUILT."""
+    directory = tmp_path / "prebuilt"
+    directory.mkdir(mode=0o700)
+    stored_kernels.export_library(directory / "k.so")
+    monkeypatch.setenv("TVMFLASH_PREBUILT", str(directory))
+    compiler._prebuilt_cache.clear()
+    yield directory
+    compiler._prebuilt_cache.clear()
+
+
+def _find():
+    return compiler._find_prebuilt("llvm", AttentionSpec(32, "float32"), False, None, True)  # stored_kernels' spec
+
+
+@pytest.mark.parametrize("damage", ["world-writable library", "foreign-owned library", "modified library",
+                                    "library replaced by a directory"])
+def test_unsafe_or_modified_prebuilt_libraries_are_skipped(prebuilt_dir, stored_kernels, damage):
+    """Before: a library in $TVMFLASH_PREBUILT was loaded (its code run) whoever wrote it and
+    whatever it held. Now one that another user could have written, or that does not match the
+    checksum export_library recorded, is skipped with a warning naming it."""
+    assert _find() is not None  # the intact library is used
+    compiler._prebuilt_cache.clear()
+    library = prebuilt_dir / "k.so"
+    if damage == "world-writable library":
+        os.chmod(library, 0o666)
+    elif damage == "foreign-owned library":
+        if os.getuid() != 0:
+            pytest.skip("only root can give a file away")
+        os.chown(library, 12345, 12345)
+    elif damage == "modified library":
+        data = bytearray(library.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        library.write_bytes(bytes(data))
+    else:
+        library.unlink()
+        library.mkdir()
+    with pytest.warns(TvmflashWarning, match="skipping prebuilt kernels .*k.so"):
+        assert _find() is None
+
+
+def test_world_writable_prebuilt_directory_is_refused(prebuilt_dir, stored_kernels):
+    """Before: a world-writable $TVMFLASH_PREBUILT (anyone could plant a library) was used."""
+    os.chmod(prebuilt_dir, 0o777)
+    with pytest.raises(cache.UnsafeCacheError, match="TVMFLASH_PREBUILT.*writable by group and others"):
+        _find()
+
+
+def test_a_foreign_json_that_sorts_first_does_not_break_every_call(prebuilt_dir, stored_kernels):
+    """Before: any *.so.json that is not tvmflash's metadata (another tool's, or without its
+    library) raised at every call, even with good kernels next to it. Now it is skipped with one
+    warning and the good library is used."""
+    (prebuilt_dir / "aaa.so.json").write_text(json.dumps({"name": "another tool's file"}))
+    (prebuilt_dir / "aaa.so").write_bytes(b"\x7fELF")
+    (prebuilt_dir / "aab.so.json").write_text(json.dumps({"target": "llvm", "spec": [], "configs": {},
+                                                          "sha256": "0" * 64}))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        found = _find()
+    assert found is not None and found._library == prebuilt_dir / "k.so"
+    skipped = sorted(str(w.message) for w in caught if "skipping prebuilt kernels" in str(w.message))
+    assert len(skipped) == 2 and "aaa.so" in skipped[0] and "aab.so" in skipped[1], skipped

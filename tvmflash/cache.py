@@ -37,9 +37,11 @@ class UnsafeCacheError(PermissionError):
     """A cache directory or entry that another user could have written."""
 
 
-def _unsafe_reason(path: Path, st: os.stat_result) -> str | None:
-    if hasattr(os, "getuid") and st.st_uid != os.getuid():
-        return f"it is owned by uid {st.st_uid}, not by you (uid {os.getuid()})"
+def _unsafe_reason(path: Path, st: os.stat_result, root_too: bool = False) -> str | None:
+    """Why another user could have written ``path``, or None. ``root_too``: root may own it too
+    (a system-wide install of prebuilt kernels)."""
+    if hasattr(os, "getuid") and st.st_uid != os.getuid() and not (root_too and st.st_uid == 0):
+        return f"it is owned by uid {st.st_uid}, not by you (uid {os.getuid()}){' or root' if root_too else ''}"
     if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
         return f"it is writable by {'group and others' if st.st_mode & stat.S_IWOTH else 'group'} (mode {stat.filemode(st.st_mode)})"
     return None
@@ -154,3 +156,41 @@ def store(key: str, request: dict, module, source: str | None) -> Path | None:
     except (OSError, RuntimeError, UnsafeCacheError) as err:  # TVM reports export failures as RuntimeError
         warn(f"could not write the compile cache in {cache_dir()} ({err}); continuing without it")
         return None
+
+
+# --- prebuilt kernels ($TVMFLASH_PREBUILT): the same rules, for a directory someone filled -------------
+def prebuilt_libraries(directory: Path):
+    """(library, metadata) of each library in a ``$TVMFLASH_PREBUILT`` directory that may be
+    loaded, in name order. The directory must be owned by this user or root and writable by
+    nobody else (else UnsafeCacheError); a library is skipped, with a warning, unless it and its
+    ``.json`` are regular files owned likewise and not group/world-writable, the metadata parses,
+    and the library hashes to the digest ``export_library`` recorded in it."""
+    directory = Path(directory)
+    reason = _unsafe_reason(directory, directory.stat(), root_too=True)
+    if reason:
+        raise UnsafeCacheError(
+            f"tvmflash will not load compiled code from TVMFLASH_PREBUILT={directory}: {reason}. Use a directory "
+            f"only you (or root) can write: `chmod go-w {directory}`.")
+    for meta_path in sorted(directory.glob("*.so.json")):
+        library = meta_path.with_suffix("")
+        try:
+            for path in (meta_path, library):
+                st = os.stat(path)
+                if not stat.S_ISREG(st.st_mode):
+                    raise _BrokenEntry(f"{path.name} is not a regular file")
+                reason = _unsafe_reason(path, st, root_too=True)
+                if reason:
+                    raise _BrokenEntry(f"{path.name} could have been written by another user: {reason}")
+            try:
+                meta = json.loads(meta_path.read_text(encoding="utf-8"))
+                digest = meta["sha256"]
+            except (ValueError, KeyError, TypeError) as err:
+                raise _BrokenEntry(f"{meta_path.name} is not the metadata of kernels exported by this version of "
+                                   f"tvmflash ({type(err).__name__}: {err}); re-export them") from err
+            if _digest(library) != digest:
+                raise _BrokenEntry(f"{library.name} does not match the checksum in {meta_path.name} (modified "
+                                   "after export)")
+        except (OSError, _BrokenEntry) as err:
+            warn(f"skipping prebuilt kernels {library} ({err})")
+            continue
+        yield library, meta

@@ -278,7 +278,7 @@ def prebuild(directory, target="cuda", head_dims=(64, 128), dtypes=("float16", "
     GPU hold their CUDA source; TVM compiles it (NVRTC or nvcc) when they load.
     """
     directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
+    directory.mkdir(mode=0o755, parents=True, exist_ok=True)  # a directory only its owner writes
     written = []
     is_cuda = targets.resolve(target).kind.name == "cuda"
     for head_dim in head_dims:
@@ -324,28 +324,30 @@ def _find_prebuilt(target, spec: AttentionSpec, deterministic: bool, config, tun
     with _lock:
         if wanted in _prebuilt_cache:
             return _prebuilt_cache[wanted]
-    for meta_path in sorted(Path(directory).glob("*.so.json")):
-        so = meta_path.with_suffix("")
-        meta = runtime.read_meta(so)
-        have_target = meta["target"]
-        is_cuda = have_target["kind"] == "cuda"
-        if any(have_target.get(field) != value for field, value in wish.items()):
-            continue
-        if meta["spec"] != spec.to_json():
-            continue
-        if is_cuda and meta.get("deterministic", False) != deterministic:
-            continue
-        if any(meta["configs"].get(kernel) != cfg for kernel, cfg in explicit.items()):
-            continue
-        if not tuned and meta.get("tuning_record"):
-            continue
-        if not is_cuda and targets.missing_isa_features(meta.get("isa_features", [])):
+    for so, meta in cache.prebuilt_libraries(Path(directory)):  # safe, unmodified libraries only
+        try:
+            if not _prebuilt_matches(meta, wish, spec, deterministic, explicit, tuned):
+                continue
+        except (KeyError, TypeError, AttributeError) as err:
+            settings.warn(f"skipping prebuilt kernels {so} (metadata without {err})")
             continue
         found = runtime.load(so)
         with _lock:
             _prebuilt_cache[wanted] = found
         return found
     return None
+
+
+def _prebuilt_matches(meta: dict, wish: dict, spec: AttentionSpec, deterministic: bool, explicit: dict,
+                      tuned: bool) -> bool:
+    have_target = meta["target"]
+    is_cuda = have_target["kind"] == "cuda"
+    return (all(have_target.get(field) == value for field, value in wish.items())
+            and meta["spec"] == spec.to_json()
+            and not (is_cuda and meta.get("deterministic", False) != deterministic)
+            and all(meta["configs"].get(kernel) == cfg for kernel, cfg in explicit.items())
+            and not (not tuned and meta.get("tuning_record"))
+            and not (not is_cuda and targets.missing_isa_features(meta.get("isa_features", []))))
 
 
 # --- the unfused baseline -------------------------------------------------------------------------

@@ -10,6 +10,7 @@ are the same.
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
 import math
 import os
@@ -282,7 +283,8 @@ class FlashKernels:
         else:
             self._module.export_library(str(path))
         # CPU kernels take the mask per call: the export records this object's default
-        Path(str(path) + ".json").write_text(json.dumps({**self.meta, "causal": self.causal}, indent=1))
+        meta = {**self.meta, "causal": self.causal, "sha256": _file_digest(path)}
+        Path(str(path) + ".json").write_text(json.dumps(meta, indent=1))
 
     def source(self) -> str:
         """The generated code: LLVM IR for CPU targets, CUDA C for CUDA targets."""
@@ -355,6 +357,14 @@ def _workspace(like, shape: tuple):
     return tvm.runtime.empty(shape, "float32", _device_of(like))
 
 
+def _file_digest(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
 def read_meta(path: Path) -> dict:
     """The metadata next to an exported library, with errors that name the file."""
     meta_path = Path(str(path) + ".json")
@@ -368,6 +378,9 @@ def read_meta(path: Path) -> dict:
     except (ValueError, KeyError, TypeError) as err:
         raise ValueError(f"{meta_path} is not the metadata of exported tvmflash kernels ({type(err).__name__}: "
                          f"{err}); re-export them with this version of tvmflash") from err
+    if "sha256" in meta and _file_digest(path) != meta["sha256"]:
+        raise ValueError(f"{path} does not match the checksum recorded in {meta_path} (modified after export); "
+                         "re-export it")
     return meta
 
 
