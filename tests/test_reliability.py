@@ -379,3 +379,26 @@ def test_a_foreign_json_that_sorts_first_does_not_break_every_call(prebuilt_dir,
     assert found is not None and found._library == prebuilt_dir / "k.so"
     skipped = sorted(str(w.message) for w in caught if "skipping prebuilt kernels" in str(w.message))
     assert len(skipped) == 2 and "aaa.so" in skipped[0] and "aab.so" in skipped[1], skipped
+
+
+# --- 15. the cache key holds what changes the code, not the CPU affinity -----------------------------
+def test_cache_key_does_not_depend_on_the_cpu_affinity(monkeypatch):
+    """Before: the target's "num-cores" (the CPUs this process may use) was part of the cache key,
+    so each affinity (taskset, a container's CPU quota) compiled and stored the kernels anew. It
+    changes nothing in the code (TVM's LLVM codegen never reads it: same assembly below), so the
+    key leaves it out."""
+    from tvmflash import target
+
+    spec = AttentionSpec(16, "float32")
+    keys = set()
+    for cpus in (1, 3, 64):
+        monkeypatch.setattr(target, "usable_cpus", lambda: cpus)
+        resolved = target.resolve("llvm")
+        assert int(resolved.attrs["num-cores"]) == cpus  # still there for MetaSchedule (tuning)
+        configs, record = compiler.choose_configs(resolved, spec, tuned=False)
+        keys.add(compiler._key(compiler._request(resolved, spec, configs, False, record)))
+    assert len(keys) == 1
+    monkeypatch.undo()
+    one, many = (tvmflash.compile({"kind": "llvm", "mcpu": target.host_cpu(), "num-cores": n}, head_dim=16,
+                                  dtype="float32", cache=False, tuned=False) for n in (1, 7))
+    assert one.assembly() == many.assembly()

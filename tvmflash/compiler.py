@@ -116,7 +116,7 @@ def _request(target: tvm.target.Target, spec: AttentionSpec, configs: dict, dete
     meta = {
         "versions": {"tvmflash": __version__, "tvm": tvm.__version__, "tvm_ffi": tvm_ffi.__version__,
                      "sources": _sources_digest(kind)},
-        "target": json.loads(str(target)),
+        "target": targets.code_json(target),
         "spec": spec.to_json(),
         "mod_inputs": [[i.name, list(i.shape), i.dtype, i.requires_grad] for i in spec.mod_inputs],
         "configs": {kernel: cfg.to_json() for kernel, cfg in configs.items()},
@@ -426,7 +426,7 @@ def compile_decode(target, spec: AttentionSpec, *, config=None, cache: bool = Tr
         "kernel": "decode",
         "versions": {"tvmflash": __version__, "tvm": tvm.__version__, "tvm_ffi": tvm_ffi.__version__,
                      "sources": _decode_sources_digest()},
-        "target": json.loads(str(target)),
+        "target": targets.code_json(target),
         "isa_features": targets.isa_features(target),
         "spec": spec.to_json(),
         "config": cfg.to_json(),

@@ -11,6 +11,7 @@ read the CPU's flags), so prebuilt kernels can be checked against the CPU withou
 from __future__ import annotations
 
 import functools
+import json
 import platform
 
 import tvm
@@ -53,6 +54,21 @@ def resolve(target) -> tvm.target.Target:
         config.pop("host", None)
         return tvm.target.Target(config, host=host_target())
     raise ValueError(f"unsupported target kind {kind!r}: tvmflash compiles for 'llvm' and 'cuda'")
+
+
+# Target attributes that do not change the generated code: kept out of cache keys, so each CPU
+# affinity (taskset, container quotas) does not compile anew. "num-cores" is read by MetaSchedule
+# only (its parallelism limits while tuning), never by TVM's LLVM codegen.
+_NOT_IN_CODE = ("num-cores",)
+
+
+def code_json(target: tvm.target.Target) -> dict:
+    """The target as JSON (its host's too) without attributes that do not change the code."""
+    config = json.loads(str(target))
+    for attrs in (config, config.get("host") if isinstance(config.get("host"), dict) else {}):
+        for name in _NOT_IN_CODE:
+            attrs.pop(name, None)
+    return config
 
 
 def has_features(target: tvm.target.Target, *features: str) -> bool:
