@@ -402,3 +402,67 @@ def test_cache_key_does_not_depend_on_the_cpu_affinity(monkeypatch):
     one, many = (tvmflash.compile({"kind": "llvm", "mcpu": target.host_cpu(), "num-cores": n}, head_dim=16,
                                   dtype="float32", cache=False, tuned=False) for n in (1, 7))
     assert one.assembly() == many.assembly()
+
+
+# --- 5. a full TMPDIR (or cache directory) is an error or a warning, never the end of the process ----------
+@pytest.fixture
+def full_filesystem(tmp_path):
+    """A 64 KB tmpfs: full for any kernel library (mounting needs root; skipped elsewhere)."""
+    mount_point = tmp_path / "full"
+    mount_point.mkdir()
+    try:
+        mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mount_point)],
+                                 capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired) as err:
+        pytest.skip(f"cannot mount a small tmpfs here ({err})")
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here ({mounted.stderr.strip()})")
+    try:
+        yield mount_point
+    finally:
+        subprocess.run(["umount", "-l", str(mount_point)], capture_output=True, timeout=30)
+
+
+_FULL_DISK_SCRIPT = """
+    import json, os, sys, warnings
+    from pathlib import Path
+    import torch, tvmflash
+    from tvmflash import cache
+    from tvmflash.settings import TvmflashWarning
+
+    full = Path(sys.argv[1])
+    kernels = tvmflash.compile("llvm", head_dim=16, dtype="float32")  # TMPDIR is the full filesystem
+    q = torch.randn(1, 33, 1, 16)
+    out, lse = torch.empty_like(q), torch.empty(1, 1, 33)
+    kernels.forward(q, q, q, out, lse)
+    assert torch.isfinite(out).all() and kernels._library is not None, "not stored in the cache"
+    print("compiled and stored with a full TMPDIR")
+    os.environ["TVMFLASH_CACHE_DIR"] = str(full / "cache")  # now the cache directory is full
+    request = {k: v for k, v in kernels.meta.items() if k != "cache_key"}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fresh = tvmflash.compile("llvm", head_dim=16, dtype="float32", cache=False)
+        assert cache.store("k", request, fresh._module, fresh._source) is None
+    assert any("No space left" in str(w.message) for w in caught), [str(w.message) for w in caught]
+    print("full cache directory: a warning")
+    try:
+        fresh.export_library(full / "k.so")
+    except OSError as err:
+        assert "No space left" in str(err), err
+        print("full export directory: OSError")
+"""
+
+
+def test_full_tmpdir_or_cache_directory_does_not_end_the_process(tmp_path, full_filesystem):
+    """Before: with a full TMPDIR, compiling killed the process ("LLVM ERROR: IO failure on output
+    stream: No space left on device", exit 1, no exception) and left temporary directories in
+    TMPDIR and the cache. Now the object files go next to their library, after a check that there
+    is room: a full TMPDIR is not used, a full cache directory is a warning, a full export
+    directory an OSError; no temporary file is left behind."""
+    env = {"TMPDIR": str(full_filesystem), "TVMFLASH_CACHE_DIR": str(tmp_path / "cache")}
+    run = _run_isolated(_FULL_DISK_SCRIPT, tmp_path, str(full_filesystem), env=env)
+    assert run.returncode == 0, f"exit {run.returncode}\n{run.stdout}\n{run.stderr[-3000:]}"
+    assert run.stdout.splitlines() == ["compiled and stored with a full TMPDIR", "full cache directory: a warning",
+                                       "full export directory: OSError"]
+    assert sorted(p.name for p in full_filesystem.rglob("*")) == ["cache"]  # nothing left behind
+    assert {p.suffix for p in (tmp_path / "cache").iterdir()} == {".so", ".json", ".src"}

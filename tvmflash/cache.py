@@ -16,12 +16,14 @@ Loading a shared library runs its code, so nothing is loaded unless:
   loaded module has every function the kernels call.
 
 Writes go to a temporary directory inside the cache and are renamed into place (the ``.so``
-last), so concurrent processes never see half an entry. A failure to write is a warning: the
-kernels that were just built are used all the same.
+last), so concurrent processes never see half an entry; TMPDIR is not used (``export``). A
+failure to write (a full or read-only disk) is a warning: the kernels that were just built are
+used all the same.
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -64,12 +66,32 @@ def safe_directory(path: Path | None = None, create: bool = True) -> Path | None
     return path
 
 
-def _digest(path: Path) -> str:
+def file_digest(path: Path) -> str:
+    """The SHA-256 of a file, as hex."""
     h = hashlib.sha256()
     with open(path, "rb") as f:
         for chunk in iter(lambda: f.read(1 << 20), b""):
             h.update(chunk)
     return h.hexdigest()
+
+
+_digest = file_digest
+
+
+def export(module, path: Path, source: str | None) -> None:
+    """``module.export_library(path)`` with its object files in a temporary directory next to
+    ``path`` (not in TMPDIR), once there is room for them: LLVM ends the whole process when it
+    cannot write an object file ("LLVM ERROR: IO failure on output stream: No space left on
+    device"). Raises OSError (ENOSPC) instead; the temporary files are removed either way.
+    ``source``: the module's generated code, whose size bounds the objects' (~1/4 of it)."""
+    path = Path(path)
+    needed = 2 * len(source) + (1 << 20) if source else 64 << 20
+    with tempfile.TemporaryDirectory(dir=path.parent, prefix=".tvmflash-export-") as work:
+        free = shutil.disk_usage(work).free
+        if free < needed:
+            raise OSError(errno.ENOSPC, f"No space left on device: {free >> 10} KB free in {path.parent}, exporting "
+                                        f"the kernels needs about {needed >> 10} KB")
+        module.export_library(str(path), workspace_dir=work)
 
 
 class _BrokenEntry(Exception):
@@ -141,7 +163,7 @@ def store(key: str, request: dict, module, source: str | None) -> Path | None:
         directory = safe_directory()
         with tempfile.TemporaryDirectory(dir=directory) as tmp:
             tmp_so, tmp_src = Path(tmp) / "kernels.so", Path(tmp) / "kernels.src"
-            module.export_library(str(tmp_so))
+            export(module, tmp_so, source)
             digests = {".so": _digest(tmp_so)}
             if source is not None:
                 tmp_src.write_bytes(source.encode("utf-8"))

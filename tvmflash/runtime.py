@@ -10,7 +10,6 @@ are the same.
 from __future__ import annotations
 
 import functools
-import hashlib
 import json
 import math
 import os
@@ -23,7 +22,7 @@ from pathlib import Path
 import tvm
 import tvm_ffi
 
-from . import checks, plan, settings
+from . import cache, checks, plan, settings
 from .config import BF16_DOT, config_from_json
 
 CPU_FUNCTIONS = ("flash_fwd", "flash_bwd")
@@ -281,9 +280,9 @@ class FlashKernels:
         if self._library is not None:  # loaded from a library: its code is that file
             shutil.copyfile(self._library, path)
         else:
-            self._module.export_library(str(path))
+            cache.export(self._module, path, self._source)
         # CPU kernels take the mask per call: the export records this object's default
-        meta = {**self.meta, "causal": self.causal, "sha256": _file_digest(path)}
+        meta = {**self.meta, "causal": self.causal, "sha256": cache.file_digest(path)}
         Path(str(path) + ".json").write_text(json.dumps(meta, indent=1))
 
     def source(self) -> str:
@@ -357,14 +356,6 @@ def _workspace(like, shape: tuple):
     return tvm.runtime.empty(shape, "float32", _device_of(like))
 
 
-def _file_digest(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def read_meta(path: Path) -> dict:
     """The metadata next to an exported library, with errors that name the file."""
     meta_path = Path(str(path) + ".json")
@@ -378,7 +369,7 @@ def read_meta(path: Path) -> dict:
     except (ValueError, KeyError, TypeError) as err:
         raise ValueError(f"{meta_path} is not the metadata of exported tvmflash kernels ({type(err).__name__}: "
                          f"{err}); re-export them with this version of tvmflash") from err
-    if "sha256" in meta and _file_digest(path) != meta["sha256"]:
+    if "sha256" in meta and cache.file_digest(path) != meta["sha256"]:
         raise ValueError(f"{path} does not match the checksum recorded in {meta_path} (modified after export); "
                          "re-export it")
     return meta
