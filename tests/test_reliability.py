@@ -1,5 +1,8 @@
-"""Issue 21's defects (reliability, third pass), each with a regression test: kernels in forked
-children and DataLoader workers, ..."""
+"""Issue 21's defects (reliability, third pass), each with a regression test that failed before the
+fix: kernels in forked children and DataLoader workers (1), a full TMPDIR (5), broken cache entries
+(6), kernels compiled for another CPU (7), tensor arguments on other devices (9), $TVMFLASH_PREBUILT
+under the cache's rules (10), one options check for every entry point (11), numpy/torch scalars and
+bool windows (14), cache keys independent of the CPU affinity (15)."""
 
 from __future__ import annotations
 

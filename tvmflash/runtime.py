@@ -159,9 +159,9 @@ class FlashKernels:
             raise ValueError("cu_seqlens_q and cu_seqlens_k go together")
         if batch != 1:
             raise ValueError(f"packed (varlen) tensors have batch 1 (1, total, heads, head_dim), got batch {batch}")
-        device = checks.info(like, "q").device
-        cu_q = checks.check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, seqlen_q, device=device)
-        cu_k = checks.check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, seqlen_k, batch=len(cu_q) - 1, device=device)
+        q_device = checks.info(like, "q").device
+        cu_q = checks.check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, seqlen_q, device=q_device)
+        cu_k = checks.check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, seqlen_k, batch=len(cu_q) - 1, device=q_device)
         seqs = plan.varlen(cu_q, cu_k, block_q=cfg.block_q, block_k=cfg.block_k, heads_k=heads_k)
         return seqs, [tvm.runtime.tensor(a, device) for a in seqs.arrays()]
 
