@@ -165,8 +165,9 @@ _FOREIGN_CPU_SCRIPT = """
     decode = compiler.compile_decode({"kind": "llvm", "mcpu": mcpu}, AttentionSpec(32, "float32"))
     q = torch.randn(1, 10, 1, 32)
     out, lse = torch.empty_like(q), torch.zeros(1, 1, 10)
+    grads = [torch.empty_like(q) for _ in range(3)]
     for name, call in (("forward", lambda: kernels.forward(q, q, q, out, lse)),
-                       ("backward", lambda: kernels.backward(q, q, q, q, out, lse, *(torch.empty_like(q) for _ in range(3)))),
+                       ("backward", lambda: kernels.backward(q, q, q, q, out, lse, *grads)),
                        ("decode", lambda: decode.decode(q, q, q, out, lse, 1.0, (0, 0), 1, None, None, None))):
         try:
             call()
@@ -350,10 +351,11 @@ def test_unsafe_or_modified_prebuilt_libraries_are_skipped(prebuilt_dir, stored_
         if os.getuid() != 0:
             pytest.skip("only root can give a file away")
         os.chown(library, 12345, 12345)
-    elif damage == "modified library":
+    elif damage == "modified library":  # a new file: this process has the intact one mapped
         data = bytearray(library.read_bytes())
         data[len(data) // 2] ^= 0xFF
-        library.write_bytes(bytes(data))
+        (prebuilt_dir / "new").write_bytes(bytes(data))
+        os.replace(prebuilt_dir / "new", library)
     else:
         library.unlink()
         library.mkdir()

@@ -366,12 +366,13 @@ class StandardAttention:
 
     def forward(self, q, k, v, out, lse, softmax_scale: float | None = None) -> None:
         checks.check_forward_args(self, q, k, v, out, lse)
-        runtime.fork_safe(self._module["standard_fwd"])(q, k, v, out, lse, checks.softmax_scale(softmax_scale, self.head_dim))
+        scale = checks.softmax_scale(softmax_scale, self.head_dim)
+        runtime.fork_safe(self._module["standard_fwd"])(q, k, v, out, lse, scale)
 
     def backward(self, dout, q, k, v, out, lse, dq, dk, dv, softmax_scale: float | None = None) -> None:
         checks.check_backward_args(self, dout, q, k, v, out, lse, dq, dk, dv)
-        runtime.fork_safe(self._module["standard_bwd"])(dout, q, k, v, out, lse, dq, dk, dv,
-                                     checks.softmax_scale(softmax_scale, self.head_dim))
+        scale = checks.softmax_scale(softmax_scale, self.head_dim)
+        runtime.fork_safe(self._module["standard_bwd"])(dout, q, k, v, out, lse, dq, dk, dv, scale)
 
 
 _standard_cache: dict[tuple, StandardAttention] = {}

@@ -2,8 +2,8 @@
 
 Everything in ``tvmflash.distributed`` reaches the compiled kernels (``block_forward``,
 ``block_backward``), the package's argument checks (``check_inputs``, ``flash_options``,
-``softmax_scale``, ``window_pair``, ``alibi_slopes``) and its layout rules (``kernel_layout``) through this file; nothing else there
-imports the package's internals. When the kernels' entry point moves, only this file changes.
+``softmax_scale``, ``window_pair``, ``alibi_slopes``) and its layout rules (``kernel_layout``)
+through this file; nothing else there imports the package's internals. When the kernels' entry point moves, only this file changes.
 
 Contract (what the ring code relies on):
 
