@@ -7,6 +7,7 @@ import pytest
 
 import tvmflash
 from tvmflash import compiler
+from tvmflash.settings import TvmflashWarning
 from tvmflash.spec import AttentionSpec
 
 SPEC32 = AttentionSpec(32, "float32")
@@ -52,5 +53,5 @@ def test_malformed_prebuilt_metadata_names_the_file(tmp_path, monkeypatch):
     (tmp_path / "broken.so.json").write_text("{not json")
     monkeypatch.setenv("TVMFLASH_PREBUILT", str(tmp_path))
     compiler._prebuilt_cache.clear()
-    with pytest.raises(ValueError, match="broken.so.json"):
-        tvmflash.compile("llvm", head_dim=32, dtype="float32")
+    with pytest.warns(TvmflashWarning, match="broken.so.json"):  # skipped: a foreign json broke every call
+        assert compiler._find_prebuilt("llvm", SPEC32, False, None, True) is None

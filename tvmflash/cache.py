@@ -1,7 +1,7 @@
 """The disk cache of compiled kernels: safe to share a machine with, safe against broken files.
 
 An entry is three files under the cache directory: ``<key>.so`` (the compiled module),
-``<key>.json`` (what it is: the request it was built for, plus the SHA-256 of the ``.so``) and
+``<key>.json`` (what it is: the request it was built for, plus the SHA-256 of the other files) and
 ``<key>.src`` (generated source, for ``FlashKernels.source()``). The key is a hash of the
 request (versions, sources, target, spec, configs), so a change to any of them builds anew.
 
@@ -11,19 +11,23 @@ Loading a shared library runs its code, so nothing is loaded unless:
   unsafe directory is an error that says how to fix it, never silently used);
 * the entry's files are owned by this user and not group/world-writable;
 * the metadata parses and describes exactly the request (else the entry is rebuilt);
-* the ``.so`` hashes to the digest in the metadata (a truncated or altered file is rebuilt,
-  with one warning), and the loaded module has every function the kernels call.
+* every other file of the entry (``.so``, ``.src``) is a regular file that hashes to its digest
+  in the metadata (a truncated, altered or replaced file is rebuilt, with one warning), and the
+  loaded module has every function the kernels call.
 
 Writes go to a temporary directory inside the cache and are renamed into place (the ``.so``
-last), so concurrent processes never see half an entry. A failure to write is a warning: the
-kernels that were just built are used all the same.
+last), so concurrent processes never see half an entry; TMPDIR is not used (``export``). A
+failure to write (a full or read-only disk) is a warning: the kernels that were just built are
+used all the same.
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
+import shutil
 import stat
 import tempfile
 from pathlib import Path
@@ -35,9 +39,11 @@ class UnsafeCacheError(PermissionError):
     """A cache directory or entry that another user could have written."""
 
 
-def _unsafe_reason(path: Path, st: os.stat_result) -> str | None:
-    if hasattr(os, "getuid") and st.st_uid != os.getuid():
-        return f"it is owned by uid {st.st_uid}, not by you (uid {os.getuid()})"
+def _unsafe_reason(path: Path, st: os.stat_result, root_too: bool = False) -> str | None:
+    """Why another user could have written ``path``, or None. ``root_too``: root may own it too
+    (a system-wide install of prebuilt kernels)."""
+    if hasattr(os, "getuid") and st.st_uid != os.getuid() and not (root_too and st.st_uid == 0):
+        return f"it is owned by uid {st.st_uid}, not by you (uid {os.getuid()}){' or root' if root_too else ''}"
     if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
         return f"it is writable by {'group and others' if st.st_mode & stat.S_IWOTH else 'group'} (mode {stat.filemode(st.st_mode)})"
     return None
@@ -68,12 +74,43 @@ def safe_directory(path: Path | None = None, create: bool = True) -> Path | None
     return path
 
 
-def _digest(path: Path) -> str:
+def file_digest(path: Path) -> str:
+    """The SHA-256 of a file, as hex."""
     h = hashlib.sha256()
     with open(path, "rb") as f:
         for chunk in iter(lambda: f.read(1 << 20), b""):
             h.update(chunk)
     return h.hexdigest()
+
+
+_digest = file_digest
+
+
+def export(module, path: Path, source: str | None) -> None:
+    """``module.export_library(path)`` with its object files in a temporary directory next to
+    ``path`` (not in TMPDIR), once there is room for them: LLVM ends the whole process when it
+    cannot write an object file ("LLVM ERROR: IO failure on output stream: No space left on
+    device"). Raises OSError (ENOSPC) instead; the temporary files are removed either way.
+    ``source``: the module's generated code, whose size bounds the objects' (~1/4 of it)."""
+    path = Path(path)
+    needed = 2 * len(source) + (1 << 20) if source else 64 << 20
+    with tempfile.TemporaryDirectory(dir=path.parent, prefix=".tvmflash-export-") as work:
+        free = shutil.disk_usage(work).free
+        if free < needed:
+            raise OSError(errno.ENOSPC, f"No space left on device: {free >> 10} KB free in {path.parent}, exporting "
+                                        f"the kernels needs about {needed >> 10} KB")
+        module.export_library(str(path), workspace_dir=work)
+
+
+class _BrokenEntry(Exception):
+    """Why an entry cannot be used (it is rebuilt)."""
+
+
+def _check_file(path: Path, digest: str) -> None:
+    if not stat.S_ISREG(os.stat(path).st_mode):
+        raise _BrokenEntry(f"{path.name} is not a regular file")
+    if _digest(path) != digest:
+        raise _BrokenEntry(f"{path.name} does not match its recorded checksum (truncated or modified)")
 
 
 def load(key: str, request: dict, functions: tuple[str, ...]):
@@ -84,61 +121,120 @@ def load(key: str, request: dict, functions: tuple[str, ...]):
     if directory is None:
         return None
     so, meta_path, src = (directory / f"{key}{ext}" for ext in (".so", ".json", ".src"))
-    if not so.exists():
+    if not os.path.lexists(so):
         return None
-    for path in (so, meta_path):
+    for path in (so, meta_path, src):
         if path.exists():
             reason = _unsafe_reason(path, path.stat())
             if reason:
                 raise UnsafeCacheError(f"tvmflash will not load {path}: {reason}. Delete it (or the cache "
                                        f"directory {directory}) and it will be rebuilt.")
     try:
-        meta = json.loads(meta_path.read_text())
-        stored_request, digest = meta["request"], meta["sha256"]
-    except (OSError, ValueError, KeyError, TypeError):
-        warn(f"rebuilding cache entry {so.name}: its metadata {meta_path} is missing or unreadable")
+        try:
+            meta = json.loads(meta_path.read_text(encoding="utf-8"))
+            stored_request, digests = meta["request"], meta["sha256"]
+            digests[".so"]
+        except (OSError, ValueError, KeyError, TypeError) as err:
+            raise _BrokenEntry(f"its metadata {meta_path.name} is missing or unreadable") from err
+        if stored_request != request:
+            raise _BrokenEntry("it was built for another request")
+        _check_file(so, digests[".so"])
+        source = None
+        if ".src" in digests:
+            _check_file(src, digests[".src"])
+            source = src.read_bytes().decode("utf-8", errors="replace")
+        try:
+            module = tvm.runtime.load_module(str(so))
+            for name in functions:
+                module[name]
+        except (OSError, ValueError, RuntimeError, AttributeError) as err:
+            raise _BrokenEntry(f"it does not load ({err})") from err
+    except OSError as err:  # unreadable files (a directory, EIO, ...)
+        warn(f"rebuilding cache entry {so.name}: {err}")
         return None
-    if stored_request != request:
-        warn(f"rebuilding cache entry {so.name}: it was built for another request")
+    except _BrokenEntry as err:
+        warn(f"rebuilding cache entry {so.name}: {err}")
         return None
-    if _digest(so) != digest:
-        warn(f"rebuilding cache entry {so.name}: the library does not match its recorded checksum "
-             "(truncated or modified)")
-        return None
-    try:
-        module = tvm.runtime.load_module(str(so))
-        for name in functions:
-            module[name]
-    except (OSError, ValueError, RuntimeError, AttributeError) as err:
-        warn(f"rebuilding cache entry {so.name}: it does not load ({err})")
-        return None
-    return module, (src.read_text() if src.exists() else None), so
+    return module, source, so
+
+
+def _replace(tmp: Path, path: Path) -> None:
+    """Rename ``tmp`` to ``path``, over a directory left at ``path`` too (a broken entry)."""
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    os.replace(tmp, path)
 
 
 def store(key: str, request: dict, module, source: str | None, reload: bool = False):
     """Write an entry; returns the .so path, or None (with a warning) if it could not be written.
 
     ``reload``: returns (path, the library loaded back, the name it was loaded by) instead. It is
-    loaded from its temporary name, before the rename, so that the process holds no library under
-    the entry's name (``dlopen`` of a name already loaded returns that library, even after the
-    file was replaced); ``threads.route`` must use that name too.
+    loaded from a temporary file that is then deleted, and the entry gets a copy: the process
+    holds no library under the entry's name (``dlopen`` of a name already loaded returns that
+    library, even after the file was replaced), and rewriting the entry in place (damage, a
+    test) cannot change code this process has mapped. ``threads.route`` uses the loaded name.
     """
     import tvm
 
     try:
         directory = safe_directory()
         with tempfile.TemporaryDirectory(dir=directory) as tmp:
-            tmp_so = Path(tmp) / "kernels.so"
-            module.export_library(str(tmp_so))
-            meta = {"request": request, "sha256": _digest(tmp_so)}
-            (Path(tmp) / "kernels.json").write_text(json.dumps(meta, indent=1))
+            tmp_so, tmp_src = Path(tmp) / "kernels.so", Path(tmp) / "kernels.src"
+            export(module, tmp_so, source)
+            digests = {".so": _digest(tmp_so)}
             if source is not None:
-                (Path(tmp) / "kernels.src").write_text(source)
-                os.replace(Path(tmp) / "kernels.src", directory / f"{key}.src")
-            os.replace(Path(tmp) / "kernels.json", directory / f"{key}.json")
-            loaded = tvm.runtime.load_module(str(tmp_so)) if reload else None
-            os.replace(tmp_so, directory / f"{key}.so")  # last: its presence marks a complete entry
+                tmp_src.write_bytes(source.encode("utf-8"))
+                digests[".src"] = _digest(tmp_src)
+            (Path(tmp) / "kernels.json").write_text(json.dumps({"request": request, "sha256": digests}, indent=1),
+                                                    encoding="utf-8")
+            if source is not None:
+                _replace(tmp_src, directory / f"{key}.src")
+            _replace(Path(tmp) / "kernels.json", directory / f"{key}.json")
+            loaded, entry_so = None, tmp_so
+            if reload:  # this process maps its own copy, which nothing can rewrite under it
+                loaded = tvm.runtime.load_module(str(tmp_so))
+                entry_so = Path(tmp) / "entry.so"
+                shutil.copyfile(tmp_so, entry_so)
+            _replace(entry_so, directory / f"{key}.so")  # last: its presence marks a complete entry
         return (directory / f"{key}.so", loaded, tmp_so) if reload else directory / f"{key}.so"
     except (OSError, RuntimeError, UnsafeCacheError) as err:  # TVM reports export failures as RuntimeError
         warn(f"could not write the compile cache in {cache_dir()} ({err}); continuing without it")
         return (None, None, None) if reload else None
+
+
+# --- prebuilt kernels ($TVMFLASH_PREBUILT): the same rules, for a directory someone filled -------------
+def prebuilt_libraries(directory: Path):
+    """(library, metadata) of each library in a ``$TVMFLASH_PREBUILT`` directory that may be
+    loaded, in name order. The directory must be owned by this user or root and writable by
+    nobody else (else UnsafeCacheError); a library is skipped, with a warning, unless it and its
+    ``.json`` are regular files owned likewise and not group/world-writable, the metadata parses,
+    and the library hashes to the digest ``export_library`` recorded in it."""
+    directory = Path(directory)
+    reason = _unsafe_reason(directory, directory.stat(), root_too=True)
+    if reason:
+        raise UnsafeCacheError(
+            f"tvmflash will not load compiled code from TVMFLASH_PREBUILT={directory}: {reason}. Use a directory "
+            f"only you (or root) can write: `chmod go-w {directory}`.")
+    for meta_path in sorted(directory.glob("*.so.json")):
+        library = meta_path.with_suffix("")
+        try:
+            for path in (meta_path, library):
+                st = os.stat(path)
+                if not stat.S_ISREG(st.st_mode):
+                    raise _BrokenEntry(f"{path.name} is not a regular file")
+                reason = _unsafe_reason(path, st, root_too=True)
+                if reason:
+                    raise _BrokenEntry(f"{path.name} could have been written by another user: {reason}")
+            try:
+                meta = json.loads(meta_path.read_text(encoding="utf-8"))
+                digest = meta["sha256"]
+            except (ValueError, KeyError, TypeError) as err:
+                raise _BrokenEntry(f"{meta_path.name} is not the metadata of kernels exported by this version of "
+                                   f"tvmflash ({type(err).__name__}: {err}); re-export them") from err
+            if _digest(library) != digest:
+                raise _BrokenEntry(f"{library.name} does not match the checksum in {meta_path.name} (modified "
+                                   "after export)")
+        except (OSError, _BrokenEntry) as err:
+            warn(f"skipping prebuilt kernels {library} ({err})")
+            continue
+        yield library, meta

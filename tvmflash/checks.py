@@ -12,6 +12,7 @@ import math
 import numbers
 import operator
 import sys
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import tvm_ffi
@@ -118,14 +119,30 @@ def require_bool(name: str, value) -> bool:
     raise TypeError(f"{name} must be True or False, got {value!r}")
 
 
+def _is_bool(value) -> bool:
+    return isinstance(value, bool) or str(getattr(value, "dtype", "")) in ("bool", "torch.bool")
+
+
+def real_number(name: str, value) -> float:
+    """A real scalar as a float: Python and numpy numbers, 0-d numpy arrays and torch tensors of a
+    real dtype (``np.float32(30.)``, ``torch.tensor(0.125)``); not bools, strings or complex."""
+    if not _is_bool(value) and "complex" not in str(getattr(value, "dtype", "")):
+        if isinstance(value, numbers.Real):
+            return float(value)
+        if getattr(value, "shape", None) == ():  # 0-d array or tensor
+            try:
+                return float(value)
+            except (TypeError, ValueError, RuntimeError, NotImplementedError):  # e.g. a meta tensor
+                pass
+    raise TypeError(f"{name} must be a real number, got {type(value).__name__} {value!r}")
+
+
 def softmax_scale(value, head_dim: int) -> float:
     """The one check of ``softmax_scale`` for every entry point: None -> 1/sqrt(head_dim); any
     finite number > 0 works (the kernels' exponents keep the scale as an fp32 hi + lo pair)."""
     if value is None:
         return 1.0 / math.sqrt(head_dim)
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"softmax_scale must be a real number, got {type(value).__name__} {value!r}")
-    value = float(value)
+    value = real_number("softmax_scale", value)
     if not math.isfinite(value) or value <= 0:
         raise ValueError(f"softmax_scale must be a finite number > 0, got {value}")
     return value
@@ -133,16 +150,23 @@ def softmax_scale(value, head_dim: int) -> float:
 
 def softcap(value) -> float:
     """flash-attn's ``softcap``: scores become ``softcap * tanh(s / softcap)``; 0 is off."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0 or value == float("inf"):
+    value = real_number("softcap", value)
+    if not value >= 0 or value == float("inf"):
         raise ValueError(f"softcap must be a finite number >= 0 (0: off), got {value!r}")
-    return float(value)
+    return value
+
+
+def _window_entry(value) -> int:
+    if _is_bool(value):  # operator.index(True) is 1
+        raise TypeError
+    return operator.index(value)
 
 
 def window_pair(window_size, causal: bool) -> tuple[int, int]:
     """flash-attn's (left, right) as the user gave it, -1 = no limit, causal folded in as right = 0."""
     try:
         left, right = window_size
-        left, right = operator.index(left), operator.index(right)
+        left, right = _window_entry(left), _window_entry(right)
     except (TypeError, ValueError):
         raise TypeError(f"window_size must be a pair of integers (left, right), got {window_size!r}") from None
     if left < -1 or right < -1:
@@ -153,6 +177,39 @@ def window_pair(window_size, causal: bool) -> tuple[int, int]:
 def window(window_size, causal: bool) -> tuple[int, int]:
     """``window_pair`` as the kernels take it: no limit (-1) and larger ones as UNLIMITED_WINDOW."""
     return tuple(UNLIMITED_WINDOW if w < 0 else min(w, UNLIMITED_WINDOW) for w in window_pair(window_size, causal))
+
+
+def dropout(dropout_p) -> None:
+    if dropout_p is not None and (isinstance(dropout_p, (str, bytes)) or dropout_p != 0):
+        raise ValueError(f"dropout is not supported by tvmflash (dropout_p={dropout_p!r}); use 0.0")
+
+
+@dataclass(frozen=True)
+class FlashOptions:
+    """flash-attn's keyword options, checked, as the kernels take them."""
+    softmax_scale: float | None  # None: no head dim to default from (the shape checks refuse it)
+    causal: bool
+    window: tuple[int, int]  # (left, right), -1: no limit, causal folded in as right = 0
+    softcap: float
+    deterministic: bool
+
+
+_softmax_scale, _softcap = softmax_scale, softcap  # (flash_options' parameters have their names)
+
+
+def flash_options(head_dim: int, *, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
+                  softcap=0.0, deterministic=False, **flags) -> FlashOptions:
+    """flash-attn's options, checked the one way for every entry point (``flash_attn_*``,
+    ``flash_attn_with_kvcache``, ring attention): flags are real booleans (``causal="False"``
+    is truthy), scale and softcap real numbers, windows integer pairs, no dropout. ``flags``:
+    the entry point's other booleans (``return_attn_probs=...``), checked the same way."""
+    dropout(dropout_p)
+    causal = require_bool("causal", causal)
+    deterministic = require_bool("deterministic", deterministic)
+    for name, value in flags.items():
+        require_bool(name, value)
+    return FlashOptions(_softmax_scale(softmax_scale, head_dim) if head_dim else None, causal,
+                        window_pair(window_size, causal), _softcap(softcap), deterministic)
 
 
 CUDA_DTYPES = ("float16", "bfloat16")
@@ -348,14 +405,29 @@ def check_backward_args(kernels, dout, q, k, v, out, lse, dq, dk, dv) -> tuple[i
     return dims
 
 
-def check_cu_seqlens(name: str, cu, total_rows: int, batch: int | None = None) -> list[int]:
-    """Cumulative sequence lengths: int32, 1-D, starting at 0, non-decreasing, ending at the
-    number of rows. Returns them as Python ints."""
+def check_devices(device: str, tensors: dict, reference: str = "q") -> None:
+    """Every tensor argument lives on the device of ``reference`` (a kernel handed a pointer of
+    another device reads garbage or faults; torch sends an op with a ``meta`` argument to its
+    shape-only implementation, which returns uninitialised memory)."""
+    for name, t in tensors.items():
+        if t is None:
+            continue
+        found = t.device if isinstance(t, TensorInfo) else info(t, name).device
+        if found != device:
+            raise ValueError(f"{name} is on {found}, {reference} on {device}: every tensor argument must be on "
+                             f"{reference}'s device")
+
+
+def check_cu_seqlens(name: str, cu, total_rows: int, batch: int | None = None, device: str | None = None) -> list[int]:
+    """Cumulative sequence lengths: int32, 1-D, on ``device`` (q's), starting at 0,
+    non-decreasing, ending at the number of rows. Returns them as Python ints."""
     import numpy as np
 
     t = info(cu, name)
     if t.dtype != "int32" or len(t.shape) != 1:
         raise TypeError(f"{name} must be a 1-D int32 tensor, got {t.dtype} with shape {t.shape}")
+    if device is not None:
+        check_devices(device, {name: t})
     if t.device != "cpu" and not t.device.startswith("cuda"):
         raise ValueError(f"{name} must be on the CPU or a GPU, got {t.device}")
     values = [int(x) for x in np.asarray(cu.cpu() if hasattr(cu, "cpu") else cu).tolist()]

@@ -102,7 +102,7 @@ def _request(target: tvm.target.Target, spec: AttentionSpec, configs: dict, dete
     meta = {
         "versions": {"tvmflash": __version__, "tvm": tvm.__version__, "tvm_ffi": tvm_ffi.__version__,
                      "sources": sources_digest()},
-        "target": json.loads(str(target)),
+        "target": targets.code_json(target),
         "spec": spec.to_json(),
         "mod_inputs": [[i.name, list(i.shape), i.dtype, i.requires_grad] for i in spec.mod_inputs],
         "configs": {kernel: cfg.to_json() for kernel, cfg in configs.items()},
@@ -287,7 +287,7 @@ def prebuild(directory, target="cuda", head_dims=(64, 128), dtypes=("float16", "
     if unknown:
         raise ValueError(f"score_mods {unknown} unknown: choose from {list(PREBUILD_MODS)}")
     directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
+    directory.mkdir(mode=0o755, parents=True, exist_ok=True)  # a directory only its owner writes
     written = []
     is_cuda = targets.resolve(target).kind.name == "cuda"
     for head_dim in head_dims:
@@ -354,28 +354,30 @@ def _find_prebuilt(target, spec: AttentionSpec, deterministic: bool, config, tun
     with _lock:
         if wanted in _prebuilt_cache:
             return _prebuilt_cache[wanted]
-    for meta_path in sorted(Path(directory).glob("*.so.json")):
-        so = meta_path.with_suffix("")
-        meta = runtime.read_meta(so)
-        have_target = meta["target"]
-        is_cuda = have_target["kind"] == "cuda"
-        if any(have_target.get(field) != value for field, value in wish.items()):
-            continue
-        if meta["spec"] != spec.to_json():
-            continue
-        if is_cuda and meta.get("deterministic", False) != deterministic:
-            continue
-        if any(meta["configs"].get(kernel) != cfg for kernel, cfg in explicit.items()):
-            continue
-        if not tuned and meta.get("tuning_record"):
-            continue
-        if not is_cuda and targets.missing_isa_features(meta.get("isa_features", [])):
+    for so, meta in cache.prebuilt_libraries(Path(directory)):  # safe, unmodified libraries only
+        try:
+            if not _prebuilt_matches(meta, wish, spec, deterministic, explicit, tuned):
+                continue
+        except (KeyError, TypeError, AttributeError) as err:
+            settings.warn(f"skipping prebuilt kernels {so} (metadata without {err})")
             continue
         found = runtime.load(so)
         with _lock:
             _prebuilt_cache[wanted] = found
         return found
     return None
+
+
+def _prebuilt_matches(meta: dict, wish: dict, spec: AttentionSpec, deterministic: bool, explicit: dict,
+                      tuned: bool) -> bool:
+    have_target = meta["target"]
+    is_cuda = have_target["kind"] == "cuda"
+    return (all(have_target.get(field) == value for field, value in wish.items())
+            and meta["spec"] == spec.to_json()
+            and not (is_cuda and meta.get("deterministic", False) != deterministic)
+            and all(meta["configs"].get(kernel) == cfg for kernel, cfg in explicit.items())
+            and not (not tuned and meta.get("tuning_record"))
+            and not (not is_cuda and targets.missing_isa_features(meta.get("isa_features", []))))
 
 
 # --- the unfused baseline -------------------------------------------------------------------------
@@ -394,12 +396,13 @@ class StandardAttention:
 
     def forward(self, q, k, v, out, lse, softmax_scale: float | None = None) -> None:
         checks.check_forward_args(self, q, k, v, out, lse)
-        self._module["standard_fwd"](q, k, v, out, lse, checks.softmax_scale(softmax_scale, self.head_dim))
+        scale = checks.softmax_scale(softmax_scale, self.head_dim)
+        runtime.fork_safe(self._module["standard_fwd"])(q, k, v, out, lse, scale)
 
     def backward(self, dout, q, k, v, out, lse, dq, dk, dv, softmax_scale: float | None = None) -> None:
         checks.check_backward_args(self, dout, q, k, v, out, lse, dq, dk, dv)
-        self._module["standard_bwd"](dout, q, k, v, out, lse, dq, dk, dv,
-                                     checks.softmax_scale(softmax_scale, self.head_dim))
+        scale = checks.softmax_scale(softmax_scale, self.head_dim)
+        runtime.fork_safe(self._module["standard_bwd"])(dout, q, k, v, out, lse, dq, dk, dv, scale)
 
 
 _standard_cache: dict[tuple, StandardAttention] = {}
@@ -437,7 +440,7 @@ def _decode_request(target: tvm.target.Target, spec: AttentionSpec, cfg) -> dict
         "kernel": "decode",
         "versions": {"tvmflash": __version__, "tvm": tvm.__version__, "tvm_ffi": tvm_ffi.__version__,
                      "sources": sources_digest()},
-        "target": json.loads(str(target)),
+        "target": targets.code_json(target),
         "isa_features": targets.isa_features(target),
         "spec": spec.to_json(),
         "config": cfg.to_json(),

@@ -142,14 +142,12 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, k_cache, v_cache)):
         raise RuntimeError("flash_attn_with_kvcache is forward only (as flash-attn's): call it under "
                            "torch.no_grad() or torch.inference_mode(), or detach the inputs")
-    scale = checks.softmax_scale(softmax_scale, head_dim)
-    causal = checks.require_bool("causal", causal)
-    left, right = checks.window_pair(window_size, causal)
-    softcap = checks.softcap(softcap)
+    options = checks.flash_options(head_dim, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
+                                   softcap=softcap, return_softmax_lse=return_softmax_lse,
+                                   rotary_interleaved=rotary_interleaved)
+    scale, causal, (left, right), softcap = options.softmax_scale, options.causal, options.window, options.softcap
     if isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 0:
         raise ValueError(f"num_splits must be an integer >= 0 (0: automatic), got {num_splits!r}")
-    return_softmax_lse = checks.require_bool("return_softmax_lse", return_softmax_lse)
-    rotary_interleaved = checks.require_bool("rotary_interleaved", rotary_interleaved)
 
     kernels = decode_kernels(head_dim, dtype_name, softcap=softcap > 0, alibi=alibi_slopes is not None)
     block_k = kernels.config.block_k

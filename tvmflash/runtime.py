@@ -15,12 +15,14 @@ import math
 import os
 import shutil
 import sys
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import tvm
 import tvm_ffi
 
-from . import checks, plan, settings, threads
+from . import cache, checks, plan, settings, threads
 from .config import BF16_DOT, config_from_json
 
 CPU_FUNCTIONS = ("flash_fwd", "flash_bwd")
@@ -29,6 +31,45 @@ CUDA_FUNCTIONS = ("flash_fwd", "flash_bwd_prep", "flash_bwd", "flash_bwd_dq")
 
 def functions_of(meta: dict) -> tuple[str, ...]:
     return CUDA_FUNCTIONS if meta["target"]["kind"] == "cuda" else CPU_FUNCTIONS
+
+
+# --- fork safety ---------------------------------------------------------------------------------
+# TVM's CPU thread pool is thread-local, created at a thread's first parallel launch. fork() copies
+# it into the child without its worker threads: the next launch from the thread that forked waits
+# for them forever. In a forked child that thread's launches therefore run on a helper thread,
+# whose pool TVM creates anew (every other thread of a child is new, and so is its pool).
+_forked_thread: int | None = None
+_helper: ThreadPoolExecutor | None = None
+_helper_lock = threading.Lock()
+
+
+def _after_fork_in_child() -> None:
+    global _forked_thread, _helper, _helper_lock
+    _forked_thread, _helper, _helper_lock = threading.get_ident(), None, threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def _on_helper_thread(function, args):
+    global _helper
+    with _helper_lock:
+        if _helper is None:
+            _helper = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tvmflash-after-fork")
+        helper = _helper
+    return helper.submit(function, *args).result()
+
+
+def fork_safe(function):
+    """A compiled CPU function that also runs in a forked child (results are the same: the
+    kernels do not depend on which thread launches them)."""
+    def call(*args):
+        if threading.get_ident() == _forked_thread:
+            return _on_helper_thread(function, args)
+        return function(*args)
+
+    return call
 
 
 class FlashKernels:
@@ -57,7 +98,8 @@ class FlashKernels:
         self.deterministic = bool(meta.get("deterministic", False))
         self.tuning_record = meta.get("tuning_record")
         self._source = source_text
-        self._functions = {name: module[name] for name in functions_of(meta)}
+        self._functions = {name: module[name] if self.is_cuda else fork_safe(module[name])
+                           for name in functions_of(meta)}
         self._mod_inputs = [tuple(i) for i in meta.get("mod_inputs", [])]
         # parallel loops on torch's OpenMP threads when torch is here (threads.py)
         self._on_torch_threads = not self.is_cuda and threads.route(self._loaded_as)
@@ -92,21 +134,23 @@ class FlashKernels:
         return f"FlashKernels({key(self.meta['target'])}, head_dim={self.head_dim}, {self.dtype}, {mask}{extra})"
 
     @functools.cached_property
-    def _missing_product_features(self) -> list[str]:
-        """The instruction-set extensions the products of these CPU kernels need and this CPU
-        lacks (kernels compiled here for another CPU model, e.g. to inspect their code)."""
-        from .target import BF16_DOT_FEATURES, missing_isa_features
+    def _missing_features(self) -> list[str]:
+        """The instruction-set extensions these CPU kernels need and this CPU lacks (kernels
+        compiled here for another CPU model, e.g. to inspect their code): the ones their products
+        need, and for another CPU model every extension it was compiled for."""
+        from .target import BF16_DOT_FEATURES, missing_for_another_cpu, missing_isa_features
 
         # (CUDA configs have no products: they need no CPU feature)
         needed = {f for cfg in self.configs.values() if getattr(cfg, "products", None) == BF16_DOT
                   for f in BF16_DOT_FEATURES}
-        return missing_isa_features(sorted(needed)) if needed else []
+        missing = missing_isa_features(sorted(needed)) if needed else []
+        return sorted({*missing, *missing_for_another_cpu(self.meta["target"], self.meta.get("isa_features", []))})
 
     def _check_runs_here(self) -> None:
-        if self._missing_product_features:
-            raise RuntimeError(f"these kernels were compiled for {self.meta['target'].get('mcpu')} and their "
-                               f"matrix products use instructions this CPU lacks "
-                               f"({', '.join(self._missing_product_features)})")
+        if self._missing_features:
+            raise RuntimeError(f"these kernels were compiled for {self.meta['target'].get('mcpu')} and use "
+                               f"instructions this CPU lacks ({', '.join(self._missing_features)}): they would crash "
+                               "here; compile them for this CPU (target \"llvm\") to run them")
 
     # --- planning ------------------------------------------------------------------------------
     def _window(self, causal, window_size) -> tuple[int, int]:
@@ -125,12 +169,19 @@ class FlashKernels:
             raise ValueError("cu_seqlens_q and cu_seqlens_k go together")
         if batch != 1:
             raise ValueError(f"packed (varlen) tensors have batch 1 (1, total, heads, head_dim), got batch {batch}")
-        cu_q = checks.check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, seqlen_q)
-        cu_k = checks.check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, seqlen_k, batch=len(cu_q) - 1)
+        q_device = checks.info(like, "q").device
+        cu_q = checks.check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, seqlen_q, device=q_device)
+        cu_k = checks.check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, seqlen_k, batch=len(cu_q) - 1, device=q_device)
         seqs = plan.varlen(cu_q, cu_k, block_q=cfg.block_q, block_k=cfg.block_k, heads_k=heads_k)
         return seqs, [tvm.runtime.tensor(a, device) for a in seqs.arrays()]
 
-    def _mods(self, mod_inputs, mod_grads=None) -> list:
+    def _mods(self, q, mod_inputs, mod_grads=None, block_mask=None) -> list:
+        """The mod inputs (and gradients) the kernels take, then the block mask's tensors, each
+        checked to be on q's device."""
+        extra = [*mod_inputs, *(mod_grads or ()), *(block_mask or ())]
+        if extra:
+            checks.check_devices(checks.info(q, "q").device, {f"mod input / block mask tensor {i}": t
+                                                              for i, t in enumerate(extra)})
         if len(mod_inputs) != len(self._mod_inputs):
             names = [i[0] for i in self._mod_inputs]
             raise ValueError(f"these kernels read {len(names)} mod inputs {names}, got {len(mod_inputs)}")
@@ -140,7 +191,7 @@ class FlashKernels:
             if len(mod_grads) != len(wanted):
                 raise ValueError(f"the backward writes {len(wanted)} mod-input gradients, got {len(mod_grads)}")
             args += list(mod_grads)
-        return args
+        return args + list(block_mask or ())
 
     # --- launches --------------------------------------------------------------------------------
     def forward(self, q, k, v, out, lse, softmax_scale: float | None = None, *, causal: bool | None = None,
@@ -155,10 +206,10 @@ class FlashKernels:
         dims = checks.check_forward_args(self, q, k, v, out, lse)
         scale = checks.softmax_scale(softmax_scale, self.head_dim)
         self.launch_forward(dims, q, k, v, out, lse, scale, self._window(causal, window_size), cu_seqlens_q,
-                            cu_seqlens_k, self._mods(mod_inputs), block_mask, diagonal, num_threads)
+                            cu_seqlens_k, self._mods(q, mod_inputs, block_mask=block_mask), diagonal, num_threads)
 
     def launch_forward(self, dims, q, k, v, out, lse, scale: float, window: tuple[int, int], cu_seqlens_q,
-                       cu_seqlens_k, mods: list, block_mask=None, diagonal=None, num_threads=None) -> None:
+                       cu_seqlens_k, mods: list, diagonal=None, num_threads=None) -> None:
         """``forward`` on checked arguments: ``dims`` = ``checks.check_forward_args(...)``, scale
         and window final (the torch op checks its inputs once and allocates out and lse itself)."""
         batch, seqlen_q, heads, heads_k = dims
@@ -168,14 +219,12 @@ class FlashKernels:
                                        diagonal, like=q)
         if self.is_cuda:
             checks.check_cuda_grid(heads)
-            self._functions["flash_fwd"](q, k, v, out, lse, scale, left, right, tables[0], tables[1], *mods,
-                                         *(block_mask or ()))
+            self._functions["flash_fwd"](q, k, v, out, lse, scale, left, right, tables[0], tables[1], *mods)
             return
         n_threads = self.plan_threads(num_threads)
         if self._on_torch_threads:  # no more threads than tasks (query or key tiles x heads)
             threads.limit(min(n_threads, max(seqs.query_tiles * heads, seqs.key_tiles * heads_k)))
-        self._functions["flash_fwd"](q, k, v, out, lse, scale, left, right, n_threads, *tables[:3], *mods,
-                                     *(block_mask or ()))
+        self._functions["flash_fwd"](q, k, v, out, lse, scale, left, right, n_threads, *tables[:3], *mods)
 
     def backward(self, dout, q, k, v, out, lse, dq, dk, dv, softmax_scale: float | None = None, *,
                  causal: bool | None = None, window_size=(-1, -1), cu_seqlens_q=None, cu_seqlens_k=None,
@@ -194,15 +243,15 @@ class FlashKernels:
                                        diagonal, like=q)
         if self.is_cuda:
             self._cuda_backward(dout, q, k, v, out, lse, dq, dk, dv, scale, (left, right), seqs, tables[0],
-                                [*self._mods(mod_inputs, mod_grads), *(block_mask or ())], heads_k,
+                                self._mods(q, mod_inputs, mod_grads, block_mask), heads_k,
                                 packed=cu_seqlens_q is not None)
             return
         n_threads = self.plan_threads(num_threads)
         if self._on_torch_threads:
             threads.limit(n_threads)
         self._functions["flash_bwd"](dout, q, k, v, out, lse, dq, dk, dv, scale, left, right, n_threads,
-                                     seqs.rounds, seqs.super_tile, *tables, *self._mods(mod_inputs, mod_grads),
-                                     *((block_mask[0],) if block_mask else ()))
+                                     seqs.rounds, seqs.super_tile, *tables,
+                                     *self._mods(q, mod_inputs, mod_grads, block_mask[:1] if block_mask else None))
 
     def workspace_bytes(self, kernel: str, batch: int, seqlen_q: int, seqlen_k: int, heads: int, heads_k: int,
                         num_threads: int | None = None) -> int:
@@ -254,9 +303,10 @@ class FlashKernels:
         if self._library is not None:  # loaded from a library: its code is that file
             shutil.copyfile(self._library, path)
         else:
-            self._module.export_library(str(path))
+            cache.export(self._module, path, self._source)
         # CPU kernels take the mask per call: the export records this object's default
-        Path(str(path) + ".json").write_text(json.dumps({**self.meta, "causal": self.causal}, indent=1))
+        meta = {**self.meta, "causal": self.causal, "sha256": cache.file_digest(path)}
+        Path(str(path) + ".json").write_text(json.dumps(meta, indent=1))
 
     def source(self) -> str:
         """The generated code: LLVM IR for CPU targets, CUDA C for CUDA targets."""
@@ -342,6 +392,9 @@ def read_meta(path: Path) -> dict:
     except (ValueError, KeyError, TypeError) as err:
         raise ValueError(f"{meta_path} is not the metadata of exported tvmflash kernels ({type(err).__name__}: "
                          f"{err}); re-export them with this version of tvmflash") from err
+    if "sha256" in meta and cache.file_digest(path) != meta["sha256"]:
+        raise ValueError(f"{path} does not match the checksum recorded in {meta_path} (modified after export); "
+                         "re-export it")
     return meta
 
 
@@ -403,12 +456,18 @@ class DecodeKernels:
         self.head_dim, self.dtype, self.out_dtype = spec["head_dim"], spec["dtype"], spec["out_dtype"]
         self.score_mods = tuple(spec["score_mods"])
         self._source = source_text
-        self._function = module["flash_decode"]
+        self._function = fork_safe(module["flash_decode"])
         self._on_torch_threads = threads.route(loaded_as or library)
 
     def plan_threads(self) -> int:
         """The thread count to plan splits for: torch's when the kernel runs on torch's threads."""
         return threads.torch_threads() if self._on_torch_threads else settings.num_threads()
+
+    @functools.cached_property
+    def _missing_features(self) -> list[str]:
+        from .target import missing_for_another_cpu
+
+        return missing_for_another_cpu(self.meta["target"], self.meta.get("isa_features", []))
 
     @functools.cached_property
     def config(self):
@@ -425,6 +484,10 @@ class DecodeKernels:
     def decode(self, q, k_cache, v_cache, out, lse, softmax_scale: float, window: tuple[int, int], num_threads: int,
                seq_info, units, block_table, mod_inputs=()) -> None:
         """out, lse = attention of q against the cache (see ``kernels/decode.py`` for the tables)."""
+        if self._missing_features:
+            raise RuntimeError(f"this decode kernel was compiled for {self.meta['target'].get('mcpu')} and uses "
+                               f"instructions this CPU lacks ({', '.join(self._missing_features)}): it would crash "
+                               "here")
         if self._on_torch_threads:  # no more threads than units
             num_threads = min(num_threads, max(1, int(units.shape[0])))
             threads.limit(num_threads)

@@ -11,6 +11,7 @@ read the CPU's flags), so prebuilt kernels can be checked against the CPU withou
 from __future__ import annotations
 
 import functools
+import json
 import platform
 
 import tvm
@@ -55,6 +56,21 @@ def resolve(target) -> tvm.target.Target:
     raise ValueError(f"unsupported target kind {kind!r}: tvmflash compiles for 'llvm' and 'cuda'")
 
 
+# Target attributes that do not change the generated code: kept out of cache keys, so each CPU
+# affinity (taskset, container quotas) does not compile anew. "num-cores" is read by MetaSchedule
+# only (its parallelism limits while tuning), never by TVM's LLVM codegen.
+_NOT_IN_CODE = ("num-cores",)
+
+
+def code_json(target: tvm.target.Target) -> dict:
+    """The target as JSON (its host's too) without attributes that do not change the code."""
+    config = json.loads(str(target))
+    for attrs in (config, config.get("host") if isinstance(config.get("host"), dict) else {}):
+        for name in _NOT_IN_CODE:
+            attrs.pop(name, None)
+    return config
+
+
 def has_features(target: tvm.target.Target, *features: str) -> bool:
     """Whether LLVM compiles for all these features (LLVM names: "avx512f", "avx512bf16") on an
     LLVM target (needs TVM's compiler)."""
@@ -87,7 +103,7 @@ def key(target) -> str:
 # Instruction-set extensions whose code faults (SIGILL) on a CPU without them. LLVM's target
 # features also list tuning flags ("fast-gather", "prefer-256-bit", ...), which are harmless.
 _ISA_PREFIXES = ("sse", "ssse", "avx", "fma", "f16c", "bmi", "amx", "vaes", "vpclmul", "gfni", "sha", "aes",
-                 "adx", "popcnt", "lzcnt", "movbe", "xsave", "fp16", "bf16", "vnni")
+                 "adx", "popcnt", "lzcnt", "movbe", "xsave", "fp16", "bf16", "vnni", "xop", "tbm", "lwp")
 
 
 def _normal(name: str) -> str:
@@ -126,4 +142,16 @@ def missing_isa_features(features) -> list[str]:
 
 
 # LLVM features with no /proc/cpuinfo flag of their own (implied by others it lists)
-_LLVM_ONLY = {"sse", "sse2", "ssse3", "sse41", "sse42", "fma4", "avx512vp2intersect", "xsaves", "xsavec", "xsaveopt"}
+_LLVM_ONLY = {"sse", "sse2", "ssse3", "sse41", "sse42", "avx512vp2intersect", "xsaves", "xsavec", "xsaveopt"}
+
+
+def missing_for_another_cpu(target: dict, features) -> list[str]:
+    """Those of ``features`` this CPU lacks, for CPU kernels compiled for another CPU model (a
+    target JSON dict): their code faults here (SIGILL). Kernels for this CPU's own model are
+    trusted as before (a hypervisor may hide features LLVM's model has and the code never uses)."""
+    if target.get("kind") != "llvm":
+        return []
+    system_cpu = tvm_ffi.get_global_func("target.llvm_get_system_cpu", allow_missing=True)
+    if system_cpu is not None and target.get("mcpu") == host_cpu():
+        return []
+    return missing_isa_features(features)

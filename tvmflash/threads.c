@@ -30,6 +30,10 @@ static int (*omp_in_parallel)(void);
  * the parent's workers. A forked child runs the tasks on its calling thread. */
 static volatile int forked_child = 0;
 static void on_fork_child(void) { forked_child = 1; }
+/* Whether this process started a libgomp region (then libgomp's pool exists and a forked child
+ * must not start one: threads.py makes torch's own ops in the child single-threaded too). */
+static volatile int started_region = 0;
+int tvmflash_threads_started_region(void) { return started_region; }
 
 /* What the last launch ran on (read by the tests): team size and the OS thread of each task. */
 #define MAX_RECORDED 256
@@ -68,6 +72,7 @@ int tvmflash_parallel_launch(ParallelLambda lambda, void* cdata, int num_task) {
     last_team = 1;
     run_task(&job, 0, 1);
   } else {
+    started_region = 1;
     gomp_parallel(run_in_team, &job, (unsigned)team, 0);
     last_team = team; /* the team libgomp gave (it may give fewer threads than asked) */
   }

@@ -12,7 +12,9 @@ built, kernels keep TVM's pool.
 
 After ``fork`` GNU libgomp's pool is unusable in the child (a parallel region waits for the
 parent's workers forever, torch's own ops included); the shim then runs the tasks on the calling
-thread.
+thread, and if our kernels had started libgomp's pool in the parent, the child's torch runs on one
+thread too (``torch.set_num_threads(1)``, what torch's DataLoader does in its workers), so that a
+forked child's torch ops do not hang where they would not have without tvmflash.
 """
 
 from __future__ import annotations
@@ -76,6 +78,15 @@ def _build_shim() -> ctypes.CDLL:
             os.replace(built, library)
     check_own_file(library)  # loading runs its code
     return ctypes.CDLL(str(library))
+
+
+def _single_threaded_torch_after_fork() -> None:
+    if _shim is not None and _shim.tvmflash_threads_started_region():
+        sys.modules["torch"].set_num_threads(1)
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_single_threaded_torch_after_fork)
 
 
 def _shim_for(gomp: ctypes.CDLL) -> ctypes.CDLL | None:

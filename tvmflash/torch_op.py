@@ -115,7 +115,7 @@ def _run_forward(dims, q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, softma
     scale = checks.softmax_scale(softmax_scale, kernels.head_dim)
     window = checks.window((window_left, window_right), False)
     kernels.launch_forward(dims, q4, k4, v4, out4, lse3, scale, window, cu_seqlens_q, cu_seqlens_k,
-                           kernels._mods(_mod_inputs(q, softcap, alibi_slopes)), diagonal=diagonal)
+                           kernels._mods(q4, _mod_inputs(q, softcap, alibi_slopes)), diagonal=diagonal)
     return out, lse
 
 
@@ -254,19 +254,14 @@ def _check_tensors(tensors: dict) -> list:
     return [checks.info(t, name) for name, t in tensors.items()]  # sparse and other layouts
 
 
-def _check_common(tensors: dict, dropout_p, softcap, alibi_slopes, heads: int, batch: int | None) -> float:
-    if dropout_p:
-        raise ValueError(f"dropout is not supported by tvmflash (dropout_p={dropout_p}); use 0.0")
-    softcap = checks.softcap(softcap)
-    if alibi_slopes is not None:
-        if not isinstance(alibi_slopes, torch.Tensor) or alibi_slopes.dtype != torch.float32:
-            raise TypeError("alibi_slopes must be a float32 tensor of shape (heads,) or (batch, heads)")
-        allowed = [(heads,)] + ([(batch, heads)] if batch is not None else [])
-        if tuple(alibi_slopes.shape) not in allowed:
-            raise ValueError(f"alibi_slopes must have shape {' or '.join(map(str, allowed))}, got {tuple(alibi_slopes.shape)}")
-        if alibi_slopes.device != next(iter(tensors.values())).device:
-            raise ValueError(f"alibi_slopes is on {alibi_slopes.device}, q on {next(iter(tensors.values())).device}")
-    return softcap
+def _check_alibi(alibi_slopes, q: torch.Tensor, heads: int, batch: int | None) -> None:
+    if alibi_slopes is None:
+        return
+    if not isinstance(alibi_slopes, torch.Tensor) or alibi_slopes.dtype != torch.float32:
+        raise TypeError("alibi_slopes must be a float32 tensor of shape (heads,) or (batch, heads)")
+    allowed = [(heads,)] + ([(batch, heads)] if batch is not None else [])
+    if tuple(alibi_slopes.shape) not in allowed:
+        raise ValueError(f"alibi_slopes must have shape {' or '.join(map(str, allowed))}, got {tuple(alibi_slopes.shape)}")
 
 
 def _attention(q, k, v, cu_seqlens_q, cu_seqlens_k, dropout_p, softmax_scale, causal, window_size, softcap,
@@ -274,20 +269,24 @@ def _attention(q, k, v, cu_seqlens_q, cu_seqlens_k, dropout_p, softmax_scale, ca
     varlen = cu_seqlens_q is not None
     tensors = {"q": q, "k": k, "v": v}
     infos = _check_tensors(tensors)
+    for name, t in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k), ("alibi_slopes", alibi_slopes),
+                    ("k", k), ("v", v)):
+        # (the custom op sends a call with any meta tensor to its shape-only implementation)
+        if isinstance(t, torch.Tensor) and t.device != q.device:
+            raise ValueError(f"{name} is on {t.device}, q on {q.device}: every tensor argument must be on q's device")
     heads = q.shape[-2] if q.dim() >= 2 else 0
     batch = (cu_seqlens_q.shape[0] - 1 if cu_seqlens_q.dim() == 1 else None) if varlen else (
         q.shape[0] if q.dim() == 4 else None)
-    softcap = _check_common(tensors, dropout_p, softcap, alibi_slopes, heads, batch)
     head_dim = q.shape[-1] if q.dim() else 0
-    scale = checks.softmax_scale(softmax_scale, head_dim) if head_dim else None
+    options = checks.flash_options(head_dim, dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal,
+                                   window_size=window_size, softcap=softcap, deterministic=deterministic,
+                                   return_attn_probs=return_attn_probs)
+    _check_alibi(alibi_slopes, q, heads, batch)
     padded = _padded_head_dims(q, k, v)
     if padded[0] is not q:
         q, k, v = padded
         infos = [checks.info(t, n) for n, t in zip("qkv", padded)]
     tensors = {"q": q, "k": k, "v": v}
-    causal = checks.require_bool("causal", causal)
-    checks.require_bool("deterministic", deterministic)
-    checks.require_bool("return_attn_probs", return_attn_probs)
     if varlen:
         for name, t in tensors.items():
             if t.dim() != 3:
@@ -298,10 +297,10 @@ def _attention(q, k, v, cu_seqlens_q, cu_seqlens_k, dropout_p, softmax_scale, ca
         dims = checks.check_qkv(*infos)
     if q.dtype not in tuple(getattr(torch, d) for d in SUPPORTED_DTYPES):
         raise TypeError(f"dtype {q.dtype} is not supported")
-    left, right = checks.window_pair(window_size, causal)
+    left, right = options.window
     q, k, v = (kernel_layout(t) for t in (q, k, v))
-    args = (q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, scale, left, right, softcap, bool(deterministic),
-            fp32_results, diagonal)
+    args = (q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, options.softmax_scale, left, right, options.softcap,
+            options.deterministic, fp32_results, diagonal)
     if _without_dispatcher(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes):
         out, lse = _run_forward(dims, *args)
     else:
@@ -340,6 +339,7 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     ``deterministic=True`` makes their backward bitwise reproducible. CPU kernels are always
     deterministic, whatever the thread count.
     """
+    return_lse = checks.require_bool("return_lse", return_lse)
     result = _attention(q, k, v, None, None, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
                         deterministic, return_attn_probs or return_lse)
     if return_lse and not return_attn_probs:  # tvmflash 0.1's keyword: (out, lse)

@@ -1,9 +1,9 @@
 """The one seam between ring attention and tvmflash's kernels.
 
 Everything in ``tvmflash.distributed`` reaches the compiled kernels (``block_forward``,
-``block_backward``), the package's argument checks (``check_inputs``, ``window_pair``,
-``alibi_slopes``) and its layout rules (``kernel_layout``) through this file; nothing else there
-imports the package's internals. When the kernels' entry point moves, only this file changes.
+``block_backward``), the package's argument checks (``check_inputs``, ``flash_options``,
+``softmax_scale``, ``window_pair``, ``alibi_slopes``) and its layout rules (``kernel_layout``)
+through this file; nothing else there imports the package's internals. When the kernels' entry point moves, only this file changes.
 
 Contract (what the ring code relies on):
 
@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import torch
 
-from ..checks import check_qkv, info, window
+from ..checks import check_qkv, flash_options, info, softmax_scale, window  # noqa: F401 - the ring's checks
 from ..spec import UNLIMITED_WINDOW
 from ..torch_op import kernels_for
 

@@ -16,7 +16,6 @@ destroyed.
 from __future__ import annotations
 
 import hashlib
-import math
 import struct
 import time
 
@@ -167,11 +166,3 @@ def agree(group, q, k, v, softmax_scale, causal, layout: int, deterministic: boo
                     f"pass equally shaped shards, the same dtype, causal, softmax_scale, layout, window_size and "
                     f"alibi_slopes; q shapes "
                     f"{[tuple(x[1:5]) for x in table]}, k shapes {[tuple(x[5:9]) for x in table]})")
-
-
-def default_scale(head_dim: int, softmax_scale) -> float:
-    if softmax_scale is None:
-        return 1.0 / math.sqrt(head_dim)
-    if not math.isfinite(float(softmax_scale)):
-        raise ValueError(f"softmax_scale must be a finite number, got {softmax_scale}")
-    return float(softmax_scale)

@@ -62,7 +62,7 @@ import time
 import torch
 
 from . import _blocks
-from ._comm import Ring, agree, default_scale, resolve_group
+from ._comm import Ring, agree, resolve_group
 from ._plan import CONTIGUOUS, ZIGZAG, block_plan
 
 __all__ = ["CONTIGUOUS", "ZIGZAG", "block_plan", "merge_block", "ring_flash_attn_func",
@@ -72,12 +72,13 @@ _TAG_KV, _TAG_DKV = 1, 2
 F32 = torch.float32
 
 
-def check_options(dropout_p, window_size, causal, alibi_slopes, q):
-    """flash-attn's options, checked as the single-process op does: (window (left, right) with
-    causal folded in, -1 = no limit; ALiBi slopes as the kernels read them, or None)."""
-    if dropout_p:
-        raise ValueError(f"dropout is not supported by tvmflash (dropout_p={dropout_p}); use 0.0")
-    window = _blocks.window_pair(window_size, bool(causal))
+def check_options(dropout_p, window_size, causal, alibi_slopes, q, **options):
+    """flash-attn's options, checked by the single-process op's checks (``options``: its other
+    keywords, ``softmax_scale=``, ``deterministic=``, ...): (window (left, right) with causal folded
+    in, -1 = no limit; ALiBi slopes as the kernels read them, or None)."""
+    checked = _blocks.flash_options(q.shape[-1], dropout_p=dropout_p, window_size=window_size, causal=causal,
+                                    **options)
+    window = _blocks.window_pair(window_size, checked.causal)
     slopes = _blocks.alibi_slopes(alibi_slopes, q)
     if q.device.type == "cuda" and (window not in ((-1, -1), (-1, 0)) or slopes is not None):
         raise NotImplementedError("ring attention on CUDA tensors supports full and causal attention only (the CUDA "
@@ -326,12 +327,12 @@ class _RingFlashAttn(torch.autograd.Function):
 last_call_stats: dict[str, dict] = {}
 
 
-def _validate(q, k, v, dropout_p, window_size, causal, alibi_slopes, layout: int):
+def _validate(q, k, v, dropout_p, window_size, causal, alibi_slopes, layout: int, **options):
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     _blocks.check_inputs(q, k, v)
-    window, slopes = check_options(dropout_p, window_size, causal, alibi_slopes, q)
+    window, slopes = check_options(dropout_p, window_size, causal, alibi_slopes, q, **options)
     if q.shape[1] != k.shape[1]:
         raise ValueError(f"ring attention is self-attention over one sharded sequence: q and k must hold "
                          f"the same tokens, got local lengths {q.shape[1]} and {k.shape[1]}")
@@ -349,8 +350,10 @@ def _attention(layout, q, k, v, dropout_p, softmax_scale, causal, window_size, a
     group = resolve_group(group)
     local_error, scale, window, slopes = None, None, (-1, -1), None
     try:
-        window, slopes = _validate(q, k, v, dropout_p, window_size, causal, alibi_slopes, layout)
-        scale = default_scale(q.shape[-1], softmax_scale)
+        window, slopes = _validate(q, k, v, dropout_p, window_size, causal, alibi_slopes, layout,
+                                   softmax_scale=softmax_scale, deterministic=deterministic,
+                                   return_attn_probs=return_attn_probs)
+        scale = _blocks.softmax_scale(softmax_scale, q.shape[-1])
     except (TypeError, ValueError, NotImplementedError) as err:
         local_error = err
     device = q.device if isinstance(q, torch.Tensor) else torch.device("cpu")
