@@ -98,11 +98,12 @@ class FlashKernels:
         self.deterministic = bool(meta.get("deterministic", False))
         self.tuning_record = meta.get("tuning_record")
         self._source = source_text
-        self._functions = {name: module[name] if self.is_cuda else fork_safe(module[name])
-                           for name in functions_of(meta)}
         self._mod_inputs = [tuple(i) for i in meta.get("mod_inputs", [])]
-        # parallel loops on torch's OpenMP threads when torch is here (threads.py)
+        # parallel loops on torch's OpenMP threads when torch is here (threads.py, which handles
+        # fork itself); TVM's own pool needs fork_safe
         self._on_torch_threads = not self.is_cuda and threads.route(self._loaded_as)
+        tvm_pool = not self.is_cuda and not self._on_torch_threads
+        self._functions = {name: fork_safe(module[name]) if tvm_pool else module[name] for name in functions_of(meta)}
 
     def with_causal(self, causal: bool) -> FlashKernels:
         """The same module with another default mask."""
@@ -456,8 +457,8 @@ class DecodeKernels:
         self.head_dim, self.dtype, self.out_dtype = spec["head_dim"], spec["dtype"], spec["out_dtype"]
         self.score_mods = tuple(spec["score_mods"])
         self._source = source_text
-        self._function = fork_safe(module["flash_decode"])
-        self._on_torch_threads = threads.route(loaded_as or library)
+        self._on_torch_threads = threads.route(loaded_as or library)  # else TVM's pool: fork_safe
+        self._function = module["flash_decode"] if self._on_torch_threads else fork_safe(module["flash_decode"])
 
     def plan_threads(self) -> int:
         """The thread count to plan splits for: torch's when the kernel runs on torch's threads."""
