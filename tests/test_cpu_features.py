@@ -99,6 +99,17 @@ def test_a_model_claiming_features_the_cpu_lacks_never_uses_them(fake_cpu):
         as_the_model.forward(q, q, q, torch.empty_like(q), torch.empty(1, 1, 8))
 
 
+@pytest.mark.parametrize("mcpu,plus,minus,lanes", [
+    ("haswell", ("avx512f", "avx512cd", "avx512bw", "avx512dq", "avx512vl"), (), 16),  # AVX-512 the model lacks
+    ("skylake-avx512", (), ("avx512f",), 8),  # AVX-512 hidden by the hypervisor
+])
+def test_the_vector_width_follows_the_flags(fake_cpu, mcpu, plus, minus, lanes):
+    fake_cpu(mcpu, _flags_of(mcpu, plus=plus, minus=minus))
+    configs, _ = compiler.choose_configs(targets.resolve("llvm"), AttentionSpec(64, "float32"), tuned=False)
+    assert {cfg.lanes for cfg in configs.values()} == {lanes}
+    assert compiler.choose_decode_config(targets.resolve("llvm"), AttentionSpec(64, "float32")).lanes == lanes
+
+
 def test_the_target_is_the_model_where_flags_and_model_agree(fake_cpu):
     """No ``mattr``: the same target JSON, cache keys and code as before (the generated IR and
     assembly of a fp32 and a bf16 kernel here were compared before/after: identical)."""
@@ -116,6 +127,16 @@ def test_the_cache_key_follows_the_feature_set(fake_cpu):
     fake_cpu("rocketlake", _flags_of("rocketlake"))
     assert with_bf16 != targets.code_json(targets.resolve("llvm"))
     assert "num-cores" not in json.dumps(with_bf16)
+
+
+def test_without_readable_flags_only_this_models_kernels_are_trusted(monkeypatch):
+    """Not x86 Linux: no flags to compare, so this CPU's model is trusted (there is nothing to
+    check it against) and every other model's extensions count as missing."""
+    monkeypatch.setattr(targets.platform, "machine", lambda: "aarch64")
+    features = ["avx2", "fma"]
+    assert targets.missing_for_cpu_kernels({"kind": "llvm", "mcpu": targets.host_cpu()}, features) == []
+    assert targets.missing_for_cpu_kernels({"kind": "llvm", "mcpu": "not-this-cpu"}, features) == features
+    assert targets.missing_for_cpu_kernels({"kind": "cuda", "arch": "sm_90"}, features) == []
 
 
 def test_this_cpus_kernels_need_nothing_it_lacks():

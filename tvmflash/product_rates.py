@@ -24,6 +24,7 @@ between two names, never a path.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import math
@@ -99,6 +100,7 @@ def default_products(target, dtype: str) -> str:
     return bf16_products(target) if dtype == "bfloat16" else FP32_FMA
 
 
+@functools.lru_cache(maxsize=8)
 def machine_key(cpuinfo: str | None = None) -> str:
     """What the rates depend on: the first CPU's vendor, family, model, stepping, name and flags in
     /proc/cpuinfo (not its microcode, clock or numbering), and the probe's source."""

@@ -42,22 +42,23 @@ def cpu_target(mcpu: str, cpu_flags) -> dict:
     ``cpu_flags`` (/proc/cpuinfo's names, normalized as ``host_isa_features`` returns them; None:
     unknown, the model's features are kept)."""
     config = {"kind": "llvm", "mcpu": mcpu}
-    mattr = feature_differences(mcpu, cpu_flags)
+    mattr = feature_differences(mcpu, None if cpu_flags is None else frozenset(cpu_flags))
     if mattr:
-        config["mattr"] = mattr
+        config["mattr"] = list(mattr)
     return config
 
 
-def feature_differences(mcpu: str, cpu_flags) -> list[str]:
+@functools.lru_cache(maxsize=64)
+def feature_differences(mcpu: str, cpu_flags) -> tuple[str, ...]:
     """``mattr`` entries that make LLVM's ``mcpu`` compile for exactly the extensions in
     ``cpu_flags``: "-f" for each of the model's extensions the flags lack, "+f" for each extension
     LLVM knows (on any x86 model) that the flags have and the model lacks; sorted."""
     if cpu_flags is None:
-        return []
+        return ()
     model = set(isa_features(tvm.target.Target({"kind": "llvm", "mcpu": mcpu})))
     lacking = {name for name in model if not _present(name, cpu_flags)}
     extra = {name for name in _known_isa_features() - model if _normal(name) in cpu_flags}
-    return sorted([f"-{name}" for name in lacking] + [f"+{name}" for name in extra], key=lambda f: (f[1:], f[0]))
+    return tuple(sorted([f"-{name}" for name in lacking] + [f"+{name}" for name in extra], key=lambda f: (f[1:], f[0])))
 
 
 def _present(name: str, cpu_flags) -> bool:
@@ -208,9 +209,12 @@ _LLVM_ONLY = {"sse", "sse2", "ssse3", "sse41", "sse42", "avx512vp2intersect", "x
 def missing_for_cpu_kernels(target: dict, features) -> list[str]:
     """Those of ``features`` (the extensions CPU kernels were compiled for) this CPU lacks, for
     kernels of a target JSON dict: their code faults here (SIGILL). Kernels for this CPU's own
-    model are no exception: ``resolve`` compiles them for this CPU's flags (``mattr``), so only
-    kernels built for the model's features (an explicit ``mattr``, another machine's libraries)
-    can need more."""
+    model are no exception where its flags can be read: ``resolve`` compiles them for those flags
+    (``mattr``), so only kernels built for the model's features (an explicit ``mattr``, another
+    machine's libraries) can need more. Where they cannot (not x86 Linux) they are trusted, as
+    nothing can be checked."""
     if target.get("kind") != "llvm":
+        return []
+    if _host_flags() is None and target.get("mcpu") == host_cpu():
         return []
     return missing_isa_features(features)
