@@ -215,6 +215,9 @@ def missing_for_cpu_kernels(target: dict, features) -> list[str]:
     nothing can be checked."""
     if target.get("kind") != "llvm":
         return []
-    if _host_flags() is None and target.get("mcpu") == host_cpu():
-        return []
+    if _host_flags() is None:
+        # TVM's runtime alone cannot name this CPU's model (then nothing is trusted)
+        system_cpu = tvm_ffi.get_global_func("target.llvm_get_system_cpu", allow_missing=True)
+        if system_cpu is not None and target.get("mcpu") == host_cpu():
+            return []
     return missing_isa_features(features)
