@@ -26,8 +26,8 @@ import tvm
 from tvm import s_tir
 
 from tvmflash import target as targets
-from tvmflash.config import (BF16_DOT, MAX_TILE_ROWS, MAX_TILE_VECTORS, PRODUCTS, CPUKernelConfig,
-                             default_cpu_config, default_products)
+from tvmflash.config import (BF16_DOT, FP32_FMA, MAX_TILE_ROWS, MAX_TILE_VECTORS, PRODUCTS, CPUKernelConfig,
+                             default_cpu_config)
 
 from . import llvm_bf16
 
@@ -36,9 +36,9 @@ def has_avx512(target: tvm.target.Target) -> bool:
     return targets.has_features(target, "avx512f")
 
 
-def default_config(target: tvm.target.Target, kernel: str, dtype: str = "float32") -> CPUKernelConfig:
-    """The hand-written choices for this target's ISA and the input dtype (config.default_cpu_config)."""
-    products = default_products(dtype, targets.supports_bf16_dot(target))
+def default_config(target: tvm.target.Target, kernel: str, products: str = FP32_FMA) -> CPUKernelConfig:
+    """The hand-written choices for this target's ISA and the given products
+    (config.default_cpu_config; which products a dtype gets: ``product_rates.default_products``)."""
     return default_cpu_config(kernel, has_avx512(target), products)
 
 

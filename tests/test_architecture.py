@@ -55,9 +55,11 @@ LAYERS = (
     Layer("code generation", frozenset({"tvmflash.build", "tvmflash.kernels", "tvmflash.pair_words",
                                         "tvmflash.score_mods", "tvmflash.attention_te", "tvmflash.schedules"}),
           torch=False),
-    Layer("runtime", frozenset({"tvmflash.runtime", "tvmflash.threads", "tvmflash.cache"}), torch=False),
+    Layer("runtime", frozenset({"tvmflash.runtime", "tvmflash.threads", "tvmflash.cache", "tvmflash.product_rates"}),
+          torch=False),
     Layer("base", frozenset({"tvmflash.spec", "tvmflash.config", "tvmflash.plan", "tvmflash.checks", "tvmflash.target",
-                             "tvmflash.settings", "tvmflash.import_closure", "tvmflash.version"}), torch=False),
+                             "tvmflash.settings", "tvmflash.import_closure", "tvmflash.version", "tvmflash.amx"}),
+          torch=False),
 )
 
 

@@ -383,9 +383,10 @@ def _product_input_ulps(dtype) -> float:
     """Relative rounding of P and dS as product inputs, in ulps of ``dtype`` (0: fp32 products)."""
     if dtype != torch.bfloat16:
         return 0.0
-    from tvmflash import target
+    from tvmflash import product_rates, target
+    from tvmflash.config import BF16_DOT
 
-    return 1.0 if target.supports_bf16_dot(target.host_target()) else 0.0
+    return 1.0 if product_rates.bf16_products(target.host_target()) == BF16_DOT else 0.0
 
 
 def ulp(dtype) -> float:

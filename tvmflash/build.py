@@ -18,17 +18,10 @@ from . import attention_te
 from .kernels import cpu as cpu_tir
 from .kernels import cuda as cuda_tir
 from . import target as targets
-from .config import CUDA_BLOCK_Q, CPUKernelConfig, CUDAKernelConfig, KERNELS
+from .config import CUDA_BLOCK_Q, CPUKernelConfig, KERNELS
 from .schedules import cuda as cuda_schedules
 from .schedules import llvm as llvm_schedules
 from .spec import AttentionSpec
-
-
-def default_configs(target: tvm.target.Target, dtype: str = "float32") -> dict:
-    """The hand-written config of each kernel for this target and input dtype."""
-    if target.kind.name == "cuda":
-        return {kernel: CUDAKernelConfig(kernel) for kernel in KERNELS}
-    return {kernel: llvm_schedules.default_config(target, kernel, dtype) for kernel in KERNELS}
 
 
 def scheduled_kernel(kernel: str, spec: AttentionSpec, cfg: CPUKernelConfig) -> tvm.tirx.PrimFunc:

@@ -22,9 +22,9 @@ from pathlib import Path
 import tvm
 import tvm_ffi
 
-from . import cache, checks, import_closure, records, runtime, settings
+from . import cache, checks, import_closure, product_rates, records, runtime, settings
 from . import target as targets
-from .config import BF16_DOT, KERNELS, CPUKernelConfig, CUDAKernelConfig, default_cpu_config, default_products
+from .config import BF16_DOT, KERNELS, CPUKernelConfig, CUDAKernelConfig, default_cpu_config
 from .runtime import FlashKernels
 from .spec import Alibi, AttentionSpec, Softcap
 from .version import __version__
@@ -37,7 +37,7 @@ _memory_cache: dict[str, FlashKernels] = {}
 # (target, spec, options, steering environment) -> the kernels compile_spec returned: the ops ask
 # on every call, and choosing configs and hashing the request takes ~ms.
 _request_memo: dict[tuple, FlashKernels] = {}
-_STEERING_ENV = ("TVMFLASH_CACHE_DIR", "TVMFLASH_TUNE_LOGS", "TVMFLASH_PREBUILT")
+_STEERING_ENV = ("TVMFLASH_CACHE_DIR", "TVMFLASH_TUNE_LOGS", "TVMFLASH_PREBUILT", product_rates.OVERRIDE_ENV)
 _lock = threading.Lock()
 
 
@@ -54,7 +54,8 @@ def choose_configs(target: tvm.target.Target, spec: AttentionSpec, *, config=Non
     or one config applying to its own kernel) wins; else, on CPUs with ``tuned``, the verified
     tuning record for this target and spec (``records.py``; the one tuned at the sequence length
     nearest ``seqlen``); else the hand-written default for the target's ISA and the spec's dtype
-    (bf16 inputs: native bf16 dot products where the target has AVX512-BF16). A config whose
+    (bf16 inputs: native bf16 dot products where the target has AVX512-BF16 and, on this CPU,
+    they multiply faster than fp32 FMAs: ``product_rates``). A config whose
     products the target cannot run is an error (explicit) or skipped (tuning record).
     """
     explicit = _explicit_configs(config)
@@ -73,7 +74,7 @@ def choose_configs(target: tvm.target.Target, spec: AttentionSpec, *, config=Non
             chosen[kernel], used[kernel] = found
         else:
             chosen[kernel] = default_cpu_config(kernel, targets.has_features(target, "avx512f"),
-                                                default_products(spec.dtype, bf16_dot))
+                                                product_rates.default_products(target, spec.dtype))
     wanted = CUDAKernelConfig if is_cuda else CPUKernelConfig
     for kernel, cfg in chosen.items():
         if not isinstance(cfg, wanted) or cfg.kernel != kernel:

@@ -10,8 +10,10 @@ a compile uses (tuned record or default).
 ``products``: ``"fp32_fma"`` converts the operands to fp32 tiles and multiplies with fp32 FMAs
 (any x86 CPU, any input dtype); ``"bf16_dot"`` keeps bf16 inputs in bf16 and multiplies with
 AVX512-BF16's ``vdpbf16ps`` (two bf16 products summed into each fp32 lane: twice the FMA's
-rate), rounding P and dS to bf16 as product inputs only (row statistics and accumulators stay
-fp32). It needs bf16 inputs and a CPU with AVX512-BF16 (``target.supports_bf16_dot``). fp16
+FLOPs per instruction), rounding P and dS to bf16 as product inputs only (row statistics and
+accumulators stay fp32). It needs bf16 inputs and a CPU with AVX512-BF16
+(``target.supports_bf16_dot``), and is the default where it multiplies faster than the FMAs
+(``product_rates``: on some Xeons it issues at half their rate). fp16
 inputs use fp32 FMAs: no CPU of this project has an fp16 product that accumulates in fp32
 (AVX512-FP16 accumulates in fp16).
 
@@ -77,11 +79,6 @@ class CPUKernelConfig:
         tiles = tuple((name, RegisterTile(*rv)) for name, rv in d["tiles"].items())
         return cls(d["kernel"], int(d["block_q"]), int(d["block_k"]), int(d["lanes"]), tiles,
                    str(d.get("products", FP32_FMA)))
-
-
-def default_products(dtype: str, bf16_dot: bool) -> str:
-    """bf16 inputs on a CPU with AVX512-BF16 (``bf16_dot``): native bf16 dot products; else fp32 FMAs."""
-    return BF16_DOT if dtype == "bfloat16" and bf16_dot else FP32_FMA
 
 
 def default_cpu_config(kernel: str, avx512: bool, products: str = FP32_FMA) -> CPUKernelConfig:

@@ -137,15 +137,15 @@ class FlashKernels:
     @functools.cached_property
     def _missing_features(self) -> list[str]:
         """The instruction-set extensions these CPU kernels need and this CPU lacks (kernels
-        compiled here for another CPU model, e.g. to inspect their code): the ones their products
-        need, and for another CPU model every extension it was compiled for."""
-        from .target import BF16_DOT_FEATURES, missing_for_another_cpu, missing_isa_features
+        compiled here for another CPU, e.g. to inspect their code): the ones their products
+        need, and every extension they were compiled for (for any CPU model, this one's too)."""
+        from .target import BF16_DOT_FEATURES, missing_for_cpu_kernels, missing_isa_features
 
         # (CUDA configs have no products: they need no CPU feature)
         needed = {f for cfg in self.configs.values() if getattr(cfg, "products", None) == BF16_DOT
                   for f in BF16_DOT_FEATURES}
         missing = missing_isa_features(sorted(needed)) if needed else []
-        return sorted({*missing, *missing_for_another_cpu(self.meta["target"], self.meta.get("isa_features", []))})
+        return sorted({*missing, *missing_for_cpu_kernels(self.meta["target"], self.meta.get("isa_features", []))})
 
     def _check_runs_here(self) -> None:
         if self._missing_features:
@@ -466,9 +466,9 @@ class DecodeKernels:
 
     @functools.cached_property
     def _missing_features(self) -> list[str]:
-        from .target import missing_for_another_cpu
+        from .target import missing_for_cpu_kernels
 
-        return missing_for_another_cpu(self.meta["target"], self.meta.get("isa_features", []))
+        return missing_for_cpu_kernels(self.meta["target"], self.meta.get("isa_features", []))
 
     @functools.cached_property
     def config(self):

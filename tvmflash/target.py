@@ -4,6 +4,14 @@ TVM 0.27 rejects ``mcpu=native`` on this LLVM triple, and a generic x86 target w
 for SSE2 only, so the host CPU name is asked from LLVM and written into the target. The target's
 JSON is part of every cache key: kernels built for AVX-512 are never loaded on an AVX2 machine.
 
+**Target from features.** The CPU model name LLVM reports can disagree with the CPU: a hypervisor
+reported an Emerald Rapids (AVX512-BF16, AMX) as model 167, which LLVM calls ``rocketlake``
+(neither), and may hide extensions a model has. The host target therefore keeps ``mcpu`` (the
+scheduling model) and carries in ``mattr`` the difference between the model's extensions and this
+CPU's ``/proc/cpuinfo`` flags: ``-feature`` for what the model implies and the CPU lacks,
+``+feature`` for what it has and the model lacks (``cpu_target``). Where they agree there is no
+``mattr`` and the target is what it was before.
+
 ``resolve`` needs TVM's compiler library; ``host_isa_features`` and ``runs_here`` do not (they
 read the CPU's flags), so prebuilt kernels can be checked against the CPU without it.
 """
@@ -26,7 +34,48 @@ def host_cpu() -> str:
 
 
 def host_target() -> tvm.target.Target:
-    return tvm.target.Target({"kind": "llvm", "mcpu": host_cpu(), "num-cores": usable_cpus()})
+    return resolve("llvm")
+
+
+def cpu_target(mcpu: str, cpu_flags) -> dict:
+    """The LLVM target (a dict) for a CPU that LLVM models as ``mcpu`` and whose extensions are
+    ``cpu_flags`` (/proc/cpuinfo's names, normalized as ``host_isa_features`` returns them; None:
+    unknown, the model's features are kept)."""
+    config = {"kind": "llvm", "mcpu": mcpu}
+    mattr = feature_differences(mcpu, None if cpu_flags is None else frozenset(cpu_flags))
+    if mattr:
+        config["mattr"] = list(mattr)
+    return config
+
+
+@functools.lru_cache(maxsize=64)
+def feature_differences(mcpu: str, cpu_flags) -> tuple[str, ...]:
+    """``mattr`` entries that make LLVM's ``mcpu`` compile for exactly the extensions in
+    ``cpu_flags``: "-f" for each of the model's extensions the flags lack, "+f" for each extension
+    LLVM knows (on any x86 model) that the flags have and the model lacks; sorted."""
+    if cpu_flags is None:
+        return ()
+    model = set(isa_features(tvm.target.Target({"kind": "llvm", "mcpu": mcpu})))
+    lacking = {name for name in model if not _present(name, cpu_flags)}
+    extra = {name for name in _known_isa_features() - model if _normal(name) in cpu_flags}
+    return tuple(sorted([f"-{name}" for name in lacking] + [f"+{name}" for name in extra], key=lambda f: (f[1:], f[0])))
+
+
+def _present(name: str, cpu_flags) -> bool:
+    return _normal(name) in cpu_flags or _normal(name) in _LLVM_ONLY
+
+
+@functools.lru_cache(maxsize=None)
+def _known_isa_features() -> frozenset[str]:
+    """Every instruction-set extension of LLVM's x86 CPU models (~30 ms once)."""
+    archlist = tvm_ffi.get_global_func("target.llvm_get_cpu_archlist")
+    names = {str(name) for name in archlist(tvm.target.Target({"kind": "llvm"}))}
+    return frozenset(f for name in names for f in isa_features(tvm.target.Target({"kind": "llvm", "mcpu": name})))
+
+
+def _host_flags():
+    """This CPU's flags where they describe the target's CPU (x86 Linux), else None."""
+    return host_isa_features() if platform.machine() in ("x86_64", "AMD64") else None
 
 
 def resolve(target) -> tvm.target.Target:
@@ -46,7 +95,9 @@ def resolve(target) -> tvm.target.Target:
         raise TypeError(f"target must be a str, dict or tvm.target.Target, not {type(target).__name__}")
     kind = config.get("kind")
     if kind == "llvm":
-        config.setdefault("mcpu", host_cpu())
+        if config.get("mcpu", host_cpu()) == host_cpu() and "mattr" not in config:
+            # this CPU: its model for scheduling, its own extensions for the code
+            config.update(cpu_target(host_cpu(), _host_flags()))
         config.setdefault("num-cores", usable_cpus())
         return tvm.target.Target(config)
     if kind == "cuda":
@@ -83,12 +134,22 @@ BF16_DOT_FEATURES = ("avx512f", "avx512vl", "avx512bf16")
 
 
 def supports_bf16_dot(target: tvm.target.Target) -> bool:
-    """AVX512-BF16 dot products for this target, and on this CPU when the target is this CPU's
-    model (a hypervisor may hide features its model has). LLVM aborts the process when it meets
+    """AVX512-BF16 dot products for this target (LLVM's view: its model and ``mattr``, which
+    ``resolve`` fills from this CPU's flags for this CPU). LLVM aborts the process when it meets
     the instruction for a target without the feature, so this gates every use."""
-    if target.kind.name != "llvm" or not has_features(target, *BF16_DOT_FEATURES):
-        return False
-    return str(target.attrs.get("mcpu", "")) != host_cpu() or not missing_isa_features(BF16_DOT_FEATURES)
+    return target.kind.name == "llvm" and has_features(target, *BF16_DOT_FEATURES)
+
+
+# AMX (Sapphire Rapids and later): tiles, and their bf16 / fp16 products (LLVM names). Linux
+# enables the tile registers per process on request (``amx.request_tile_permission``).
+AMX_FEATURES = ("amx-tile", "amx-bf16", "amx-fp16")
+
+
+def amx_features(target: tvm.target.Target) -> tuple[str, ...]:
+    """Those of AMX_FEATURES an LLVM target compiles for (for this CPU: those it has)."""
+    if target.kind.name != "llvm":
+        return ()
+    return tuple(name for name in AMX_FEATURES if has_features(target, name))
 
 
 def key(target) -> str:
@@ -145,13 +206,18 @@ def missing_isa_features(features) -> list[str]:
 _LLVM_ONLY = {"sse", "sse2", "ssse3", "sse41", "sse42", "avx512vp2intersect", "xsaves", "xsavec", "xsaveopt"}
 
 
-def missing_for_another_cpu(target: dict, features) -> list[str]:
-    """Those of ``features`` this CPU lacks, for CPU kernels compiled for another CPU model (a
-    target JSON dict): their code faults here (SIGILL). Kernels for this CPU's own model are
-    trusted as before (a hypervisor may hide features LLVM's model has and the code never uses)."""
+def missing_for_cpu_kernels(target: dict, features) -> list[str]:
+    """Those of ``features`` (the extensions CPU kernels were compiled for) this CPU lacks, for
+    kernels of a target JSON dict: their code faults here (SIGILL). Kernels for this CPU's own
+    model are no exception where its flags can be read: ``resolve`` compiles them for those flags
+    (``mattr``), so only kernels built for the model's features (an explicit ``mattr``, another
+    machine's libraries) can need more. Where they cannot (not x86 Linux) they are trusted, as
+    nothing can be checked."""
     if target.get("kind") != "llvm":
         return []
-    system_cpu = tvm_ffi.get_global_func("target.llvm_get_system_cpu", allow_missing=True)
-    if system_cpu is not None and target.get("mcpu") == host_cpu():
-        return []
+    if _host_flags() is None:
+        # TVM's runtime alone cannot name this CPU's model (then nothing is trusted)
+        system_cpu = tvm_ffi.get_global_func("target.llvm_get_system_cpu", allow_missing=True)
+        if system_cpu is not None and target.get("mcpu") == host_cpu():
+            return []
     return missing_isa_features(features)

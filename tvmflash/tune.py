@@ -55,7 +55,7 @@ from pathlib import Path
 import tvm
 from tvm import s_tir, tirx
 
-from . import analysis, plan, records, settings
+from . import analysis, plan, product_rates, records, settings
 from .kernels import cpu as cpu_kernels
 from . import target as targets
 from .config import BF16_DOT, FP32_FMA, KERNELS, PRODUCTS, CPUKernelConfig, RegisterTile, default_cpu_config
@@ -594,12 +594,12 @@ def verify(target, spec: AttentionSpec, *, seqlen: int, batch: int, heads: int, 
     target = targets.resolve(target)
     heads_k = heads_k or heads
     directory = database_dir(log_dir, target, spec)
-    probe = Workload("forward", spec, llvm_schedules.default_config(target, "forward", spec.dtype), batch, heads,
+    probe = Workload("forward", spec, llvm_schedules.default_config(target, "forward", product_rates.default_products(target, spec.dtype)), batch, heads,
                      heads_k, seqlen, causal, settings.num_threads())
     best = {k: v for k, v in best_configs(directory, probe).items() if k in kernels_to_tune}
     if not best:
         return {}
-    defaults = {kernel: llvm_schedules.default_config(target, kernel, spec.dtype) for kernel in KERNELS}
+    defaults = {kernel: llvm_schedules.default_config(target, kernel, product_rates.default_products(target, spec.dtype)) for kernel in KERNELS}
     tuned = {**defaults, **{kernel: cfg for kernel, (cfg, _) in best.items()}}
     dtype = getattr(torch, spec.dtype)
     gen = torch.Generator().manual_seed(0)
@@ -761,7 +761,7 @@ def main(argv=None) -> int:
         return 1
     path = records.record_path(args.records_dir or log_dir, targets.key(target), spec)
     same = {kernel for kernel, entry in written.items()
-            if CPUKernelConfig.from_json(entry["config"]) == llvm_schedules.default_config(target, kernel, spec.dtype)}
+            if CPUKernelConfig.from_json(entry["config"]) == llvm_schedules.default_config(target, kernel, product_rates.default_products(target, spec.dtype))}
     print("\n".join(report(written, spec, path, same)))
     return 0
 

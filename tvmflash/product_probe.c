@@ -1,0 +1,65 @@
+/* product_probe.c -- register-only throughput of the two bf16 product paths on one core:
+ * vfmadd231ps zmm (fp32 FMAs, 32 FLOP) and vdpbf16ps zmm (AVX512-BF16 dot products, 64 FLOP).
+ * product_rates.py compiles it once per machine into the cache directory, runs it and keeps
+ * the result: which path the bf16 kernels take follows it (a Zen 4 runs vdpbf16ps at the FMA's
+ * instruction rate, 2x the FLOPs; some Xeons at half of it, no gain at all).
+ *
+ * 16 independent accumulator chains (more than latency x throughput of either instruction on
+ * the CPUs seen), operands in registers, nothing else in the loop; ROUNDS interleaved runs of
+ * each, and the best rate of each (the one least disturbed by other jobs on a shared core).
+ * Output: "vfmadd231ps <GFLOP/s>\nvdpbf16ps <GFLOP/s>\n". Exit 2: the CPU lacks AVX512-BF16
+ * (never run then: the caller checks the CPU's flags first; this is a second guard).
+ */
+#include <stdio.h>
+#include <time.h>
+
+#define ITERS 1000000L
+#define ROUNDS 9
+
+#define ZERO(r) "vpxord %%zmm" #r ", %%zmm" #r ", %%zmm" #r "\n\t"
+#define OP(op, r) op " %%zmm1, %%zmm0, %%zmm" #r "\n\t"
+#define SIXTEEN(M, x) M(x, 16) M(x, 17) M(x, 18) M(x, 19) M(x, 20) M(x, 21) M(x, 22) M(x, 23) \
+                      M(x, 24) M(x, 25) M(x, 26) M(x, 27) M(x, 28) M(x, 29) M(x, 30) M(x, 31)
+#define ZERO_(x, r) ZERO(r)
+#define CLOBBERS "zmm0", "zmm1", "zmm16", "zmm17", "zmm18", "zmm19", "zmm20", "zmm21", "zmm22", "zmm23", \
+                 "zmm24", "zmm25", "zmm26", "zmm27", "zmm28", "zmm29", "zmm30", "zmm31", "cc"
+
+/* operands: bf16 pairs (1, 1) and tiny values / fp32 1 and 1e-30: nothing overflows */
+#define LOOP(op)                                                              \
+    __asm__ volatile("vpbroadcastd %[a], %%zmm0\n\t"                          \
+                     "vpbroadcastd %[b], %%zmm1\n\t" SIXTEEN(ZERO_, 0)        \
+                     "1:\n\t" SIXTEEN(OP, op) "dec %[n]\n\t"                  \
+                     "jnz 1b\n\t"                                             \
+                     : [n] "+r"(iters)                                        \
+                     : [a] "r"(0x3f803f80), [b] "r"(0x0d800d80)               \
+                     : CLOBBERS)
+
+__attribute__((target("avx512f,avx512bf16"), noinline)) static void loop_dpbf16(long iters) { LOOP("vdpbf16ps"); }
+__attribute__((target("avx512f"), noinline)) static void loop_fma(long iters) { LOOP("vfmadd231ps"); }
+
+static double seconds(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return ts.tv_sec + 1e-9 * ts.tv_nsec;
+}
+
+/* GFLOP/s of one run */
+static double rate(void (*loop)(long), double flop_per_instruction) {
+    double start = seconds();
+    loop(ITERS);
+    return flop_per_instruction * 16 * ITERS / (seconds() - start) / 1e9;
+}
+
+int main(void) {
+    __builtin_cpu_init();
+    if (!__builtin_cpu_supports("avx512f") || !__builtin_cpu_supports("avx512bf16")) return 2;
+    double fma = 0.0, dot = 0.0;
+    loop_fma(ITERS / 4); /* warm up (clocks) */
+    for (int r = 0; r < ROUNDS; r++) {
+        double f = rate(loop_fma, 32.0), d = rate(loop_dpbf16, 64.0);
+        fma = f > fma ? f : fma;
+        dot = d > dot ? d : dot;
+    }
+    printf("vfmadd231ps %.3f\nvdpbf16ps %.3f\n", fma, dot);
+    return 0;
+}
