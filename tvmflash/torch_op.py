@@ -17,9 +17,11 @@ from __future__ import annotations
 
 import torch
 
-from . import checks, compiler
+from . import checks, compiler, version
 from .runtime import FlashKernels
 from .spec import SUPPORTED_DTYPES, Alibi, AttentionSpec, Softcap
+
+version.require("torch", torch.__version__, version.MIN_TORCH)
 
 def _dtype_name(t: torch.Tensor) -> str:
     return str(t.dtype).removeprefix("torch.")
