@@ -16,7 +16,7 @@ them is copied into tvmflash), and runs them in a temporary directory where
 * each test function runs a deterministic random sample of ``--per-test`` of its parametrizations
   (the full grid is ~100k cases, days of CPU time); cases we do not support by design are
   deselected and counted: dropout > 0 (tvmflash has no dropout), paged KV outside
-  ``flash_attn_with_kvcache``, flash-attn's private C++ entry points.
+  ``flash_attn_with_kvcache`` and ``flash_attn_varlen_func``, flash-attn's private C++ entry points.
 
 The tests' own assertions are flash-attn's rule: error vs an fp32 reference <= 2x (3x for the
 gradients) the error of PyTorch in the same 16-bit dtype. Prints a table of passed / failed /
@@ -115,8 +115,8 @@ PER_TEST = {per_test}
 SEED = {seed}
 UNSUPPORTED = (
     (lambda p: float(p.get("dropout_p", 0.0)) > 0.0, "dropout (tvmflash has no dropout)"),
-    (lambda p: p.get("paged_kv_block_size") is not None and "kvcache" not in p["__name__"],
-     "paged KV outside flash_attn_with_kvcache"),
+    (lambda p: p.get("paged_kv_block_size") is not None and "kvcache" not in p["__name__"]
+     and "varlen" not in p["__name__"], "paged KV outside flash_attn_with_kvcache and flash_attn_varlen_func"),
     (lambda p: p["__name__"] in ("test_flash_attn_varlen_paged_kv_num_splits",
                                  "test_flash_attn_generator_arg_must_be_none"),
      "flash-attn's private C++ entry points (_flash_attn_varlen_forward, flash_attn_gpu)"),
@@ -224,7 +224,8 @@ def main(argv=None) -> int:
         command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--junitxml=results.xml",
                    "test_flash_attn.py", *selection]
         env = {**os.environ, "TVMFLASH_QUIET": "1",
-               "PYTHONPATH": os.pathsep.join([str(root), str(Path(__file__).resolve().parents[1])])}
+               "PYTHONPATH": os.pathsep.join([str(root), str(Path(__file__).resolve().parents[1]),
+                                              *filter(None, [os.environ.get("PYTHONPATH")])])}
         proc = subprocess.run(command, cwd=root, env=env, capture_output=True, text=True, timeout=args.timeout)
         if not (root / "results.xml").exists():
             print(proc.stdout[-5000:], proc.stderr[-5000:])

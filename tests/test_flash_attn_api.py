@@ -8,7 +8,9 @@ import pytest
 import torch
 
 import tvmflash
-from conftest import DTYPES, assert_matches_reference, random_inputs
+from conftest import DTYPES, assert_flash_rule, assert_matches_reference, random_inputs
+from tvmflash import checks
+from tvmflash.reference import reference_attention
 
 
 def _randint(gen, lo, hi):
@@ -185,3 +187,91 @@ def test_head_dims_off_the_kernel_unit_are_padded(gen, seed, head_dim, dtype):
     packed = tvmflash.flash_attn_varlen_func(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), cu_q, cu_k, 37, 45,
                                     causal=True, window_size=(20, 0))
     torch.testing.assert_close(packed.view_as(out), out.detach(), rtol=0, atol=0)
+
+
+def _paged(gen, lengths, page, heads_k, head_dim, dtype, spare_blocks=3):
+    """Paged caches holding each sequence's keys in a random permutation of pages (plus unused
+    pages full of NaN, which must never be read), the block table, and the dense keys."""
+    blocks = [-(-n // page) for n in lengths]
+    max_blocks = max(blocks) + 1  # one table entry more than any sequence needs (unused: garbage)
+    num_blocks = sum(blocks) + spare_blocks
+    k_cache, v_cache = (torch.full((num_blocks, page, heads_k, head_dim), float("nan")).to(dtype) for _ in range(2))
+    order = torch.randperm(num_blocks, generator=gen)
+    table = torch.full((len(lengths), max_blocks), 10**6, dtype=torch.int32)  # out of range where unused
+    dense, used = [], 0
+    for b, n in enumerate(lengths):
+        k, v = (torch.randn(n, heads_k, head_dim, generator=gen).to(dtype) for _ in range(2))
+        for blk in range(blocks[b]):
+            p = int(order[used])
+            used += 1
+            table[b, blk] = p
+            rows = slice(blk * page, min(n, (blk + 1) * page))
+            k_cache[p, :rows.stop - rows.start], v_cache[p, :rows.stop - rows.start] = k[rows], v[rows]
+        dense.append((k, v))
+    return k_cache, v_cache, table, dense
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("page", [16, 256])
+@pytest.mark.parametrize("causal", [False, True])
+def test_varlen_paged_kv_matches_the_dense_reference(gen, seed, dtype, page, causal):
+    """flash_attn_varlen_func(..., block_table=...): k and v are paged caches read through the
+    table (random page permutation, lengths no multiple of the page or the 64-key tile, GQA),
+    against float64 attention on each sequence's dense keys; the pages left over and the rest of
+    each sequence's last page hold NaN, which must not reach the output. Gradients reach the
+    pages' rows (through the gather) and match the dense reference's."""
+    torch_dtype = DTYPES[dtype]
+    lengths_k = [301, 77, 530 if page == 256 else 130]
+    lengths_q = [45, 77, 3]
+    heads, heads_k, head_dim = 4, 2, 64
+    k_cache, v_cache, table, dense = _paged(gen, lengths_k, page, heads_k, head_dim, torch_dtype)
+    cu_q = torch.tensor([0] + lengths_q, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    cu_k = torch.tensor([0] + lengths_k, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    q = torch.randn(int(cu_q[-1]), heads, head_dim, generator=gen).to(torch_dtype)
+    k_leaf, v_leaf = k_cache.clone().requires_grad_(), v_cache.clone().requires_grad_()
+    out = tvmflash.flash_attn_varlen_func(q, k_leaf, v_leaf, cu_q, cu_k, max(lengths_q), max(lengths_k),
+                                          causal=causal, block_table=table)
+    assert out.shape == q.shape and torch.isfinite(out).all()
+    dout = torch.randn(out.shape, generator=gen).to(torch_dtype)
+    dk_pages, dv_pages = torch.autograd.grad(out, (k_leaf, v_leaf), dout)
+    for b in range(len(lengths_k)):
+        rows_q = slice(int(cu_q[b]), int(cu_q[b + 1]))
+        k, v = dense[b]
+        leaves = [t[None].double().requires_grad_() for t in (q[rows_q], k, v)]
+        ref, _ = reference_attention(*leaves, causal)
+        same, _ = reference_attention(q[rows_q][None], k[None], v[None], causal, dtype=torch_dtype)
+        assert_flash_rule(f"{dtype} paged sequence {b} out", out[rows_q][None], ref.detach(), same, torch_dtype, seed,
+                          magnitude=float(v.abs().max()))
+        dk_ref, dv_ref = torch.autograd.grad(ref, leaves[1:], dout[rows_q][None].double())
+        pages = table[b, :-(-lengths_k[b] // page)].long()
+        for name, grad, ref_grad in (("dk", dk_pages, dk_ref), ("dv", dv_pages, dv_ref)):
+            ours = grad[pages].flatten(0, 1)[:lengths_k[b]]
+            tol = 2e-4 if dtype == "float32" else 6e-2
+            torch.testing.assert_close(ours.double(), ref_grad[0], atol=tol, rtol=tol, msg=f"{name} seq {b} seed {seed}")
+    # pages no sequence uses get no gradient
+    untouched = torch.ones(k_cache.shape[0], dtype=torch.bool)
+    for b, n in enumerate(lengths_k):
+        untouched[table[b, :-(-n // page)].long()] = False
+    assert torch.all(dk_pages[untouched] == 0) and torch.all(dv_pages[untouched] == 0)
+
+
+def test_varlen_paged_kv_bad_tables_raise_clear_errors(gen):
+    k_cache, v_cache, table, _ = _paged(gen, [100, 40], 32, 2, 32, torch.float32)
+    q = torch.randn(6, 2, 32, generator=gen)
+    cu_q = torch.tensor([0, 3, 6], dtype=torch.int32)
+    cu_k = torch.tensor([0, 100, 140], dtype=torch.int32)
+    call = lambda bt, ck=cu_k, kc=k_cache: tvmflash.flash_attn_varlen_func(  # noqa: E731
+        q, kc, v_cache if kc is k_cache else kc, cu_q, ck, 3, 100, block_table=bt)
+    call(table)  # the good table works
+    for bad, error, match in ((table.long(), ValueError, "int32"), (table[0], ValueError, "2-D"),
+                              (table[:1], ValueError, "block_table has 1 rows"),
+                              (table[:, :1], checks.CapacityError, "block_table"),
+                              (torch.where(table == table[0, 1], -1, table), ValueError, r"outside \[0, "),
+                              (torch.where(table == table[1, 0], 999, table), ValueError, r"outside \[0, "),
+                              ([[0, 1]], TypeError, "block_table must be a torch.Tensor")):
+        with pytest.raises(error, match=match):
+            call(bad)
+    with pytest.raises(ValueError, match="paged caches"):
+        call(table, kc=k_cache.flatten(0, 1))
+    with pytest.raises(ValueError, match="cu_seqlens_k"):
+        call(table, ck=torch.tensor([0, 100, 90], dtype=torch.int32))

@@ -16,7 +16,7 @@ import torch
 from conftest import DTYPES, assert_flash_rule
 
 from tvmflash import flash_attn_with_kvcache, plan
-from tvmflash.reference import reference_attention
+from tvmflash.reference import reference_attention, window_mask
 
 D = 64
 
@@ -428,3 +428,45 @@ def test_avx2_build(gen, seed):
                    torch.from_numpy(units), torch.arange(batch, dtype=torch.int32)[:, None])
     assert np.isfinite(lse.numpy()).all()
     check_against_reference("avx2", out, lse, q, k_cache, v_cache, starts=[0, 0], ends=ends, seed=seed)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("num_splits", [1, 4])
+@pytest.mark.parametrize("window_size,value", [((-1, -1), "nan"), ((40, -1), "nan"), ((-1, -1), "inf")])
+def test_nan_in_cache_reaches_exactly_the_rows_that_see_it(gen, seed, dtype, num_splits, window_size, value):
+    """A NaN (or inf) in a cached key or value the query attends to makes that kv head's query
+    heads NaN, as in float64 dense attention (the probabilities' exponent cap once turned a NaN
+    score into P = 1: finite, wrong rows). Slots past cache_seqlens, in cache_leftpad, or masked
+    for every query by the causal mask or the window change nothing (the reference: float64
+    attention over the sequence's keys, those slots' values zeroed). GQA (2 query heads per kv
+    head), 2 causal queries, caches of several key tiles split 1 or 4 ways."""
+    batch, heads, heads_k, capacity, seqlen_q = 2, 4, 2, 300, 2
+    k_cache, v_cache = make_cache(gen, batch, capacity, heads_k, dtype)
+    q = torch.randn(batch, seqlen_q, heads, D, generator=gen).to(DTYPES[dtype])
+    seqlens, leftpad = [260, 190], [0, 21]
+    bad = float(value)
+    k_cache[0, 70, 1, 3] = bad  # seen by both queries unless the window hides it
+    k_cache[0, 259, 0, 5] = bad  # the last key: query 0 does not see it (causal)
+    k_cache[0, 280, 0, 1] = v_cache[0, 290, 1, 2] = bad  # past cache_seqlens
+    v_cache[1, 130, 0, 7] = bad  # seen unless the window hides it
+    k_cache[1, 5, 1, 0] = v_cache[1, 20, 1, 9] = bad  # cache_leftpad
+    k_cache[1, 250, 1, 4] = v_cache[1, 195, 0, 6] = bad  # past cache_seqlens
+    out = flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=torch.tensor(seqlens, dtype=torch.int32),
+                                  cache_leftpad=torch.tensor(leftpad, dtype=torch.int32), causal=True,
+                                  window_size=window_size, num_splits=num_splits)
+    for b in range(batch):
+        k, v = (c[b:b + 1, leftpad[b]:seqlens[b]].clone() for c in (k_cache, v_cache))
+        seen = window_mask(seqlen_q, k.shape[1], window_size, causal=True).any(0)
+        v[:, ~seen] = 0  # keys no query attends to are not there
+        ref, _ = reference_attention(q[b:b + 1], k, v, causal=True, window_size=window_size, dtype=torch.float64)
+        rows = ~torch.isfinite(ref).all(-1)  # (1, seqlen_q, heads)
+        assert torch.equal(~torch.isfinite(out[b:b + 1]).all(-1), rows), (
+            f"b={b}: non-finite rows {~torch.isfinite(out[b]).all(-1)} vs float64 {rows[0]} (seed {seed})")
+        same, _ = reference_attention(q[b:b + 1], k, v, causal=True, window_size=window_size, dtype=q.dtype)
+        finite = ~rows
+        assert_flash_rule(f"b={b} finite rows", out[b:b + 1][finite], ref[finite], same[finite], q.dtype, seed)
+    if value == "nan":  # the rows expected (guards the test itself)
+        hidden = window_size[0] >= 0  # key 70 of sequence 0, value 130 of sequence 1
+        assert (~torch.isfinite(out[0]).all(-1)).tolist() == [[False, False, not hidden, not hidden],
+                                                              [True, True, not hidden, not hidden]]
+        assert (~torch.isfinite(out[1]).all(-1)).tolist() == [[not hidden] * 2 + [False] * 2] * 2

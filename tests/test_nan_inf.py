@@ -66,3 +66,41 @@ def test_fully_masked_rows_stay_zero_not_nan(kernels_d32, gen):
     out, lse, grads = _run(kernels_d32, q, k, v, torch.randn(q.shape, generator=gen), causal=True)
     assert torch.all(out[:, :70] == 0) and torch.all(lse[:, :, :70] == float("-inf"))
     assert all(torch.isfinite(g).all() for g in grads) and torch.all(grads[0][:, :70] == 0)
+
+
+def _nan_heads(t):
+    """(batch, heads) bool: which heads of a (batch, seqlen, heads, dim) tensor hold a NaN."""
+    return t.isnan().any(-1).any(1)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("where,value", [("q", "nan"), ("k", "nan"), ("v", "nan"), ("q", "inf"), ("k", "inf")])
+def test_backward_nan_pattern_matches_torch(gen, dtype, causal, where, value):
+    """A NaN or inf in q or k makes that head's recomputed P rows NaN, so dV of the head is NaN too,
+    as in SDPA and in float64 dense math (the exponent's cap at 0 once turned a NaN exponent into
+    P = 1: dq and dk became NaN but dv stayed finite). Compared per (batch, head) for dq, dk, dv,
+    with GQA (2 query heads per kv head); the heads without NaN match float64."""
+    from tvmflash import flash_attn_func
+
+    q, k, v = random_inputs(gen, 2, 75, 75, 4, 2, 32, dtype)
+    dout = torch.randn(q.shape, generator=gen).to(q.dtype)
+    {"q": q, "k": k, "v": v}[where][1, 40, 1, 3] = float(value)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    ours = torch.autograd.grad(flash_attn_func(*leaves, causal=causal), leaves, dout)
+    ref_leaves = [t.double().requires_grad_() for t in (q, k, v)]
+    ref_out, _ = reference_attention(*ref_leaves, causal)
+    ref = torch.autograd.grad(ref_out, ref_leaves, dout.double())
+    sdpa_leaves = [t.transpose(1, 2).clone().requires_grad_() for t in (q, k, v)]
+    sdpa_out = torch.nn.functional.scaled_dot_product_attention(*sdpa_leaves, is_causal=causal, enable_gqa=True)
+    sdpa = [g.transpose(1, 2) for g in torch.autograd.grad(sdpa_out, sdpa_leaves, dout.transpose(1, 2))]
+    for name, o, r, s in zip(("dq", "dk", "dv"), ours, ref, sdpa):
+        assert torch.equal(_nan_heads(o), _nan_heads(r)), f"{name}: NaN heads {_nan_heads(o)} vs float64 {_nan_heads(r)}"
+        assert torch.equal(_nan_heads(o), _nan_heads(s)), f"{name}: NaN heads {_nan_heads(o)} vs SDPA {_nan_heads(s)}"
+        clean = ~_nan_heads(r)[:, None, :, None].expand_as(r)
+        assert torch.isfinite(o[clean]).all()
+        tol = 1e-4 if dtype == "float32" else 5e-2
+        torch.testing.assert_close(o[clean].double(), r[clean], atol=tol, rtol=tol)
+    if where == "q":  # the query row's P is NaN at every key it sees: so is dV there (kv head 0)
+        sees = torch.arange(75) <= 40 if causal else torch.ones(75, dtype=torch.bool)
+        assert ours[2][1, sees, 0].isnan().any(-1).all()

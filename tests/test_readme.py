@@ -131,8 +131,48 @@ def test_transformers_integration_without_transformers_names_the_extra(monkeypat
     from tvmflash.integrations import transformers as tvm_hf
 
     monkeypatch.setitem(sys.modules, "transformers", None)
-    with pytest.raises(ImportError, match=r"transformers>=4.56: pip install 'tvmflash\[hf\]'"):
+    with pytest.raises(ImportError, match=r"needs transformers: pip install 'tvmflash\[hf\]'"):
         tvm_hf.register()
+
+
+def test_older_transformers_than_tested_is_refused_clearly(monkeypatch):
+    """README and pyproject claim the oldest transformers tested (tvmflash/version.py); an older
+    one gets an ImportError naming both versions (before: 4.56 claimed, untested)."""
+    import transformers
+
+    from tvmflash.integrations import transformers as tvm_hf
+    from tvmflash.version import MIN_TRANSFORMERS
+
+    monkeypatch.setattr(transformers, "__version__", "4.56.2")
+    with pytest.raises(ImportError, match=r"transformers >= 5\.23 .*found transformers 4\.56\.2"):
+        tvm_hf.register("tvm_old_transformers")
+    assert MIN_TRANSFORMERS == (5, 23)
+
+
+@pytest.mark.parametrize("entry", ["flash_attn_func", "flash_attn_with_kvcache"])
+def test_older_torch_than_tested_is_refused_clearly(entry):
+    """README said "any torch >= 2.5 works", untested (the PyTorch layer uses private torch APIs
+    that move between releases). The claim is now the tested release, in README, pyproject and
+    tvmflash/version.py; a torch older than it gets an ImportError on first use of the PyTorch
+    functions, in a fresh process whose torch reports 2.5.1."""
+    import tomllib
+
+    from tvmflash.version import MIN_TORCH
+
+    code = ("import torch; torch.__version__ = '2.5.1'\n"
+            "import tvmflash\n"
+            "try:\n"
+            f"    tvmflash.{entry}\n"
+            "except ImportError as err:\n"
+            "    print('ImportError:', err)\n")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "TVMFLASH_QUIET": "1"})
+    assert "ImportError: tvmflash needs torch >= 2.13 (the oldest release it is tested with), found torch 2.5.1" in (
+        run.stdout), run.stdout + run.stderr
+    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    assert f"torch>={MIN_TORCH[0]}.{MIN_TORCH[1]}" in deps
+    assert f"`torch=={MIN_TORCH[0]}.{MIN_TORCH[1]}.0` is the CPU build the project is tested with, and the oldest" in (
+        (ROOT / "README.md").read_text())
 
 
 def test_benchmark_plots_without_matplotlib_name_the_extra(monkeypatch):

@@ -44,7 +44,7 @@ def _exp2_coefficients(degree: int = 6) -> list[float]:
 _EXP2_COEFFS = _exp2_coefficients()
 
 
-def exp2(x: tirx.PrimExpr) -> tirx.PrimExpr:
+def exp2(x: tirx.PrimExpr, *, nonpositive: bool = False) -> tirx.PrimExpr:
     """2**x for float32 ``x`` <= ~1 as a polynomial that vectorizes.
 
     ``T.exp``/``T.exp2`` lower to scalar libm calls inside vectorized loops on CPUs, which costs
@@ -60,8 +60,12 @@ def exp2(x: tirx.PrimExpr) -> tirx.PrimExpr:
     takes microcode assists (~100 cycles each) on x86 and halved the speed on extreme inputs.
     NaN in, NaN out (a NaN score must spread to its row, as in PyTorch's attention); the clamps
     keep the integer conversion away from NaN and infinities, whose result LLVM leaves undefined.
+    ``nonpositive``: the caller guarantees x <= 0 or NaN (``masked_log2_exponent``), so the upper
+    clamp is dropped; that pays for the NaN test LLVM could drop while the cap turned NaN into 0.
     """
-    clamped = tirx.min(tirx.max(x, _f32(-125.0)), _f32(128.0))
+    clamped = tirx.max(x, _f32(-125.0))
+    if not nonpositive:
+        clamped = tirx.min(clamped, _f32(128.0))
     n = tirx.floor(clamped + _f32(0.5))
     frac = clamped - n
     poly = _f32(_EXP2_COEFFS[-1])
@@ -146,10 +150,12 @@ def masked_log2_exponent(score, scale_parts, shift_parts) -> tirx.PrimExpr:
     reads the score clamped to the finite range. The shift must not be -inf (rows without keys
     get an LSE of +inf in the backward). Capped at 0: a probability is at most 1, and where
     |scaled scores| exceed 2^24 the fp32 LSE the backward reads is rounded by more than 1 (it would
-    otherwise push 2^x past the fp32 range).
+    otherwise push 2^x past the fp32 range). NaN stays NaN: TVM lowers ``min(a, b)`` to ``a < b ? a :
+    b``, so the cap is written ``min(0, x)``; ``min(x, 0)`` turned a NaN exponent into 0, i.e. P = 1
+    (a NaN in q or k left dV finite in the backward and vanished from decode outputs).
     """
     (c_hi, c_lo), (m_hi, m_lo) = scale_parts, shift_parts
-    return tirx.min((score * c_hi - m_hi) + (tirx.max(score, _f32(-FLT_MAX)) * c_lo - m_lo), _f32(0.0))
+    return tirx.min(_f32(0.0), (score * c_hi - m_hi) + (tirx.max(score, _f32(-FLT_MAX)) * c_lo - m_lo))
 
 
 def shifted_log2_exponent(score, row_max, scale_parts) -> tirx.PrimExpr:

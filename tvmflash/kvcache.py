@@ -30,8 +30,10 @@ import os
 
 import torch
 
-from . import checks, compiler, plan
+from . import checks, compiler, plan, version
 from .spec import SUPPORTED_DTYPES, UNLIMITED_WINDOW, Alibi, AttentionSpec, Softcap
+
+version.require("torch", torch.__version__, version.MIN_TORCH)
 
 __all__ = ["flash_attn_with_kvcache", "apply_rotary"]
 

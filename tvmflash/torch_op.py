@@ -17,9 +17,11 @@ from __future__ import annotations
 
 import torch
 
-from . import checks, compiler
+from . import checks, compiler, version
 from .runtime import FlashKernels
 from .spec import SUPPORTED_DTYPES, Alibi, AttentionSpec, Softcap
+
+version.require("torch", torch.__version__, version.MIN_TORCH)
 
 def _dtype_name(t: torch.Tensor) -> str:
     return str(t.dtype).removeprefix("torch.")
@@ -376,14 +378,64 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     ``flash_attn_func``. No padding is materialised: the kernels walk each sequence's tiles.
     ``max_seqlen_*`` are accepted for compatibility (the kernels read the lengths themselves).
     Returns ``out`` ``(total_q, heads, head_dim)``, or ``(out, softmax_lse, None)`` with lse
-    ``(heads, total_q)``. Paged KV (``block_table``) is for ``flash_attn_with_kvcache``."""
-    if block_table is not None:
-        raise NotImplementedError("block_table (paged KV) is not supported by flash_attn_varlen_func")
+    ``(heads, total_q)``.
+
+    Paged KV (chunked prefill against a serving engine's cache), as in flash-attn: with
+    ``block_table`` (batch, max_blocks) int32, k and v are the paged caches (num_blocks,
+    page_block_size, heads_k, head_dim) and sequence b's keys are its first ``cu_seqlens_k[b + 1]
+    - cu_seqlens_k[b]`` logical rows, row j in page ``block_table[b, j // page_block_size]``.
+    The used rows are gathered into packed k and v first (one ``index_select`` each: a copy of
+    the keys attended to, O(total_k) memory and time, small next to the attention's
+    O(total_q x total_k)); gradients flow back into the pages through it."""
     for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
         if not isinstance(cu, torch.Tensor):
             raise TypeError(f"{name} must be an int32 torch.Tensor, got {type(cu).__name__}")
+    if block_table is not None:
+        k, v = _gather_pages(k, v, cu_seqlens_k, block_table)
     return _attention(q, k, v, cu_seqlens_q, cu_seqlens_k, dropout_p, softmax_scale, causal, window_size, softcap,
                       alibi_slopes, deterministic, return_attn_probs)
+
+
+def _gather_pages(k_cache, v_cache, cu_seqlens_k, block_table):
+    """The keys and values of each sequence, read through ``block_table`` out of paged caches, as
+    packed (total_k, heads_k, head_dim) tensors (``flash_attn_varlen_func``). Checks the table:
+    dtype, shape, capacity against ``cu_seqlens_k``, page indices in range for the blocks in use."""
+    for name, t in (("k", k_cache), ("v", v_cache), ("block_table", block_table)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
+        raise ValueError("with block_table, k and v are paged caches (num_blocks, page_block_size, heads_k, "
+                         f"head_dim) of one shape, got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
+    for name, t in (("v", v_cache), ("block_table", block_table), ("cu_seqlens_k", cu_seqlens_k)):
+        if t.device != k_cache.device:
+            raise ValueError(f"{name} is on {t.device}, k on {k_cache.device}: they must be on one device")
+    num_blocks, page = k_cache.shape[:2]
+    if block_table.dtype != torch.int32 or block_table.dim() != 2:
+        raise ValueError(f"block_table must be a 2-D int32 tensor (batch, max_blocks), got {block_table.dtype} "
+                         f"with shape {tuple(block_table.shape)}")
+    if block_table.is_meta or k_cache.is_meta:
+        raise ValueError("block_table and the paged caches must hold data (meta tensors have none): "
+                         "the keys are read through the table")
+    cu = checks.check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, int(cu_seqlens_k[-1]) if cu_seqlens_k.numel() else 0)
+    batch = len(cu) - 1
+    if block_table.shape[0] != batch:
+        raise ValueError(f"block_table has {block_table.shape[0]} rows, cu_seqlens_k describes {batch} sequences")
+    lengths = torch.tensor([b - a for a, b in zip(cu, cu[1:])], dtype=torch.int64)
+    capacity = block_table.shape[1] * page
+    if int(lengths.max()) > capacity:
+        raise checks.CapacityError(f"a sequence of cu_seqlens_k has {int(lengths.max())} keys, more than block_table "
+                                   f"addresses (max_blocks * page_block_size = {block_table.shape[1]} * {page} = "
+                                   f"{capacity})")
+    table = block_table.cpu().long()
+    used = torch.arange(table.shape[1])[None, :] < (lengths[:, None] + page - 1) // page
+    named = table[used]
+    if named.numel() and (int(named.min()) < 0 or int(named.max()) >= num_blocks):
+        raise ValueError(f"block_table holds page indices outside [0, {num_blocks}) for blocks in use")
+    # row j of sequence b -> page table[b, j // page], offset j % page
+    seq = torch.repeat_interleave(torch.arange(batch), lengths)
+    j = torch.arange(int(lengths.sum())) - torch.tensor(cu[:-1], dtype=torch.int64)[seq]
+    rows = (table[seq, j // page] * page + j % page).to(k_cache.device)
+    return tuple(c.flatten(0, 1).index_select(0, rows) for c in (k_cache, v_cache))
 
 
 def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0, softmax_scale=None, causal=False,

@@ -56,6 +56,7 @@ import logging
 
 import torch
 
+from .. import version
 from ..kvcache import flash_attn_with_kvcache
 from ..torch_op import flash_attn_func, flash_attn_varlen_func
 
@@ -79,10 +80,11 @@ def register(name: str = NAME) -> str:
             f"{name!r} cannot name tvmflash in transformers: it routes names containing 'flash' to its flash-attention "
             "kernel loader, 'sdpa' and 'flex_attention' to its own checks, 'owner/repo' to the Hub kernels")
     try:
-        from transformers import AttentionInterface, AttentionMaskInterface
-    except ImportError as missing:  # not installed, or older than 4.56
-        raise ImportError("tvmflash.integrations.transformers needs transformers>=4.56: "
-                          "pip install 'tvmflash[hf]'") from missing
+        import transformers
+    except ImportError as missing:
+        raise ImportError("tvmflash.integrations.transformers needs transformers: pip install 'tvmflash[hf]'") from missing
+    version.require("transformers", transformers.__version__, version.MIN_TRANSFORMERS)
+    from transformers import AttentionInterface, AttentionMaskInterface
 
     AttentionInterface.register(name, attention_forward)
     AttentionMaskInterface.register(name, key_padding_mask)

@@ -601,7 +601,7 @@ def bwd_recompute_probs(k, P, S, X, row_stats, RowStats, Qp, KTp, softmax_scale,
             with T.sblock("probs"):
                 vi, vj = T.axis.remap("SS", [i, j])
                 P[vi, vj] = exp2(masked_log2_exponent(X[vi, vj], exponent_constant(k.spec, softmax_scale),
-                                                      (row_stats[0, vi], row_stats[1, vi])))
+                                                      (row_stats[0, vi], row_stats[1, vi])), nonpositive=True)
 
 
 def bwd_pack_p(k, Pw, P):

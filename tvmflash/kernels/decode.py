@@ -252,18 +252,19 @@ def dec_online_softmax(k, ST: T.Buffer, PT: T.Buffer, m: T.Buffer, m_next: T.Buf
         for i, j in T.grid(k.Br, k.Bc):
             with T.sblock("probs"):
                 vi, vj = T.axis.remap("SS", [i, j])
-                PT[vi, vj] = exp2(masked_log2_exponent(ST[vi, vj], (c_hi, c_lo), (m_next[vi], T.float32(0))))
+                PT[vi, vj] = exp2(masked_log2_exponent(ST[vi, vj], (c_hi, c_lo), (m_next[vi], T.float32(0))), nonpositive=True)
 
 def dec_accumulate(k, OP: T.Buffer, SP: T.Buffer, PV: T.Buffer, PT: T.Buffer, V: T.Buffer, m_next: T.Buffer,
                l: T.Buffer, l_tile: T.Buffer, alpha: T.Buffer, u: T.int64, hk: T.int64, r0: T.int64,
-               page: T.int64, prow: T.int64, last: T.int64):
+               page: T.int64, prow: T.int64, v_first: T.int64, v_last: T.int64):
     with stage("pv_tile"):
         for i, d, j in T.grid(k.Br, k.D, k.Bc):
             with T.sblock("pv"):
                 vi, vd, vj = T.axis.remap("SSR", [i, d, j])
                 with T.init():
                     PV[vi, vd] = T.float32(0)
-                PV[vi, vd] = PV[vi, vd] + PT[vi, vj] * T.Cast(F32, V[page, prow + T.min(vj, last), hk, vd])
+                PV[vi, vd] = PV[vi, vd] + PT[vi, vj] * T.Cast(
+                    F32, V[page, prow + T.max(T.min(vj, v_last), v_first), hk, vd])
     with stage("update_o_tile"):
         for i, d in T.grid(k.Br, k.D):
             with T.sblock("update_o"):
@@ -397,6 +398,12 @@ def decode_kernel(spec: AttentionSpec, cfg: DecodeConfig) -> tirx.PrimFunc:
                                         k0 + Bc - 1 <= r0 // G + diag + window_right,
                                         k0 >= T.min((r0 + Br - 1) // G, Nq - 1) + diag - window_left)))
                                 if at[5] != EMPTY:
+                                    # the V rows this row block sees, [v_first, v_last] of the tile: the
+                                    # others (P = 0) are never read, so that a NaN in cache_leftpad, past
+                                    # cache_seqlens or outside every row's window cannot give 0 x NaN
+                                    v_first: T.let[T.int64] = T.max(k_start, r0 // G + diag - window_left) - k0
+                                    v_last: T.let[T.int64] = T.min(
+                                        k_end - 1, T.min((r0 + Br - 1) // G, Nq - 1) + diag + window_right) - k0
                                     with stage("load_stats_tile"):
                                         for i in T.serial(Br):
                                             with T.sblock("load_stats"):
@@ -411,7 +418,7 @@ def decode_kernel(spec: AttentionSpec, cfg: DecodeConfig) -> tirx.PrimFunc:
                                     online_softmax(ST, PT, m, m_next, alpha, exponent_constant(softmax_scale)[0],
                                                    exponent_constant(softmax_scale)[1])
                                     accumulate(OP, SP, PV, PT, V, m_next, l, l_tile, alpha, u, hk, r0, page, prow,
-                                               last)
+                                               v_first, v_last)
         for b, hk in T.grid(B, Hk):
             with T.sblock("merge"):
                 vb, vhk = T.axis.remap("SS", [b, hk])
