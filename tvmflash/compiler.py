@@ -259,6 +259,9 @@ def _build(target: tvm.target.Target, spec: AttentionSpec, configs: dict, meta: 
     global builds
     builds += 1
     desc = f"{targets.key(target)}, {spec.describe()}" + (", deterministic" if meta["deterministic"] else "")
+    forward = configs.get("forward")
+    if isinstance(forward, CPUKernelConfig) and (forward.block_q, forward.block_k) != (TILE_EDGES[-1],) * 2:
+        desc += f", {forward.block_q} x {forward.block_k} tiles for short sequences"
     settings.progress(f"compiling flash attention forward+backward ({desc}) ...")
     start = time.perf_counter()
     from . import build
