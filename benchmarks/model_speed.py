@@ -1,28 +1,34 @@
-"""Speed inside a model (issue 23): tvmflash next to torch ops, against SDPA, in one process.
+"""Speed inside a model (issue 23): tvmflash next to torch ops, against SDPA.
 
-Three measurements, each interleaving tvmflash and SDPA call by call (medians of many rounds,
-ratios tvmflash / SDPA), so that both see the same machine load:
-
-* ``fixed``: the fixed cost per call at tiny shapes (forward B1 N16 H8 D64, N128; bf16 decode
-  step against a 128- and 1,030-token cache, GQA 8/2);
+* ``fixed``: the fixed cost per call at tiny shapes (forward B1 N16 H8 D64, N128; bf16 and fp32
+  decode steps against a 128- and 1,030-token cache, GQA 8/2), interleaved with SDPA call by call;
 * ``linear``: a torch ``linear`` right before the attention call (the pattern every model
-  has), bf16 decode and fp32 forward: the cost of two thread pools fighting shows here;
+  has), bf16/fp32 decode and fp32 forward, interleaved: the cost of two thread pools fighting
+  shows here; medians, and the 90th percentile of each (a bimodal distribution puts it far above
+  the median);
 * ``generate``: transformers ``generate()`` with an 8-layer Llama from a config (GQA 8/2,
-  D64, random weights), bf16 and fp32, short and long prompts (tokens/s), the implementations
-  alternated run by run in this process (``--only`` runs one, for a process of its own).
+  D64, random weights), bf16 and fp32, short and long prompts (tokens/s);
+* ``train``: a training step (forward, backward, AdamW step) of the same Llama on one sequence
+  per length (ms per step, median of the steps of a process).
 
-The load average is printed with the results: on a shared machine the numbers are preliminary.
+``generate`` and ``train`` run each implementation alone in a process of its own (``--worker``),
+the implementations alternated process by process (``--runs`` processes each), medians over the
+processes. Ratios are tvmflash / SDPA of times (for tokens/s: sdpa / tvm, so that below 1 is
+tvmflash faster everywhere). The load average is printed with the results: on a shared machine
+the numbers are preliminary.
 
-    python benchmarks/model_speed.py                 # all three
-    python benchmarks/model_speed.py fixed linear --rounds 2000
-    python benchmarks/model_speed.py generate --only tvm --prompts 32 1024
+    python benchmarks/model_speed.py                 # all four
+    python benchmarks/model_speed.py fixed linear --rounds 2000 --threads 1
+    python benchmarks/model_speed.py generate train --runs 5 --prompts 32 1024 --train-lengths 512
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -37,8 +43,8 @@ import tvmflash  # noqa: E402
 from tvmflash import flash_attn_func, flash_attn_with_kvcache  # noqa: E402
 
 
-def interleaved(cases: dict, rounds: int, warmup: int = 20) -> dict:
-    """Median seconds per call of each case, the cases called in turn round by round."""
+def interleaved_times(cases: dict, rounds: int, warmup: int = 20) -> dict:
+    """Seconds of every call of each case, the cases called in turn round by round."""
     for fn in cases.values():
         for _ in range(warmup):
             fn()
@@ -48,7 +54,16 @@ def interleaved(cases: dict, rounds: int, warmup: int = 20) -> dict:
             start = time.perf_counter()
             fn()
             times[name].append(time.perf_counter() - start)
-    return {name: statistics.median(t) for name, t in times.items()}
+    return times
+
+
+def interleaved(cases: dict, rounds: int, warmup: int = 20) -> dict:
+    """Median seconds per call of each case, the cases called in turn round by round."""
+    return {name: statistics.median(t) for name, t in interleaved_times(cases, rounds, warmup).items()}
+
+
+def _p90(times: list[float]) -> float:
+    return sorted(times)[int(0.9 * (len(times) - 1))]
 
 
 def _row(label: str, ours: float, sdpa: float) -> str:
@@ -107,7 +122,8 @@ def fixed_cost(rounds: int) -> None:
                 ("forward fp32 B1 N128 H8 D64 causal", _forward_case(torch.float32, 128)),
                 ("decode bf16 H8/2 D64, 128-token cache", _decode_case(torch.bfloat16, 128)),
                 ("decode bf16 H8/2 D64, 1030-token cache", _decode_case(torch.bfloat16, 1030)),
-                ("decode fp32 H8/2 D64, 128-token cache", _decode_case(torch.float32, 128))):
+                ("decode fp32 H8/2 D64, 128-token cache", _decode_case(torch.float32, 128)),
+                ("decode fp32 H8/2 D64, 1030-token cache", _decode_case(torch.float32, 1030))):
             t = interleaved({"ours": ours, "sdpa": sdpa}, rounds)
             rows.append(_row(label, t["ours"], t["sdpa"]))
     _table("Fixed cost per call (median per call)", rows)
@@ -118,79 +134,153 @@ def after_linear(rounds: int) -> None:
     rows = []
     with torch.inference_mode():
         for label, dtype, (ours, sdpa), tokens in (
+                ("linear + decode bf16, 128-token cache", torch.bfloat16, _decode_case(torch.bfloat16, 128), 1),
+                ("linear + decode fp32, 128-token cache", torch.float32, _decode_case(torch.float32, 128), 1),
                 ("linear + decode bf16, 1030-token cache", torch.bfloat16, _decode_case(torch.bfloat16, 1030), 1),
                 ("linear + decode fp32, 1030-token cache", torch.float32, _decode_case(torch.float32, 1030), 1),
                 ("linear + forward fp32 N128 causal", torch.float32, _forward_case(torch.float32, 128), 128)):
             x = torch.randn(tokens, 512, dtype=dtype)
             w = torch.randn(2048, 512, dtype=dtype)
-            t = interleaved({"linear": lambda: F.linear(x, w), "ours": lambda: (F.linear(x, w), ours()),
-                             "sdpa": lambda: (F.linear(x, w), sdpa())}, rounds)
-            rows.append(_row(label, t["ours"], t["sdpa"]) + f" (linear alone {t['linear'] * 1e6:.1f} us)")
-    _table("A torch op right before the attention (median per pair)", rows)
+            t = interleaved_times({"linear": lambda: F.linear(x, w), "ours": lambda: (F.linear(x, w), ours()),
+                                   "sdpa": lambda: (F.linear(x, w), sdpa())}, rounds)
+            med = {name: statistics.median(v) for name, v in t.items()}
+            rows.append(_row(label, med["ours"], med["sdpa"])
+                        + f" {_p90(t['ours']) * 1e6:.1f} | {_p90(t['sdpa']) * 1e6:.1f} | {med['linear'] * 1e6:.1f} |")
+    print("\nA torch op right before the attention (per pair: median, ratio of medians, 90th percentiles)\n\n"
+          "| case | tvmflash (us) | SDPA (us) | ratio | tvmflash p90 | SDPA p90 | linear alone |\n"
+          "|---|---|---|---|---|---|---|")
+    print("\n".join(rows), flush=True)
 
 
 def _llama(dtype, implementation: str):
     import transformers
 
     config = transformers.LlamaConfig(vocab_size=1024, hidden_size=512, intermediate_size=1408, num_hidden_layers=8,
-                                      num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=4096)
+                                      num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=4096,
+                                      attention_dropout=0.0)
     torch.manual_seed(0)
-    return transformers.AutoModelForCausalLM.from_config(config, attn_implementation=implementation,
-                                                         dtype=dtype).eval()
+    return transformers.AutoModelForCausalLM.from_config(config, attn_implementation=implementation, dtype=dtype)
 
 
-def generate(prompts: list[int], new_tokens: int, runs: int, only: str | None) -> None:
+def _implementation(short: str) -> str:
+    if short == "sdpa":
+        return "sdpa"
     from tvmflash.integrations import transformers as tvm_hf
 
-    names = {"tvm": tvm_hf.register(), "sdpa": "sdpa"}
-    if only:
-        names = {only: names[only]}
+    return tvm_hf.register()
+
+
+def worker_generate(dtype, prompt: int, new_tokens: int, implementation: str) -> dict:
+    """tokens/s of one timed generate() after a warm-up (compiles, caches) in this process."""
+    model = _llama(dtype, _implementation(implementation)).eval()
+    ids = torch.randint(0, 1024, (1, prompt), generator=torch.Generator().manual_seed(prompt))
+    kwargs = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+    with torch.no_grad():  # (inference_mode: the integration reads position_ids._version)
+        model.generate(ids, **{**kwargs, "max_new_tokens": 2, "min_new_tokens": 2})
+        start = time.perf_counter()
+        model.generate(ids, **kwargs)
+    return {"value": new_tokens / (time.perf_counter() - start)}
+
+
+def worker_train(dtype, length: int, steps: int, implementation: str) -> dict:
+    """Median seconds of a training step (forward, backward, AdamW) after two warm-up steps."""
+    model = _llama(dtype, _implementation(implementation)).train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    ids = torch.randint(0, 1024, (1, length), generator=torch.Generator().manual_seed(length))
+    times = []
+    for step in range(steps + 2):
+        start = time.perf_counter()
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if step >= 2:
+            times.append(time.perf_counter() - start)
+    return {"value": statistics.median(times)}
+
+
+def _in_own_process(args: argparse.Namespace, worker: list[str]) -> float:
+    command = [sys.executable, str(Path(__file__).resolve()), "--worker", *worker]
+    if args.threads:
+        command += ["--threads", str(args.threads)]
+    done = subprocess.run(command, capture_output=True, text=True, env={**os.environ, "TVMFLASH_QUIET": "1"})
+    if done.returncode != 0:
+        raise RuntimeError(f"{' '.join(command)} failed:\n{done.stdout}\n{done.stderr}")
+    return json.loads(done.stdout.strip().splitlines()[-1])["value"]
+
+
+def alternated(args: argparse.Namespace, part: str, cases: list, unit: str, higher_is_faster: bool) -> None:
+    """Each case as processes of one implementation each, tvm and sdpa alternated, medians."""
+    implementations = [args.only] if args.only else ["tvm", "sdpa"]
     rows = []
-    for dtype in (torch.bfloat16, torch.float32):
-        models = {short: _llama(dtype, impl) for short, impl in names.items()}
-        for prompt in prompts:
-            ids = torch.randint(0, 1024, (1, prompt), generator=torch.Generator().manual_seed(prompt))
-            kwargs = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
-            speed = {short: [] for short in models}
-            with torch.no_grad():  # (inference_mode: the integration reads position_ids._version)
-                for model in models.values():
-                    model.generate(ids, **{**kwargs, "max_new_tokens": 2, "min_new_tokens": 2})  # compile, warm
-                for _ in range(runs):
-                    for short, model in models.items():
-                        start = time.perf_counter()
-                        model.generate(ids, **kwargs)
-                        speed[short].append(new_tokens / (time.perf_counter() - start))
-            medians = {short: statistics.median(s) for short, s in speed.items()}
-            cells = [f"{m:.1f}" for m in medians.values()]
-            if len(medians) == 2:
-                cells.append(f"{medians['tvm'] / medians['sdpa']:.2f}")
-            rows.append(f"| {str(dtype).removeprefix('torch.')} prompt {prompt} | {' | '.join(cells)} |")
-    headers = [f"{short} tokens/s" for short in names] + (["tvm / sdpa"] if len(names) == 2 else [])
-    print(f"\ngenerate(), 8-layer Llama (GQA 8/2, D64), {new_tokens} new tokens (median of {runs} runs)\n")
+    for dtype, size in cases:
+        values = {impl: [] for impl in implementations}
+        for _ in range(args.runs):
+            for impl in implementations:
+                values[impl].append(_in_own_process(args, [part, dtype, str(size), impl, str(args.new_tokens),
+                                                           str(args.train_steps)]))
+        medians = {impl: statistics.median(v) for impl, v in values.items()}
+        scale = 1 if higher_is_faster else 1e3
+        cells = [f"{medians[i] * scale:.1f} ({min(values[i]) * scale:.1f}-{max(values[i]) * scale:.1f})"
+                 for i in implementations]
+        if len(implementations) == 2:
+            ratio = medians["sdpa"] / medians["tvm"] if higher_is_faster else medians["tvm"] / medians["sdpa"]
+            cells.append(f"{ratio:.2f}")
+        what = "prompt" if part == "generate" else "sequence"
+        rows.append(f"| {dtype} {what} {size} | {' | '.join(cells)} |")
+        print(f"  {part}: {rows[-1]}", file=sys.stderr, flush=True)
+    headers = [f"{impl} {unit} (min-max)" for impl in implementations] + (
+        ["tvm / sdpa time"] if len(implementations) == 2 else [])
+    title = (f"generate(), 8-layer Llama (GQA 8/2, D64), {args.new_tokens} new tokens" if part == "generate" else
+             f"training step (forward, backward, AdamW), 8-layer Llama (GQA 8/2, D64), {args.train_steps} steps")
+    print(f"\n{title}: median of {args.runs} processes per implementation, alternated\n")
     print(f"| case | {' | '.join(headers)} |\n|{'---|' * (len(headers) + 1)}")
     print("\n".join(rows), flush=True)
 
 
+def worker(argv: list[str]) -> None:
+    part, dtype, size, implementation, new_tokens, steps = argv
+    dtype = getattr(torch, dtype)
+    if part == "generate":
+        result = worker_generate(dtype, int(size), int(new_tokens), implementation)
+    else:
+        result = worker_train(dtype, int(size), int(steps), implementation)
+    print(json.dumps(result))
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("parts", nargs="*", default=["fixed", "linear", "generate"],
-                   choices=["fixed", "linear", "generate"])
+    parts = ["fixed", "linear", "generate", "train"]
+    p.add_argument("parts", nargs="*", help=f"of {', '.join(parts)} (default: all)")
     p.add_argument("--rounds", type=int, default=1000, help="interleaved rounds per case (fixed, linear)")
     p.add_argument("--prompts", type=int, nargs="+", default=[32, 1024])
     p.add_argument("--new-tokens", type=int, default=64)
-    p.add_argument("--runs", type=int, default=3, help="generate() runs per implementation and case")
-    p.add_argument("--only", choices=["tvm", "sdpa"], help="generate() with one implementation only")
+    p.add_argument("--train-lengths", type=int, nargs="+", default=[16, 512])
+    p.add_argument("--train-steps", type=int, default=5)
+    p.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"], help="generate() and training dtypes")
+    p.add_argument("--runs", type=int, default=3, help="processes per implementation and case (generate, train)")
+    p.add_argument("--only", choices=["tvm", "sdpa"], help="generate() / train with one implementation only")
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
+    p.add_argument("--worker", nargs=6, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    print(f"machine: {machine()}\ntvmflash {tvmflash.__version__}, load average at start: {os.getloadavg()}")
+    if args.worker:
+        worker(args.worker)
+        return
+    args.parts = args.parts or parts
+    if set(args.parts) - set(parts):
+        p.error(f"unknown parts {sorted(set(args.parts) - set(parts))}: choose from {parts}")
+    print(f"machine: {machine()}\ntvmflash {tvmflash.__version__}, {torch.get_num_threads()} threads, "
+          f"load average at start: {os.getloadavg()}")
     if "fixed" in args.parts:
         fixed_cost(args.rounds)
     if "linear" in args.parts:
         after_linear(args.rounds)
     if "generate" in args.parts:
-        generate(args.prompts, args.new_tokens, args.runs, args.only)
+        alternated(args, "generate", [(d, n) for d in args.dtypes for n in args.prompts], "tokens/s", True)
+    if "train" in args.parts:
+        alternated(args, "train", [(d, n) for d in args.dtypes for n in args.train_lengths], "ms/step", False)
     print(f"\nload average at the end: {os.getloadavg()}")
 
 

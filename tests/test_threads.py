@@ -57,6 +57,26 @@ def test_kernels_run_on_torch_threads(gen, torch_threads):
     assert torch.equal(single, out)  # the kernels' results do not depend on the thread count
 
 
+def test_short_sequence_kernels_run_on_torch_threads(gen, torch_threads):
+    """The kernels with tiles for short sequences (compiled at a call's first short length) are
+    routed like the others: their tasks run on torch's OpenMP workers, no thread of their own."""
+    torch.set_num_threads(2)
+    q, k, v = random_inputs(gen, 2, 15, 15, 4, 2, 64, "float32")
+    flash_attn_func(q, k, v)  # compiled (or loaded), routed
+    kernels = torch_op.kernels_for(q, seqlens=(15, 15))
+    assert kernels.configs["forward"].block_q == 16 and kernels._on_torch_threads
+    torch.randn(1 << 18).exp_()  # torch's OpenMP workers exist
+    workers = _os_threads()
+    _, _, launches = threads.last_launch()
+    with torch.inference_mode():  # (the repeated-call path too)
+        for _ in range(2):
+            out = flash_attn_func(q, k, v)
+    team, tids, after = threads.last_launch()
+    assert after >= launches + 2 and team == 2 and {str(t) for t in tids} <= workers
+    assert _os_threads() == workers, "the kernel started threads of its own (TVM's pool)"
+    torch.testing.assert_close(out.double(), reference_attention(q, k, v)[0].double(), atol=1e-5, rtol=1e-5)
+
+
 def test_decode_runs_on_torch_threads(gen, torch_threads):
     torch.set_num_threads(2)
     k_cache = torch.randn(1, 700, 2, 64, generator=gen)

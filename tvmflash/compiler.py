@@ -24,7 +24,7 @@ import tvm_ffi
 
 from . import cache, checks, import_closure, product_rates, records, runtime, settings
 from . import target as targets
-from .config import BF16_DOT, KERNELS, CPUKernelConfig, CUDAKernelConfig, default_cpu_config
+from .config import BF16_DOT, KERNELS, TILE_EDGES, CPUKernelConfig, CUDAKernelConfig, default_cpu_config
 from .runtime import FlashKernels
 from .spec import Alibi, AttentionSpec, Softcap
 from .version import __version__
@@ -53,15 +53,19 @@ def choose_configs(target: tvm.target.Target, spec: AttentionSpec, *, config=Non
     The one place this is decided. Per kernel: an explicit ``config`` (a dict kernel -> config,
     or one config applying to its own kernel) wins; else, on CPUs with ``tuned``, the verified
     tuning record for this target and spec (``records.py``; the one tuned at the sequence length
-    nearest ``seqlen``); else the hand-written default for the target's ISA and the spec's dtype
-    (bf16 inputs: native bf16 dot products where the target has AVX512-BF16 and, on this CPU,
-    they multiply faster than fp32 FMAs: ``product_rates``). A config whose
-    products the target cannot run is an error (explicit) or skipped (tuning record).
+    nearest ``seqlen``) if its tiles are those of the hand-written config; else the hand-written
+    default for the target's ISA, the spec's dtype (bf16 inputs: native bf16 dot products where
+    the target has AVX512-BF16 and, on this CPU, they multiply faster than fp32 FMAs:
+    ``product_rates``) and ``seqlen``: an int, or (queries, keys); sequences of up to
+    16 or 32 tokens get 16- or 32-row tiles (``config.tile_edge``), a tuning record made at
+    long lengths would compute whole 64-row tiles of padding for them. A config whose products
+    the target cannot run is an error (explicit) or skipped (tuning record).
     """
     explicit = _explicit_configs(config)
     is_cuda = target.kind.name == "cuda"
     chosen, used = {}, {}
     bf16_dot = not is_cuda and targets.supports_bf16_dot(target)
+    seqlen_q, seqlen_k = seqlen if isinstance(seqlen, tuple) else (seqlen, seqlen)
     for kernel in KERNELS:
         if kernel in explicit:
             chosen[kernel] = explicit[kernel]
@@ -69,12 +73,16 @@ def choose_configs(target: tvm.target.Target, spec: AttentionSpec, *, config=Non
         if is_cuda:
             chosen[kernel] = CUDAKernelConfig(kernel)
             continue
-        found = records.lookup(targets.key(target), spec, kernel, seqlen) if tuned else None
-        if found is not None and (found[0].products != BF16_DOT or bf16_dot):
+        default = default_cpu_config(kernel, targets.has_features(target, "avx512f"),
+                                     product_rates.default_products(target, spec.dtype), seqlen_q, seqlen_k)
+        found = records.lookup(targets.key(target), spec, kernel, max(seqlen_q or 0, seqlen_k or 0) or None
+                               ) if tuned else None
+        tiles = (default.block_q, default.block_k)
+        if (found is not None and (found[0].products != BF16_DOT or bf16_dot)
+                and (tiles == (TILE_EDGES[-1],) * 2 or tiles == (found[0].block_q, found[0].block_k))):
             chosen[kernel], used[kernel] = found
         else:
-            chosen[kernel] = default_cpu_config(kernel, targets.has_features(target, "avx512f"),
-                                                product_rates.default_products(target, spec.dtype))
+            chosen[kernel] = default
     wanted = CUDAKernelConfig if is_cuda else CPUKernelConfig
     for kernel, cfg in chosen.items():
         if not isinstance(cfg, wanted) or cfg.kernel != kernel:
@@ -143,7 +151,10 @@ def compile(  # noqa: A001 - the public name the API promises
     ``causal=``, ``window_size=``).
     ``config``: a ``CPUKernelConfig``/``CUDAKernelConfig`` or a dict of them by kernel; default
     chosen by ``choose_configs`` (``tuned=False``: the hand-written defaults, ignoring tuning
-    records; the record used is ``kernels.tuning_record``). ``cache=False`` skips every cache
+    records; the record used is ``kernels.tuning_record``). ``seqlen``: the sequence length the
+    kernels are for (an int, or (queries, keys)): tuning records tuned nearest to it, and tiles
+    of 16 or 32 rows for sequences that short (``config.tile_edge``; the kernels still take any
+    length). ``cache=False`` skips every cache
     (memory, prebuilt, disk). ``deterministic``: CUDA backward without atomic adds (bitwise
     reproducible); CPU kernels are deterministic, independent of the thread count, always.
     """
@@ -248,6 +259,9 @@ def _build(target: tvm.target.Target, spec: AttentionSpec, configs: dict, meta: 
     global builds
     builds += 1
     desc = f"{targets.key(target)}, {spec.describe()}" + (", deterministic" if meta["deterministic"] else "")
+    forward = configs.get("forward")
+    if isinstance(forward, CPUKernelConfig) and (forward.block_q, forward.block_k) != (TILE_EDGES[-1],) * 2:
+        desc += f", {forward.block_q} x {forward.block_k} tiles for short sequences"
     settings.progress(f"compiling flash attention forward+backward ({desc}) ...")
     start = time.perf_counter()
     from . import build

@@ -81,19 +81,44 @@ class CPUKernelConfig:
                    str(d.get("products", FP32_FMA)))
 
 
-def default_cpu_config(kernel: str, avx512: bool, products: str = FP32_FMA) -> CPUKernelConfig:
-    """The hand-written schedule's choices for a CPU with (or without) AVX-512.
+# Tile edges (block_q, block_k) by sequence length: a 64 x 64 tile of a 16-token sequence
+# computes 16 times the real work (padding rows and keys). The forward at B1 N16 H8 D64 took
+# 162 us with 64 x 64 tiles, 28.5 us with 16 x 16; from 48 tokens on 64 is as fast or faster
+# (DEVELOPING.md, "Tiles for short sequences").
+TILE_EDGES = (16, 32, 64)
+
+
+def tile_edge(seqlen: int | None) -> int:
+    """The tile edge for sequences of this length: the smallest of ``TILE_EDGES`` that holds
+    them (the largest for longer ones, or when the length is not known)."""
+    if seqlen is None:
+        return TILE_EDGES[-1]
+    return next((edge for edge in TILE_EDGES if seqlen <= edge), TILE_EDGES[-1])
+
+
+def default_cpu_config(kernel: str, avx512: bool, products: str = FP32_FMA, seqlen_q: int | None = None,
+                       seqlen_k: int | None = None) -> CPUKernelConfig:
+    """The hand-written schedule's choices for a CPU with (or without) AVX-512, and tiles for
+    sequences of ``seqlen_q`` queries and ``seqlen_k`` keys (``tile_edge``; unknown: 64 x 64).
 
     The register tiles hold 16 accumulators with either products: ``vdpbf16ps`` has a latency of
-    ~6 cycles at one per cycle (Zen 4, DEVELOPING.md), so it needs >= 6 independent ones.
+    ~6 cycles at one per cycle (Zen 4, DEVELOPING.md), so it needs >= 6 independent ones. The
+    forward's products have the query tile in their vector lanes (``block_q / lanes`` vectors):
+    with 16 or 32 queries its 4 x 4 tile becomes 8 x 1 or 8 x 2 (``schedules/llvm.py`` would
+    otherwise cut it to 4 x 1: 4 accumulators).
     """
+    block_q, block_k = tile_edge(seqlen_q), tile_edge(seqlen_k)
     if avx512:
-        tile = RegisterTile(4, 4) if kernel == "forward" else RegisterTile(8, 2)
         lanes = 16
+        if kernel == "forward":
+            vectors = max(1, min(4, block_q // lanes))
+            tile = RegisterTile(min(MAX_TILE_ROWS, 16 // vectors), vectors)
+        else:
+            tile = RegisterTile(8, 2)
     else:  # AVX2: 8 accumulators + 2 loads + 1 broadcast of 16 registers
         tile, lanes = RegisterTile(4, 2), 8
-    return CPUKernelConfig(kernel, lanes=lanes, tiles=tuple((name, tile) for name in PRODUCTS[kernel]),
-                           products=products)
+    tiles = tuple((name, tile) for name in PRODUCTS[kernel])
+    return CPUKernelConfig(kernel, block_q, block_k, lanes=lanes, tiles=tiles, products=products)
 
 
 # CUDA: the kernels' warp layout is fixed (kernels/cuda.py: 4 warps x 16 query rows per thread

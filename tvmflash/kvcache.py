@@ -27,17 +27,20 @@ from __future__ import annotations
 
 import functools
 import os
+import threading
 
 import torch
 
 from . import checks, compiler, plan, version
+from . import threads as threads_module
 from .spec import SUPPORTED_DTYPES, UNLIMITED_WINDOW, Alibi, AttentionSpec, Softcap
 
 version.require("torch", torch.__version__, version.MIN_TORCH)
 
 __all__ = ["flash_attn_with_kvcache", "apply_rotary"]
 
-_STEERING_ENV = ("TVMFLASH_CACHE_DIR",)
+_CACHE_DIR_ENV = "TVMFLASH_CACHE_DIR"
+_STEERING_ENV = (_CACHE_DIR_ENV,)
 _kernels: dict[tuple, object] = {}
 
 
@@ -110,6 +113,16 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     Returns out (batch, seqlen_q, nheads, headdim), and
     softmax_lse (batch, nheads, seqlen_q) fp32 if ``return_softmax_lse``. Forward only.
     """
+    if (k is None and v is None and rotary_cos is None and rotary_sin is None and cache_batch_idx is None
+            and cache_leftpad is None and block_table is None and alibi_slopes is None):
+        # a decode step of the kind every model makes (shapes and options seen before): checked once
+        key = _step_key(q, k_cache, v_cache, cache_seqlens, softmax_scale, causal, window_size, softcap,
+                        rotary_interleaved, num_splits, return_softmax_lse)
+        step = _steps.get(key) if key is not None else None
+        if step is not None:
+            result = step(q, k_cache, v_cache, cache_seqlens)
+            if result is not None:
+                return result  # (None: something the checks below must see, and raise on)
     q = _tensor("q", q, 4)
     k_cache, v_cache = _tensor("k_cache", k_cache, 4), _tensor("v_cache", v_cache, 4)
     new_tokens = [t for t in (k, v) if isinstance(t, torch.Tensor)]
@@ -263,6 +276,15 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     lse = torch.empty(batch, heads, seqlen_q, dtype=torch.float32)
     kernels.decode(q_in, k_cache, v_cache, out, lse, scale, window, threads, torch.from_numpy(seq_info),
                    torch.from_numpy(units), pages, mods)
+    if (not seqlen_new and not paged and cache_batch_idx is None and cache_leftpad is None and alibi_slopes is None
+            and q_in is q):
+        key = _step_key(q, k_cache, v_cache, cache_seqlens, softmax_scale, causal, window_size, softcap,
+                        rotary_interleaved, num_splits, return_softmax_lse)
+        if key is not None:
+            if len(_steps) >= _MAX_STEPS:
+                _steps.clear()
+            _steps[key] = _DecodeStep(kernels, out.shape, lse.shape, scale, window, group, num_splits, pages, mods,
+                                      return_softmax_lse)
     return (out, lse) if return_softmax_lse else out
 
 
@@ -318,3 +340,96 @@ def _write_new_tokens(k_cache, v_cache, k, v, seqlens, cache_rows, block_table) 
                 cache[r, o] = t
             continue
         flat.index_copy_(0, (rows * rows_per_page + offsets).flatten(), new.reshape(batch * seqlen_new, *new.shape[2:]))
+
+
+# --- decode steps seen before ------------------------------------------------------------------
+# A model calls flash_attn_with_kvcache once per layer and token with the same tensors' shapes and
+# the same options; only the cache lengths change. The checks above (~25 us of Python, more than
+# the kernel takes against a short cache) depend on nothing else, so a call whose shapes, strides,
+# dtypes and options all equal those of a call that passed them runs as that one did, checking
+# what can still differ: the lengths (bounds), gradient mode and requires_grad. The key holds
+# exact types (True == 1 in a dict key, but not for the checks).
+_steps: dict[tuple, _DecodeStep] = {}
+_MAX_STEPS = 256
+
+
+def _step_key(q, k_cache, v_cache, cache_seqlens, softmax_scale, causal, window_size, softcap, rotary_interleaved,
+              num_splits, return_lse) -> tuple | None:
+    """What the checks of a call without new tokens, rotary, paging, cache_batch_idx,
+    cache_leftpad and ALiBi depend on; None for arguments of unusual types (the checks see them)."""
+    if (type(q) is not torch.Tensor or type(k_cache) is not torch.Tensor or type(v_cache) is not torch.Tensor
+            or not (softmax_scale is None or type(softmax_scale) is float) or type(causal) is not bool
+            or type(window_size) is not tuple or len(window_size) != 2 or type(window_size[0]) is not int
+            or type(window_size[1]) is not int or type(softcap) not in (float, int) or type(num_splits) is not int
+            or type(rotary_interleaved) is not bool or type(return_lse) is not bool):
+        return None
+    if cache_seqlens is None or type(cache_seqlens) is int:
+        lengths = type(cache_seqlens)
+    elif type(cache_seqlens) is torch.Tensor:
+        lengths = (cache_seqlens.dtype, cache_seqlens.shape, cache_seqlens.is_cpu, cache_seqlens.layout)
+    else:
+        return None
+    # The checks read the caches' last stride only, and their length, which a growing cache changes
+    # every step: each call compares it with v_cache's and the lengths with it.
+    try:  # (sparse tensors have no strides; a tensor of other than 4 dims fails a check, not here)
+        k_shape = k_cache.shape
+        return (q.shape, q.stride(), q.dtype, q.is_cpu, k_shape[0], k_shape[2:], k_cache.stride(-1), k_cache.dtype,
+                k_cache.is_cpu, v_cache.stride(-1), v_cache.dtype, v_cache.is_cpu, lengths, softmax_scale, causal,
+                window_size, softcap, num_splits, rotary_interleaved, return_lse, os.environ.get(_CACHE_DIR_ENV))
+    except (IndexError, RuntimeError):
+        return None
+
+
+class _DecodeStep:
+    """A checked decode call's plan, for calls with the same ``_step_key``."""
+
+    def __init__(self, kernels, out_shape, lse_shape, scale, window, group, num_splits, pages, mods, return_lse):
+        self.kernels, self.out_shape, self.lse_shape = kernels, out_shape, lse_shape
+        self.scale, self.window, self.group, self.num_splits = scale, window, group, num_splits
+        self.pages, self.mods, self.return_lse = pages, mods, return_lse
+        self.batch, self.seqlen_q = out_shape[0], out_shape[1]
+        self.starts = (0,) * self.batch
+        # the tables of the last lengths: the layers of a model call with the same lengths in turn
+        self._last = (None, None)
+        self._scratch = threading.local()  # each thread's lse when the caller does not want it
+
+    def __call__(self, q, k_cache, v_cache, cache_seqlens):
+        """The call's result, or None where the full checks must run (they raise)."""
+        if torch.is_grad_enabled() and (q.requires_grad or k_cache.requires_grad or v_cache.requires_grad):
+            return None
+        capacity = k_cache.shape[1]
+        if v_cache.shape != k_cache.shape:
+            return None
+        if cache_seqlens is None:
+            ends = (capacity,) * self.batch
+        elif type(cache_seqlens) is int:
+            if not 0 <= cache_seqlens <= capacity:
+                return None
+            ends = (cache_seqlens,) * self.batch
+        else:
+            ends = cache_seqlens.tolist()
+            if min(ends) < 0 or max(ends) > capacity:
+                return None
+        kernels = self.kernels
+        threads = kernels.plan_threads()
+        planned, tables = self._last
+        if planned != (ends, threads):
+            seq_info, units = plan.decode_units(self.starts, ends, seqlen_q=self.seqlen_q, window=self.window,
+                                                block_k=kernels.config.block_k, heads_k=k_cache.shape[2],
+                                                threads=threads, num_splits=self.num_splits, head_group=self.group)
+            tables = torch.from_numpy(seq_info), torch.from_numpy(units), min(threads, max(1, len(units)))
+            self._last = ((ends, threads), tables)  # (one assignment: other threads see old or new)
+        seq_info, units, team = tables
+        out = torch.empty(self.out_shape, dtype=q.dtype)
+        if self.return_lse:
+            lse = torch.empty(self.lse_shape, dtype=torch.float32)
+        else:
+            lse = getattr(self._scratch, "lse", None)
+            if lse is None:
+                lse = self._scratch.lse = torch.empty(self.lse_shape, dtype=torch.float32)
+        # (DecodeKernels.decode without its checks: the first call of this step made them)
+        if kernels._on_torch_threads:
+            threads_module.limit(team)
+        kernels._function(q, k_cache, v_cache, out, lse, self.scale, *self.window, team, seq_info, units, self.pages,
+                          *self.mods)
+        return (out, lse) if self.return_lse else out

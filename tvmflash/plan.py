@@ -20,6 +20,7 @@ thread count. A super tile is ``super_tile`` tiles; it depends on the problem si
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -187,29 +188,42 @@ def decode_units(k_start, k_end, *, seqlen_q: int, window: tuple[int, int], bloc
     heads (default all). ``num_splits`` > 0: that many splits per sequence (fewer if it has
     fewer tiles); 0: splits of equal size, about ``DECODE_TASKS_PER_THREAD`` units per thread.
     Plain Python: a decode step calls this every token, and numpy's per-call overhead on a few
-    sequences was ~100 us."""
+    sequences was ~100 us. The units depend on the visible tiles only, which change once per
+    ``block_k`` tokens of a growing cache: they are memoized (the returned units array is shared:
+    read it, never write it)."""
     left, right = window
     group = heads_k if head_group is None else max(1, min(head_group, heads_k))
+    bounds = [(int(start), int(end)) for start, end in zip(k_start, k_end)]
+    if max((abs(x) for pair in bounds for x in pair), default=0) >= 2**31:
+        raise ValueError("sequences too long for the kernels' int32 tables (2^31 keys)")
+    spans = tuple(_visible_tiles(start, end, seqlen_q, left, right, block_k) for start, end in bounds)
+    units, unit_ranges = _split_units(spans, heads_k, group, threads, num_splits)
+    seq_info = np.array([(start, end, u0, u1) for (start, end), (u0, u1) in zip(bounds, unit_ranges)], np.int32)
+    return seq_info.reshape(-1, DECODE_SEQ_COLUMNS), units
+
+
+def _visible_tiles(start: int, end: int, seqlen_q: int, left: int, right: int, block_k: int) -> tuple[int, int]:
+    """(first key tile, tile count) that queries of a sequence with keys [start, end) can see."""
+    lo = max(start, end - seqlen_q - left, 0)
+    hi = min(end, end + right)
+    first = lo // block_k
+    return first, (ceildiv(hi, block_k) - first if hi > lo else 0)
+
+
+@functools.lru_cache(maxsize=1024)
+def _split_units(spans: tuple, heads_k: int, group: int, threads: int, num_splits: int):
+    """The unit table for sequences seeing ``spans`` (first tile, tiles), and each sequence's
+    [first, end) unit range."""
     groups = [(h, min(h + group, heads_k)) for h in range(0, heads_k, group)]
-    spans = []
-    for start, end in zip(k_start, k_end):
-        start, end = int(start), int(end)
-        lo = max(start, end - seqlen_q - left, 0)
-        hi = min(end, end + right)
-        first = lo // block_k
-        spans.append((first, ceildiv(hi, block_k) - first if hi > lo else 0))
     if num_splits <= 0:
         total = sum(tiles for _, tiles in spans) * len(groups)
         chunk = max(DECODE_MIN_SPLIT_TILES, ceildiv(total, max(1, threads * DECODE_TASKS_PER_THREAD)))
-    seq_info, units = [], []
-    for b, ((start, end), (first, tiles)) in enumerate(zip(zip(k_start, k_end), spans)):
+    units, ranges = [], []
+    for b, (first, tiles) in enumerate(spans):
         if num_splits > 0:
             chunk = ceildiv(tiles, max(1, min(tiles, num_splits)))
         unit0 = len(units)
         units += [(b, t, min(t + chunk, first + tiles), h0, h1)
                   for t in range(first, first + tiles, max(chunk, 1)) for h0, h1 in groups]
-        seq_info.append((int(start), int(end), unit0, len(units)))
-    if max((abs(x) for row in seq_info + units for x in row), default=0) >= 2**31:
-        raise ValueError("sequences too long for the kernels' int32 tables (2^31 keys)")
-    return (np.array(seq_info, np.int32).reshape(-1, DECODE_SEQ_COLUMNS),
-            np.array(units, np.int32).reshape(-1, DECODE_UNIT_COLUMNS))
+        ranges.append((unit0, len(units)))
+    return np.array(units, np.int32).reshape(-1, DECODE_UNIT_COLUMNS), tuple(ranges)

@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import torch
 
-from . import checks, compiler, version
+from . import checks, compiler, threads, version
+from .config import TILE_EDGES, tile_edge
 from .runtime import FlashKernels
 from .spec import SUPPORTED_DTYPES, Alibi, AttentionSpec, Softcap
 
@@ -28,14 +29,23 @@ def _dtype_name(t: torch.Tensor) -> str:
 
 
 def kernels_for(q: torch.Tensor, *, causal: bool = False, deterministic: bool = False, softcap: bool = False,
-                alibi: bool = False, fp32_results: bool = False) -> FlashKernels:
+                alibi: bool = False, fp32_results: bool = False, seqlens: tuple[int, int] | None = None
+                ) -> FlashKernels:
     """The compiled kernels for q's device, head dim and dtype with these features (cached).
 
     ``fp32_results``: out (forward) and dq, dk, dv (backward) in float32 for 16-bit inputs, for
     callers that sum partial results (ring attention). CUDA kernels run on torch's current stream
     (tvm-ffi reads it from the tensors). Kernels take the mask per call; ``causal`` is the default.
+    ``seqlens``: (queries, keys) of the call's sequences, if known: CPU kernels with tiles for
+    that length (16 or 32 rows for short sequences, ``config.tile_edge``; compiled at the first
+    call of each size class, then cached like the others).
     """
-    memo = (q.device, q.dtype, q.shape[-1], causal, deterministic, softcap, alibi, fp32_results,
+    tiles = None
+    if seqlens is not None and q.device.type == "cpu":
+        tiles = (tile_edge(seqlens[0]), tile_edge(seqlens[1]))
+        if tiles == (TILE_EDGES[-1],) * 2:
+            tiles = None  # the kernels for long or unknown lengths
+    memo = (q.device, q.dtype, q.shape[-1], causal, deterministic, softcap, alibi, fp32_results, tiles,
             compiler.request_state())
     found = _kernels.get(memo)
     if found is None:
@@ -43,7 +53,7 @@ def kernels_for(q: torch.Tensor, *, causal: bool = False, deterministic: bool = 
         mods = (Softcap(),) * softcap + (Alibi(),) * alibi
         spec = AttentionSpec(q.shape[-1], dtype, "float32" if fp32_results else dtype, score_mods=mods)
         found = _kernels[memo] = compiler.compile_spec(device_target(q.device), spec, causal=causal,
-                                                       deterministic=deterministic)
+                                                       deterministic=deterministic, seqlen=tiles)
     return found
 
 
@@ -83,6 +93,12 @@ def _mod_inputs(q: torch.Tensor, softcap: float, alibi_slopes: torch.Tensor | No
     return mods
 
 
+def _batched_seqlens(q: torch.Tensor, k: torch.Tensor, varlen: bool) -> tuple[int, int] | None:
+    """(queries, keys) per sequence of a batched call, which choose its kernels' tiles; None for
+    packed sequences (their lengths are in cu_seqlens: they keep the tiles for long ones)."""
+    return None if varlen else (q.shape[1], k.shape[1])
+
+
 def _empty_problem(q: torch.Tensor, k: torch.Tensor, varlen: bool) -> bool:
     return q.numel() == 0 or k.numel() == 0 or (not varlen and k.shape[1] == 0)
 
@@ -106,7 +122,7 @@ def _run_forward(dims, q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, softma
     if _empty_problem(q, k, varlen):  # no keys: out = 0, lse = -inf (no kernel call)
         return out.zero_(), lse.fill_(float("-inf"))
     kernels = kernels_for(q, deterministic=deterministic, softcap=softcap > 0, alibi=alibi_slopes is not None,
-                          fp32_results=fp32_results)
+                          fp32_results=fp32_results, seqlens=_batched_seqlens(q, k, varlen))
     if varlen:
         q4, k4, v4, out4, lse3 = (_as_batch(t) for t in (q, k, v, out, lse))
     else:
@@ -157,7 +173,7 @@ def _backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
     if _empty_problem(q, k, varlen):
         return dq.zero_(), dk.zero_(), dv.zero_()
     kernels = kernels_for(q, deterministic=deterministic, softcap=softcap > 0, alibi=alibi_slopes is not None,
-                          fp32_results=fp32_results)
+                          fp32_results=fp32_results, seqlens=_batched_seqlens(q, k, varlen))
     tensors = (dout, q, k, v, out, lse, dq, dk, dv)
     if varlen:
         tensors = tuple(_as_batch(t) for t in tensors)
@@ -268,6 +284,14 @@ def _check_alibi(alibi_slopes, q: torch.Tensor, heads: int, batch: int | None) -
 
 def _attention(q, k, v, cu_seqlens_q, cu_seqlens_k, dropout_p, softmax_scale, causal, window_size, softcap,
                alibi_slopes, deterministic, return_attn_probs, *, fp32_results=False, diagonal=None):
+    fast = (cu_seqlens_q is None and cu_seqlens_k is None and alibi_slopes is None and not fp32_results
+            and diagonal is None)
+    if fast:
+        key = _call_key(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, deterministic,
+                        return_attn_probs)
+        call = _calls.get(key) if key is not None else None
+        if call is not None and _without_dispatcher(q, k, v):
+            return call(q, k, v)
     varlen = cu_seqlens_q is not None
     tensors = {"q": q, "k": k, "v": v}
     infos = _check_tensors(tensors)
@@ -284,6 +308,7 @@ def _attention(q, k, v, cu_seqlens_q, cu_seqlens_k, dropout_p, softmax_scale, ca
                                    window_size=window_size, softcap=softcap, deterministic=deterministic,
                                    return_attn_probs=return_attn_probs)
     _check_alibi(alibi_slopes, q, heads, batch)
+    given = (q, k, v)
     padded = _padded_head_dims(q, k, v)
     if padded[0] is not q:
         q, k, v = padded
@@ -305,10 +330,76 @@ def _attention(q, k, v, cu_seqlens_q, cu_seqlens_k, dropout_p, softmax_scale, ca
             options.deterministic, fp32_results, diagonal)
     if _without_dispatcher(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes):
         out, lse = _run_forward(dims, *args)
+        in_place = all(a is b for a, b in zip((q, k, v), given))  # no padding, no copy
+        if fast and key is not None and in_place and not _empty_problem(q, k, False):
+            _remember_call(key, dims, q, k, options, return_attn_probs)
     else:
         out, lse = _forward(*args)
     out = out[..., :head_dim]
     return (out, lse, None) if return_attn_probs else out
+
+
+# --- inference calls seen before -------------------------------------------------------------
+# A model calls flash_attn_func once per layer and step with the same shapes and options. The
+# checks (~40 us of Python, as much as the kernel at 16 tokens) depend on nothing else: a call
+# whose tensors' types, shapes, strides, dtypes and whose options (exact types: True == 1 in a
+# key, not for the checks) equal those of a checked dispatcher-free call runs as it did. What
+# can still differ is checked per call (_without_dispatcher: gradients, autocast, compile,
+# modes). Forward only; calls with packed sequences, ALiBi or padded head dims take the full path.
+_calls: dict[tuple, _ForwardCall] = {}
+_MAX_CALLS = 256
+_OPTION_TYPES = (float, int, type(None))
+
+
+def _call_key(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, deterministic, return_attn_probs):
+    if (type(q) is not torch.Tensor or type(k) is not torch.Tensor or type(v) is not torch.Tensor
+            or type(dropout_p) not in _OPTION_TYPES or type(softmax_scale) not in _OPTION_TYPES
+            or type(softcap) not in _OPTION_TYPES or type(causal) is not bool or type(deterministic) is not bool
+            or type(return_attn_probs) is not bool or type(window_size) is not tuple or len(window_size) != 2
+            or type(window_size[0]) is not int or type(window_size[1]) is not int):
+        return None
+    try:  # (no strides: sparse and other layouts; the checks name them)
+        return (q.shape, q.stride(), q.dtype, q.is_cpu, k.shape, k.stride(), k.dtype, k.is_cpu, v.shape, v.stride(),
+                v.dtype, v.is_cpu, type(dropout_p), dropout_p, type(softmax_scale), softmax_scale, type(softcap),
+                softcap, causal, window_size, deterministic, return_attn_probs, compiler.request_state())
+    except RuntimeError:
+        return None
+
+
+def _remember_call(key, dims, q, k, options, return_attn_probs) -> None:
+    """Remember a checked call of CPU tensors that the kernels read in place (no copy, no padding)."""
+    if not q.is_cpu:
+        return
+    kernels = kernels_for(q, deterministic=options.deterministic, softcap=options.softcap > 0,
+                          seqlens=_batched_seqlens(q, k, False))
+    batch, seqlen_q, heads, heads_k = dims
+    seqs, tables = kernels._sequences("forward", batch, seqlen_q, k.shape[1], heads_k, None, None)
+    tasks = max(seqs.query_tiles * heads, seqs.key_tiles * heads_k)
+    if len(_calls) >= _MAX_CALLS:
+        _calls.clear()
+    _calls[key] = _ForwardCall(kernels, (batch, heads, seqlen_q), checks.softmax_scale(options.softmax_scale,
+                               kernels.head_dim), checks.window((options.window[0], options.window[1]), False),
+                               tables[:3], _mod_inputs(q, options.softcap, None), tasks, return_attn_probs)
+
+
+class _ForwardCall:
+    """A checked forward call's kernels and tables, for calls with the same ``_call_key``."""
+
+    def __init__(self, kernels, lse_shape, scale, window, tables, mods, tasks, return_attn_probs):
+        self.kernels, self.lse_shape, self.scale, self.window = kernels, lse_shape, scale, window
+        self.tables, self.mods, self.tasks, self.return_attn_probs = tables, mods, tasks, return_attn_probs
+        self.function = kernels._functions["flash_fwd"]
+        self.device = torch.device("cpu")
+
+    def __call__(self, q, k, v):
+        kernels = self.kernels
+        out = torch.empty(q.shape, dtype=q.dtype, device=self.device)
+        lse = torch.empty(self.lse_shape, dtype=torch.float32, device=self.device)
+        n_threads = kernels.plan_threads()
+        if kernels._on_torch_threads:
+            threads.limit(min(n_threads, self.tasks))
+        self.function(q, k, v, out, lse, self.scale, *self.window, n_threads, *self.tables, *self.mods)
+        return (out, lse, None) if self.return_attn_probs else out
 
 
 def _padded_head_dims(q, k, v):

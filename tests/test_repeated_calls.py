@@ -1,0 +1,100 @@
+"""Calls that repeat a checked call's shapes and options (a model's layers and steps) skip the
+checks they already passed (kvcache._steps, torch_op._calls): they must give the results of the
+full path, and every input the full path refuses must still be refused after such a call."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import random_inputs, reference_attention
+from tvmflash import checks, flash_attn_func, flash_attn_with_kvcache, kvcache, torch_op
+
+
+def _decode_inputs(gen, capacity=300, dtype=torch.float32):
+    k_cache = torch.randn(2, capacity, 2, 64, generator=gen).to(dtype)
+    v_cache = torch.randn(2, capacity, 2, 64, generator=gen).to(dtype)
+    return torch.randn(2, 1, 8, 64, generator=gen).to(dtype), k_cache, v_cache
+
+
+def _full_path(fn, *args, **kwargs):
+    """fn's result with the memo of repeated calls cleared before and after (the full checks run)."""
+    kvcache._steps.clear()
+    torch_op._calls.clear()
+    try:
+        return fn(*args, **kwargs)
+    finally:
+        kvcache._steps.clear()
+        torch_op._calls.clear()
+
+
+@pytest.mark.parametrize("lengths", ["int", "tensor"])
+def test_growing_cache_matches_the_full_path(gen, lengths):
+    """A cache that grows by one row per step (transformers' DynamicCache: a new tensor each
+    step), lengths crossing key tiles (63 -> 65, 127 -> 129)."""
+    q, k_all, v_all = _decode_inputs(gen)
+    with torch.no_grad():
+        for n in (61, 62, 63, 64, 65, 127, 128, 129, 200):
+            k_cache, v_cache = k_all[:, :n].transpose(1, 2).contiguous().transpose(1, 2), v_all[:, :n]
+            seqlens = n - 3 if lengths == "int" else torch.tensor([n - 3, n - 40], dtype=torch.int32)
+            got, lse = flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens, causal=True,
+                                               return_softmax_lse=True)
+            want, want_lse = _full_path(flash_attn_with_kvcache, q, k_cache, v_cache, cache_seqlens=seqlens,
+                                        causal=True, return_softmax_lse=True)
+            assert torch.equal(got, want) and torch.equal(lse, want_lse)
+            flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens, causal=True, return_softmax_lse=True)
+    ends = [n - 3, n - 40] if lengths == "tensor" else [n - 3] * 2
+    for b, end in enumerate(ends):
+        ref = reference_attention(q[b:b + 1], k_cache[b:b + 1, :end], v_cache[b:b + 1, :end])[0]
+        torch.testing.assert_close(got[b:b + 1].double(), ref.double(), atol=1e-5, rtol=1e-5)
+
+
+def test_decode_refuses_bad_input_after_a_repeated_call(gen):
+    q, k_cache, v_cache = _decode_inputs(gen)
+    with torch.no_grad():
+        for _ in range(2):
+            flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=100)
+        assert kvcache._steps  # the calls below would take the repeated-call path
+        with pytest.raises(checks.CapacityError, match="exceeds"):
+            flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=301)
+        with pytest.raises(ValueError, match=">= 0"):
+            flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=-1)
+        with pytest.raises(checks.CapacityError):
+            flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=torch.tensor([5, 301], dtype=torch.int32))
+        with pytest.raises(ValueError, match="same shape"):
+            flash_attn_with_kvcache(q, k_cache, v_cache[:, :200], cache_seqlens=100)
+        with pytest.raises(TypeError):
+            flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=100, causal=1)
+        with pytest.raises(ValueError):
+            flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=torch.tensor([5, 6, 7], dtype=torch.int32))
+    with pytest.raises(RuntimeError, match="forward only"):
+        flash_attn_with_kvcache(q.requires_grad_(), k_cache, v_cache, cache_seqlens=100)
+
+
+def test_forward_repeats_match_the_full_path(gen):
+    q, k, v = random_inputs(gen, 1, 21, 21, 4, 2, 64, "float32")
+    with torch.inference_mode():
+        first = flash_attn_func(q, k, v, causal=True, softcap=5.0)
+        assert torch_op._calls
+        again, lse, _ = flash_attn_func(q, k, v, causal=True, softcap=5.0, return_attn_probs=True)
+    want, want_lse, _ = _full_path(flash_attn_func, q, k, v, causal=True, softcap=5.0, return_attn_probs=True)
+    assert torch.equal(first, want) and torch.equal(again, want) and torch.equal(lse, want_lse)
+
+
+def test_forward_repeats_keep_autograd_autocast_and_checks(gen):
+    q, k, v = random_inputs(gen, 1, 21, 21, 4, 2, 64, "float32")
+    for _ in range(2):
+        flash_attn_func(q, k, v, causal=True)
+    assert torch_op._calls
+    leaf = q.clone().requires_grad_()
+    out = flash_attn_func(leaf, k, v, causal=True)  # same shapes, now with a gradient to record
+    out.sum().backward()
+    assert leaf.grad is not None and torch.isfinite(leaf.grad).all()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert flash_attn_func(q, k, v, causal=True).dtype == torch.bfloat16
+    with pytest.raises(TypeError):
+        flash_attn_func(q, k, v, causal=1)
+    with pytest.raises(ValueError, match="dropout"):
+        flash_attn_func(q, k, v, dropout_p=0.1, causal=True)
+    with pytest.raises((TypeError, ValueError)):
+        flash_attn_func(q, k.double(), v, causal=True)
