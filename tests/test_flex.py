@@ -408,15 +408,19 @@ def _value_cases():
 
 @pytest.mark.parametrize("case", list(_value_cases()))
 def test_score_mod_values_are_read_at_call_time(gen, case):
+    """... and a new value of a number is a run-time input of the same kernel (one key)."""
     make = _value_cases()[case]
     q, k, v = (torch.randn(1, 2, 75, 32, generator=gen) for _ in range(3))
+    keys = set()
     for value in (0.5, 2.0, 4.0):
         score_mod = make(value)
         ours = flex_attention(q, k, v, score_mod=score_mod)
+        keys.add(flex_trace.capture("score_mod", score_mod).key)
         ref, _ = reference_attention(*(t.double().transpose(1, 2) for t in (q, k, v)), score_mod=score_mod)
         torch.testing.assert_close(ours.double(), ref.transpose(1, 2), atol=1e-4, rtol=0,
                                    msg=lambda m: f"{case} = {value}: {m}")
         del score_mod, ours  # a freed partial's id is reused by the next one (CPython)
+    assert len(keys) == 1, f"{case}: a kernel per value"
 
 
 def test_mask_mod_values_are_read_at_call_time(gen):
@@ -453,9 +457,11 @@ def test_score_mods_with_defaults_and_bound_methods(gen):
             return score + self.bias[h]
 
     for score_mod in (positional_default, keyword_default, Holder().score_mod):
-        ours = flex_attention(q, k, v, score_mod=score_mod)
         ref, _ = reference_attention(*(t.double().transpose(1, 2) for t in (q, k, v)), score_mod=score_mod)
-        torch.testing.assert_close(ours.double(), ref.transpose(1, 2), atol=1e-4, rtol=0)
+        compiled = torch.compile(lambda q, k, v: flex_attention(q, k, v, score_mod=score_mod), backend="aot_eager",
+                                 fullgraph=True)
+        for ours in (flex_attention(q, k, v, score_mod=score_mod), compiled(q, k, v)):
+            torch.testing.assert_close(ours.double(), ref.transpose(1, 2), atol=1e-4, rtol=0)
 
 
 @pytest.mark.parametrize("dynamic", [None, True], ids=["automatic", "dynamic"])
@@ -480,3 +486,21 @@ def test_torch_compile_fullgraph_new_lengths_and_values(gen, dynamic):
         torch.testing.assert_close(ours.double(), ref.transpose(1, 2), atol=1e-4, rtol=0,
                                    msg=lambda m: f"seqlen {seqlen}, alpha {alpha}: {m}")
     CONFIG.alpha = 0.5
+
+
+def _thresholded(score, b, h, q_idx, kv_idx, threshold=0.0, slope=1.0):
+    return torch.where(score > threshold, score, score * slope) + torch.where(kv_idx - q_idx < threshold * 40, -1.5, 0.25)
+
+
+def test_numbers_in_comparisons_and_where_are_kernel_inputs(gen):
+    """Floats compared with scores and indices, and where's branches, are run-time inputs of one
+    kernel: torch's promotion (int index vs float) is kept."""
+    q, k, v = (torch.randn(1, 2, 90, 32, generator=gen) for _ in range(3))
+    keys = set()
+    for threshold, slope in ((0.0, 0.1), (0.3, 2.5), (-0.7, 0.5)):
+        score_mod = functools.partial(_thresholded, threshold=threshold, slope=slope)
+        ours = flex_attention(q, k, v, score_mod=score_mod)
+        keys.add(flex_trace.capture("score_mod", score_mod).key)
+        ref, _ = reference_attention(*(t.double().transpose(1, 2) for t in (q, k, v)), score_mod=score_mod)
+        torch.testing.assert_close(ours.double(), ref.transpose(1, 2), atol=1e-4, rtol=0)
+    assert len(keys) == 1

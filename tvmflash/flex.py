@@ -19,8 +19,8 @@ their gradient from the backward kernel (scatter-added per thread, summed in a f
 
 Kernels are compiled once per traced graph (the graph's key: its code, constants, and the
 captured tensors' shapes and dtypes) and cached in memory and on disk like every kernel.
-Traces are reused for later calls of the same function code over the same kinds of captured
-values; the captured tensors are re-read each call.
+What the functions read is read on every call; dynamo's guards say when to trace again
+(``flex_trace.capture``), and floats they compute with are run-time kernel inputs.
 """
 
 from __future__ import annotations
@@ -271,7 +271,7 @@ _body_tensors: dict[tuple, torch.Tensor] = {}
 
 
 def _find_paths(fn, wanted: set[int]) -> dict[int, tuple]:
-    """id(tensor) -> the steps from ``fn`` to it: ("cell", i), ("default", i), ("global", name),
+    """id(tensor) -> the steps from ``fn`` to it: ("cell", i), ("default", i), ("kwdefault", name), ("global", name),
     ("attr", name), ("self",), ("func",), ("arg", i), ("kwarg", name). Each step is plain attribute
     or item access, which dynamo follows, so a compiled graph reads the tensors the user's
     function holds *now* (as eager calls do) rather than copies from the first trace."""
@@ -293,6 +293,7 @@ def _find_paths(fn, wanted: set[int]) -> dict[int, tuple]:
                 except ValueError:  # an empty cell
                     continue
             yield from ((("default", i), d) for i, d in enumerate(obj.__defaults__ or ()))
+            yield from ((("kwdefault", n), d) for n, d in (obj.__kwdefaults__ or {}).items())
             yield from ((("global", n), obj.__globals__[n]) for n in obj.__code__.co_names if n in obj.__globals__)
         elif isinstance(obj, (list, tuple)):
             yield from ((("item", i), x) for i, x in enumerate(obj))
@@ -331,6 +332,8 @@ def _follow(obj, path: tuple):
             obj = obj.__closure__[step[1]].cell_contents
         elif kind == "default":
             obj = obj.__defaults__[step[1]]
+        elif kind == "kwdefault":
+            obj = obj.__kwdefaults__[step[1]]
         elif kind == "global":
             obj = obj.__globals__[step[1]]
         elif kind == "attr":

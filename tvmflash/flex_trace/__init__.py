@@ -71,7 +71,7 @@ NaN operands (torch propagates NaN).
 
 from __future__ import annotations
 
-from .capture import capture
+from .guards import capture
 from .lower import Captured, TracedMaskMod, TracedScoreMod, supported_ops
 from .reference import apply_score_mod_dense, dense_mask
 from .trace import _closure_names, trace_mask_mod, trace_score_mod  # noqa: F401 - flex.py reads captured names

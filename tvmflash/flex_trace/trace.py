@@ -82,14 +82,6 @@ def _positional_arity(fn) -> int | None:
     return sum(1 for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) and p.default is p.empty)
 
 
-def check_callable(fn, kind: str) -> None:
-    """A clear error for what cannot be a ``kind`` ("score_mod" / "mask_mod")."""
-    if kind == "score_mod":
-        _check_callable(fn, "score_mod", 5, "(score, b, h, q_idx, kv_idx)")
-    else:
-        _check_callable(fn, "mask_mod", 4, "(b, h, q_idx, kv_idx)")
-
-
 def _check_callable(fn, what: str, arity: int, signature: str):
     if not callable(fn):
         raise FlexTraceError(f"{what} must be a function {signature} or None, got {type(fn).__name__}")
@@ -269,11 +261,19 @@ def _check_ops(gm: fx.GraphModule, what: str, fn, example):
         _unsupported(ctx, name, _locate_op(fn, example, name))
 
 
+def _positional(fn, arity: int):
+    """``fn`` taking exactly its ``arity`` arguments: make_fx makes an input of every parameter,
+    also of those with defaults (captured tensors) and of a bound method's ``self``."""
+    if arity == 5:
+        return lambda score, b, h, q_idx, kv_idx: fn(score, b, h, q_idx, kv_idx)
+    return lambda b, h, q_idx, kv_idx: fn(b, h, q_idx, kv_idx)
+
+
 def _trace(fn, example, what: str, device: str, names: dict[int, str] | None = None):
     """make_fx the function; lift its captured tensors into trailing inputs. -> (gm, captured).
     ``names``: id(tensor) -> its name (default: the names the function's code uses)."""
     try:
-        gm = _make_fx(fn, example)
+        gm = _make_fx(_positional(fn, len(example)), example)
     except FlexTraceError:
         raise
     except Exception as exc:  # noqa: BLE001 - any tracing failure becomes a message naming the cause
