@@ -76,18 +76,21 @@ def _examples(kind: str) -> tuple[torch.Tensor, ...]:
 
 def dynamo_graph(kind: str, fn) -> tuple[torch.fx.GraphModule, tuple] | None:
     """(dynamo's graph of ``fn`` as it is now, this call's graph inputs), or None where dynamo
-    cannot trace it (the caller traces ``fn`` itself, which names the cause if it fails too)."""
+    cannot trace it or ``fn`` does not return the graph's one output (the caller traces ``fn``
+    itself, which names the cause)."""
     from torch._dynamo.utils import disable_cache_limit
 
     _last_call.value = None
+    examples = _examples(kind)
     try:
         with disable_cache_limit():  # every new value of a constant is one more cache entry
-            _compiled_call(kind)(fn, *_examples(kind))
+            result = _compiled_call(kind)(fn, *examples)
     except Exception:  # noqa: BLE001 - the direct trace reports what is wrong
         return None
     found = _last_call.value
     _last_call.value = None
-    if found is None or any(not isinstance(a, torch.Tensor) for a in found[1]):
+    # the graph's output comes back as our backend's None; anything else was made outside it
+    if found is None or result is not None or any(not isinstance(a, torch.Tensor) for a in found[1]):
         return None
     return found
 
