@@ -5,6 +5,8 @@ opcheck; clear errors."""
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -303,6 +305,7 @@ def test_opcheck(gen):
     (lambda s, b, h, q, k: torch.cumsum(s.reshape(1), 0)[0], "aten.cumsum"),
     (lambda s, b, h, q, k: s if s > 0 else -s, "torch.where"),
     (lambda s, b, h, q, k: (s > 0), "floating-point score"),
+    (lambda s, b, h, q, k: (s * 2, 3), "one tensor"),  # dynamo's graph holds only s * 2
 ])
 def test_clear_errors(score_mod, match):
     q = torch.randn(1, 1, 16, 32)
@@ -324,3 +327,181 @@ def test_error_for_gqa_without_enable_gqa_and_mismatched_block_mask():
     mask = create_block_mask(causal, None, None, 32, 32)
     with pytest.raises(ValueError, match="made for lengths"):
         flex_attention(q, k, k, block_mask=mask, enable_gqa=True)
+
+
+# --- what the mods read is read on every call ----------------------------------------------------
+# torch's flex_attention runs the user's functions as they are at call time; so must we (no
+# stale trace reused for a function whose closure cells, partial arguments, globals, dict
+# entries, helper globals or module attributes now hold other values).
+class _Config:
+    alpha = 0.5
+
+
+CONFIG = _Config()
+PARAMS = {"alpha": 0.5, "bias": torch.zeros(2)}
+HELPER_ALPHA = 0.5
+
+
+def _helper_alpha():
+    return HELPER_ALPHA
+
+
+def _scaled(score, b, h, q_idx, kv_idx, alpha=1.0):
+    return score * alpha
+
+
+class _Temperature(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.temperature = 0.5
+
+    def forward(self, score, b, h, q_idx, kv_idx):
+        return score / self.temperature + (kv_idx - q_idx) * 0.01
+
+
+def _partial_case(value):
+    return functools.partial(_scaled, alpha=value)
+
+
+def _closure_case():
+    alpha = 0.5
+
+    def score_mod(score, b, h, q_idx, kv_idx):
+        return score * alpha
+
+    def set_value(value):
+        nonlocal alpha
+        alpha = value
+
+    return score_mod, set_value
+
+
+def _value_cases():
+    """name -> (score_mod for the value): each call rebinds what the function reads."""
+    closure_mod, set_closure = _closure_case()
+    module = _Temperature()
+
+    def config_mod(score, b, h, q_idx, kv_idx):
+        return score * CONFIG.alpha
+
+    def dict_mod(score, b, h, q_idx, kv_idx):
+        return score * PARAMS["alpha"]
+
+    def helper_mod(score, b, h, q_idx, kv_idx):
+        return score * _helper_alpha()
+
+    def bias_mod(score, b, h, q_idx, kv_idx):
+        return score + PARAMS["bias"][h]
+
+    def set_global(name, value):
+        globals()[name] = value
+
+    return {
+        "partial": lambda value: _partial_case(value),
+        "closure": lambda value: (set_closure(value), closure_mod)[1],
+        "object attribute": lambda value: (setattr(CONFIG, "alpha", value), config_mod)[1],
+        "dict entry": lambda value: (PARAMS.__setitem__("alpha", value), dict_mod)[1],
+        "helper's global": lambda value: (set_global("HELPER_ALPHA", value), helper_mod)[1],
+        "module attribute": lambda value: (setattr(module, "temperature", value), module)[1],
+        "rebound tensor": lambda value: (PARAMS.__setitem__("bias", torch.tensor([value, -value])), bias_mod)[1],
+    }
+
+
+@pytest.mark.parametrize("case", list(_value_cases()))
+def test_score_mod_values_are_read_at_call_time(gen, case):
+    """... and a new value of a number is a run-time input of the same kernel (one key)."""
+    make = _value_cases()[case]
+    q, k, v = (torch.randn(1, 2, 75, 32, generator=gen) for _ in range(3))
+    keys = set()
+    for value in (0.5, 2.0, 4.0):
+        score_mod = make(value)
+        ours = flex_attention(q, k, v, score_mod=score_mod)
+        keys.add(flex_trace.capture("score_mod", score_mod).key)
+        ref, _ = reference_attention(*(t.double().transpose(1, 2) for t in (q, k, v)), score_mod=score_mod)
+        torch.testing.assert_close(ours.double(), ref.transpose(1, 2), atol=1e-4, rtol=0,
+                                   msg=lambda m: f"{case} = {value}: {m}")
+        del score_mod, ours  # a freed partial's id is reused by the next one (CPython)
+    assert len(keys) == 1, f"{case}: a kernel per value"
+
+
+def test_mask_mod_values_are_read_at_call_time(gen):
+    q, k, v = (torch.randn(1, 2, 150, 32, generator=gen) for _ in range(3))
+    for window in (10, 70):
+        PARAMS["window"] = window
+
+        def windowed(b, h, q_idx, kv_idx):
+            return (q_idx >= kv_idx) & (q_idx - kv_idx <= PARAMS["window"])
+
+        mask = create_block_mask(windowed, None, None, 150, 150)
+        ours = flex_attention(q, k, v, block_mask=mask)
+        dense = flex_trace.dense_mask(windowed, 1, 2, 150, 150)
+        ref, _ = reference_attention(*(t.double().transpose(1, 2) for t in (q, k, v)), mask=dense)
+        torch.testing.assert_close(ours.double(), ref.transpose(1, 2), atol=1e-4, rtol=0)
+
+
+def test_score_mods_with_defaults_and_bound_methods(gen):
+    """Tensors captured as default arguments (positional or keyword-only) and bound methods."""
+    q, k, v = (torch.randn(1, 2, 70, 32, generator=gen) for _ in range(3))
+    bias = torch.randn(2, generator=gen)
+
+    def positional_default(score, b, h, q_idx, kv_idx, bias=bias):
+        return score + bias[h]
+
+    def keyword_default(score, b, h, q_idx, kv_idx, *, bias=bias):
+        return score + bias[h] * 2
+
+    class Holder:
+        def __init__(self):
+            self.bias = bias * 3
+
+        def score_mod(self, score, b, h, q_idx, kv_idx):
+            return score + self.bias[h]
+
+    for score_mod in (positional_default, keyword_default, Holder().score_mod):
+        ref, _ = reference_attention(*(t.double().transpose(1, 2) for t in (q, k, v)), score_mod=score_mod)
+        compiled = torch.compile(lambda q, k, v: flex_attention(q, k, v, score_mod=score_mod), backend="aot_eager",
+                                 fullgraph=True)
+        for ours in (flex_attention(q, k, v, score_mod=score_mod), compiled(q, k, v)):
+            torch.testing.assert_close(ours.double(), ref.transpose(1, 2), atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("dynamic", [None, True], ids=["automatic", "dynamic"])
+def test_torch_compile_fullgraph_new_lengths_and_values(gen, dynamic):
+    """Under torch.compile(fullgraph=True): a new sequence length (automatic dynamic shapes, or
+    dynamic=True from the first call) compiles, and a number or tensor the score_mod reads is
+    read on each call (dynamo guards on it), like torch's flex_attention."""
+    def score_mod(score, b, h, q_idx, kv_idx):
+        return score * CONFIG.alpha + PARAMS["bias"][h]
+
+    def attend(q, k, v, mask):
+        return flex_attention(q, k, v, score_mod=score_mod, block_mask=mask)
+
+    compiled = torch.compile(attend, backend="aot_eager", fullgraph=True, dynamic=dynamic)
+    for seqlen, alpha in ((70, 0.5), (101, 0.5), (101, 3.0), (150, 2.0)):
+        CONFIG.alpha = alpha
+        PARAMS["bias"] = torch.randn(2, generator=gen)
+        q, k, v = (torch.randn(1, 2, seqlen, 32, generator=gen) for _ in range(3))
+        ours = compiled(q, k, v, create_block_mask(causal, None, None, seqlen, seqlen))
+        ref, _ = reference_attention(*(t.double().transpose(1, 2) for t in (q, k, v)), score_mod=score_mod,
+                                     mask=flex_trace.dense_mask(causal, 1, 2, seqlen, seqlen))
+        torch.testing.assert_close(ours.double(), ref.transpose(1, 2), atol=1e-4, rtol=0,
+                                   msg=lambda m: f"seqlen {seqlen}, alpha {alpha}: {m}")
+    CONFIG.alpha = 0.5
+
+
+def _thresholded(score, b, h, q_idx, kv_idx, threshold=0.0, slope=1.0):
+    return torch.where(score > threshold, score, score * slope) + torch.where(kv_idx - q_idx < threshold * 40, -1.5, 0.25)
+
+
+def test_numbers_in_comparisons_and_where_are_kernel_inputs(gen):
+    """Floats compared with scores and indices, and where's branches, are run-time inputs of one
+    kernel: torch's promotion (int index vs float) is kept."""
+    q, k, v = (torch.randn(1, 2, 90, 32, generator=gen) for _ in range(3))
+    keys = set()
+    for threshold, slope in ((0.0, 0.1), (0.3, 2.5), (-0.7, 0.5)):
+        score_mod = functools.partial(_thresholded, threshold=threshold, slope=slope)
+        ours = flex_attention(q, k, v, score_mod=score_mod)
+        keys.add(flex_trace.capture("score_mod", score_mod).key)
+        ref, _ = reference_attention(*(t.double().transpose(1, 2) for t in (q, k, v)), score_mod=score_mod)
+        torch.testing.assert_close(ours.double(), ref.transpose(1, 2), atol=1e-4, rtol=0)
+    assert len(keys) == 1

@@ -19,14 +19,12 @@ their gradient from the backward kernel (scatter-added per thread, summed in a f
 
 Kernels are compiled once per traced graph (the graph's key: its code, constants, and the
 captured tensors' shapes and dtypes) and cached in memory and on disk like every kernel.
-Traces are reused for later calls of the same function code over the same kinds of captured
-values; the captured tensors are re-read each call.
+What the functions read is read on every call; dynamo's guards say when to trace again
+(``flex_trace.capture``), and floats they compute with are run-time kernel inputs.
 """
 
 from __future__ import annotations
 
-import copy
-import dataclasses
 import functools
 import inspect
 import math
@@ -40,67 +38,34 @@ from .spec import AttentionSpec
 _PRIMITIVES = (bool, int, float, str, type(None))
 
 
-# --- traces, reused across calls -------------------------------------------------------------
-def _describe(value):
-    """What about a captured value the trace depends on (not a tensor's data)."""
-    if isinstance(value, torch.Tensor):
-        return ("tensor", tuple(value.shape), str(value.dtype), bool(value.requires_grad), str(value.device))
-    if isinstance(value, _PRIMITIVES):
-        return ("value", value)
-    if isinstance(value, (tuple, list)) and all(isinstance(v, _PRIMITIVES) for v in value):
-        return ("value", tuple(value))
-    return ("object", id(value))
+# --- the traced mods ---------------------------------------------------------------------------
+def _traced(kind: str, fn, device: str = "cpu", under_dynamo: bool = False):
+    """The traced ``fn`` (``kind``: "score_mod" / "mask_mod") holding the tensors it reads now.
 
-
-def _signature(fn) -> tuple:
-    """The function's code and the kinds of values it closes over: equal signatures trace to
-    the same graph (captured tensors may differ in their data only)."""
-    code = getattr(fn, "__code__", None)
-    if code is None:
-        return ("object", id(fn))
-    closure = tuple(_describe(cell.cell_contents) for cell in (fn.__closure__ or ()))
-    defaults = tuple(_describe(v) for v in (fn.__defaults__ or ()))
-    referenced = tuple((name, _describe(fn.__globals__[name])) for name in code.co_names if name in fn.__globals__
-                       and isinstance(fn.__globals__[name], (torch.Tensor, *_PRIMITIVES)))
-    return (code, closure, defaults, referenced)
-
-
-_traces: dict = {}
-
-
-def _traced(kind: str, fn, device: str = "cpu"):
-    """``flex_trace.trace_score_mod``/``trace_mask_mod`` of ``fn``, reusing an earlier trace of
-    the same signature with this call's captured tensors (found by the names the trace uses)."""
-    trace = flex_trace.trace_score_mod if kind == "score_mod" else flex_trace.trace_mask_mod
+    Eagerly through ``flex_trace.capture``: dynamo's guards say when what ``fn`` reads has
+    changed (a new value of a Python number it reads traces again). While dynamo traces a
+    caller (``under_dynamo``), that caller's own guards do (``_read_under_dynamo``): traced
+    directly, once per trace of the caller.
+    """
     if fn is None:
         return None
-    key = (kind, device, _signature(fn))
-    cached = _traces.get(key)
-    if cached is not None:
-        current = {name: t for t_id, name in flex_trace._closure_names(fn).items()
-                   for t in _tensors_by_id(fn) if id(t) == t_id}
-        if all(c.name in current for c in cached.captured):
-            rebound = copy.copy(cached)
-            rebound.captured = [dataclasses.replace(c, tensor=current[c.name]) for c in cached.captured]
-            return rebound
-    traced = trace(fn, device=device)
-    _traces[key] = traced
-    return traced
+    if under_dynamo:
+        trace = flex_trace.trace_score_mod if kind == "score_mod" else flex_trace.trace_mask_mod
+        return trace(fn, device=device)
+    return flex_trace.capture(kind, fn, device=device)
 
 
-def _tensors_by_id(fn) -> list[torch.Tensor]:
-    """Tensors reachable the way ``flex_trace._closure_names`` looks for them (closure cells,
-    defaults, globals the code names, module parameters)."""
-    found = []
-    for value in [*(cell.cell_contents for cell in (getattr(fn, "__closure__", None) or ())),
-                  *(getattr(fn, "__defaults__", None) or ()),
-                  *(fn.__globals__.get(name) for name in getattr(getattr(fn, "__code__", None), "co_names", ())
-                    if hasattr(fn, "__globals__"))]:
-        if isinstance(value, torch.Tensor):
-            found.append(value)
-        elif isinstance(value, torch.nn.Module):
-            found += [t for _, t in value.named_parameters()] + [t for _, t in value.named_buffers()]
-    return found
+def _read_under_dynamo(score_mod, mask_mod) -> None:
+    """Under torch.compile: run the mods on tiny tensors inside the compiled region, so that
+    dynamo guards on everything they read (numbers, closure cells, globals, attributes) and
+    traces the call again when one changes; the values are unused (dead code in the graph).
+    Not for a mod whose tensors are read through its closure cells (dynamo fails on that): its
+    closure tensors are still read on each call, the numbers it reads are not guarded."""
+    index = [torch.zeros(1, dtype=torch.int32) for _ in range(4)]
+    if score_mod is not None:
+        score_mod(torch.zeros(1), *index)
+    if mask_mod is not None:
+        mask_mod(*index)
 
 
 # --- block masks -------------------------------------------------------------------------------
@@ -306,7 +271,7 @@ _body_tensors: dict[tuple, torch.Tensor] = {}
 
 
 def _find_paths(fn, wanted: set[int]) -> dict[int, tuple]:
-    """id(tensor) -> the steps from ``fn`` to it: ("cell", i), ("default", i), ("global", name),
+    """id(tensor) -> the steps from ``fn`` to it: ("cell", i), ("default", i), ("kwdefault", name), ("global", name),
     ("attr", name), ("self",), ("func",), ("arg", i), ("kwarg", name). Each step is plain attribute
     or item access, which dynamo follows, so a compiled graph reads the tensors the user's
     function holds *now* (as eager calls do) rather than copies from the first trace."""
@@ -328,9 +293,12 @@ def _find_paths(fn, wanted: set[int]) -> dict[int, tuple]:
                 except ValueError:  # an empty cell
                     continue
             yield from ((("default", i), d) for i, d in enumerate(obj.__defaults__ or ()))
+            yield from ((("kwdefault", n), d) for n, d in (obj.__kwdefaults__ or {}).items())
             yield from ((("global", n), obj.__globals__[n]) for n in obj.__code__.co_names if n in obj.__globals__)
         elif isinstance(obj, (list, tuple)):
             yield from ((("item", i), x) for i, x in enumerate(obj))
+        elif isinstance(obj, dict):
+            yield from ((("item", k), x) for k, x in obj.items() if isinstance(k, (str, int)))
         elif hasattr(obj, "__dict__") and not isinstance(obj, (type, torch.Tensor)) and not inspect.ismodule(obj):
             if isinstance(obj, torch.nn.Module):
                 yield from ((("attr", n), t) for n, t in obj.named_parameters(recurse=False))
@@ -364,6 +332,8 @@ def _follow(obj, path: tuple):
             obj = obj.__closure__[step[1]].cell_contents
         elif kind == "default":
             obj = obj.__defaults__[step[1]]
+        elif kind == "kwdefault":
+            obj = obj.__kwdefaults__[step[1]]
         elif kind == "global":
             obj = obj.__globals__[step[1]]
         elif kind == "attr":
@@ -382,73 +352,83 @@ def _follow(obj, path: tuple):
 
 
 # --- the public function -------------------------------------------------------------------------
-def _meta(t: torch.Tensor) -> tuple:
-    return tuple(t.shape), t.dtype, t.device.type, tuple(t.stride())
+def _check_inputs(query, key, value, block_mask, enable_gqa, return_lse) -> None:
+    """The checks that read shapes: plain Python on sizes, which dynamo follows with SymInts
+    (so that a new sequence length is no new constant of ``_plan``)."""
+    def as_info(t):  # kernel layout (B, N, H, D), metadata only
+        perm = (0, 2, 1, 3)
+        return checks.TensorInfo(tuple(t.shape[i] for i in perm), str(t.dtype).removeprefix("torch."), t.device.type,
+                                 tuple(t.stride()[i] for i in perm), 0, 1)
 
-
-@torch._dynamo.assume_constant_result
-def _plan(*args) -> tuple:
-    # Under dynamo, leave its tracing context: our own tracer (make_fx in a fake mode of its own)
-    # would otherwise pick up dynamo's fake mode and refuse the real captured tensors.
-    with torch._guards.tracing(None):
-        return _plan_eagerly(*args)
-
-
-def _plan_eagerly(score_mod, mask_mod, block_sparse: bool, mask_lengths, q_meta, k_meta, v_meta, scale, enable_gqa,
-                  return_lse) -> tuple:
-    """Everything about a call that does not depend on tensor data: checks, the traced mods,
-    the spec (compiled here), the tile size, where the captured tensors live.
-
-    Under torch.compile this runs once, while dynamo traces, and its result is a constant of the
-    graph (dynamo guards on the functions and the tensors' shapes, dtypes and strides); the rest
-    of ``flex_attention`` is tensor code dynamo follows. Returns (spec key, scale, tile (block_q,
-    block_k), paths to the captured tensors: ("score_mod" | "mask_mod", steps...))."""
-    (q_shape, q_dtype, _, _), (k_shape, _, _, _) = q_meta, k_meta
-    if v_meta[0][-1] != q_shape[-1]:
-        raise NotImplementedError(f"value head dim {v_meta[0][-1]} differs from query/key head dim {q_shape[-1]}: "
-                                  "tvmflash needs them equal")
-    heads, heads_k = q_shape[1], k_shape[1]
+    if value.shape[-1] != query.shape[-1]:
+        raise NotImplementedError(f"value head dim {value.shape[-1]} differs from query/key head dim "
+                                  f"{query.shape[-1]}: tvmflash needs them equal")
+    heads, heads_k = query.shape[1], key.shape[1]
     if heads != heads_k and not checks.require_bool("enable_gqa", enable_gqa):
         raise ValueError(f"query has {heads} heads and key {heads_k}: pass enable_gqa=True for grouped-query "
                          "attention")
     checks.require_bool("return_lse", return_lse)
+    checks.check_qkv(as_info(query), as_info(key), as_info(value), names=("query", "key", "value"))
+    if block_mask is not None:
+        lengths = tuple(block_mask.seq_lengths)
+        if lengths != (query.shape[2], key.shape[2]):
+            raise ValueError(f"block_mask was made for lengths {lengths}, the inputs have "
+                             f"({query.shape[2]}, {key.shape[2]})")
 
-    def as_info(meta, name):  # kernel layout (B, N, H, D), metadata only
-        shape, dtype, device, stride = meta
-        perm = (0, 2, 1, 3)
-        return checks.TensorInfo(tuple(shape[i] for i in perm), str(dtype).removeprefix("torch."), device,
-                                 tuple(stride[i] for i in perm), 0, 1)
 
-    checks.check_qkv(*(as_info(m, n) for m, n in ((q_meta, "query"), (k_meta, "key"), (v_meta, "value"))))
-    scale = checks.softmax_scale(scale, q_shape[-1])
-    seqlen_q, seqlen_k = q_shape[2], k_shape[2]
-    if block_sparse and tuple(mask_lengths) != (seqlen_q, seqlen_k):
-        raise ValueError(f"block_mask was made for lengths {tuple(mask_lengths)}, the inputs have "
-                         f"({seqlen_q}, {seqlen_k})")
+def _constant_head_dim(query) -> int:
+    """The head dim as a Python int, also where dynamo made it a SymInt (dynamic=True): a
+    comparison per candidate, each a guard (the kernels are compiled per head dim anyway)."""
+    if not torch.compiler.is_compiling():
+        return query.shape[-1]
+    return next(d for d in range(8, checks.MAX_HEAD_DIM + 1, 8) if query.shape[-1] == d)
+
+
+@torch._dynamo.assume_constant_result
+def _plan(score_mod, mask_mod, block_sparse: bool, head_dim: int, dtype: torch.dtype, device: str, scale) -> tuple:
+    """Under torch.compile: ``_prepare`` while dynamo traces, a constant of the graph (dynamo
+    guards on its arguments; none of them is a shape but the head dim). Returns (spec key,
+    scale, tile, paths to the captured tensors: ("score_mod" | "mask_mod" | "body", steps...)),
+    which the graph follows to read the tensors the functions hold on each call."""
+    # Leave dynamo's tracing context: our own tracer (make_fx in a fake mode of its own) would
+    # otherwise pick up dynamo's fake mode and refuse the real captured tensors.
+    with torch._guards.tracing(None):
+        spec_key, scale, tile, captured = _prepare(score_mod, mask_mod, block_sparse, head_dim, dtype, device, scale,
+                                                   under_dynamo=True)
+        paths = []
+        for name, tensor in captured.items():
+            for kind, fn in (("score_mod", score_mod), ("mask_mod", mask_mod)):
+                path = _find_paths(fn, {id(tensor)}).get(id(tensor)) if fn is not None else None
+                if path is not None:
+                    paths.append((kind, *path))
+                    break
+            else:  # made inside the function body: the same values every call
+                _body_tensors[(spec_key, name)] = tensor
+                paths.append(("body", spec_key, name))
+        return spec_key, scale, tile, tuple(paths)
+
+
+def _prepare(score_mod, mask_mod, block_sparse: bool, head_dim: int, dtype: torch.dtype, device: str, scale,
+             under_dynamo: bool = False) -> tuple:
+    """What the kernels need that no tensor's data or size decides: the traced mods, the spec
+    (compiled here), the softmax scale, the tile size. Returns (spec key, scale, tile (block_q,
+    block_k), {name: captured tensor} in the kernel's input order)."""
+    scale = checks.softmax_scale(scale, head_dim)
     if getattr(mask_mod, "__name__", "") == "noop_mask":
         mask_mod = None
-    traced_score = _traced("score_mod", score_mod, q_meta[2])
-    traced_mask = _traced("mask_mod", mask_mod, q_meta[2])
+    traced_score = _traced("score_mod", score_mod, device, under_dynamo)
+    traced_mask = _traced("mask_mod", mask_mod, device, under_dynamo)
     score_mods = (traced_score,) if traced_score is not None and not traced_score.is_identity else ()
-    spec = AttentionSpec(q_shape[-1], str(q_dtype).removeprefix("torch."), score_mods=score_mods,
-                         mask_mod=traced_mask, block_sparse=block_sparse)
+    spec = AttentionSpec(head_dim, str(dtype).removeprefix("torch."), score_mods=score_mods, mask_mod=traced_mask,
+                         block_sparse=block_sparse)
     spec_key = _register_spec(spec)
-    kernels = _kernels_for_device(q_meta[2], spec_key)
+    kernels = _kernels_for_device(device, spec_key)
     forward_cfg, backward_cfg = kernels.configs["forward"], kernels.configs["backward"]
     tile = (forward_cfg.block_q, forward_cfg.block_k)
     if block_sparse and tile != (backward_cfg.block_q, backward_cfg.block_k):
         raise NotImplementedError("block masks need the forward and backward kernels on the same tiles")
-    paths = []
-    for name, tensor in _captured_tensors((*score_mods, *((traced_mask,) if traced_mask else ()))).items():
-        for kind, fn in (("score_mod", score_mod), ("mask_mod", mask_mod)):
-            path = _find_paths(fn, {id(tensor)}).get(id(tensor)) if fn is not None else None
-            if path is not None:
-                paths.append((kind, *path))
-                break
-        else:  # made inside the function body: the same values every call
-            _body_tensors[(spec_key, name)] = tensor
-            paths.append(("body", spec_key, name))
-    return spec_key, scale, tile, tuple(paths)
+    captured = _captured_tensors((*score_mods, *((traced_mask,) if traced_mask else ())))
+    return spec_key, scale, tile, captured
 
 
 def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=None, enable_gqa=False,
@@ -472,12 +452,21 @@ def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=Non
         if t.dim() != 4:
             raise ValueError(f"{name} must have 4 dimensions (batch, heads, seqlen, head_dim), got {tuple(t.shape)}")
     mask_mod = None if block_mask is None else block_mask.mask_mod
-    spec_key, scale, (block_q, block_k), paths = _plan(
-        score_mod, mask_mod, block_mask is not None, None if block_mask is None else tuple(block_mask.seq_lengths),
-        _meta(query), _meta(key), _meta(value), scale, enable_gqa, return_lse)
-    # tensors made in a function body were made on the CPU when it was traced
-    captured = [_body_tensors[tuple(path)].to(query.device) if kind == "body" else
-                _follow(score_mod if kind == "score_mod" else mask_mod, path) for kind, *path in paths]
+    _check_inputs(query, key, value, block_mask, enable_gqa, return_lse)
+    static = (score_mod, mask_mod, block_mask is not None, _constant_head_dim(query), query.dtype, query.device.type,
+              scale)
+    if torch.compiler.is_compiling():
+        spec_key, scale, (block_q, block_k), paths = _plan(*static)
+        # tensors made in a function body were made on the CPU when it was traced
+        captured = [_body_tensors[tuple(path)].to(query.device) if kind == "body" else
+                    _follow(score_mod if kind == "score_mod" else mask_mod, path) for kind, *path in paths]
+        # dynamo cannot both follow a closure cell to a tensor and run the function through it
+        through_cells = {kind for kind, *path in paths if any(step[0] == "cell" for step in path)}
+        _read_under_dynamo(*(None if kind in through_cells else fn for kind, fn in (("score_mod", score_mod),
+                                                                                     ("mask_mod", mask_mod))))
+    else:
+        spec_key, scale, (block_q, block_k), by_name = _prepare(*static)
+        captured = [t.to(query.device) for t in by_name.values()]
     tile_state = kv_range = None
     if block_mask is not None:
         tile_state, kv_range = (t.to(query.device) for t in tile_maps(block_mask, query.shape[2], key.shape[2],

@@ -71,6 +71,7 @@ NaN operands (torch propagates NaN).
 
 from __future__ import annotations
 
+from .guards import capture
 from .lower import Captured, TracedMaskMod, TracedScoreMod, supported_ops
 from .reference import apply_score_mod_dense, dense_mask
 from .trace import _closure_names, trace_mask_mod, trace_score_mod  # noqa: F401 - flex.py reads captured names
@@ -83,6 +84,7 @@ __all__ = [
     "TracedMaskMod",
     "TracedScoreMod",
     "apply_score_mod_dense",
+    "capture",
     "dense_mask",
     "supported_ops",
     "trace_mask_mod",

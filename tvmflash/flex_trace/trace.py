@@ -261,15 +261,24 @@ def _check_ops(gm: fx.GraphModule, what: str, fn, example):
         _unsupported(ctx, name, _locate_op(fn, example, name))
 
 
-def _trace(fn, example, what: str, device: str):
-    """make_fx the function; lift its captured tensors into trailing inputs. -> (gm, captured)."""
+def _positional(fn, arity: int):
+    """``fn`` taking exactly its ``arity`` arguments: make_fx makes an input of every parameter,
+    also of those with defaults (captured tensors) and of a bound method's ``self``."""
+    if arity == 5:
+        return lambda score, b, h, q_idx, kv_idx: fn(score, b, h, q_idx, kv_idx)
+    return lambda b, h, q_idx, kv_idx: fn(b, h, q_idx, kv_idx)
+
+
+def _trace(fn, example, what: str, device: str, names: dict[int, str] | None = None):
+    """make_fx the function; lift its captured tensors into trailing inputs. -> (gm, captured).
+    ``names``: id(tensor) -> its name (default: the names the function's code uses)."""
     try:
-        gm = _make_fx(fn, example)
+        gm = _make_fx(_positional(fn, len(example)), example)
     except FlexTraceError:
         raise
     except Exception as exc:  # noqa: BLE001 - any tracing failure becomes a message naming the cause
         raise _trace_error(exc, fn, what) from exc
-    names = _closure_names(fn)
+    names = _closure_names(fn) if names is None else names
     lifted: dict[str, tuple[str, torch.Tensor]] = {}  # get_attr target -> (name, tensor)
     used_names: set[str] = set()
     for node in gm.graph.nodes:
@@ -353,17 +362,20 @@ def _fn_name(fn) -> str:
     return getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or type(fn).__name__
 
 
-def trace_score_mod(score_mod: Callable | None, *, device: str = "cpu") -> TracedScoreMod:
+def trace_score_mod(score_mod: Callable | None, *, device: str = "cpu", names: dict[int, str] | None = None,
+                    name: str | None = None) -> TracedScoreMod:
     """Trace a FlexAttention ``score_mod(score, b, h, q_idx, kv_idx)`` (None: identity).
 
     Raises ``FlexTraceError`` for functions that cannot become a kernel (message says why).
-    ``device``: where captured tensors must live (the kernels' device).
+    ``device``: where captured tensors must live (the kernels' device); ``names``: id(tensor)
+    -> the name of its kernel buffer (default: the names the function uses); ``name``: the
+    function's name in messages.
     """
-    name = "identity" if score_mod is None else _fn_name(score_mod)
+    name = name or ("identity" if score_mod is None else _fn_name(score_mod))
     fn = _identity_score_mod if score_mod is None else score_mod
     _check_callable(fn, "score_mod", 5, "(score, b, h, q_idx, kv_idx)")
     example = [torch.zeros((), dtype=SCORE_DTYPE)] + _example_indices()
-    raw, captured = _trace(fn, example, "score_mod", device)
+    raw, captured = _trace(fn, example, "score_mod", device, names)
     out_val = _check_output(raw, "score_mod", "score")
     _check_ops(raw, "score_mod", fn, example)
     buffers_example = [c.tensor.detach() for c in captured]
@@ -403,17 +415,19 @@ def trace_score_mod(score_mod: Callable | None, *, device: str = "cpu") -> Trace
     return traced
 
 
-def trace_mask_mod(mask_mod: Callable | None, *, device: str = "cpu") -> TracedMaskMod:
-    """Trace a FlexAttention ``mask_mod(b, h, q_idx, kv_idx) -> bool`` (None: attend everywhere)."""
+def trace_mask_mod(mask_mod: Callable | None, *, device: str = "cpu", names: dict[int, str] | None = None,
+                   name: str | None = None) -> TracedMaskMod:
+    """Trace a FlexAttention ``mask_mod(b, h, q_idx, kv_idx) -> bool`` (None: attend everywhere);
+    ``names``, ``name`` as for ``trace_score_mod``."""
     if mask_mod is None:
         return TracedMaskMod(None, [], _graph_key([TRANSLATOR_VERSION, "mask_mod", "none"]), "none")
     _check_callable(mask_mod, "mask_mod", 4, "(b, h, q_idx, kv_idx)")
-    raw, captured = _trace(mask_mod, _example_indices(), "mask_mod", device)
+    raw, captured = _trace(mask_mod, _example_indices(), "mask_mod", device, names)
     _check_output(raw, "mask_mod", "mask")
     _check_ops(raw, "mask_mod", mask_mod, _example_indices())
     graph = _make_fx(raw, _example_indices() + [c.tensor.detach() for c in captured], functional=True)
     key = _graph_key([TRANSLATOR_VERSION, "mask_mod", _graph_text(graph), _captured_text(captured)])
-    traced = TracedMaskMod(graph, captured, key, _fn_name(mask_mod))
+    traced = TracedMaskMod(graph, captured, key, name or _fn_name(mask_mod))
     _, idx, buffers = _symbolic_inputs(captured)
     traced.emit(*idx, buffers)
     return traced
