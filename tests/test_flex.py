@@ -505,3 +505,23 @@ def test_numbers_in_comparisons_and_where_are_kernel_inputs(gen):
         ref, _ = reference_attention(*(t.double().transpose(1, 2) for t in (q, k, v)), score_mod=score_mod)
         torch.testing.assert_close(ours.double(), ref.transpose(1, 2), atol=1e-4, rtol=0)
     assert len(keys) == 1
+
+
+def test_mods_named_like_the_identity_are_applied(gen):
+    """Whether a mod is the identity is read from its graph, not its name: a user's `identity`
+    score_mod that scales and a `noop_mask` mask_mod that masks are applied."""
+    q, k, v = (torch.randn(1, 2, 81, 32, generator=gen) for _ in range(3))
+
+    def identity(score, b, h, q_idx, kv_idx):
+        return score * 2
+
+    def noop_mask(b, h, q_idx, kv_idx):
+        return q_idx >= kv_idx
+
+    block_mask = create_block_mask(noop_mask, None, None, 81, 81)
+    ours = flex_attention(q, k, v, score_mod=identity, block_mask=block_mask)
+    dense = flex_trace.dense_mask(noop_mask, 1, 2, 81, 81)
+    ref, _ = reference_attention(*(t.double().transpose(1, 2) for t in (q, k, v)), score_mod=identity, mask=dense)
+    torch.testing.assert_close(ours.double(), ref.transpose(1, 2), atol=1e-4, rtol=0)
+    assert flex_trace.trace_score_mod(lambda s, b, h, i, j: s).is_identity
+    assert not flex_trace.trace_score_mod(identity).is_identity

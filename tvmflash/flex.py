@@ -408,13 +408,20 @@ def _plan(score_mod, mask_mod, block_sparse: bool, head_dim: int, dtype: torch.d
         return spec_key, scale, tile, tuple(paths)
 
 
+@functools.cache
+def _torch_noop_mask():
+    from torch.nn.attention.flex_attention import noop_mask
+
+    return noop_mask
+
+
 def _prepare(score_mod, mask_mod, block_sparse: bool, head_dim: int, dtype: torch.dtype, device: str, scale,
              under_dynamo: bool = False) -> tuple:
     """What the kernels need that no tensor's data or size decides: the traced mods, the spec
     (compiled here), the softmax scale, the tile size. Returns (spec key, scale, tile (block_q,
     block_k), {name: captured tensor} in the kernel's input order)."""
     scale = checks.softmax_scale(scale, head_dim)
-    if getattr(mask_mod, "__name__", "") == "noop_mask":
+    if mask_mod is _torch_noop_mask():  # torch's "attend everywhere" (a block mask made without one)
         mask_mod = None
     traced_score = _traced("score_mod", score_mod, device, under_dynamo)
     traced_mask = _traced("mask_mod", mask_mod, device, under_dynamo)

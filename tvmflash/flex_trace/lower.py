@@ -195,7 +195,10 @@ class TracedScoreMod:
 
     @property
     def is_identity(self) -> bool:
-        return self.name == "identity"
+        """It returns its score unchanged (no score_mod, or ``lambda s, *_: s``): nothing to apply.
+        Read from the graph, not the name: a user's mod may be called ``identity``."""
+        nodes = list(self.graph.graph.nodes)
+        return nodes[-1].args[0] is next(n for n in nodes if n.op == "placeholder")
 
     def __repr__(self):
         return f"TracedScoreMod({self.name}, key={self.key}, captured={self.captured})"
