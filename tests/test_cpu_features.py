@@ -129,6 +129,39 @@ def test_the_cache_key_follows_the_feature_set(fake_cpu):
     assert "num-cores" not in json.dumps(with_bf16)
 
 
+@pytest.mark.parametrize("mcpu,plus,minus,dtype", [
+    ("rocketlake", ("avx512bf16",), (), "bfloat16"),  # an Emerald Rapids reported as model 167: bf16 dots
+    ("skylake-avx512", (), ("avx512f",), "float32"),  # AVX-512 hidden by the hypervisor
+])
+def test_tuning_records_are_filed_by_the_feature_set(fake_cpu, monkeypatch, tmp_path, mcpu, plus, minus, dtype):
+    """A record tuned on a CPU of the same model but other extensions is not applied (before:
+    filed under 'llvm-<mcpu>' alone, the 16-lane config of the full CPU compiled for a CPU without
+    AVX-512, and a record tuned with bf16 dot products present applied where they are absent);
+    where flags and model agree the key is 'llvm-<mcpu>', as records were filed before."""
+    from tvmflash import records
+    from tvmflash.config import CPUKernelConfig
+
+    monkeypatch.setenv("TVMFLASH_TUNE_LOGS", str(tmp_path))
+    monkeypatch.setenv(product_rates.OVERRIDE_ENV, FP32_FMA)  # this machine's rates are not that CPU's
+    spec = AttentionSpec(64, dtype)
+    fake_cpu(mcpu, _flags_of(mcpu, plus=plus))
+    tuned_on = targets.resolve("llvm")
+    tuned = compiler.choose_configs(tuned_on, spec, tuned=False)[0]["forward"]
+    tuned = CPUKernelConfig("forward", 32, 32, tuned.lanes, tuned.tiles, tuned.products)  # not the default
+    entry = {"config": tuned.to_json(), "tuned_at": {"batch": 1, "heads": 8, "seqlen": 2048}, "speedup": 1.2,
+             "verified": True}
+    records.write(tmp_path, targets.key(tuned_on), spec, "forward", entry)
+    assert compiler.choose_configs(tuned_on, spec)[0]["forward"] == tuned  # applied on the CPU it was tuned on
+
+    fake_cpu(mcpu, _flags_of(mcpu, minus=minus))  # the same model without the extensions it was tuned with
+    other = targets.resolve("llvm")
+    configs, used = compiler.choose_configs(other, spec)
+    assert used is None and configs["forward"] == compiler.choose_configs(other, spec, tuned=False)[0]["forward"]
+    assert targets.key(other) != targets.key(tuned_on)
+    fake_cpu(mcpu, _flags_of(mcpu))
+    assert targets.key(targets.resolve("llvm")) == f"llvm-{mcpu}"  # flags equal to the model: the key of before
+
+
 def test_without_readable_flags_only_this_models_kernels_are_trusted(monkeypatch):
     """Not x86 Linux: no flags to compare, so this CPU's model is trusted (there is nothing to
     check it against) and every other model's extensions count as missing."""
@@ -346,3 +379,11 @@ def test_no_tile_request_off_linux_x86(fresh_amx_request, monkeypatch):
     with pytest.warns(TvmflashWarning, match="Linux's on x86-64"):
         assert amx.request_tile_permission() is False
 
+
+
+def test_the_record_key_of_a_long_feature_difference_stays_a_file_name():
+    hidden = [f"-avx512{n}" for n in ("f", "bw", "cd", "dq", "vl", "bf16", "fp16", "vnni", "vbmi", "vbmi2", "bitalg",
+                                       "vpopcntdq", "ifma")] + ["-amx-tile", "-amx-bf16", "-amx-int8", "-amx-fp16"]
+    long_key = targets.key({"kind": "llvm", "mcpu": "sapphirerapids", "mattr": hidden})
+    assert long_key.startswith("llvm-sapphirerapids+mattr-") and len(long_key) < 64
+    assert long_key != targets.key({"kind": "llvm", "mcpu": "sapphirerapids", "mattr": hidden[1:]})

@@ -584,12 +584,7 @@ def edge_gallery(t, traced: bool):
     }
 
 
-# score_mods.tanh (the kernels' polynomial) maps NaN to +-1 and saturates at 1 - 2^-24, not 1, so
-# gelu(-inf, approximate="tanh") is -inf, not NaN (-inf * 0). Not from the decompositions: the
-# hand-written gelu handler before them gave the same.
-FAST_TANH = pytest.mark.xfail(strict=True, reason="score_mods.tanh: NaN -> +-1, saturation at 1 - 2^-24")
-EDGE_CASES = [pytest.param(name, kind, marks=FAST_TANH if (name, kind) == ("special_tanh", "fast") else ())
-              for name in edge_gallery(captured_tensors(torch.float32), True) for kind in ("libm", "fast")]
+EDGE_CASES = [(name, kind) for name in edge_gallery(captured_tensors(torch.float32), True) for kind in ("libm", "fast")]
 
 
 def points_kernel(name, traced, n, intrinsics):

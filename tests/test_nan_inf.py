@@ -4,6 +4,8 @@ lse = -inf, never NaN."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -104,3 +106,73 @@ def test_backward_nan_pattern_matches_torch(gen, dtype, causal, where, value):
     if where == "q":  # the query row's P is NaN at every key it sees: so is dV there (kv head 0)
         sees = torch.arange(75) <= 40 if causal else torch.ones(75, dtype=torch.bool)
         assert ours[2][1, sees, 0].isnan().any(-1).all()
+
+
+def _tanh_kernel(tanh):
+    """y = tanh(x) over n = 16 k floats, the lanes vectorized as in the kernels."""
+    import tvm
+    from tvm import tirx
+
+    from tvmflash.target import host_target
+
+    n = tirx.Var("n", "int64")
+    x, y = (tirx.decl_buffer((n,), "float32", name) for name in ("x", "y"))
+    outer, lane = tirx.Var("o", "int64"), tirx.Var("l", "int64")
+    i = outer * 16 + lane
+    inner = tirx.For(lane, 0, 16, tirx.ForKind.VECTORIZED, tirx.BufferStore(y, tanh(x[i]), [i]))
+    func = tirx.PrimFunc([x, y], tirx.For(outer, 0, n // 16, tirx.ForKind.SERIAL, inner))
+    return tvm.compile(tvm.IRModule({"f": func.with_attr("global_symbol", "f")}), target=host_target())["f"]
+
+
+@pytest.mark.parametrize("kind", ["FAST_INTRINSICS", "NATIVE_INTRINSICS"])
+def test_kernel_tanh_keeps_nan_and_is_one_where_torch_is(kind):
+    """The kernels' tanh (softcap, flex's tanh and gelu): NaN in, NaN out (it was +-1: softcap
+    dropped a NaN score), +-1 exactly wherever torch's fp32 tanh is (it saturated at 1 - 2^-24,
+    so gelu(-inf, approximate="tanh") was -inf, not NaN, and 1 - tanh^2 was 2^-23, not 0), and
+    within 2 ulp of float64 elsewhere. NATIVE_INTRINSICS (GPUs) runs here on libm's exp2."""
+    from tvmflash import score_mods
+
+    f = _tanh_kernel(getattr(score_mods, kind)["tanh"])
+    grid = torch.cat([torch.linspace(8.99, 9.03, 100_000), torch.linspace(0, 12, 200_000),
+                      torch.tensor([0.625, 1e30, 3e38, math.inf, math.nan, -math.nan])])
+    x = torch.cat([grid, -grid]).float()
+    x = torch.cat([x, x.new_zeros(-len(x) % 16)])
+    y = torch.full_like(x, 7.0)
+    f(x, y)
+    ref = torch.tanh(x)
+    assert torch.equal(y.isnan(), x.isnan())
+    assert torch.equal(y.abs() == 1, ref.abs() == 1), x[(y.abs() == 1) != (ref.abs() == 1)][:4]
+    finite = ~x.isnan()
+    exact = torch.tanh(x[finite].double())
+    ulp = torch.nextafter(exact.abs().float(), torch.tensor(2.0)).double() - exact.abs().float().double()
+    assert ((y[finite].double() - exact).abs() <= 2 * ulp).all()
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("where,value", [("q", "nan"), ("k", "nan"), ("v", "nan"), ("q", "inf"), ("k", "inf")])
+def test_softcap_nan_pattern_matches_torch(gen, dtype, where, value):
+    """softcap * tanh(s / softcap) keeps a NaN score, as PyTorch's does: the rows that see a NaN
+    in q or k are NaN in the output, and their heads in dq, dk, dv, as in float64 dense math (the
+    kernels' tanh mapped NaN to +-1: outputs stayed finite). An infinite score is capped to
+    +-softcap with derivative 0 exactly, so the output stays finite and only dK/dQ meet 0 * inf.
+    Causal, GQA (2 query heads per kv head); everything else matches float64."""
+    from tvmflash import flash_attn_func
+
+    q, k, v = random_inputs(gen, 2, 75, 75, 4, 2, 32, dtype)
+    dout = torch.randn(q.shape, generator=gen).to(q.dtype)
+    {"q": q, "k": k, "v": v}[where][1, 40, 1, 3] = float(value)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out = flash_attn_func(*leaves, causal=True, softcap=5.0)
+    ours = [out, *torch.autograd.grad(out, leaves, dout)]
+    ref_leaves = [t.double().requires_grad_() for t in (q, k, v)]
+    ref_out, _ = reference_attention(*ref_leaves, True, softcap=5.0)
+    ref = [ref_out, *torch.autograd.grad(ref_out, ref_leaves, dout.double())]
+    if where != "v":  # the output rows (per head) that see the NaN or inf, exactly
+        assert torch.equal(out.isnan().any(-1), ref_out.isnan().any(-1))
+    for name, o, r in zip(("out", "dq", "dk", "dv"), ours, ref):
+        assert torch.equal(_nan_heads(o), _nan_heads(r)), f"{name}: NaN heads {_nan_heads(o)} vs float64 {_nan_heads(r)}"
+        clean = ~_nan_heads(r)[:, None, :, None].expand_as(r)
+        assert torch.isfinite(o[clean]).all()
+        tol = 1e-4 if dtype == "float32" else 5e-2
+        torch.testing.assert_close(o[clean].double(), r[clean], atol=tol, rtol=tol)
+    assert _nan_heads(ours[0]).any() == (value == "nan")

@@ -1,6 +1,7 @@
 """Tuned configs: the records ``compile()`` reads (read-only, pure Python).
 
-A record file is ``<root>/<target key>/<variant>.json`` (e.g. ``llvm-znver4/d64-float32.json``)
+A record file is ``<root>/<target key>/<variant>.json`` (e.g. ``llvm-znver4/d64-float32.json``;
+the key names the model and any extensions this CPU has beyond or short of it, ``target.key``)
 with, per kernel, the tuned config and how it was verified::
 
     {"version": 3, "forward": {"config": {...}, "tuned_at": {"batch": 1, "heads": 8,

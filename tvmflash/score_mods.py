@@ -53,6 +53,13 @@ def _odd_tanh_coefficients(limit: float = 0.625, degree: int = 6) -> list[float]
 
 _TANH_SMALL = 0.625
 _TANH_COEFFS = _odd_tanh_coefficients(_TANH_SMALL)
+# torch's fp32 tanh is +-1 exactly from |x| = 9.0108404 on (the correctly rounded tanh from 9.0109138):
+# from there on tanh is +-1 here too, so softcap's derivative 1 - tanh^2 is 0 where torch's is.
+_TANH_ONE = 9.01084041595459
+_TANH_E = float(np.float32(2.0 * LOG2E))
+# The exponent 2 |x| log2(e) at |x| = _TANH_ONE, rounded as the kernels compute it (fp32 products
+# are monotonic and this one is injective near 9, so y >= this is |x| >= _TANH_ONE)
+_TANH_ONE_EXPONENT = float(np.float32(_TANH_ONE) * np.float32(_TANH_E))
 
 
 def tanh(x: tirx.PrimExpr, exp2_fn=exp2) -> tirx.PrimExpr:
@@ -61,9 +68,10 @@ def tanh(x: tirx.PrimExpr, exp2_fn=exp2) -> tirx.PrimExpr:
     ``tanh.approx`` instruction, relative error 2^-11: 1.5 % of P at softcap 30).
 
     |x| < 0.625: x (1 + x^2 p(x^2)), an odd polynomial (no cancellation near 0); beyond,
-    1 - 2 / (2^(2|x| log2 e) + 1) with ``exp2_fn`` (the kernels' polynomial; the GPU's ex2),
-    sign restored; |x| > 9 is +-1 in fp32.
-    Relative error ~1e-7 (tested against float64).
+    1 - 2 / (e + 1), e = 2^(2|x| log2 e) by ``exp2_fn(y, inf_from=...)`` (the kernels' polynomial;
+    the GPU's ex2), which is +inf from torch's saturation point on: exactly +-1 there, as in torch
+    (+-inf included). NaN takes the small branch (its test is false), so NaN in, NaN out, as in
+    torch's softcap. Relative error ~1.6e-7 (tested against float64).
     """
     ax = tirx.abs(x)
     t = x * x
@@ -71,10 +79,15 @@ def tanh(x: tirx.PrimExpr, exp2_fn=exp2) -> tirx.PrimExpr:
     for c in reversed(_TANH_COEFFS[:-1]):
         poly = poly * t + _f32(c)
     small = x + x * t * poly
-    e = exp2_fn(tirx.min(ax, _f32(9.0)) * _f32(2.0 * LOG2E))
+    e = exp2_fn(ax * _f32(_TANH_E), inf_from=_TANH_ONE_EXPONENT)
     large = _f32(1.0) - _f32(2.0) / (e + _f32(1.0))
     signed = tirx.Select(x < _f32(0.0), -large, large)
-    return tirx.Select(ax < _f32(_TANH_SMALL), small, signed)
+    return tirx.Select(ax >= _f32(_TANH_SMALL), signed, small)
+
+
+def _native_exp2(y: tirx.PrimExpr, inf_from: float) -> tirx.PrimExpr:
+    """tanh's exp2 on GPUs: ex2.approx (2 ulp), +inf from ``inf_from`` on."""
+    return tirx.Select(y < _f32(inf_from), tirx.exp2(y), _f32(math.inf))
 
 
 _LOG2E_HI = float(np.float32(LOG2E))
@@ -95,7 +108,7 @@ def fast_sigmoid(x: tirx.PrimExpr, exp2_fn=exp2) -> tirx.PrimExpr:
 # stay libm calls: correct, slower).
 FAST_INTRINSICS = {"exp": fast_exp, "exp2": exp2, "tanh": tanh, "sigmoid": fast_sigmoid}
 # GPUs: the same formulas on the hardware's exp2 (ex2.approx, 2 ulp), whatever nvcc's flags.
-NATIVE_INTRINSICS = {"exp": lambda x: fast_exp(x, tirx.exp2), "exp2": tirx.exp2, "tanh": lambda x: tanh(x, tirx.exp2),
+NATIVE_INTRINSICS = {"exp": lambda x: fast_exp(x, tirx.exp2), "exp2": tirx.exp2, "tanh": lambda x: tanh(x, _native_exp2),
                      "sigmoid": lambda x: fast_sigmoid(x, tirx.exp2)}
 
 

@@ -19,6 +19,7 @@ read the CPU's flags), so prebuilt kernels can be checked against the CPU withou
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
 import platform
 
@@ -153,11 +154,19 @@ def amx_features(target: tvm.target.Target) -> tuple[str, ...]:
 
 
 def key(target) -> str:
-    """Short, file-name-safe name of a target (a Target or its JSON dict): 'llvm-emeraldrapids',
-    'cuda-sm_90'."""
+    """Short, file-name-safe name of a target (a Target or its JSON dict), of what changes its
+    code: 'llvm-znver4', 'cuda-sm_90'; with ``mattr`` (extensions beyond or short of the model,
+    ``cpu_target``) those follow: 'llvm-rocketlake+amx-bf16+amx-tile+avx512bf16'. Tuning records
+    are filed under it, so a config tuned on a CPU of the same model with other extensions (one
+    it may not run, or that compiles differently) is not applied; a CPU whose flags equal its
+    model keeps the key records had before ``mattr`` existed."""
     kind, attrs = (target["kind"], target) if isinstance(target, dict) else (target.kind.name, target.attrs)
     if kind == "llvm":
-        return f"llvm-{attrs.get('mcpu', 'generic')}"
+        name = f"llvm-{attrs.get('mcpu', 'generic')}"
+        mattr = "".join(sorted(str(f) for f in attrs.get("mattr", None) or ()))
+        if len(mattr) > 120:  # a long list (a VM hiding AVX-512): keep the name within file-name limits
+            mattr = "+mattr-" + hashlib.sha256(mattr.encode()).hexdigest()[:16]
+        return name + mattr
     return f"{kind}-{attrs.get('arch', 'unknown')}"
 
 
