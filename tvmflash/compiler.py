@@ -24,7 +24,7 @@ import tvm_ffi
 
 from . import cache, checks, import_closure, product_rates, records, runtime, settings
 from . import target as targets
-from .config import BF16_DOT, KERNELS, CPUKernelConfig, CUDAKernelConfig, default_cpu_config
+from .config import BF16_DOT, KERNELS, CPUKernelConfig, CUDAKernelConfig, default_arm_config, default_cpu_config
 from .runtime import FlashKernels
 from .spec import Alibi, AttentionSpec, Softcap
 from .version import __version__
@@ -73,17 +73,22 @@ def choose_configs(target: tvm.target.Target, spec: AttentionSpec, *, config=Non
         if found is not None and (found[0].products != BF16_DOT or bf16_dot):
             chosen[kernel], used[kernel] = found
         else:
-            chosen[kernel] = default_cpu_config(kernel, targets.has_features(target, "avx512f"),
-                                                product_rates.default_products(target, spec.dtype))
+            chosen[kernel] = _default_cpu_config(target, kernel, product_rates.default_products(target, spec.dtype))
     wanted = CUDAKernelConfig if is_cuda else CPUKernelConfig
     for kernel, cfg in chosen.items():
         if not isinstance(cfg, wanted) or cfg.kernel != kernel:
             raise TypeError(f"config for the {kernel} kernel must be a {wanted.__name__}(kernel={kernel!r}), got {cfg!r}")
         if not is_cuda and cfg.products == BF16_DOT and not (bf16_dot and spec.dtype == "bfloat16"):
             raise ValueError(f"the {kernel} config asks for bf16_dot products, which need bfloat16 inputs (got "
-                             f"{spec.dtype}) and a target with AVX512-BF16 ({targets.key(target)}"
+                             f"{spec.dtype}) and a target with AVX512-BF16 or Arm's BF16 ({targets.key(target)}"
                              f"{'' if bf16_dot else ' has none'})")
     return chosen, (used or None)
+
+
+def _default_cpu_config(target: tvm.target.Target, kernel: str, products: str) -> CPUKernelConfig:
+    if targets.is_aarch64(target):
+        return default_arm_config(kernel, products)
+    return default_cpu_config(kernel, targets.has_features(target, "avx512f"), products)
 
 
 def _explicit_configs(config) -> dict:
