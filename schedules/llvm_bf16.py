@@ -45,8 +45,8 @@ declare {f32} @llvm.x86.avx512bf16.dpbf16ps.{width}({f32}, {bf16}, {bf16})
 HELPERS_LL = "".join(_helper(lanes) for lanes in LANES)
 
 # aarch64 (FEAT_BF16): BFDOT does per fp32 lane ``C[n] += A[2n] B[2n] + A[2n+1] B[2n+1]`` on
-# 128-bit registers: the same pair-word operands, 4 lanes. LLVM folds the broadcast pair into
-# BFDOT's indexed form (``bfdot v.4s, v.8h, v.2h[i]``) or a ``dup``.
+# 128-bit registers: the same pair-word operands, 4 lanes. LLVM 22 loads the broadcast pair with
+# ``ld1r {v.4s}`` (not BFDOT's indexed form); one ``bfdot v.4s, v.8h, v.8h`` per accumulator vector.
 ARM_LANES = 4
 ARM_HELPERS_LL = """
 define <4 x float> @tvmflash_bfdot_128(<4 x float> %acc, <4 x i32> %a, <4 x i32> %b) {
