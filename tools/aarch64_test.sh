@@ -2,7 +2,7 @@
 # Core correctness checks of the CPU kernels on aarch64, under qemu-user on an x86 host (issue 20).
 #   tools/aarch64_test.sh [neoverse-v1|neoverse-n1|generic] [float32] [bfloat16]
 # (default neoverse-v1, both dtypes: ~5.5 min here, ~95 % of it TVM compiling under emulation;
-# one dtype ~2.7 min)
+# one dtype ~2 min)
 # Builds (once, cached under ${ARM_ROOT:-/tmp/arm64-root}) an aarch64 Python root with TVM and numpy
 # (/work/shared/tools/aarch64-root.sh, or tools/aarch64-root.sh beside this script), then runs
 # tools/aarch64_check.py there: fp32 forward+backward (full, causal + GQA, varlen) and bf16 against
