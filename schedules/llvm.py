@@ -10,8 +10,8 @@ vectorized along their innermost loop; the per-thread ``slot`` loops run in TVM'
 
 With ``products="bf16_dot"`` the product blocks reduce over bf16 pairs (loops ``q``, ``t``) and
 the register tile's innermost step, one vector of accumulators times one pair, is tensorized
-into one ``vdpbf16ps`` (``llvm_bf16.py``); the kernel's function then imports that module's LLVM
-IR helper.
+into one ``vdpbf16ps`` (``llvm_bf16.py``; on aarch64, 4 lanes, one ``bfdot``); the kernel's
+function then imports that module's LLVM IR helper.
 
 The same code is the autotuner's search space. Every tunable choice goes through a ``Knobs``
 object: ``FixedKnobs`` reads it from a ``CPUKernelConfig`` (the hand-written schedule), while
@@ -27,7 +27,7 @@ from tvm import s_tir
 
 from tvmflash import target as targets
 from tvmflash.config import (BF16_DOT, FP32_FMA, MAX_TILE_ROWS, MAX_TILE_VECTORS, PRODUCTS, CPUKernelConfig,
-                             default_cpu_config)
+                             default_arm_config, default_cpu_config)
 
 from . import llvm_bf16
 
@@ -39,6 +39,8 @@ def has_avx512(target: tvm.target.Target) -> bool:
 def default_config(target: tvm.target.Target, kernel: str, products: str = FP32_FMA) -> CPUKernelConfig:
     """The hand-written choices for this target's ISA and the given products
     (config.default_cpu_config; which products a dtype gets: ``product_rates.default_products``)."""
+    if targets.is_aarch64(target):
+        return default_arm_config(kernel, products)
     return default_cpu_config(kernel, has_avx512(target), products)
 
 
@@ -138,7 +140,7 @@ def _parallel(sch: s_tir.Schedule, name: str, n_outer: int, vectorize_inner: int
         _vectorize_loop(sch, loops[-1], vectorize_inner)
 
 
-def _parallel_slots(sch: s_tir.Schedule, name: str, bf16_products: bool = False) -> None:
+def _parallel_slots(sch: s_tir.Schedule, name: str, bf16_products: bool = False, lanes: int = 16) -> None:
     """The per-thread slot loop in TVM's thread pool: last, after everything inside it is scheduled.
 
     Marking a loop parallel copies the loop but keeps its body: the block below is then shared
@@ -149,7 +151,7 @@ def _parallel_slots(sch: s_tir.Schedule, name: str, bf16_products: bool = False)
     """
     slots = sch.get_loops(sch.get_sblock(name))[-1]
     if bf16_products:
-        llvm_bf16.import_helpers(sch, slots)
+        llvm_bf16.import_helpers(sch, slots, lanes)
     sch.parallel(slots)
 
 
@@ -173,7 +175,7 @@ def schedule_forward(sch: s_tir.Schedule, cfg: CPUKernelConfig, knobs=None) -> s
         _vectorize_elementwise(sch, name, lanes)
     for name in ("row_max", "row_sum"):
         _vectorize_row_reduction(sch, name, lanes)
-    _parallel_slots(sch, "slot", bf16)
+    _parallel_slots(sch, "slot", bf16, lanes)
     return sch
 
 
@@ -188,7 +190,7 @@ def schedule_backward(sch: s_tir.Schedule, cfg: CPUKernelConfig, knobs=None) -> 
         register_tile(sch, "backward", name, knobs, lanes, bf16_pairs=bf16)
     for name in ("init_dkv", "load_row_stats", "probs", "dscores"):
         _vectorize_elementwise(sch, name, lanes)
-    _parallel_slots(sch, "round_slot", bf16)
+    _parallel_slots(sch, "round_slot", bf16, lanes)
     return sch
 
 

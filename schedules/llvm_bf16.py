@@ -44,11 +44,27 @@ declare {f32} @llvm.x86.avx512bf16.dpbf16ps.{width}({f32}, {bf16}, {bf16})
 # The IR every kernel with bf16 products imports (once per function; LLVM keeps one copy).
 HELPERS_LL = "".join(_helper(lanes) for lanes in LANES)
 
+# aarch64 (FEAT_BF16): BFDOT does per fp32 lane ``C[n] += A[2n] B[2n] + A[2n+1] B[2n+1]`` on
+# 128-bit registers: the same pair-word operands, 4 lanes. LLVM 22 loads the broadcast pair with
+# ``ld1r {v.4s}`` (not BFDOT's indexed form); one ``bfdot v.4s, v.8h, v.8h`` per accumulator vector.
+ARM_LANES = 4
+ARM_HELPERS_LL = """
+define <4 x float> @tvmflash_bfdot_128(<4 x float> %acc, <4 x i32> %a, <4 x i32> %b) {
+  %a16 = bitcast <4 x i32> %a to <8 x bfloat>
+  %b16 = bitcast <4 x i32> %b to <8 x bfloat>
+  %r = call <4 x float> @llvm.aarch64.neon.bfdot.v4f32.v8bf16(<4 x float> %acc, <8 x bfloat> %a16, <8 x bfloat> %b16)
+  ret <4 x float> %r
+}
+declare <4 x float> @llvm.aarch64.neon.bfdot.v4f32.v8bf16(<4 x float>, <8 x bfloat>, <8 x bfloat>)
+"""
 
-def import_helpers(sch: s_tir.Schedule, loop) -> None:
-    """Link HELPERS_LL into the function of ``loop`` (a ``pragma_*`` loop annotation becomes an
-    attribute that TVM's LLVM code generator acts on wherever it meets it)."""
-    sch.annotate(loop, "pragma_import_llvm", HELPERS_LL)
+
+def import_helpers(sch: s_tir.Schedule, loop, lanes: int = 16) -> None:
+    """Link the helpers for kernels of ``lanes`` fp32 lanes (HELPERS_LL; 4 lanes: aarch64's
+    ARM_HELPERS_LL) into the function of ``loop`` (a ``pragma_*`` loop annotation becomes an
+    attribute that TVM's LLVM code generator acts on wherever it meets it). Each architecture's
+    helpers only reach LLVM for that architecture."""
+    sch.annotate(loop, "pragma_import_llvm", ARM_HELPERS_LL if lanes == ARM_LANES else HELPERS_LL)
 
 
 def intrinsic_name(lanes: int, a_dtype: str) -> str:
@@ -58,7 +74,8 @@ def intrinsic_name(lanes: int, a_dtype: str) -> str:
 
 def _dot(lanes: int, acc, a_word, b_words):
     """acc + the products of the pairs in a_word (broadcast) and b_words, through the IR helper."""
-    return T.call_pure_extern(f"float32x{lanes}", f"tvmflash_dpbf16ps_{32 * lanes}", acc,
+    helper = "tvmflash_bfdot_128" if lanes == ARM_LANES else f"tvmflash_dpbf16ps_{32 * lanes}"
+    return T.call_pure_extern(f"float32x{lanes}", helper, acc,
                               T.broadcast(a_word, lanes), T.reinterpret(b_words, dtype=f"int32x{lanes}"))
 
 
@@ -121,5 +138,5 @@ def _register(lanes: int) -> None:
     TensorIntrin.register(intrinsic_name(lanes, "uint32"), desc_words, impl_words, override=True)
 
 
-for _lanes in LANES:
+for _lanes in (*LANES, ARM_LANES):
     _register(_lanes)

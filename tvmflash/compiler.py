@@ -24,7 +24,8 @@ import tvm_ffi
 
 from . import cache, checks, import_closure, product_rates, records, runtime, settings
 from . import target as targets
-from .config import BF16_DOT, KERNELS, TILE_EDGES, CPUKernelConfig, CUDAKernelConfig, default_cpu_config
+from .config import (BF16_DOT, KERNELS, TILE_EDGES, CPUKernelConfig, CUDAKernelConfig, default_arm_config,
+                     default_cpu_config)
 from .runtime import FlashKernels
 from .spec import Alibi, AttentionSpec, Softcap
 from .version import __version__
@@ -73,8 +74,8 @@ def choose_configs(target: tvm.target.Target, spec: AttentionSpec, *, config=Non
         if is_cuda:
             chosen[kernel] = CUDAKernelConfig(kernel)
             continue
-        default = default_cpu_config(kernel, targets.has_features(target, "avx512f"),
-                                     product_rates.default_products(target, spec.dtype), seqlen_q, seqlen_k)
+        default = _default_cpu_config(target, kernel, product_rates.default_products(target, spec.dtype),
+                                      seqlen_q, seqlen_k)
         found = records.lookup(targets.key(target), spec, kernel, max(seqlen_q or 0, seqlen_k or 0) or None
                                ) if tuned else None
         tiles = (default.block_q, default.block_k)
@@ -89,9 +90,16 @@ def choose_configs(target: tvm.target.Target, spec: AttentionSpec, *, config=Non
             raise TypeError(f"config for the {kernel} kernel must be a {wanted.__name__}(kernel={kernel!r}), got {cfg!r}")
         if not is_cuda and cfg.products == BF16_DOT and not (bf16_dot and spec.dtype == "bfloat16"):
             raise ValueError(f"the {kernel} config asks for bf16_dot products, which need bfloat16 inputs (got "
-                             f"{spec.dtype}) and a target with AVX512-BF16 ({targets.key(target)}"
+                             f"{spec.dtype}) and a target with AVX512-BF16 or Arm's BF16 ({targets.key(target)}"
                              f"{'' if bf16_dot else ' has none'})")
     return chosen, (used or None)
+
+
+def _default_cpu_config(target: tvm.target.Target, kernel: str, products: str, seqlen_q: int | None,
+                        seqlen_k: int | None) -> CPUKernelConfig:
+    if targets.is_aarch64(target):  # 64 x 64 tiles at any length: short-sequence tiles are untried there
+        return default_arm_config(kernel, products)
+    return default_cpu_config(kernel, targets.has_features(target, "avx512f"), products, seqlen_q, seqlen_k)
 
 
 def _explicit_configs(config) -> dict:

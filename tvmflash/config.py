@@ -56,9 +56,9 @@ class CPUKernelConfig:
             raise ValueError(f"unknown kernel {self.kernel!r}: one of {KERNELS}")
         if self.products not in PRODUCT_KINDS:
             raise ValueError(f"unknown products {self.products!r}: one of {PRODUCT_KINDS}")
-        if self.products == BF16_DOT and (self.lanes != 16 or self.block_q % 8 or self.block_k % 8):
-            # bf16 pairs along every tile edge, 8- or 16-lane dot products (AVX-512)
-            raise ValueError(f"bf16_dot needs 16 lanes and tile sizes that are multiples of 8, got lanes="
+        if self.products == BF16_DOT and (self.lanes not in (16, ARM_LANES) or self.block_q % 8 or self.block_k % 8):
+            # bf16 pairs along every tile edge, 8- or 16-lane dot products (AVX-512), 4 (aarch64 BFDOT)
+            raise ValueError(f"bf16_dot needs 16 lanes (4 on aarch64) and tile sizes that are multiples of 8, got lanes="
                              f"{self.lanes}, {self.block_q}x{self.block_k}")
         missing = set(PRODUCTS[self.kernel]) - {name for name, _ in self.tiles}
         if missing:
@@ -119,6 +119,20 @@ def default_cpu_config(kernel: str, avx512: bool, products: str = FP32_FMA, seql
         tile, lanes = RegisterTile(4, 2), 8
     tiles = tuple((name, tile) for name in PRODUCTS[kernel])
     return CPUKernelConfig(kernel, block_q, block_k, lanes=lanes, tiles=tiles, products=products)
+
+
+# aarch64: NEON's 128-bit vectors (4 fp32 lanes) and 32 vector registers
+ARM_LANES = 4
+
+
+def default_arm_config(kernel: str, products: str = FP32_FMA) -> CPUKernelConfig:
+    """The hand-written schedule's choices for aarch64 (NEON, or SVE CPUs through NEON): 16
+    accumulators of 4 lanes (the AVX-512 tiles' shapes), leaving 16 of the 32 registers for the
+    loaded vectors and the broadcast; ``fmla`` / ``bfdot`` latency ~4 cycles at up to 4 per cycle
+    (Neoverse V1/V2) needs >= 16 independent accumulators. Not measured on Arm hardware."""
+    tile = RegisterTile(4, 4) if kernel == "forward" else RegisterTile(8, 2)
+    return CPUKernelConfig(kernel, lanes=ARM_LANES, tiles=tuple((name, tile) for name in PRODUCTS[kernel]),
+                           products=products)
 
 
 # CUDA: the kernels' warp layout is fixed (kernels/cuda.py: 4 warps x 16 query rows per thread

@@ -103,7 +103,15 @@ class FlashKernels:
         # fork itself); TVM's own pool needs fork_safe
         self._on_torch_threads = not self.is_cuda and threads.route(self._loaded_as)
         tvm_pool = not self.is_cuda and not self._on_torch_threads
-        self._functions = {name: fork_safe(module[name]) if tvm_pool else module[name] for name in functions_of(meta)}
+        from .target import other_architecture
+
+        if not self.is_cuda and other_architecture(meta["target"]):
+            # kernels cross-compiled for another architecture (aarch64 on x86, ...): their code can
+            # be inspected, not loaded (TVM's JIT refuses it); calls are refused by _check_runs_here
+            self._functions = {}
+        else:
+            self._functions = {name: fork_safe(module[name]) if tvm_pool else module[name]
+                               for name in functions_of(meta)}
 
     def with_causal(self, causal: bool) -> FlashKernels:
         """The same module with another default mask."""
@@ -139,11 +147,11 @@ class FlashKernels:
         """The instruction-set extensions these CPU kernels need and this CPU lacks (kernels
         compiled here for another CPU, e.g. to inspect their code): the ones their products
         need, and every extension they were compiled for (for any CPU model, this one's too)."""
-        from .target import BF16_DOT_FEATURES, missing_for_cpu_kernels, missing_isa_features
+        from .target import bf16_dot_features, missing_for_cpu_kernels, missing_isa_features
 
         # (CUDA configs have no products: they need no CPU feature)
         needed = {f for cfg in self.configs.values() if getattr(cfg, "products", None) == BF16_DOT
-                  for f in BF16_DOT_FEATURES}
+                  for f in bf16_dot_features(self.meta["target"])}
         missing = missing_isa_features(sorted(needed)) if needed else []
         return sorted({*missing, *missing_for_cpu_kernels(self.meta["target"], self.meta.get("isa_features", []))})
 

@@ -12,6 +12,13 @@ CPU's ``/proc/cpuinfo`` flags: ``-feature`` for what the model implies and the C
 ``+feature`` for what it has and the model lacks (``cpu_target``). Where they agree there is no
 ``mattr`` and the target is what it was before.
 
+**aarch64** (issue 20): the same design with Arm's names. The CPU's ``Features`` line in
+/proc/cpuinfo (``asimd``, ``sve``, ``sve2``, ``bf16``, ``i8mm``, ...; read on aarch64 Linux) is
+compared with LLVM's model (``mcpu``, from the "CPU implementer / part" lines) over the extensions
+in ``_ARM_ISA``. Vectors are NEON's 128 bits (4 fp32 lanes, 32 registers) on every Arm CPU: TVM's
+fixed-width vectors are what LLVM lowers to NEON; SVE's scalable vectors are not used.
+``is_aarch64`` tells a target's architecture (its ``mtriple``, else this machine's).
+
 ``resolve`` needs TVM's compiler library; ``host_isa_features`` and ``runs_here`` do not (they
 read the CPU's flags), so prebuilt kernels can be checked against the CPU without it.
 """
@@ -58,7 +65,8 @@ def feature_differences(mcpu: str, cpu_flags) -> tuple[str, ...]:
         return ()
     model = set(isa_features(tvm.target.Target({"kind": "llvm", "mcpu": mcpu})))
     lacking = {name for name in model if not _present(name, cpu_flags)}
-    extra = {name for name in _known_isa_features() - model if _normal(name) in cpu_flags}
+    known = set(_ARM_ISA) if platform.machine() in _ARM_MACHINES else _known_isa_features()
+    extra = {name for name in known - model if _normal(name) in cpu_flags}
     return tuple(sorted([f"-{name}" for name in lacking] + [f"+{name}" for name in extra], key=lambda f: (f[1:], f[0])))
 
 
@@ -74,9 +82,39 @@ def _known_isa_features() -> frozenset[str]:
     return frozenset(f for name in names for f in isa_features(tvm.target.Target({"kind": "llvm", "mcpu": name})))
 
 
+_X86_MACHINES = ("x86_64", "AMD64")
+_ARM_MACHINES = ("aarch64", "arm64")
+
+
+def other_architecture(target: dict) -> bool:
+    """Whether an LLVM target's JSON dict compiles for another architecture than this machine's
+    (x86 vs aarch64; an aarch64 ``mtriple`` on x86 and the reverse)."""
+    if target.get("kind") != "llvm":
+        return False
+    here_arm = platform.machine() in _ARM_MACHINES
+    triple = str(target.get("mtriple", ""))
+    return bool(triple) and is_aarch64(target) != here_arm
+
+
 def _host_flags():
-    """This CPU's flags where they describe the target's CPU (x86 Linux), else None."""
-    return host_isa_features() if platform.machine() in ("x86_64", "AMD64") else None
+    """This CPU's flags where they describe the target's CPU (x86 or aarch64 Linux), else None."""
+    return host_isa_features() if platform.machine() in _X86_MACHINES + _ARM_MACHINES else None
+
+
+def is_aarch64(target) -> bool:
+    """Whether an LLVM target (a Target or its JSON dict) compiles for aarch64: its ``mtriple``,
+    else (TVM's default triple) this machine's architecture."""
+    if isinstance(target, tvm.target.Target):
+        if target.kind.name != "llvm":
+            return False
+        triple = str(target.attrs.get("mtriple", ""))
+    else:
+        if target.get("kind") != "llvm":
+            return False
+        triple = str(target.get("mtriple", ""))
+    if triple:
+        return triple.startswith(("aarch64", "arm64"))
+    return platform.machine() in _ARM_MACHINES
 
 
 def resolve(target) -> tvm.target.Target:
@@ -132,13 +170,22 @@ def has_features(target: tvm.target.Target, *features: str) -> bool:
 
 # vdpbf16ps on zmm and (head dims of 8 * odd) ymm registers
 BF16_DOT_FEATURES = ("avx512f", "avx512vl", "avx512bf16")
+# aarch64: BFDOT on 128-bit NEON registers (FEAT_BF16: Neoverse V1 / V2 / N2, Graviton 3 / 4, Grace)
+ARM_BF16_DOT_FEATURES = ("neon", "bf16")
+
+
+def bf16_dot_features(target) -> tuple[str, ...]:
+    """The LLVM features the bf16 dot products of kernels for ``target`` (a Target or its JSON
+    dict) need: AVX512-BF16's, or on aarch64 NEON's BFDOT."""
+    return ARM_BF16_DOT_FEATURES if is_aarch64(target) else BF16_DOT_FEATURES
 
 
 def supports_bf16_dot(target: tvm.target.Target) -> bool:
-    """AVX512-BF16 dot products for this target (LLVM's view: its model and ``mattr``, which
-    ``resolve`` fills from this CPU's flags for this CPU). LLVM aborts the process when it meets
-    the instruction for a target without the feature, so this gates every use."""
-    return target.kind.name == "llvm" and has_features(target, *BF16_DOT_FEATURES)
+    """bf16 dot products for this target: AVX512-BF16 (x86) or FEAT_BF16 (aarch64), LLVM's
+    view: its model and ``mattr``, which ``resolve`` fills from this CPU's flags for this CPU.
+    LLVM aborts the process when it meets the instruction for a target without the feature, so
+    this gates every use."""
+    return target.kind.name == "llvm" and has_features(target, *bf16_dot_features(target))
 
 
 # AMX (Sapphire Rapids and later): tiles, and their bf16 / fp16 products (LLVM names). Linux
@@ -180,9 +227,15 @@ def _normal(name: str) -> str:
     return name.lower().replace("_", "").replace("-", "").replace(".", "")
 
 
+# aarch64: the extensions the kernels' code can use (LLVM names), checked against cpuinfo
+_ARM_ISA = ("fp-armv8", "neon", "fullfp16", "dotprod", "bf16", "i8mm", "sve", "sve2")
+
+
 def isa_features(target: tvm.target.Target) -> list[str]:
     """The instruction-set extensions an LLVM target compiles for (needs TVM's compiler)."""
     features = tvm_ffi.get_global_func("target.llvm_get_cpu_features")(target)
+    if is_aarch64(target):
+        return sorted(str(name) for name in features.keys() if str(name) in _ARM_ISA)
     return sorted(str(name) for name in features.keys() if _normal(str(name)).startswith(_ISA_PREFIXES))
 
 
@@ -191,14 +244,25 @@ def host_isa_features() -> frozenset[str] | None:
     """This CPU's extensions, normalized (no '_', '-', '.'); None where they cannot be read."""
     try:
         with open("/proc/cpuinfo") as f:
-            flags = next((line.split(":", 1)[1] for line in f if line.startswith("flags")), None)
+            return cpuinfo_features(f.read(), arm=platform.machine() in _ARM_MACHINES)
     except OSError:
-        flags = None
+        return None
+
+
+def cpuinfo_features(cpuinfo: str, arm: bool = False) -> frozenset[str] | None:
+    """The extensions a /proc/cpuinfo text lists (x86: its ``flags`` line; aarch64: its
+    ``Features`` line), normalized and with LLVM's spellings added; None if it lists none."""
+    field = "Features" if arm else "flags"
+    flags = next((line.split(":", 1)[1] for line in cpuinfo.splitlines()
+                  if line.split(":", 1)[0].strip() == field and ":" in line), None)
     if flags is None:
         return None
     found = {_normal(flag) for flag in flags.split()}
     # cpuinfo spells a few of LLVM's names differently
-    aliases = {"pni": "sse3", "abm": "lzcnt", "bmi1": "bmi", "shani": "sha", "pclmulqdq": "pclmul"}
+    if arm:
+        aliases = {"fp": "fparmv8", "asimd": "neon", "asimdhp": "fullfp16", "asimddp": "dotprod"}
+    else:
+        aliases = {"pni": "sse3", "abm": "lzcnt", "bmi1": "bmi", "shani": "sha", "pclmulqdq": "pclmul"}
     found |= {alias for flag, alias in aliases.items() if flag in found}
     return frozenset(found)
 
@@ -206,7 +270,7 @@ def host_isa_features() -> frozenset[str] | None:
 def missing_isa_features(features) -> list[str]:
     """Those of ``features`` (LLVM names) this CPU lacks; all of them if its flags are unknown."""
     host = host_isa_features()
-    if host is None or platform.machine() not in ("x86_64", "AMD64"):
+    if host is None or platform.machine() not in _X86_MACHINES + _ARM_MACHINES:
         return list(features)
     return [name for name in features if _normal(name) not in host and _normal(name) not in _LLVM_ONLY]
 
@@ -220,7 +284,7 @@ def missing_for_cpu_kernels(target: dict, features) -> list[str]:
     kernels of a target JSON dict: their code faults here (SIGILL). Kernels for this CPU's own
     model are no exception where its flags can be read: ``resolve`` compiles them for those flags
     (``mattr``), so only kernels built for the model's features (an explicit ``mattr``, another
-    machine's libraries) can need more. Where they cannot (not x86 Linux) they are trusted, as
+    machine's libraries) can need more. Where they cannot (neither x86 nor aarch64 Linux; qemu-user without an Arm cpuinfo) they are trusted, as
     nothing can be checked."""
     if target.get("kind") != "llvm":
         return []
