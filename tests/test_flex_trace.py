@@ -616,8 +616,12 @@ def compiled_edges():
     return tvm.compile(tvm.IRModule(funcs), target=host_target()), traced
 
 
-def same_specials(ours, ref, what):
+def same_specials(ours, ref, what, ref64=None):
+    """NaN/+-inf where torch's float32 has them, except where float32 torch gives NaN for an
+    infinite float64 value (torch 2.13's vectorized fp32 gelu(+inf) is NaN): ours must be that inf."""
     ours, ref = ours.double(), ref.double()
+    if ref64 is not None:
+        ref = torch.where(torch.isnan(ref) & torch.isinf(ref64.double()), ref64.double(), ref)
     for test in (torch.isnan, torch.isposinf, torch.isneginf):
         bad = test(ours) != test(ref)
         assert not bad.any(), f"{what}: {test.__name__} differs at {bad.sum()} points, e.g. ours " \
@@ -655,7 +659,7 @@ def test_decomposed_edge_cases_match_dense_float64(compiled_edges, name, kind, g
         refs[dtype] = [value.detach().reshape(-1), dvalue[0].reshape(-1) / up.reshape(-1), *dvalue[1:]]
     for what, ours, r32, r64 in zip(["value", "d/dscore", *(f"grad of {k}" for k in learnable)], [out, dscore, *grads],
                                     refs[torch.float32], refs[torch.float64]):
-        same_specials(ours, r32, f"{name} {what}")
+        same_specials(ours, r32, f"{name} {what}", r64)
         finite = torch.isfinite(r32)
         atol = 1e-5 * float(upstream.abs().sum()) if what.startswith("grad") else 4e-6
         close(ours[finite], r64[finite], f"{name} {what}", rtol=1e-5, atol=atol)
