@@ -16,26 +16,7 @@
 #define ITERS 1000000L
 #define ROUNDS 9
 
-#define ZERO(r) "vpxord %%zmm" #r ", %%zmm" #r ", %%zmm" #r "\n\t"
-#define OP(op, r) op " %%zmm1, %%zmm0, %%zmm" #r "\n\t"
-#define SIXTEEN(M, x) M(x, 16) M(x, 17) M(x, 18) M(x, 19) M(x, 20) M(x, 21) M(x, 22) M(x, 23) \
-                      M(x, 24) M(x, 25) M(x, 26) M(x, 27) M(x, 28) M(x, 29) M(x, 30) M(x, 31)
-#define ZERO_(x, r) ZERO(r)
-#define CLOBBERS "zmm0", "zmm1", "zmm16", "zmm17", "zmm18", "zmm19", "zmm20", "zmm21", "zmm22", "zmm23", \
-                 "zmm24", "zmm25", "zmm26", "zmm27", "zmm28", "zmm29", "zmm30", "zmm31", "cc"
-
-/* operands: bf16 pairs (1, 1) and tiny values / fp32 1 and 1e-30: nothing overflows */
-#define LOOP(op)                                                              \
-    __asm__ volatile("vpbroadcastd %[a], %%zmm0\n\t"                          \
-                     "vpbroadcastd %[b], %%zmm1\n\t" SIXTEEN(ZERO_, 0)        \
-                     "1:\n\t" SIXTEEN(OP, op) "dec %[n]\n\t"                  \
-                     "jnz 1b\n\t"                                             \
-                     : [n] "+r"(iters)                                        \
-                     : [a] "r"(0x3f803f80), [b] "r"(0x0d800d80)               \
-                     : CLOBBERS)
-
-__attribute__((target("avx512f,avx512bf16"), noinline)) static void loop_dpbf16(long iters) { LOOP("vdpbf16ps"); }
-__attribute__((target("avx512f"), noinline)) static void loop_fma(long iters) { LOOP("vfmadd231ps"); }
+#include "product_loops.h"
 
 static double seconds(void) {
     struct timespec ts;

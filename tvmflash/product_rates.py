@@ -46,6 +46,7 @@ MEASURE = "measure"
 # clearly faster than the fp32 path to pay for that, not break even.
 BF16_DOT_MIN_GAIN = 1.25
 _SOURCE = Path(__file__).with_name("product_probe.c")
+_HEADER = _SOURCE.with_name("product_loops.h")  # the loops, included by the probe
 
 _lock = threading.Lock()
 _measured: dict[str, ProductRates | None] = {}  # machine key -> rates (None: could not measure)
@@ -117,7 +118,7 @@ def machine_key(cpuinfo: str | None = None) -> str:
         fields[name.strip()] = value.strip()
     wanted = {name: fields.get(name, "") for name in ("vendor_id", "cpu family", "model", "stepping", "model name")}
     wanted["flags"] = " ".join(sorted(fields.get("flags", "").split()))
-    text = json.dumps([wanted, hashlib.sha256(_SOURCE.read_bytes()).hexdigest()], sort_keys=True)
+    text = json.dumps([wanted, hashlib.sha256(_SOURCE.read_bytes() + _HEADER.read_bytes()).hexdigest()], sort_keys=True)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
@@ -178,7 +179,7 @@ def _build_probe(directory: Path) -> Path:
     compiler = _compiler()
     if compiler is None:
         raise OSError("no C compiler (gcc or $CC) found")
-    digest = hashlib.sha256(_SOURCE.read_bytes() + compiler.encode()).hexdigest()[:16]
+    digest = hashlib.sha256(_SOURCE.read_bytes() + _HEADER.read_bytes() + compiler.encode()).hexdigest()[:16]
     probe = directory / f"product-probe-{digest}"
     if not probe.exists():
         with tempfile.TemporaryDirectory(dir=directory) as tmp:
