@@ -39,8 +39,7 @@ version.require("torch", torch.__version__, version.MIN_TORCH)
 
 __all__ = ["flash_attn_with_kvcache", "apply_rotary"]
 
-_CACHE_DIR_ENV = "TVMFLASH_CACHE_DIR"
-_STEERING_ENV = (_CACHE_DIR_ENV,)
+_STEERING_ENV = ("TVMFLASH_CACHE_DIR",)
 _kernels: dict[tuple, object] = {}
 
 
@@ -375,7 +374,8 @@ def _step_key(q, k_cache, v_cache, cache_seqlens, softmax_scale, causal, window_
         k_shape = k_cache.shape
         return (q.shape, q.stride(), q.dtype, q.is_cpu, k_shape[0], k_shape[2:], k_cache.stride(-1), k_cache.dtype,
                 k_cache.is_cpu, v_cache.stride(-1), v_cache.dtype, v_cache.is_cpu, lengths, softmax_scale, causal,
-                window_size, softcap, num_splits, rotary_interleaved, return_lse, os.environ.get(_CACHE_DIR_ENV))
+                window_size, softcap, num_splits, rotary_interleaved, return_lse,
+                *(os.environ.get(n) for n in _STEERING_ENV))  # (what decode_kernels' memo keys on)
     except (IndexError, RuntimeError):
         return None
 

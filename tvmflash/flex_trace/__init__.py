@@ -74,7 +74,7 @@ from __future__ import annotations
 from .guards import capture
 from .lower import Captured, TracedMaskMod, TracedScoreMod, supported_ops
 from .reference import apply_score_mod_dense, dense_mask
-from .trace import _closure_names, trace_mask_mod, trace_score_mod  # noqa: F401 - flex.py reads captured names
+from .trace import trace_mask_mod, trace_score_mod
 from .values import INTRINSICS, TRANSLATOR_VERSION, FlexTraceError  # noqa: F401
 
 __all__ = [
