@@ -173,8 +173,10 @@ def _implementation(short: str) -> str:
 def worker_generate(dtype, prompt: int, new_tokens: int, implementation: str) -> dict:
     """tokens/s of one timed generate() after a warm-up (compiles, caches) in this process."""
     model = _llama(dtype, _implementation(implementation)).eval()
-    ids = torch.randint(0, 1024, (1, prompt), generator=torch.Generator().manual_seed(prompt))
-    kwargs = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+    # Token 0 is the pad token: generate() would mask every 0 inside the prompt (holes in the mask).
+    ids = torch.randint(1, 1024, (1, prompt), generator=torch.Generator().manual_seed(prompt))
+    kwargs = dict(attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                  do_sample=False, pad_token_id=0)
     with torch.no_grad():  # (inference_mode: the integration reads position_ids._version)
         model.generate(ids, **{**kwargs, "max_new_tokens": 2, "min_new_tokens": 2})
         start = time.perf_counter()

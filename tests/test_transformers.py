@@ -314,3 +314,32 @@ def test_decode_attention_on_every_kind_of_cache(gen, dtype):
             want = torch.einsum("hk,khd->hd", s.softmax(-1), vb)
             tol = 2e-5 if dtype == torch.float32 else 2e-2
             assert (out[b, 0].double() - want).abs().max() <= tol, (b, window, softcap, grad)
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+def test_decode_with_holes_in_the_mask_runs_the_kv_cache_kernel(gen, monkeypatch, batch):
+    """A decode step whose mask has holes (generate() masks pad tokens inside a prompt) gathers
+    each row's real keys for the KV-cache kernel rather than taking the varlen kernel (one query
+    on 64-row tiles: ~30x slower in a model); rows of different real lengths, a cache longer than
+    the mask, positions poisoned where the mask is False."""
+    n_cache, n, heads, heads_k, dim = 90, 77, 4, 2, 32
+    q = torch.randn(batch, 1, heads, dim, generator=gen)
+    k, v = (torch.randn(batch, n_cache, heads_k, dim, generator=gen) for _ in range(2))
+    mask = torch.ones(batch, n, dtype=torch.bool)
+    mask[0, 5:30], mask[-1, 0], mask[-1, 40:41], mask[-1, 60:70] = False, False, False, False
+    k[:, :n][~mask], v[:, :n][~mask] = float("nan"), float("nan")  # must never be read
+    k[:, n:], v[:, n:] = float("nan"), float("nan")
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the decode step took the varlen kernel")
+
+    monkeypatch.setattr(tvm_hf, "flash_attn_varlen_func", refuse)
+    with torch.no_grad():
+        out = tvm_hf.decode_attention(q, k, v, mask, softmax_scale=None, causal=True, window_size=(-1, -1),
+                                      softcap=0.0)
+    for b in range(batch):
+        idx = mask[b].nonzero()[:, 0]
+        kb, vb = (t[b, idx].double().repeat_interleave(heads // heads_k, 1) for t in (k, v))
+        s = torch.einsum("hd,khd->hk", q[b, 0].double(), kb) / dim ** 0.5
+        want = torch.einsum("hk,khd->hd", s.softmax(-1), vb)
+        assert (out[b, 0].double() - want).abs().max() <= 2e-5, b
