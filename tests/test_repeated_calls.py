@@ -98,3 +98,48 @@ def test_forward_repeats_keep_autograd_autocast_and_checks(gen):
         flash_attn_func(q, k, v, dropout_p=0.1, causal=True)
     with pytest.raises((TypeError, ValueError)):
         flash_attn_func(q, k.double(), v, causal=True)
+
+
+def test_steering_variables_are_read_fresh_on_every_call(monkeypatch):
+    """The fast paths' memo keys read the steering environment variables through
+    settings.EnvironmentValues: a change made through os.environ (set, changed, removed) shows
+    in the next read, as os.environ.get would show it."""
+    from tvmflash import settings
+
+    name = "TVMFLASH_TEST_STEERING_VALUE"
+    values = settings.EnvironmentValues(name, "HOME")
+    monkeypatch.delenv(name, raising=False)
+    unset = values()
+    assert unset[0] is None and unset[1] is not None
+    monkeypatch.setenv(name, "a")
+    first = values()
+    monkeypatch.setenv(name, "b")
+    second = values()
+    assert None not in (first[0], second[0]) and first[0] != second[0] and first[1] == second[1]
+    monkeypatch.setenv(name, "a")
+    assert values() == first
+    monkeypatch.delenv(name)
+    assert values() == unset
+
+
+def test_forward_repeats_from_two_threads_keep_their_own_results(gen):
+    """Repeated calls share one cached plan: calls from two threads at once each get the
+    attention of their own inputs (a fresh output each)."""
+    import threading
+
+    inputs = [[torch.randn(1, 37, 4, 32, generator=gen) for _ in range(3)] for _ in range(2)]
+    want = [reference_attention(q, k, v, causal=True, dtype=torch.float64)[0] for q, k, v in inputs]
+    errors = []
+
+    def run(i):
+        with torch.inference_mode():
+            for _ in range(30):
+                out = flash_attn_func(*inputs[i], causal=True)
+                errors.append(float((out.double() - want[i]).abs().max()))
+
+    workers = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    assert len(errors) == 60 and max(errors) <= 1e-5

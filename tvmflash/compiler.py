@@ -39,6 +39,7 @@ _memory_cache: dict[str, FlashKernels] = {}
 # on every call, and choosing configs and hashing the request takes ~ms.
 _request_memo: dict[tuple, FlashKernels] = {}
 _STEERING_ENV = ("TVMFLASH_CACHE_DIR", "TVMFLASH_TUNE_LOGS", "TVMFLASH_PREBUILT", product_rates.OVERRIDE_ENV)
+_steering_values = settings.EnvironmentValues(*_STEERING_ENV)
 _lock = threading.Lock()
 
 
@@ -177,7 +178,7 @@ def compile(  # noqa: A001 - the public name the API promises
 def request_state() -> tuple:
     """What besides the request decides which kernels a compile returns (the records' generation,
     the steering environment variables): part of every memo of compile results."""
-    return records.generation, *(os.environ.get(name) for name in _STEERING_ENV)
+    return records.generation, *_steering_values()
 
 
 def compile_spec(target, spec: AttentionSpec, *, causal: bool = False, config=None, tuned: bool = True,

@@ -26,12 +26,11 @@ splits through their row statistics (fp32). Forward only, like flash-attn's; CPU
 from __future__ import annotations
 
 import functools
-import os
 import threading
 
 import torch
 
-from . import checks, compiler, plan, version
+from . import checks, compiler, plan, settings, version
 from . import threads as threads_module
 from .spec import SUPPORTED_DTYPES, UNLIMITED_WINDOW, Alibi, AttentionSpec, Softcap
 
@@ -40,12 +39,13 @@ version.require("torch", torch.__version__, version.MIN_TORCH)
 __all__ = ["flash_attn_with_kvcache", "apply_rotary"]
 
 _STEERING_ENV = ("TVMFLASH_CACHE_DIR",)
+_steering_values = settings.EnvironmentValues(*_STEERING_ENV)
 _kernels: dict[tuple, object] = {}
 
 
 def decode_kernels(head_dim: int, dtype: str, *, softcap: bool = False, alibi: bool = False):
     """The compiled decode kernel for this CPU (cached per process, and on disk)."""
-    request = (head_dim, dtype, softcap, alibi, *(os.environ.get(n) for n in _STEERING_ENV))
+    request = (head_dim, dtype, softcap, alibi, *_steering_values())
     found = _kernels.get(request)
     if found is None:
         mods = (Softcap(),) * softcap + (Alibi(),) * alibi
@@ -375,7 +375,7 @@ def _step_key(q, k_cache, v_cache, cache_seqlens, softmax_scale, causal, window_
         return (q.shape, q.stride(), q.dtype, q.is_cpu, k_shape[0], k_shape[2:], k_cache.stride(-1), k_cache.dtype,
                 k_cache.is_cpu, v_cache.stride(-1), v_cache.dtype, v_cache.is_cpu, lengths, softmax_scale, causal,
                 window_size, softcap, num_splits, rotary_interleaved, return_lse,
-                *(os.environ.get(n) for n in _STEERING_ENV))  # (what decode_kernels' memo keys on)
+                *_steering_values())  # (what decode_kernels' memo keys on)
     except (IndexError, RuntimeError):
         return None
 
@@ -384,7 +384,9 @@ class _DecodeStep:
     """A checked decode call's plan, for calls with the same ``_step_key``."""
 
     def __init__(self, kernels, out_shape, lse_shape, scale, window, group, num_splits, pages, mods, return_lse):
-        self.kernels, self.out_shape, self.lse_shape = kernels, out_shape, lse_shape
+        # plain tuples: torch.empty(*shape) parses ~2x faster than a torch.Size (~2-3 us a call)
+        self.kernels, self.out_shape, self.lse_shape = kernels, tuple(out_shape), tuple(lse_shape)
+        self.device = torch.device("cpu")  # (not the default device, which a user may have set)
         self.scale, self.window, self.group, self.num_splits = scale, window, group, num_splits
         self.pages, self.mods, self.return_lse = pages, mods, return_lse
         self.batch, self.seqlen_q = out_shape[0], out_shape[1]
@@ -420,13 +422,13 @@ class _DecodeStep:
             tables = torch.from_numpy(seq_info), torch.from_numpy(units), min(threads, max(1, len(units)))
             self._last = ((ends, threads), tables)  # (one assignment: other threads see old or new)
         seq_info, units, team = tables
-        out = torch.empty(self.out_shape, dtype=q.dtype)
+        out = torch.empty(*self.out_shape, dtype=q.dtype, device=self.device)
         if self.return_lse:
-            lse = torch.empty(self.lse_shape, dtype=torch.float32)
+            lse = torch.empty(*self.lse_shape, dtype=torch.float32, device=self.device)
         else:
             lse = getattr(self._scratch, "lse", None)
             if lse is None:
-                lse = self._scratch.lse = torch.empty(self.lse_shape, dtype=torch.float32)
+                lse = self._scratch.lse = torch.empty(*self.lse_shape, dtype=torch.float32, device=self.device)
         # (DecodeKernels.decode without its checks: the first call of this step made them)
         if kernels._on_torch_threads:
             threads_module.limit(team)

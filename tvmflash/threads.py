@@ -140,10 +140,15 @@ def route(library: Path | str | None) -> bool:
     return True
 
 
+_limit_set = threading.local()  # the limit this thread last gave the shim (the shim's is per thread too)
+
+
 def limit(count: int) -> None:
     """At most ``count`` threads for the routed launches this thread makes next (every routed
     call sets it: a call with fewer tasks than threads wakes no idle worker)."""
-    _shim.tvmflash_threads_limit(count)
+    if getattr(_limit_set, "count", None) != count:  # (a ctypes call costs ~1-2 us; a decode step makes one)
+        _shim.tvmflash_threads_limit(count)
+        _limit_set.count = count
 
 
 def torch_threads() -> int:
