@@ -403,11 +403,12 @@ class _ForwardCall:
     def __call__(self, q, k, v):
         kernels = self.kernels
         out = torch.empty(*self.out_shape, dtype=q.dtype, device=self.device)
-        lse = None if self.return_attn_probs else getattr(self._scratch, "lse", None)
-        if lse is None:
+        if self.return_attn_probs:
             lse = torch.empty(*self.lse_shape, dtype=torch.float32, device=self.device)
-            if not self.return_attn_probs:
-                self._scratch.lse = lse
+        else:
+            lse = getattr(self._scratch, "lse", None)
+            if lse is None:
+                lse = self._scratch.lse = torch.empty(*self.lse_shape, dtype=torch.float32, device=self.device)
         n_threads = kernels.plan_threads()
         if kernels._on_torch_threads:
             threads.limit(min(n_threads, self.tasks))
