@@ -132,7 +132,7 @@ def forward_workspace_bytes(seqs: Sequences, *, heads: int, heads_k: int, head_d
     also halve the query tile and add P's pair words."""
     operand = 2 if bf16_products else F32  # bytes per element of a packed operand
     packed = 2 * heads_k * seqs.key_tiles * block_k * head_dim * operand
-    per_thread = (2 * head_dim * block_q + 2 * block_k * block_q + 5 * block_q) * F32 + 5 * I64
+    per_thread = (2 * head_dim * block_q + 2 * block_k * block_q + 5 * block_q) * F32 + 6 * I64  # + task indices
     per_thread += head_dim * block_q * operand + (block_k * block_q * 2 if bf16_products else 0)
     return packed + threads * per_thread
 

@@ -272,6 +272,37 @@ class KernelContext:
             return keep
         return tirx.all(keep, self.mods.mask(self.mod_context(seq, h, q, k)))
 
+    def window_interval(self, seq: SequenceInfo, q0, k0, outer, inner: str):
+        """The window and the sequence ends on a partly masked tile, as an interval: the tile
+        offsets on side ``inner`` ("q": queries, "k": keys) visible to offset ``outer`` on the
+        other side, ``(first, last)`` as int32 clamped to [-1, tile edge] (a window shows each
+        query an interval of keys, and each key an interval of queries). Bound outside the inner
+        loop, the interval leaves that loop two int32 compares a lane, vectorized; with ``sees``
+        there, LLVM kept int64 compares of table loads (which it could not hoist past the tile's
+        stores) and made them a branch per score."""
+        extent = self.block_q if inner == "q" else self.block_k
+
+        def clamped(offset):
+            return tirx.Cast("int32", tirx.max(tirx.min(offset, extent), -1))
+
+        if inner == "q":  # the queries that see key k: [k - diagonal - right, k - diagonal + left]
+            k = k0 + outer
+            first, last, outside = k - seq.diagonal - self.right - q0, tirx.min(
+                k - seq.diagonal + self.left, seq.q_len - 1) - q0, k >= seq.k_len
+        else:  # the keys that query q sees: [q + diagonal - left, q + diagonal + right]
+            q = q0 + outer
+            first, last, outside = q + seq.diagonal - self.left - k0, tirx.min(
+                q + seq.diagonal + self.right, seq.k_len - 1) - k0, q >= seq.q_len
+        return clamped(first), tirx.Select(outside, tirx.const(-1, "int32"), clamped(last))
+
+    def sees_in_interval(self, seq: SequenceInfo, h, q, k, offset, interval):
+        """``sees(seq, h, q, k)`` where ``interval`` is ``window_interval``'s of this tile
+        position and ``offset`` the inner loop's offset in the tile."""
+        keep = tirx.all(tirx.Cast("int32", offset) >= interval[0], tirx.Cast("int32", offset) <= interval[1])
+        if self.spec.mask_mod is None:
+            return keep
+        return tirx.all(keep, self.mods.mask(self.mod_context(seq, h, q, k)))
+
     def score(self, seq: SequenceInfo, s, h, q, k):
         """The modded score of the scaled dot product s (natural-log units)."""
         return self.mods.score(s, self.mod_context(seq, h, q, k))

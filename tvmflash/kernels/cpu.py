@@ -14,7 +14,7 @@ seq_table, q_tile_seq, k_tile_seq, *mod_inputs, [tile_state, kv_range])``::
 
     [pack_kv]   Kp, Vp = K, V as product operands, each sequence zero-padded to whole key tiles
     for slot in parallel(n_threads):                                          [slot]
-      for task (query head h, query tile) = slot, slot + n_threads, ...       (cyclic: balanced)
+      for task (query tile, query head h) = slot, slot + n_threads, ...       (cyclic, tiles from the last)
         [load_q] QT = query tile, transposed         [init_o, init_stats] OT = 0, m = -inf, l = 0
         for each key tile the window (and block mask) leaves non-empty:
           [scores]       ST = K_tile . QT                     raw dot products
@@ -81,14 +81,15 @@ product inputs, as FlashAttention does on GPUs; their fp32 values feed the row s
 All accumulators and row statistics are fp32 (rule 3). The forward keeps tiles transposed (query index innermost),
 so the row statistics are plain vector operations. Products sum one tile into a fresh partial
 and ``update_*`` stages add it to the running accumulator: error ~ block + N / block ulps
-instead of N. In-place stages (``update_*``, ``mask``, ``score_mod``, ``dscores_mod``) are plain
-loops that LLVM vectorizes (TensorIR's ``vectorize`` refuses blocks that read and write one
-buffer). Each stage sits in an opaque wrapper block under a unit loop (``stage``): TVM 0.27 needs
-a "stage pipeline" parent for ``cache_write``/``decompose_reduction`` and copies loops, not blocks,
-on write (DEVELOPING.md). The stages are module-level functions written in TVMScript whose first
-parameter is the kernel build (``Kernel``: tile sizes, format, context); each build expands them
-as fresh ``T.macro``s. The sequence table, windows, tile ranges and states, block masks and score
-mods come from the kernel context (``kernels/common.py``).
+instead of N. In-place stages (``update_*``, ``score_mod``, ``dscores_mod``) are plain loops that
+LLVM vectorizes (TensorIR's ``vectorize`` refuses blocks that read and write one buffer); ``mask``,
+which LLVM left scalar, has its inner loop marked vectorized in the kernel. Each stage sits in an
+opaque wrapper block under a unit loop (``stage``): TVM 0.27 needs a "stage pipeline" parent for
+``cache_write``/``decompose_reduction`` and copies loops, not blocks, on write (DEVELOPING.md).
+The stages are module-level functions written in TVMScript whose first parameter is the kernel
+build (``Kernel``: tile sizes, format, context); each build expands them as fresh ``T.macro``s.
+The sequence table, windows, tile ranges and states, block masks and score mods come from the
+kernel context (``kernels/common.py``).
 """
 
 from __future__ import annotations
@@ -328,9 +329,9 @@ def _exponent_scale(spec: AttentionSpec, softmax_scale):
 # --- forward stages (tiles transposed: query index innermost) ------------------------------------
 def fwd_load_q(k, QT, Q, q: TileRows, h):
     with stage("load_q_tile"):
-        for d, i in T.grid(k.D // k.fmt.pair, k.Br):
+        for i, d in T.grid(k.Br, k.D // k.fmt.pair):
             with T.sblock("load_q"):  # fp32, or pair words of elements 2d, 2d + 1 of each query row
-                vd, vi = T.axis.remap("SS", [d, i])
+                vi, vd = T.axis.remap("SS", [i, d])
                 QT[vd, vi] = k.fmt.along_row(q, Q, vi, h, vd)
 
 
@@ -365,10 +366,16 @@ def fwd_score_mod(k, ST, scale, seq, h, q0, k0):
 
 def fwd_mask(k, ST, seq, h, q0, k0):
     with stage("mask_tile"):
-        for j, i in T.grid(k.Bc, k.Br):
-            with T.sblock("mask"):
-                vj, vi = T.axis.remap("SS", [j, i])
-                ST[vj, vi] = T.Select(k.ctx.sees(seq, h, q0 + vi, k0 + vj), ST[vj, vi], T.float32(NEG_INF))
+        for j in T.serial(k.Bc):
+            first: T.let[T.int32] = k.ctx.window_interval(seq, q0, k0, j, "q")[0]  # the queries key j is visible to
+            last: T.let[T.int32] = k.ctx.window_interval(seq, q0, k0, j, "q")[1]
+            # vectorized here, not in the schedule: TensorIR's vectorize refuses a block that
+            # reads and writes one buffer, and LLVM left this loop scalar
+            for i in T.vectorized(k.Br):
+                with T.sblock("mask"):
+                    vj, vi = T.axis.remap("SS", [j, i])
+                    ST[vj, vi] = T.Select(k.ctx.sees_in_interval(seq, h, q0 + vi, k0 + vj, vi, (first, last)),
+                                          ST[vj, vi], T.float32(NEG_INF))
 
 
 def fwd_online_softmax(k, ST, PT, m, m_next, alpha, c_hi, c_lo):
@@ -495,16 +502,19 @@ def fused_forward(spec: AttentionSpec, cfg: CPUKernelConfig) -> tirx.PrimFunc:
                 # buffers, not let bindings: TVM's simplifier carries let values into every region
                 # analysis below, and compiling took minutes (DEVELOPING.md).
                 state = T.sblock_alloc_buffer((3,), I64)  # tile state, first and end key tile
-                at = T.sblock_alloc_buffer((2,), I64)  # query head, sequence
+                at = T.sblock_alloc_buffer((3,), I64)  # query head, query tile, sequence
+                # Task order: query tiles last to first (a sequence's last tiles see the most keys
+                # when causal), the heads of one tile next to each other: dealt out cyclically,
+                # every slot gets as many tiles of each length as it can.
                 for e in T.serial(cyclic_count(vslot, H * ctx.query_tiles_total(), n_threads)):
-                    at[0] = (vslot + e * n_threads) // ctx.query_tiles_total()
-                    at[1] = ctx.q_tile_sequence((vslot + e * n_threads) % ctx.query_tiles_total())
+                    at[0] = (vslot + e * n_threads) % H
+                    at[1] = ctx.query_tiles_total() - 1 - (vslot + e * n_threads) // H  # the query tile
+                    at[2] = ctx.q_tile_sequence(at[1])
                     h: T.let[T.int64] = at[0]
                     hk: T.let[T.int64] = h // (H // Hk)
-                    b: T.let[T.int64] = at[1]
+                    b: T.let[T.int64] = at[2]
                     seq = T.meta_var(ctx.sequence(b))
-                    q0: T.let[T.int64] = ((vslot + e * n_threads) % ctx.query_tiles_total()
-                                          - seq.column(plan.Q_TILE0)) * Br
+                    q0: T.let[T.int64] = (at[1] - seq.column(plan.Q_TILE0)) * Br
                     q_len: T.let[T.int64] = seq.q_len
                     q = T.meta_var(TileRows(seq.column(plan.Q_BATCH), seq.column(plan.Q_START), q0, q_len))
                     load_q(QT, Q, q, h)
@@ -592,10 +602,14 @@ def bwd_recompute_probs(k, P, S, X, row_stats, RowStats, Qp, KTp, softmax_scale,
                     X[vi, vj] = k.ctx.score(seq, S[vi, vj] * T.Cast(F32, softmax_scale), h, q0 + vi, k0 + vj)
     if state == PARTIAL:
         with stage("mask_tile"):
-            for i, j in T.grid(k.Br, k.Bc):
-                with T.sblock("mask"):
-                    vi, vj = T.axis.remap("SS", [i, j])
-                    X[vi, vj] = T.Select(k.ctx.sees(seq, h, q0 + vi, k0 + vj), X[vi, vj], T.float32(NEG_INF))
+            for i in T.serial(k.Br):
+                first: T.let[T.int32] = k.ctx.window_interval(seq, q0, k0, i, "k")[0]  # the keys query i sees
+                last: T.let[T.int32] = k.ctx.window_interval(seq, q0, k0, i, "k")[1]
+                for j in T.vectorized(k.Bc):  # (in place: TensorIR's vectorize refuses, see fwd_mask)
+                    with T.sblock("mask"):
+                        vi, vj = T.axis.remap("SS", [i, j])
+                        X[vi, vj] = T.Select(k.ctx.sees_in_interval(seq, h, q0 + vi, k0 + vj, vj, (first, last)),
+                                             X[vi, vj], T.float32(NEG_INF))
     with stage("probs_tile"):
         for i, j in T.grid(k.Br, k.Bc):
             with T.sblock("probs"):

@@ -1,0 +1,103 @@
+"""Forward kernels of two (or more) commits, in one process: an A/B without process drift.
+
+Timing each version in a process of its own measures the machine as much as the code (on a
+shared 2-vCPU VM two processes differ by 15 % and more). This script loads the CPU kernel
+libraries that earlier commits left in tvmflash's cache directory and calls their
+``flash_fwd`` in turn on the same tensors, round by round. It checks that every version's
+output equals this checkout's, bit for bit, and prints the 10th percentile and the median of
+each. It needs versions whose forward has the same arguments and tables (``plan.py``); one with
+other arguments fails the equality check or raises.
+
+    git checkout OLD && python benchmarks/kernel_ab.py --list   # builds this commit's kernels
+    git checkout NEW && python benchmarks/kernel_ab.py --seqlen 128 --threads 2 OLD_ENTRY
+
+``--list`` runs the forward once (compiling it if needed) and prints the cache entry it used;
+entries are named by the 24-digit digest of their request.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import machine  # noqa: E402
+
+from tvmflash import cache, flash_attn_func, threads, torch_op  # noqa: E402
+
+
+def _entry(directory: Path, name: str):
+    """A cache entry's ``flash_fwd``, after the cache's own checks (owner, mode, checksum), on
+    torch's threads as tvmflash runs it (``threads.route``)."""
+    import tvm
+
+    if not re.fullmatch(r"[0-9a-f]{24}", name):
+        raise SystemExit(f"{name!r} is not a cache entry name (24 hex digits)")
+    so, meta = directory / f"{name}.so", directory / f"{name}.json"
+    cache.check_own_file(so)
+    if cache.file_digest(so) != json.loads(meta.read_text())["sha256"][".so"]:
+        raise SystemExit(f"{so} does not match its recorded checksum")
+    function = tvm.runtime.load_module(str(so))["flash_fwd"]
+    threads.route(so)
+    return function
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("entries", nargs="*", help="cache entries (digests) to compare with this checkout's kernels")
+    p.add_argument("--seqlen", type=int, default=128)
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--head-dim", type=int, default=64)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--rounds", type=int, default=2000)
+    p.add_argument("--no-causal", action="store_true")
+    p.add_argument("--list", action="store_true", help="print this checkout's cache entry for the problem")
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    causal = not args.no_causal
+    q, k, v = (torch.randn(1, args.seqlen, args.heads, args.head_dim) for _ in range(3))
+    expected = flash_attn_func(q, k, v, causal=causal)
+    call = next(iter(torch_op._calls.values()))  # this checkout's plan of the call above
+    directory = cache.safe_directory(create=False)
+    if call.kernels._library is None:
+        raise SystemExit("this checkout's kernels are not in the cache directory (TVMFLASH_CACHE_DIR)")
+    ours = Path(call.kernels._library).stem
+    if args.list:
+        print(f"this checkout's forward: {ours}")
+        return
+    # (this checkout's library is loaded from the cache like the others, all on torch's threads)
+    functions = {f"{name}{' (this checkout)' * (name == ours)}": _entry(directory, name)
+                 for name in dict.fromkeys([ours, *args.entries])}
+    lse = torch.empty(1, args.heads, args.seqlen)
+    outs = {name: torch.full_like(q, float("nan")) for name in functions}
+
+    def run(name):
+        functions[name](q, k, v, outs[name], lse, call.scale, *call.window, args.threads, *call.tables, *call.mods)
+
+    for name in functions:
+        run(name)
+        if not torch.equal(outs[name], expected):
+            raise SystemExit(f"{name}: output differs from this checkout's (other arguments or other numerics)")
+    times = {name: [] for name in functions}
+    for _ in range(args.rounds):
+        for name in functions:
+            start = time.perf_counter()
+            run(name)
+            times[name].append(time.perf_counter() - start)
+    print(f"{machine()}\nforward B1 N{args.seqlen} H{args.heads} D{args.head_dim} fp32{' causal' * causal}, "
+          f"{args.threads} threads, {args.rounds} rounds interleaved\n\n| kernels | p10 (us) | median (us) |\n|---|---|---|")
+    for name, t in times.items():
+        t.sort()
+        print(f"| {name} | {t[len(t) // 10] * 1e6:.1f} | {statistics.median(t) * 1e6:.1f} |")
+
+
+if __name__ == "__main__":
+    main()
