@@ -34,19 +34,17 @@ from tvmflash import cache, flash_attn_func, threads, torch_op  # noqa: E402
 
 
 def _entry(directory: Path, name: str):
-    """A cache entry's ``flash_fwd``, after the cache's own checks (owner, mode, checksum), on
-    torch's threads as tvmflash runs it (``threads.route``)."""
-    import tvm
-
+    """A cache entry's ``flash_fwd``, loaded by ``cache.load`` (its owner, mode and checksum
+    checks), on torch's threads as tvmflash runs it (``threads.route``)."""
     if not re.fullmatch(r"[0-9a-f]{24}", name):
         raise SystemExit(f"{name!r} is not a cache entry name (24 hex digits)")
-    so, meta = directory / f"{name}.so", directory / f"{name}.json"
-    cache.check_own_file(so)
-    if cache.file_digest(so) != json.loads(meta.read_text())["sha256"][".so"]:
-        raise SystemExit(f"{so} does not match its recorded checksum")
-    function = tvm.runtime.load_module(str(so))["flash_fwd"]
+    request = json.loads((directory / f"{name}.json").read_text())["request"]
+    loaded = cache.load(name, request, ("flash_fwd",))
+    if loaded is None:
+        raise SystemExit(f"cache entry {name} cannot be loaded (see the warning above)")
+    module, _, so = loaded
     threads.route(so)
-    return function
+    return module["flash_fwd"]
 
 
 def main() -> None:

@@ -102,6 +102,19 @@ def in_window(q, k, seqlen_k, diagonal, window_left, window_right) -> tirx.PrimE
     return tirx.all(k < seqlen_k, k <= q + diagonal + window_right, k >= q + diagonal - window_left)
 
 
+def visible_keys(q, seqlen_k, diagonal, window_left, window_right):
+    """``in_window`` for one query as an interval: the keys ``(first, last)`` query ``q`` sees
+    (empty where first > last)."""
+    return q + diagonal - window_left, tirx.min(q + diagonal + window_right, seqlen_k - 1)
+
+
+def visible_queries(k, seqlen_q, seqlen_k, diagonal, window_left, window_right):
+    """``in_window`` for one key as an interval: the queries ``(first, last)`` below ``seqlen_q``
+    that see key ``k`` (empty for a key past ``seqlen_k``)."""
+    first, last = k - diagonal - window_right, tirx.min(k - diagonal + window_left, seqlen_q - 1)
+    return first, tirx.Select(k < seqlen_k, last, first - 1)
+
+
 def grad_scores(p, dp, delta) -> tirx.PrimExpr:
     """dS = P * (dP - Delta), Delta_i = sum_d dO_id * O_id (the softmax Jacobian-vector product)."""
     return p * (dp - delta)

@@ -33,7 +33,7 @@ from tvm.script import tirx as T
 from tvm.script.ir_builder import IRBuilder
 
 from .. import plan
-from ..attention_te import in_window
+from ..attention_te import in_window, visible_keys, visible_queries
 from ..score_mods import FAST_INTRINSICS, ModContext, declare_inputs, emitters, kernel_argument
 from ..spec import AttentionSpec
 
@@ -280,20 +280,18 @@ class KernelContext:
         loop, the interval leaves that loop two int32 compares a lane, vectorized; with ``sees``
         there, LLVM kept int64 compares of table loads (which it could not hoist past the tile's
         stores) and made them a branch per score."""
-        extent = self.block_q if inner == "q" else self.block_k
+        if inner == "q":
+            first, last = visible_queries(k0 + outer, seq.q_len, seq.k_len, seq.diagonal, *self.window)
+            origin, extent = q0, self.block_q
+        else:
+            first, last = visible_keys(q0 + outer, seq.k_len, seq.diagonal, *self.window)
+            last = tirx.Select(q0 + outer < seq.q_len, last, first - 1)  # a row past the sequence sees nothing
+            origin, extent = k0, self.block_k
 
-        def clamped(offset):
+        def clamped(offset):  # [-1, extent] holds every case; an empty interval stays empty
             return tirx.Cast("int32", tirx.max(tirx.min(offset, extent), -1))
 
-        if inner == "q":  # the queries that see key k: [k - diagonal - right, k - diagonal + left]
-            k = k0 + outer
-            first, last, outside = k - seq.diagonal - self.right - q0, tirx.min(
-                k - seq.diagonal + self.left, seq.q_len - 1) - q0, k >= seq.k_len
-        else:  # the keys that query q sees: [q + diagonal - left, q + diagonal + right]
-            q = q0 + outer
-            first, last, outside = q + seq.diagonal - self.left - k0, tirx.min(
-                q + seq.diagonal + self.right, seq.k_len - 1) - k0, q >= seq.q_len
-        return clamped(first), tirx.Select(outside, tirx.const(-1, "int32"), clamped(last))
+        return clamped(first - origin), clamped(last - origin)
 
     def sees_in_interval(self, seq: SequenceInfo, h, q, k, offset, interval):
         """``sees(seq, h, q, k)`` where ``interval`` is ``window_interval``'s of this tile

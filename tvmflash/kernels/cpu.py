@@ -367,8 +367,9 @@ def fwd_score_mod(k, ST, scale, seq, h, q0, k0):
 def fwd_mask(k, ST, seq, h, q0, k0):
     with stage("mask_tile"):
         for j in T.serial(k.Bc):
-            first: T.let[T.int32] = k.ctx.window_interval(seq, q0, k0, j, "q")[0]  # the queries key j is visible to
-            last: T.let[T.int32] = k.ctx.window_interval(seq, q0, k0, j, "q")[1]
+            visible = T.meta_var(k.ctx.window_interval(seq, q0, k0, j, "q"))  # the queries key j is visible to
+            first: T.let[T.int32] = visible[0]
+            last: T.let[T.int32] = visible[1]
             # vectorized here, not in the schedule: TensorIR's vectorize refuses a block that
             # reads and writes one buffer, and LLVM left this loop scalar
             for i in T.vectorized(k.Br):
@@ -603,8 +604,9 @@ def bwd_recompute_probs(k, P, S, X, row_stats, RowStats, Qp, KTp, softmax_scale,
     if state == PARTIAL:
         with stage("mask_tile"):
             for i in T.serial(k.Br):
-                first: T.let[T.int32] = k.ctx.window_interval(seq, q0, k0, i, "k")[0]  # the keys query i sees
-                last: T.let[T.int32] = k.ctx.window_interval(seq, q0, k0, i, "k")[1]
+                visible = T.meta_var(k.ctx.window_interval(seq, q0, k0, i, "k"))  # the keys query i sees
+                first: T.let[T.int32] = visible[0]
+                last: T.let[T.int32] = visible[1]
                 for j in T.vectorized(k.Bc):  # (in place: TensorIR's vectorize refuses, see fwd_mask)
                     with T.sblock("mask"):
                         vi, vj = T.axis.remap("SS", [i, j])
