@@ -91,7 +91,8 @@ def main() -> None:
             run(name)
             times[name].append(time.perf_counter() - start)
     print(f"{machine()}\nforward B1 N{args.seqlen} H{args.heads} D{args.head_dim} fp32{' causal' * causal}, "
-          f"{args.threads} threads, {args.rounds} rounds interleaved\n\n| kernels | p10 (us) | median (us) |\n|---|---|---|")
+          f"{args.threads} threads, {args.rounds} rounds interleaved\n")
+    print("| kernels | p10 (us) | median (us) |\n|---|---|---|")
     for name, t in times.items():
         t.sort()
         print(f"| {name} | {t[len(t) // 10] * 1e6:.1f} | {statistics.median(t) * 1e6:.1f} |")
