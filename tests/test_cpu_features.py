@@ -197,6 +197,16 @@ def test_this_cpus_bf16_kernels_follow_its_rates(fake_cpu, monkeypatch, rates, p
     assert {cfg.products for cfg in configs.values()} == {FP32_FMA}  # fp32 inputs: never asked
 
 
+def test_only_this_cpus_own_target_follows_its_rates(fake_cpu, monkeypatch):
+    """Same model, other extensions (``mattr``): another CPU, whose rates were not measured here.
+    Before, the model name alone decided, so this machine's rates chose for it."""
+    fake_cpu("znver4", _flags_of("znver4"))
+    monkeypatch.delenv(product_rates.OVERRIDE_ENV, raising=False)
+    monkeypatch.setattr(product_rates, "measured_rates", lambda: XEON_LIKE)
+    assert _bf16_products("llvm") == {FP32_FMA}
+    assert _bf16_products({"kind": "llvm", "mcpu": "znver4", "mattr": ["-avx512vnni"]}) == {BF16_DOT}
+
+
 def test_the_override_chooses_between_the_paths_the_target_has(fake_cpu, monkeypatch):
     fake_cpu("znver4", _flags_of("znver4"))
     monkeypatch.setattr(product_rates, "measured_rates", lambda: XEON_LIKE)

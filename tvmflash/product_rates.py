@@ -90,11 +90,18 @@ def bf16_products(target) -> str:
     forced = override()
     if forced is not None:
         return forced
-    if str(target.attrs.get("mcpu", "")) != targets.host_cpu() or targets.is_aarch64(target):
+    if not _compiles_for_this_cpu(target) or targets.is_aarch64(target):
         # (aarch64: the probe is x86 code; BFDOT vs FMLA rates are not measured there)
         return BF16_DOT
     rates = measured_rates()
     return BF16_DOT if rates is None else faster_products(rates)
+
+
+def _compiles_for_this_cpu(target) -> bool:
+    """Whether a resolved LLVM target is this CPU's: its model and its extensions (``mattr``, the
+    corrections by /proc/cpuinfo) both; the measured rates are this CPU's only."""
+    host = targets.host_target()
+    return all(str(target.attrs.get(name, "")) == str(host.attrs.get(name, "")) for name in ("mcpu", "mattr"))
 
 
 def default_products(target, dtype: str) -> str:

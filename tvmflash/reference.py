@@ -94,13 +94,19 @@ def reference_attention(q, k, v, causal: bool = False, scale: float | None = Non
 def reference_magnitudes(q, k, v, dout, scale=None) -> dict:
     """Size of the terms summed or cancelled on the way to each result (an upper bound under any
     mask: masks only remove terms): out averages rows of v, dv sums P-weighted rows of dO;
-    dS = P (dP - Delta) subtracts two dot products dO . v and dO . o whose rounding scales with
-    sum_d |dO_d v_d|, which dq and dk then scale by |k| and |q|. (B, N, H, D) tensors."""
+    lse moves with the scores (d lse = sum_j P_j d s_j), whose rounding scales with
+    scale * sum_d |q_d k_d|: the head dim's terms; dS = P (dP - Delta) subtracts two dot products
+    dO . v and dO . o whose rounding scales with sum_d |dO_d v_d|, which dq and dk then scale by
+    |k| and |q|. (B, N, H, D) tensors."""
     with torch.no_grad():
         group = q.shape[2] // k.shape[2]
-        dp = torch.einsum("bihd,bjhd->bhij", dout.float().abs(), v.float().abs().repeat_interleave(group, 2)).max()
+
+        def largest_dot(a, b):  # max over rows i, j of sum_d |a_id b_jd|
+            return torch.einsum("bihd,bjhd->bhij", a.float().abs(), b.float().abs().repeat_interleave(group, 2)).max()
+
+        dp = largest_dot(dout, v)
         sm_scale = scale or q.shape[-1] ** -0.5
-        return {"out": float(v.abs().max()), "lse": 1.0, "dv": float(dout.abs().max()),
+        return {"out": float(v.abs().max()), "lse": float(sm_scale * largest_dot(q, k)), "dv": float(dout.abs().max()),
                 "dq": float(sm_scale * dp * k.abs().max()), "dk": float(sm_scale * dp * q.abs().max())}
 
 
