@@ -127,6 +127,46 @@ def test_calls_without_autograd_skip_the_dispatcher_but_not_modes(gen):
     torch.testing.assert_close(direct.double(), reference_attention(q, k, v, causal=True)[0], atol=1e-5, rtol=1e-5)
 
 
+def test_training_calls_skip_the_op_layers_with_the_ops_results(gen):
+    """A call autograd records runs as an autograd Function over the op's own bodies (the op's
+    layers cost ~100 us a call); outputs and gradients equal the op's bit for bit, and a mode
+    still sees the op (forward and backward)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    q, k, v = random_inputs(gen, 2, 37, 53, 4, 2, 64, "float32", requires_grad=True)
+    dout = torch.randn(q.shape, generator=gen)
+    direct = flash_attn_func(q, k, v, causal=True)
+    assert "tvmflash" not in type(direct.grad_fn.next_functions[0][0]).__name__  # not the op's node
+    direct_grads = torch.autograd.grad(direct, (q, k, v), dout)
+    via_op, _ = fwd_op(q, k, v, None, None, None, 0.125, -1, 0, 0.0, False, False, None)
+    assert torch.equal(direct, via_op)
+    for ours, op in zip(direct_grads, torch.autograd.grad(via_op, (q, k, v), dout)):
+        assert torch.equal(ours, op)
+    seen: list[str] = []
+    recorded_before = flash_attn_func(q, k, v, causal=True)
+    with Record():
+        traced = flash_attn_func(q, k, v, causal=True)
+        torch.autograd.grad(traced, (q, k, v), dout)
+        torch.autograd.grad(recorded_before, (q, k, v), dout)  # its backward under the mode
+    assert "tvmflash.flash_attn_forward.default" in seen
+    assert seen.count("tvmflash.flash_attn_backward.default") == 2, seen
+
+
+def test_a_second_derivative_is_refused_not_dropped(gen):
+    """create_graph=True: the gradients stay connected to the inputs and differentiating them
+    again raises. Taking them for constants would drop the second-order terms silently."""
+    q, k, v = random_inputs(gen, 1, 16, 16, 2, 2, 64, "float32", requires_grad=True)
+    dq, = torch.autograd.grad(flash_attn_func(q, k, v, causal=True).sum(), q, create_graph=True)
+    assert dq.requires_grad
+    with pytest.raises(RuntimeError, match="no autograd formula"):
+        (dq.pow(2).sum() + q.sum()).backward()
+
+
 def test_empty_sizes():
     q, k = torch.randn(0, 5, 2, 64), torch.randn(0, 7, 2, 64)
     assert flash_attn_func(q, k, k).shape == (0, 5, 2, 64)

@@ -386,21 +386,34 @@ def check_forward_args(kernels, q, k, v, out, lse) -> tuple[int, int, int, int]:
 def check_backward_args(kernels, dout, q, k, v, out, lse, dq, dk, dv) -> tuple[int, int, int, int]:
     names = ("dout", "q", "k", "v", "out", "lse", "dq", "dk", "dv")
     di, qi, ki, vi, oi, li, dqi, dki, dvi = (info(x, n) for x, n in zip((dout, q, k, v, out, lse, dq, dk, dv), names))
-    dims = check_qkv(qi, ki, vi)
-    _check_kernel_fit(kernels, qi, {"dout": di, "q": qi, "k": ki, "v": vi, "out": oi, "lse": li,
-                                    "dq": dqi, "dk": dki, "dv": dvi})
-    batch, seqlen_q, heads, _ = dims
-    for name, t in (("dout", di), ("out", oi)):
-        _check_like(name, t, qi.shape, qi.dtype, qi.device)
+    dims = _check_backward_inputs(kernels, di, qi, ki, vi, oi, li, {"dq": dqi, "dk": dki, "dv": dvi})
     _check_like("dq", dqi, qi.shape, kernels.out_dtype, qi.device)
     for name, t in (("dk", dki), ("dv", dvi)):
         _check_like(name, t, ki.shape, kernels.out_dtype, ki.device)
-    _check_like("lse", li, (batch, heads, seqlen_q), "float32", qi.device)
-    _check_compact("lse", li)
     check_no_overlap({"dq": dqi, "dk": dki, "dv": dvi},
                      {"dout": di, "q": qi, "k": ki, "v": vi, "out": oi, "lse": li})
     if kernels.target_kind == "cuda":
-        check_cuda_layout(dout=di, q=qi, k=ki, v=vi, out=oi, dq=dqi, dk=dki, dv=dvi)  # 16-byte loads and stores
+        check_cuda_layout(dq=dqi, dk=dki, dv=dvi)  # 16-byte stores
+    return dims
+
+
+def check_backward_inputs(kernels, dout, q, k, v, out, lse) -> tuple[int, int, int, int]:
+    """The backward's inputs, for a caller that allocates dq, dk and dv itself (the torch op):
+    fresh tensors of q's and k's shapes, which overlap nothing. Returns check_qkv's dims."""
+    names = ("dout", "q", "k", "v", "out", "lse")
+    return _check_backward_inputs(kernels, *(info(x, n) for x, n in zip((dout, q, k, v, out, lse), names)), {})
+
+
+def _check_backward_inputs(kernels, di, qi, ki, vi, oi, li, outputs: dict) -> tuple[int, int, int, int]:
+    dims = check_qkv(qi, ki, vi)
+    _check_kernel_fit(kernels, qi, {"dout": di, "q": qi, "k": ki, "v": vi, "out": oi, "lse": li, **outputs})
+    batch, seqlen_q, heads, _ = dims
+    for name, t in (("dout", di), ("out", oi)):
+        _check_like(name, t, qi.shape, qi.dtype, qi.device)
+    _check_like("lse", li, (batch, heads, seqlen_q), "float32", qi.device)
+    _check_compact("lse", li)
+    if kernels.target_kind == "cuda":
+        check_cuda_layout(dout=di, q=qi, k=ki, v=vi, out=oi)  # 16-byte loads
         # its grid (sequences x kv heads) is checked where the sequences are known (runtime.py)
     return dims
 

@@ -243,11 +243,20 @@ class FlashKernels:
         forward's. ``mod_grads``: fp32 buffers (flattened) receiving the gradients of the mod
         inputs that require one (the CPU kernels write them, the CUDA kernels add into them:
         pass zeros)."""
-        batch, seqlen_q, heads, heads_k = checks.check_backward_args(self, dout, q, k, v, out, lse, dq, dk, dv)
-        scale = checks.softmax_scale(softmax_scale, self.head_dim)
+        dims = checks.check_backward_args(self, dout, q, k, v, out, lse, dq, dk, dv)
+        self.launch_backward(dims, dout, q, k, v, out, lse, dq, dk, dv, checks.softmax_scale(softmax_scale, self.head_dim),
+                             self._window(causal, window_size), cu_seqlens_q, cu_seqlens_k, mod_inputs, mod_grads,
+                             block_mask, diagonal, num_threads)
+
+    def launch_backward(self, dims, dout, q, k, v, out, lse, dq, dk, dv, scale: float, window: tuple[int, int],
+                        cu_seqlens_q, cu_seqlens_k, mod_inputs=(), mod_grads=(), block_mask=None, diagonal=None,
+                        num_threads=None) -> None:
+        """``backward`` on checked arguments: ``dims`` = ``checks.check_backward_args(...)`` or,
+        where the caller allocated dq, dk, dv itself, ``checks.check_backward_inputs(...)``."""
+        batch, seqlen_q, heads, heads_k = dims
         checks.check_lse_recomputable(lse)
         self._check_runs_here()
-        left, right = self._window(causal, window_size)
+        left, right = window
         seqs, tables = self._sequences("backward", batch, seqlen_q, _len(k), heads_k, cu_seqlens_q, cu_seqlens_k,
                                        diagonal, like=q)
         if self.is_cuda:

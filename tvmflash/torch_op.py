@@ -3,8 +3,11 @@
 Two ops, ``tvmflash::flash_attn_forward`` -> (out, lse) and ``tvmflash::flash_attn_backward``
 -> (dq, dk, dv), each with a fake (meta) implementation, tie the compiled kernels into PyTorch:
 autograd through ``register_autograd``, ``torch.compile(fullgraph=True)`` through the fakes,
-and ``torch.library.opcheck`` passes. Tensors reach the kernels through DLPack without a copy;
-outputs are allocated by PyTorch and written in place by the kernels.
+and ``torch.library.opcheck`` passes. Eager calls on plain tensors skip the ops' Python layers
+(~30-100 us a call): inference calls run the forward's body, training calls an autograd
+Function over the same bodies (``_EagerAttention``); compile, autocast, modes and transforms
+see the ops. Tensors reach the kernels through DLPack without a copy; outputs are allocated by
+PyTorch and written in place by the kernels.
 
 The public functions have flash-attn 2's names, positional order and return values:
 ``flash_attn_func``, ``flash_attn_qkvpacked_func``, ``flash_attn_kvpacked_func`` on
@@ -154,6 +157,18 @@ def _runs_directly(device_type: str, *tensors) -> bool:
     """``_without_dispatcher`` for plain tensors (the repeated-call path's key has checked their types)."""
     if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
         return False
+    return _plain_eager(device_type)
+
+
+def _records_directly(*tensors) -> bool:
+    """Whether a call that autograd records may run as ``_EagerAttention`` (plain tensors, no
+    autocast, compile, mode or transform: what ``_without_dispatcher`` asks but the gradients)."""
+    if any(type(t) is not torch.Tensor for t in tensors if t is not None):
+        return False
+    return _plain_eager(tensors[0].device.type)
+
+
+def _plain_eager(device_type: str) -> bool:
     if torch.is_autocast_enabled(device_type):  # the op's autocast rule must see the call
         return False
     return (not torch.compiler.is_compiling() and torch._C._len_torch_dispatch_stack() == 0
@@ -167,12 +182,11 @@ def _(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, softmax_scale, window_l
     return out, q.new_empty(_lse_shape(q, cu_seqlens_q is not None), dtype=torch.float32)
 
 
-@torch.library.custom_op("tvmflash::flash_attn_backward", mutates_args=())
-def _backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-              lse: torch.Tensor, cu_seqlens_q: torch.Tensor | None, cu_seqlens_k: torch.Tensor | None,
-              alibi_slopes: torch.Tensor | None, softmax_scale: float, window_left: int, window_right: int,
-              softcap: float, deterministic: bool, fp32_results: bool, diagonal: int | None
-              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _backward_impl(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                   lse: torch.Tensor, cu_seqlens_q: torch.Tensor | None, cu_seqlens_k: torch.Tensor | None,
+                   alibi_slopes: torch.Tensor | None, softmax_scale: float, window_left: int, window_right: int,
+                   softcap: float, deterministic: bool, fp32_results: bool, diagonal: int | None
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     varlen = cu_seqlens_q is not None
     grad_dtype = torch.float32 if fp32_results else q.dtype
     dq, dk, dv = (torch.empty(t.shape, dtype=grad_dtype, device=t.device) for t in (q, k, v))
@@ -180,13 +194,19 @@ def _backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
         return dq.zero_(), dk.zero_(), dv.zero_()
     kernels = kernels_for(q, deterministic=deterministic, softcap=softcap > 0, alibi=alibi_slopes is not None,
                           fp32_results=fp32_results, seqlens=_batched_seqlens(q, k, varlen))
-    tensors = (dout, q, k, v, out, lse, dq, dk, dv)
+    inputs, grads = (dout, q, k, v, out, lse), (dq, dk, dv)
     if varlen:
-        tensors = tuple(_as_batch(t) for t in tensors)
-    kernels.backward(*tensors, softmax_scale, causal=False, window_size=(window_left, window_right),
-                     cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
-                     mod_inputs=_mod_inputs(q, softcap, alibi_slopes), diagonal=diagonal)
+        inputs, grads = (tuple(_as_batch(t) for t in ts) for ts in (inputs, grads))
+    # dq, dk, dv were just allocated here (their shapes, no overlap): only the inputs need checking
+    dims = checks.check_backward_inputs(kernels, *inputs)
+    scale = checks.softmax_scale(softmax_scale, kernels.head_dim)
+    window = checks.window((window_left, window_right), False)
+    kernels.launch_backward(dims, *inputs, *grads, scale, window, cu_seqlens_q, cu_seqlens_k,
+                            mod_inputs=_mod_inputs(q, softcap, alibi_slopes), diagonal=diagonal)
     return dq, dk, dv
+
+
+_backward = torch.library.custom_op("tvmflash::flash_attn_backward", mutates_args=())(_backward_impl)
 
 
 @_backward.register_fake
@@ -220,6 +240,31 @@ def _autograd_backward(ctx, dout, _dlse):
 
 
 _forward.register_autograd(_autograd_backward, setup_context=_setup_context)
+
+
+class _EagerAttention(torch.autograd.Function):
+    """The forward op with its autograd, without torch's custom-op layers, for eager calls on
+    plain tensors that autograd records (``_records_directly``): the op's own bodies, saved
+    tensors and backward, ~100 us less per training call at 16 tokens (torch.compile, autocast,
+    modes and transforms still see the op)."""
+
+    @staticmethod
+    def forward(ctx, dims, *args):
+        out, lse = _run_forward(dims, *args)
+        _setup_context(ctx, args, (out, lse))
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):
+        if dout is None:
+            return (None,) * 14
+        q, k, v, out, lse, cu_q, cu_k, alibi = ctx.saved_tensors
+        # the op where a mode must see it, and with create_graph=True, where autograd then refuses
+        # to differentiate it (it has no formula) instead of taking dq, dk, dv for constants
+        direct = not torch.is_grad_enabled() and _plain_eager(q.device.type)
+        backward = _backward_impl if direct else _backward
+        dq, dk, dv = backward(kernel_layout(dout), q, k, v, out, lse, cu_q, cu_k, alibi, *ctx.scalars)
+        return None, dq, dk, dv, *(None,) * 10
 
 
 def _follow_autocast(device_type: str) -> None:
@@ -339,6 +384,8 @@ def _attention(q, k, v, cu_seqlens_q, cu_seqlens_k, dropout_p, softmax_scale, ca
         in_place = all(a is b for a, b in zip((q, k, v), given))  # no padding, no copy
         if fast and key is not None and in_place and not _empty_problem(q, k, False):
             _remember_call(key, dims, q, k, options, return_attn_probs)
+    elif _records_directly(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes):
+        out, lse = _EagerAttention.apply(dims, *args)
     else:
         out, lse = _forward(*args)
     out = out[..., :head_dim]
