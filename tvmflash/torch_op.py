@@ -144,28 +144,25 @@ def _run_forward(dims, q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, softma
 _forward = torch.library.custom_op("tvmflash::flash_attn_forward", mutates_args=())(_forward_impl)
 
 
-def _without_dispatcher(*tensors) -> bool:
-    """Whether a call may run the op's implementation directly, skipping torch's dispatcher (its
-    Python custom-op layers cost ~30-60 us a call): plain tensors, nothing for autograd to record,
-    no autocast region, no torch.compile tracing, vmap or dispatch/function mode that must see the op."""
-    if any(type(t) is not torch.Tensor for t in tensors if t is not None):
-        return False
-    return _runs_directly(tensors[0].device.type, *(t for t in tensors if t is not None))
+def _eager_path(*tensors) -> str | None:
+    """How a call may skip torch's dispatcher (its Python custom-op layers cost ~30-100 us a
+    call): "body", the op's implementation, where autograd records nothing; "autograd",
+    ``_EagerAttention``, where it does; None (the op) for other than plain tensors, in an
+    autocast region, under torch.compile tracing, vmap or a dispatch/function mode that must see
+    the op."""
+    present = [t for t in tensors if t is not None]
+    if any(type(t) is not torch.Tensor for t in present) or not _plain_eager(present[0].device.type):
+        return None
+    return "autograd" if _records_grad(present) else "body"
 
 
 def _runs_directly(device_type: str, *tensors) -> bool:
-    """``_without_dispatcher`` for plain tensors (the repeated-call path's key has checked their types)."""
-    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
-        return False
-    return _plain_eager(device_type)
+    """``_eager_path`` is "body", for plain tensors (the repeated-call path's key has checked their types)."""
+    return not _records_grad(tensors) and _plain_eager(device_type)
 
 
-def _records_directly(*tensors) -> bool:
-    """Whether a call that autograd records may run as ``_EagerAttention`` (plain tensors, no
-    autocast, compile, mode or transform: what ``_without_dispatcher`` asks but the gradients)."""
-    if any(type(t) is not torch.Tensor for t in tensors if t is not None):
-        return False
-    return _plain_eager(tensors[0].device.type)
+def _records_grad(tensors) -> bool:
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
 
 
 def _plain_eager(device_type: str) -> bool:
@@ -231,12 +228,16 @@ def _setup_context(ctx, inputs, output):
     ctx.set_materialize_grads(False)
 
 
+def _input_grads(ctx, dout, backward) -> tuple:
+    """dq, dk, dv from what ``_setup_context`` saved, by ``backward`` (the op or its body)."""
+    q, k, v, out, lse, cu_q, cu_k, alibi = ctx.saved_tensors
+    return backward(kernel_layout(dout), q, k, v, out, lse, cu_q, cu_k, alibi, *ctx.scalars)
+
+
 def _autograd_backward(ctx, dout, _dlse):
     if dout is None:  # nothing downstream used out
         return (None,) * 13
-    q, k, v, out, lse, cu_q, cu_k, alibi = ctx.saved_tensors
-    dq, dk, dv = _backward(kernel_layout(dout), q, k, v, out, lse, cu_q, cu_k, alibi, *ctx.scalars)
-    return dq, dk, dv, None, None, None, None, None, None, None, None, None, None
+    return *_input_grads(ctx, dout, _backward), None, None, None, None, None, None, None, None, None, None
 
 
 _forward.register_autograd(_autograd_backward, setup_context=_setup_context)
@@ -244,7 +245,7 @@ _forward.register_autograd(_autograd_backward, setup_context=_setup_context)
 
 class _EagerAttention(torch.autograd.Function):
     """The forward op with its autograd, without torch's custom-op layers, for eager calls on
-    plain tensors that autograd records (``_records_directly``): the op's own bodies, saved
+    plain tensors that autograd records (``_eager_path``): the op's own bodies, saved
     tensors and backward, ~100 us less per training call at 16 tokens (torch.compile, autocast,
     modes and transforms still see the op)."""
 
@@ -258,13 +259,10 @@ class _EagerAttention(torch.autograd.Function):
     def backward(ctx, dout, _dlse):
         if dout is None:
             return (None,) * 14
-        q, k, v, out, lse, cu_q, cu_k, alibi = ctx.saved_tensors
         # the op where a mode must see it, and with create_graph=True, where autograd then refuses
         # to differentiate it (it has no formula) instead of taking dq, dk, dv for constants
-        direct = not torch.is_grad_enabled() and _plain_eager(q.device.type)
-        backward = _backward_impl if direct else _backward
-        dq, dk, dv = backward(kernel_layout(dout), q, k, v, out, lse, cu_q, cu_k, alibi, *ctx.scalars)
-        return None, dq, dk, dv, *(None,) * 10
+        direct = not torch.is_grad_enabled() and _plain_eager(dout.device.type)
+        return None, *_input_grads(ctx, dout, _backward_impl if direct else _backward), *(None,) * 10
 
 
 def _follow_autocast(device_type: str) -> None:
@@ -379,12 +377,13 @@ def _attention(q, k, v, cu_seqlens_q, cu_seqlens_k, dropout_p, softmax_scale, ca
     q, k, v = (kernel_layout(t) for t in (q, k, v))
     args = (q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, options.softmax_scale, left, right, options.softcap,
             options.deterministic, fp32_results, diagonal)
-    if _without_dispatcher(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes):
+    path = _eager_path(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes)
+    if path == "body":
         out, lse = _run_forward(dims, *args)
         in_place = all(a is b for a, b in zip((q, k, v), given))  # no padding, no copy
         if fast and key is not None and in_place and not _empty_problem(q, k, False):
             _remember_call(key, dims, q, k, options, return_attn_probs)
-    elif _records_directly(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes):
+    elif path == "autograd":
         out, lse = _EagerAttention.apply(dims, *args)
     else:
         out, lse = _forward(*args)
@@ -397,7 +396,7 @@ def _attention(q, k, v, cu_seqlens_q, cu_seqlens_k, dropout_p, softmax_scale, ca
 # checks (~40 us of Python, as much as the kernel at 16 tokens) depend on nothing else: a call
 # whose tensors' types, shapes, strides, dtypes and whose options (exact types: True == 1 in a
 # key, not for the checks) equal those of a checked dispatcher-free call runs as it did. What
-# can still differ is checked per call (_without_dispatcher: gradients, autocast, compile,
+# can still differ is checked per call (_runs_directly: gradients, autocast, compile,
 # modes). Forward only; calls with packed sequences, ALiBi or padded head dims take the full path.
 _calls: dict[tuple, _ForwardCall] = {}
 _MAX_CALLS = 256
