@@ -11,7 +11,9 @@ vectorized along their innermost loop; the per-thread ``slot`` loops run in TVM'
 With ``products="bf16_dot"`` the product blocks reduce over bf16 pairs (loops ``q``, ``t``) and
 the register tile's innermost step, one vector of accumulators times one pair, is tensorized
 into one ``vdpbf16ps`` (``llvm_bf16.py``; on aarch64, 4 lanes, one ``bfdot``); the kernel's
-function then imports that module's LLVM IR helper.
+function then imports that module's LLVM IR helper. With ``products="amx"`` the product blocks
+are already calls of AMX micro-kernels (``llvm_amx.py``), which the schedule leaves as they are
+and whose IR it imports.
 
 The same code is the autotuner's search space. Every tunable choice goes through a ``Knobs``
 object: ``FixedKnobs`` reads it from a ``CPUKernelConfig`` (the hand-written schedule), while
@@ -26,10 +28,10 @@ import tvm
 from tvm import s_tir
 
 from tvmflash import target as targets
-from tvmflash.config import (BF16_DOT, FP32_FMA, MAX_TILE_ROWS, MAX_TILE_VECTORS, PRODUCTS, CPUKernelConfig,
+from tvmflash.config import (AMX, BF16_DOT, FP32_FMA, MAX_TILE_ROWS, MAX_TILE_VECTORS, PRODUCTS, CPUKernelConfig,
                              default_arm_config, default_cpu_config)
 
-from . import llvm_bf16
+from . import llvm_amx, llvm_bf16
 
 
 def has_avx512(target: tvm.target.Target) -> bool:
@@ -140,7 +142,7 @@ def _parallel(sch: s_tir.Schedule, name: str, n_outer: int, vectorize_inner: int
         _vectorize_loop(sch, loops[-1], vectorize_inner)
 
 
-def _parallel_slots(sch: s_tir.Schedule, name: str, bf16_products: bool = False, lanes: int = 16) -> None:
+def _parallel_slots(sch: s_tir.Schedule, kernel: str, name: str, products: str = FP32_FMA, lanes: int = 16) -> None:
     """The per-thread slot loop in TVM's thread pool: last, after everything inside it is scheduled.
 
     Marking a loop parallel copies the loop but keeps its body: the block below is then shared
@@ -150,47 +152,52 @@ def _parallel_slots(sch: s_tir.Schedule, name: str, bf16_products: bool = False,
     that corrupted the search space. The bf16 products' LLVM helper is imported there too.
     """
     slots = sch.get_loops(sch.get_sblock(name))[-1]
-    if bf16_products:
+    if products == BF16_DOT:
         llvm_bf16.import_helpers(sch, slots, lanes)
+    elif products == AMX:
+        llvm_amx.import_helpers(sch, slots, PRODUCTS[kernel])
     sch.parallel(slots)
 
 
 # Element-wise stages that differ between the product kinds: the operand packs (kernels/cpu.py).
 PACKS = {
-    ("forward", False): ("pack_kv",),
-    ("forward", True): ("pack_k", "pack_v", "pack_p"),
-    ("backward", False): ("pack_q_do", "pack_k", "pack_kt", "pack_vt"),
-    ("backward", True): ("pack_q_do", "pack_q_do_pairs", "pack_k", "pack_kt", "pack_vt", "pack_p", "pack_ds",
-                         "pack_ds_pairs"),
+    ("forward", FP32_FMA): ("pack_kv",),
+    ("forward", BF16_DOT): ("pack_k", "pack_v", "pack_p"),
+    ("forward", AMX): ("pack_k", "pack_v", "pack_p"),
+    ("backward", FP32_FMA): ("pack_q_do", "pack_k", "pack_kt", "pack_vt"),
+    ("backward", BF16_DOT): ("pack_q_do", "pack_q_do_pairs", "pack_k", "pack_kt", "pack_vt", "pack_p", "pack_ds",
+                             "pack_ds_pairs"),
+    ("backward", AMX): ("pack_q_do", "pack_q_do_t", "pack_k", "pack_kt", "pack_vt", "pack_p", "pack_ds",
+                        "pack_ds_pairs"),
 }
 
 
 def schedule_forward(sch: s_tir.Schedule, cfg: CPUKernelConfig, knobs=None) -> s_tir.Schedule:
     knobs = knobs or FixedKnobs(cfg)
-    lanes, bf16 = cfg.lanes, cfg.products == BF16_DOT
+    lanes, products = cfg.lanes, cfg.products
     _parallel(sch, "pack_kv_tile", 2)
-    for name in PRODUCTS["forward"]:
-        register_tile(sch, "forward", name, knobs, lanes, bf16_pairs=bf16)
-    for name in (*PACKS["forward", bf16], "load_q", "init_o", "init_stats", "rescale", "probs", "store_o"):
+    for name in PRODUCTS["forward"] if products != AMX else ():
+        register_tile(sch, "forward", name, knobs, lanes, bf16_pairs=products == BF16_DOT)
+    for name in (*PACKS["forward", products], "load_q", "init_o", "init_stats", "rescale", "probs", "store_o"):
         _vectorize_elementwise(sch, name, lanes)
     for name in ("row_max", "row_sum"):
         _vectorize_row_reduction(sch, name, lanes)
-    _parallel_slots(sch, "slot", bf16, lanes)
+    _parallel_slots(sch, "forward", "slot", products, lanes)
     return sch
 
 
 def schedule_backward(sch: s_tir.Schedule, cfg: CPUKernelConfig, knobs=None) -> s_tir.Schedule:
     knobs = knobs or FixedKnobs(cfg)
-    lanes, bf16 = cfg.lanes, cfg.products == BF16_DOT
+    lanes, products = cfg.lanes, cfg.products
     for tile_block in ("prepare_q_tile", "prepare_k_tile", "store_dq_tile", "store_dkv_tile"):
         _parallel(sch, tile_block, 2)  # (heads, tiles) in parallel
-    for name in (*PACKS["backward", bf16], "zero_dq", "zero_dkv", "store_dq", "store_dkv"):
+    for name in (*PACKS["backward", products], "zero_dq", "zero_dkv", "store_dq", "store_dkv"):
         _vectorize_elementwise(sch, name, lanes)
-    for name in PRODUCTS["backward"]:
-        register_tile(sch, "backward", name, knobs, lanes, bf16_pairs=bf16)
+    for name in PRODUCTS["backward"] if products != AMX else ():
+        register_tile(sch, "backward", name, knobs, lanes, bf16_pairs=products == BF16_DOT)
     for name in ("init_dkv", "load_row_stats", "probs", "dscores"):
         _vectorize_elementwise(sch, name, lanes)
-    _parallel_slots(sch, "round_slot", bf16, lanes)
+    _parallel_slots(sch, "backward", "round_slot", products, lanes)
     return sch
 
 

@@ -29,7 +29,7 @@ import tvm
 import tvmflash
 from tvmflash import amx, compiler, product_rates
 from tvmflash import target as targets
-from tvmflash.config import BF16_DOT, FP32_FMA
+from tvmflash.config import AMX, BF16_DOT, FP32_FMA, default_cpu_config
 from tvmflash.product_rates import ProductRates
 from tvmflash.settings import TvmflashWarning
 from tvmflash.spec import AttentionSpec
@@ -70,8 +70,9 @@ def test_a_cpu_whose_model_name_lacks_its_features_still_gets_them(fake_cpu, mon
     monkeypatch.setenv(product_rates.OVERRIDE_ENV, BF16_DOT)  # this machine's rates are not that CPU's
     target = targets.resolve("llvm")
     assert target.attrs["mcpu"] == "rocketlake"  # the scheduling model stays
-    assert list(target.attrs["mattr"]) == ["+amx-bf16", "+amx-tile", "+avx512bf16"]
+    assert list(target.attrs["mattr"]) == ["+amx-bf16", "+amx-tile", "+avx512bf16", "-prefer-256-bit"]
     assert targets.supports_bf16_dot(target) and targets.amx_features(target) == ("amx-tile", "amx-bf16")
+    assert targets.supports_amx(target)
     assert _bf16_products("llvm") == {BF16_DOT}
     kernels = tvmflash.compile("llvm", head_dim=64, dtype="bfloat16", cache=False)  # compiled, never run
     assert {cfg.lanes for cfg in kernels.configs.values()} == {16}
@@ -159,7 +160,28 @@ def test_tuning_records_are_filed_by_the_feature_set(fake_cpu, monkeypatch, tmp_
     assert used is None and configs["forward"] == compiler.choose_configs(other, spec, tuned=False)[0]["forward"]
     assert targets.key(other) != targets.key(tuned_on)
     fake_cpu(mcpu, _flags_of(mcpu))
-    assert targets.key(targets.resolve("llvm")) == f"llvm-{mcpu}"  # flags equal to the model: the key of before
+    # flags equal to the model: the key of before (Intel's AVX-512 models: and full-width vectors)
+    assert targets.key(targets.resolve("llvm")) == f"llvm-{mcpu}" + "".join(targets.full_width_vectors(mcpu, ()))
+
+
+@pytest.mark.parametrize("mcpu,minus,full_width", [
+    ("skylake-avx512", (), True), ("sapphirerapids", (), True), ("rocketlake", (), True),
+    ("skylake-avx512", ("avx512f",), False),  # AVX-512 hidden: 8-lane code, nothing to widen
+    ("znver4", (), False),  # AMD's models prefer 512-bit vectors already
+    ("haswell", (), False),
+])
+def test_avx512_cpus_get_full_width_vectors(fake_cpu, mcpu, minus, full_width):
+    """LLVM's Intel AVX-512 models prefer 256-bit vectors, which split the kernels' 16-lane
+    vectors into ymm halves; this CPU's target turns that off, and its code then uses zmm."""
+    fake_cpu(mcpu, _flags_of(mcpu, minus=minus))
+    target = targets.resolve("llvm")
+    assert ("-prefer-256-bit" in list(target.attrs.get("mattr", []))) == full_width
+    if full_width:
+        assert not targets.has_features(target, "prefer-256-bit")
+        kernels = tvmflash.compile("llvm", head_dim=32, dtype="float32", cache=False, config={
+            kernel: default_cpu_config(kernel, avx512=True) for kernel in ("forward", "backward")})
+        widths = set(re.findall(r"^\s*vfmadd\w+ps\s[^\n]*%([xyz]mm)", kernels.assembly(), re.M))
+        assert "zmm" in widths and "ymm" not in widths, widths
 
 
 def test_without_readable_flags_only_this_models_kernels_are_trusted(monkeypatch):
@@ -216,8 +238,10 @@ def test_the_override_chooses_between_the_paths_the_target_has(fake_cpu, monkeyp
     monkeypatch.setattr(product_rates, "measured_rates", lambda: ZEN4_LIKE)
     monkeypatch.setenv(product_rates.OVERRIDE_ENV, FP32_FMA)
     assert _bf16_products("llvm") == {FP32_FMA}
-    monkeypatch.setenv(product_rates.OVERRIDE_ENV, "amx")
-    with pytest.raises(ValueError, match="TVMFLASH_BF16_PRODUCTS='amx'"):
+    monkeypatch.setenv(product_rates.OVERRIDE_ENV, AMX)  # a Zen 4 has no AMX: the measured choice
+    assert _bf16_products("llvm") == {BF16_DOT}
+    monkeypatch.setenv(product_rates.OVERRIDE_ENV, "tiles")
+    with pytest.raises(ValueError, match="TVMFLASH_BF16_PRODUCTS='tiles'"):
         _bf16_products("llvm")
     # the memo of compile results sees the variable
     assert product_rates.OVERRIDE_ENV in compiler._STEERING_ENV

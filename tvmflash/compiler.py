@@ -24,7 +24,7 @@ import tvm_ffi
 
 from . import cache, checks, import_closure, product_rates, records, runtime, settings
 from . import target as targets
-from .config import (BF16_DOT, KERNELS, TILE_EDGES, CPUKernelConfig, CUDAKernelConfig, default_arm_config,
+from .config import (AMX, AMX_TILE, BF16_DOT, KERNELS, TILE_EDGES, CPUKernelConfig, CUDAKernelConfig, default_arm_config,
                      default_cpu_config)
 from .runtime import FlashKernels
 from .spec import Alibi, AttentionSpec, Softcap
@@ -67,6 +67,8 @@ def choose_configs(target: tvm.target.Target, spec: AttentionSpec, *, config=Non
     is_cuda = target.kind.name == "cuda"
     chosen, used = {}, {}
     bf16_dot = not is_cuda and targets.supports_bf16_dot(target)
+    amx = not is_cuda and targets.supports_amx(target)
+    runnable = {BF16_DOT: bf16_dot, AMX: amx}  # the bf16 products the target has (fp32 FMAs: every CPU)
     seqlen_q, seqlen_k = seqlen if isinstance(seqlen, tuple) else (seqlen, seqlen)
     for kernel in KERNELS:
         if kernel in explicit:
@@ -75,12 +77,13 @@ def choose_configs(target: tvm.target.Target, spec: AttentionSpec, *, config=Non
         if is_cuda:
             chosen[kernel] = CUDAKernelConfig(kernel)
             continue
-        default = _default_cpu_config(target, kernel, product_rates.default_products(target, spec.dtype),
-                                      seqlen_q, seqlen_k)
+        default = _default_cpu_config(target, kernel,
+                                      product_rates.default_products(target, spec.dtype, spec.head_dim), seqlen_q,
+                                      seqlen_k)
         found = records.lookup(targets.key(target), spec, kernel, max(seqlen_q or 0, seqlen_k or 0) or None
                                ) if tuned else None
         tiles = (default.block_q, default.block_k)
-        if (found is not None and (found[0].products != BF16_DOT or bf16_dot)
+        if (found is not None and runnable.get(found[0].products, True)
                 and (tiles == (TILE_EDGES[-1],) * 2 or tiles == (found[0].block_q, found[0].block_k))):
             chosen[kernel], used[kernel] = found
         else:
@@ -93,6 +96,12 @@ def choose_configs(target: tvm.target.Target, spec: AttentionSpec, *, config=Non
             raise ValueError(f"the {kernel} config asks for bf16_dot products, which need bfloat16 inputs (got "
                              f"{spec.dtype}) and a target with AVX512-BF16 or Arm's BF16 ({targets.key(target)}"
                              f"{'' if bf16_dot else ' has none'})")
+        if not is_cuda and cfg.products == AMX and not (amx and spec.dtype == "bfloat16"
+                                                        and spec.head_dim % AMX_TILE == 0):
+            # (LLVM would abort the process on tile instructions for a target without AMX)
+            raise ValueError(f"the {kernel} config asks for amx products, which need bfloat16 inputs (got "
+                             f"{spec.dtype}), a head dim that is a multiple of {AMX_TILE} (got {spec.head_dim}) and "
+                             f"a target with AMX-BF16 ({targets.key(target)}{'' if amx else ' has none'})")
     return chosen, (used or None)
 
 

@@ -15,7 +15,10 @@ accumulators stay fp32). It needs bf16 inputs and a CPU with AVX512-BF16
 (``target.supports_bf16_dot``), and is the default where it multiplies faster than the FMAs
 (``product_rates``: on some Xeons it issues at half their rate). fp16
 inputs use fp32 FMAs: no CPU of this project has an fp16 product that accumulates in fp32
-(AVX512-FP16 accumulates in fp16).
+(AVX512-FP16 accumulates in fp16). ``"amx"`` runs the bf16 products on Intel's AMX tiles
+(``tdpbf16ps``: a 16 x 16 fp32 tile += 16 x 32 bf16 times 32 x 16 bf16, ~10x the FMAs' FLOP
+rate), the same bf16 operands and rounding as ``"bf16_dot"``; tile edges and the head dim are
+multiples of 16 (``target.supports_amx``, ``amx.request_tile_permission``).
 
 Defaults: AVX-512 has 32 vector registers of 16 floats, AVX2 16 of 8; an FMA has a latency of ~4
 cycles and two issue ports, so at least 8 independent accumulators keep both busy, and
@@ -32,8 +35,10 @@ PRODUCTS = {"forward": ("scores", "pv"), "backward": ("scores", "dv", "dprobs", 
 KERNELS = tuple(PRODUCTS)
 MAX_TILE_ROWS = 8
 MAX_TILE_VECTORS = 4
-FP32_FMA, BF16_DOT = "fp32_fma", "bf16_dot"
-PRODUCT_KINDS = (FP32_FMA, BF16_DOT)
+FP32_FMA, BF16_DOT, AMX = "fp32_fma", "bf16_dot", "amx"
+PRODUCT_KINDS = (FP32_FMA, BF16_DOT, AMX)
+BF16_OPERANDS = (BF16_DOT, AMX)  # the products that keep bf16 inputs as bf16 operands
+AMX_TILE = 16  # rows and fp32 columns of an AMX tile: tile edges and head dims are multiples of it
 
 
 @dataclass(frozen=True)
@@ -59,6 +64,9 @@ class CPUKernelConfig:
         if self.products == BF16_DOT and (self.lanes not in (16, ARM_LANES) or self.block_q % 8 or self.block_k % 8):
             # bf16 pairs along every tile edge, 8- or 16-lane dot products (AVX-512), 4 (aarch64 BFDOT)
             raise ValueError(f"bf16_dot needs 16 lanes (4 on aarch64) and tile sizes that are multiples of 8, got lanes="
+                             f"{self.lanes}, {self.block_q}x{self.block_k}")
+        if self.products == AMX and (self.lanes != 16 or self.block_q % AMX_TILE or self.block_k % AMX_TILE):
+            raise ValueError(f"amx needs 16 lanes and tile sizes that are multiples of {AMX_TILE}, got lanes="
                              f"{self.lanes}, {self.block_q}x{self.block_k}")
         missing = set(PRODUCTS[self.kernel]) - {name for name, _ in self.tiles}
         if missing:

@@ -1,4 +1,4 @@
-"""Which way bf16 kernels multiply on this CPU, chosen by measuring both ways once per machine.
+"""Which way bf16 kernels multiply on this CPU, chosen by measuring each way once per machine.
 
 A CPU with AVX512-BF16 can run the bf16 kernels' products as ``vdpbf16ps`` (two bf16 products
 per fp32 lane) or convert the operands and use fp32 FMAs (``config.py``: ``products``). Which is
@@ -9,11 +9,16 @@ packing. ``product_probe.c`` times both instructions in registers on one core; i
 with the C compiler into the cache directory and run once per machine, and its rates are kept
 there (``product-rates-<machine>.json``, keyed by the CPU's vendor, family, model, name and flags,
 not its microcode or clock). bf16 dot products are chosen where they reach at least
-``BF16_DOT_MIN_GAIN`` times the FMAs' FLOP rate.
+``BF16_DOT_MIN_GAIN`` times the FMAs' FLOP rate. On CPUs with AMX-BF16 the probe also times
+AMX's ``tdpbf16ps`` (in its own process, after Linux granted it the tiles); AMX tiles are
+chosen where they reach ``AMX_MIN_GAIN`` times the faster of the other two (measured 15x on a
+Sapphire Rapids-class Xeon) and Linux grants this process the tiles
+(``amx.request_tile_permission``), for head dims that are multiples of 16.
 
-``TVMFLASH_BF16_PRODUCTS`` overrides the measurement: ``fp32_fma`` or ``bf16_dot`` (used where
-the target has AVX512-BF16; elsewhere fp32 FMAs remain the only way), ``measure`` (default).
-Kernels for another CPU than this one follow its features (nothing here to measure).
+``TVMFLASH_BF16_PRODUCTS`` overrides the measurement: ``fp32_fma``, ``bf16_dot`` or ``amx``
+(used where the target has the instructions; elsewhere the measured or feature choice among the
+ones it has), ``measure`` (default). Kernels for another CPU than this one follow its features
+(nothing here to measure).
 
 What is loaded or run comes from this library only: the probe is built from the packaged source
 into the user's own cache directory (``cache.safe_directory``) and run only if it is this user's
@@ -38,13 +43,16 @@ from pathlib import Path
 
 from . import settings
 from . import target as targets
-from .config import BF16_DOT, FP32_FMA
+from .config import AMX, AMX_TILE, BF16_DOT, FP32_FMA
 
 OVERRIDE_ENV = "TVMFLASH_BF16_PRODUCTS"
 MEASURE = "measure"
 # The bf16 path packs and rounds its operands (pair words, P and dS to bf16): it must multiply
 # clearly faster than the fp32 path to pay for that, not break even.
 BF16_DOT_MIN_GAIN = 1.25
+# AMX's products leave the per-score work (exp, row statistics, packing) on the vector units, so
+# the products must be much faster than the vector path to pay for moving them there.
+AMX_MIN_GAIN = 4.0
 _SOURCE = Path(__file__).with_name("product_probe.c")
 _HEADER = _SOURCE.with_name("product_loops.h")  # the loops, included by the probe
 
@@ -54,21 +62,28 @@ _measured: dict[str, ProductRates | None] = {}  # machine key -> rates (None: co
 
 @dataclass(frozen=True)
 class ProductRates:
-    """Register-only throughput of one core, GFLOP/s: fp32 FMAs and bf16 dot products (zmm)."""
+    """Register-only throughput of one core, GFLOP/s: fp32 FMAs and bf16 dot products (zmm), and
+    AMX tiles (``tdpbf16ps``; 0: not measured, the CPU has no AMX-BF16 or Linux refused it)."""
 
     fp32_fma: float
     bf16_dot: float
+    amx: float = 0.0
 
     def __post_init__(self):
-        for name in ("fp32_fma", "bf16_dot"):
+        for name in ("fp32_fma", "bf16_dot", "amx"):
             value = getattr(self, name)
-            if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value) or value <= 0:
+            if (not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value)
+                    or value < 0 or (value == 0 and name != "amx")):
                 raise ValueError(f"{name} rate must be a positive number of GFLOP/s, got {value!r}")
 
 
-def faster_products(rates: ProductRates) -> str:
-    """The products a CPU with these rates should run bf16 kernels with."""
-    return BF16_DOT if rates.bf16_dot >= BF16_DOT_MIN_GAIN * rates.fp32_fma else FP32_FMA
+def faster_products(rates: ProductRates, amx_allowed: bool = False) -> str:
+    """The products a CPU with these rates should run bf16 kernels with (AMX only where
+    ``amx_allowed``: the target has it and the kernel's shapes fit its tiles)."""
+    vector = BF16_DOT if rates.bf16_dot >= BF16_DOT_MIN_GAIN * rates.fp32_fma else FP32_FMA
+    if amx_allowed and rates.amx >= AMX_MIN_GAIN * max(rates.fp32_fma, rates.bf16_dot):
+        return AMX
+    return vector
 
 
 def override() -> str | None:
@@ -76,25 +91,35 @@ def override() -> str | None:
     value = os.environ.get(OVERRIDE_ENV, "").strip()
     if value in ("", MEASURE):
         return None
-    if value not in (FP32_FMA, BF16_DOT):
-        raise ValueError(f"{OVERRIDE_ENV}={value!r}: use {FP32_FMA!r}, {BF16_DOT!r} or {MEASURE!r}")
+    if value not in (FP32_FMA, BF16_DOT, AMX):
+        raise ValueError(f"{OVERRIDE_ENV}={value!r}: use {FP32_FMA!r}, {BF16_DOT!r}, {AMX!r} or {MEASURE!r}")
     return value
 
 
-def bf16_products(target) -> str:
-    """How bf16 kernels for ``target`` (a resolved LLVM target) multiply by default: fp32 FMAs
-    where the target lacks AVX512-BF16; else the override, else (this CPU) the faster path as
-    measured, else (another CPU, or no measurement possible) bf16 dot products."""
+def bf16_products(target, head_dim: int | None = None) -> str:
+    """How bf16 kernels for ``target`` (a resolved LLVM target) and ``head_dim`` (None: any)
+    multiply by default: fp32 FMAs where the target lacks AVX512-BF16; else the override where
+    the target has it, else (this CPU) the fastest path as measured, else (another CPU, or no
+    measurement possible) AMX tiles or bf16 dot products as its features allow. AMX needs a
+    head dim that is a multiple of 16 and, on this CPU, Linux's permission."""
     if not targets.supports_bf16_dot(target):
         return FP32_FMA
+    amx_allowed = targets.supports_amx(target) and (head_dim is None or head_dim % AMX_TILE == 0)
+    this_cpu = _compiles_for_this_cpu(target) and not targets.is_aarch64(target)
+    if amx_allowed and this_cpu:
+        from .amx import request_tile_permission  # (asked once per process)
+
+        amx_allowed = request_tile_permission()
     forced = override()
-    if forced is not None:
+    if forced is not None and (forced != AMX or amx_allowed):
         return forced
-    if not _compiles_for_this_cpu(target) or targets.is_aarch64(target):
-        # (aarch64: the probe is x86 code; BFDOT vs FMLA rates are not measured there)
-        return BF16_DOT
+    if not this_cpu:
+        # another CPU, or aarch64 (the probe is x86 code; BFDOT vs FMLA rates are not measured there)
+        return AMX if amx_allowed else BF16_DOT
     rates = measured_rates()
-    return BF16_DOT if rates is None else faster_products(rates)
+    if rates is None:
+        return AMX if amx_allowed else BF16_DOT
+    return faster_products(rates, amx_allowed)
 
 
 def _compiles_for_this_cpu(target) -> bool:
@@ -104,9 +129,9 @@ def _compiles_for_this_cpu(target) -> bool:
     return all(str(target.attrs.get(name, "")) == str(host.attrs.get(name, "")) for name in ("mcpu", "mattr"))
 
 
-def default_products(target, dtype: str) -> str:
-    """The products of the hand-written configs for this target and input dtype."""
-    return bf16_products(target) if dtype == "bfloat16" else FP32_FMA
+def default_products(target, dtype: str, head_dim: int | None = None) -> str:
+    """The products of the hand-written configs for this target, input dtype and head dim."""
+    return bf16_products(target, head_dim) if dtype == "bfloat16" else FP32_FMA
 
 
 @functools.lru_cache(maxsize=8)
@@ -164,7 +189,7 @@ def _stored_or_measured(key: str) -> ProductRates:
         try:
             check_own_file(stored)
             data = json.loads(stored.read_text(encoding="utf-8"))
-            return ProductRates(float(data["fp32_fma"]), float(data["bf16_dot"]))
+            return ProductRates(float(data["fp32_fma"]), float(data["bf16_dot"]), float(data.get("amx", 0.0)))
         except UnsafeCacheError as err:
             settings.warn(f"measuring again: {err}")
         except (OSError, ValueError, KeyError, TypeError) as err:
@@ -172,7 +197,8 @@ def _stored_or_measured(key: str) -> ProductRates:
     rates = _run_probe(_build_probe(directory))
     with tempfile.NamedTemporaryFile("w", dir=directory, prefix=".product-rates-", suffix=".json", delete=False,
                                      encoding="utf-8") as f:  # mode 0600 (mkstemp)
-        json.dump({"fp32_fma": rates.fp32_fma, "bf16_dot": rates.bf16_dot, "unit": "GFLOP/s, one core"}, f)
+        json.dump({"fp32_fma": rates.fp32_fma, "bf16_dot": rates.bf16_dot, "amx": rates.amx,
+                   "unit": "GFLOP/s, one core"}, f)
     os.replace(f.name, stored)
     return rates
 
@@ -205,4 +231,4 @@ def _run_probe(probe: Path) -> ProductRates:
     if done.returncode != 0:
         raise OSError(f"{probe.name} exited with {done.returncode}{' (no AVX512-BF16)' if done.returncode == 2 else ''}")
     found = dict(line.split() for line in done.stdout.splitlines() if len(line.split()) == 2)
-    return ProductRates(float(found["vfmadd231ps"]), float(found["vdpbf16ps"]))
+    return ProductRates(float(found["vfmadd231ps"]), float(found["vdpbf16ps"]), float(found.get("tdpbf16ps", 0.0)))

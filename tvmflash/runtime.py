@@ -23,7 +23,7 @@ import tvm
 import tvm_ffi
 
 from . import cache, checks, plan, settings, threads
-from .config import BF16_DOT, config_from_json
+from .config import AMX, BF16_DOT, BF16_OPERANDS, config_from_json
 
 CPU_FUNCTIONS = ("flash_fwd", "flash_bwd")
 CUDA_FUNCTIONS = ("flash_fwd", "flash_bwd_prep", "flash_bwd", "flash_bwd_dq")
@@ -147,19 +147,33 @@ class FlashKernels:
         """The instruction-set extensions these CPU kernels need and this CPU lacks (kernels
         compiled here for another CPU, e.g. to inspect their code): the ones their products
         need, and every extension they were compiled for (for any CPU model, this one's too)."""
-        from .target import bf16_dot_features, missing_for_cpu_kernels, missing_isa_features
+        from .target import AMX_BF16_FEATURES, bf16_dot_features, missing_for_cpu_kernels, missing_isa_features
 
         # (CUDA configs have no products: they need no CPU feature)
-        needed = {f for cfg in self.configs.values() if getattr(cfg, "products", None) == BF16_DOT
-                  for f in bf16_dot_features(self.meta["target"])}
+        products = {getattr(cfg, "products", None) for cfg in self.configs.values()}
+        needed = {*(bf16_dot_features(self.meta["target"]) if BF16_DOT in products else ()),
+                  *(AMX_BF16_FEATURES if AMX in products else ())}
         missing = missing_isa_features(sorted(needed)) if needed else []
         return sorted({*missing, *missing_for_cpu_kernels(self.meta["target"], self.meta.get("isa_features", []))})
+
+    @functools.cached_property
+    def _tiles_refused(self) -> bool:
+        """Whether these are AMX kernels and Linux refused this process the tile registers (asked
+        once per process: amx.request_tile_permission)."""
+        if not any(getattr(cfg, "products", None) == AMX for cfg in self.configs.values()):
+            return False
+        from .amx import request_tile_permission
+
+        return not request_tile_permission()
 
     def _check_runs_here(self) -> None:
         if self._missing_features:
             raise RuntimeError(f"these kernels were compiled for {self.meta['target'].get('mcpu')} and use "
                                f"instructions this CPU lacks ({', '.join(self._missing_features)}): they would crash "
                                "here; compile them for this CPU (target \"llvm\") to run them")
+        if self._tiles_refused:
+            raise RuntimeError("these kernels multiply on AMX tiles, which Linux refused this process (see the "
+                               "warning above): compile them with products other than 'amx' to run them here")
 
     # --- planning ------------------------------------------------------------------------------
     def _window(self, causal, window_size) -> tuple[int, int]:
@@ -290,7 +304,7 @@ class FlashKernels:
         cfg = self.configs[kernel]
         seqs = plan.batched(batch, seqlen_q, seqlen_k, block_q=cfg.block_q, block_k=cfg.block_k, heads_k=heads_k)
         sizes = dict(heads=heads, heads_k=heads_k, head_dim=self.head_dim, block_q=cfg.block_q, block_k=cfg.block_k,
-                     threads=threads, bf16_products=cfg.products == BF16_DOT)
+                     threads=threads, bf16_products=cfg.products in BF16_OPERANDS)
         if kernel == "forward":
             return plan.forward_workspace_bytes(seqs, **sizes)
         grad_elements = max(sum(math.prod(i[1]) for i in self._mod_inputs if i[3]), 1)

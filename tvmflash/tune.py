@@ -174,7 +174,8 @@ class Workload:
 
 def product_choices(target, dtype: str) -> tuple[str, ...]:
     """How the products may run for this target and input dtype (config.py): fp32 FMAs always;
-    bf16 dot products for bf16 inputs where the target has AVX512-BF16."""
+    bf16 dot products for bf16 inputs where the target has AVX512-BF16. Not AMX tiles: their
+    product blocks have no knobs, and MetaSchedule's runner processes have no tile permission."""
     bf16_dot = dtype == "bfloat16" and targets.supports_bf16_dot(targets.resolve(target))
     return (FP32_FMA, BF16_DOT) if bf16_dot else (FP32_FMA,)
 
@@ -594,12 +595,12 @@ def verify(target, spec: AttentionSpec, *, seqlen: int, batch: int, heads: int, 
     target = targets.resolve(target)
     heads_k = heads_k or heads
     directory = database_dir(log_dir, target, spec)
-    probe = Workload("forward", spec, llvm_schedules.default_config(target, "forward", product_rates.default_products(target, spec.dtype)), batch, heads,
+    probe = Workload("forward", spec, llvm_schedules.default_config(target, "forward", product_rates.default_products(target, spec.dtype, spec.head_dim)), batch, heads,
                      heads_k, seqlen, causal, settings.num_threads())
     best = {k: v for k, v in best_configs(directory, probe).items() if k in kernels_to_tune}
     if not best:
         return {}
-    defaults = {kernel: llvm_schedules.default_config(target, kernel, product_rates.default_products(target, spec.dtype)) for kernel in KERNELS}
+    defaults = {kernel: llvm_schedules.default_config(target, kernel, product_rates.default_products(target, spec.dtype, spec.head_dim)) for kernel in KERNELS}
     tuned = {**defaults, **{kernel: cfg for kernel, (cfg, _) in best.items()}}
     dtype = getattr(torch, spec.dtype)
     gen = torch.Generator().manual_seed(0)
@@ -761,7 +762,7 @@ def main(argv=None) -> int:
         return 1
     path = records.record_path(args.records_dir or log_dir, targets.key(target), spec)
     same = {kernel for kernel, entry in written.items()
-            if CPUKernelConfig.from_json(entry["config"]) == llvm_schedules.default_config(target, kernel, product_rates.default_products(target, spec.dtype))}
+            if CPUKernelConfig.from_json(entry["config"]) == llvm_schedules.default_config(target, kernel, product_rates.default_products(target, spec.dtype, spec.head_dim))}
     print("\n".join(report(written, spec, path, same)))
     return 0
 

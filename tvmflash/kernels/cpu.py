@@ -97,6 +97,7 @@ from __future__ import annotations
 import math
 
 from tvm import tirx
+from tvm.sym.analyzer import Analyzer
 from tvm.script import tirx as T
 from tvm.script.ir_builder import IRBuilder
 
@@ -113,8 +114,10 @@ from ..attention_te import (
     normalizer,
     shifted_log2_exponent,
 )
-from ..config import BF16_DOT, FP32_FMA, CPUKernelConfig
+from ..config import AMX, AMX_TILE, BF16_DOT, CPUKernelConfig
 from ..pair_words import bf16_bits, bits_value, half, pair_word, rounded_bits, rounded_pair_word
+from ..schedules.llvm_amx import HELPER_ATTR
+from ..schedules.llvm_amx import helper_name as amx_helper_name
 from ..score_mods import exponent_constant
 from ..spec import AttentionSpec
 from .common import EMPTY, F32, I64, PARTIAL, CPUContext, TileRows, ceildiv, cyclic_count, i64, io_buffer, stage
@@ -144,6 +147,8 @@ class Kernel:
         self.fmt = operand_format(spec, cfg)
         self.ctx = CPUContext(spec, cfg.block_q, cfg.block_k, backward)
         self.has_mods = bool(spec.score_mods)
+        # a key tile's dK, dV sums: (key, head dim), transposed where the format needs (AMX)
+        self.kv_tile = (self.D, self.Bc) if self.fmt.transposed else (self.Bc, self.D)
 
     def macros(self, *stages):
         def bind(fn):
@@ -227,15 +232,39 @@ def bf16_pack_k_v(k, Kp, KTp, VTp, K, V, kv: TileRows, hk, t):
             VTp[hk, t, vp, vj] = Bf16Dot.along_row(kv, V, vj, hk, vp)
 
 
+def amx_pack_kv(k, Kp, Vp, K, V, kv: TileRows, hk, t):
+    for j, d in T.grid(k.Bc, k.D):
+        with T.sblock("pack_k"):  # K's bits, zero-padded
+            vj, vd = T.axis.remap("SS", [j, d])
+            Kp[hk, t * k.Bc + vj, vd] = kv.load(K, vj, hk, vd, bf16_bits, T.uint16(0))
+    for d, j in T.grid(k.D, k.Bc):
+        with T.sblock("pack_v"):  # V^T's bits: rows of the key tile's values of one head dim
+            vd, vj = T.axis.remap("SS", [d, j])
+            Vp[hk, t * k.D + vd, vj] = kv.load(V, vj, hk, vd, bf16_bits, T.uint16(0))
+
+
+def amx_pack_q_do(k, Qp, dOp, QTr, dOTr, Q, dO, q: TileRows, h, t):
+    for i, d in T.grid(k.Br, k.D):
+        with T.sblock("pack_q_do"):  # their bits, zero-padded
+            vi, vd = T.axis.remap("SS", [i, d])
+            Qp[h, t * k.Br + vi, vd] = q.load(Q, vi, h, vd, bf16_bits, T.uint16(0))
+            dOp[h, t * k.Br + vi, vd] = q.load(dO, vi, h, vd, bf16_bits, T.uint16(0))
+    for d, i in T.grid(k.D, k.Br):
+        with T.sblock("pack_q_do_t"):  # Q^T, dO^T as rows (the A operands of dK^T, dV^T)
+            vd, vi = T.axis.remap("SS", [d, i])
+            QTr[h, t * k.D + vd, vi] = Qp[h, t * k.Br + vi, vd]
+            dOTr[h, t * k.D + vd, vi] = dOp[h, t * k.Br + vi, vd]
+
+
 # --- operand formats -----------------------------------------------------------------------------
 class Fp32Fma:
     """Products as fp32 FMAs: the operands are fp32 copies of the inputs, the packs only convert
     and zero-pad; P and dS are read as they are."""
 
-    products = FP32_FMA
     pair = 1  # reduction elements per operand word
     rows = words = F32  # operand dtypes: rows (reduction along a row), words (pairs of rows)
     packed = False  # whether P and dS are packed (rounded) as product inputs
+    transposed = False  # AMX: V, Q, dO also as transposed rows, dK and dV tiles transposed
     pack_kv, pack_q_do, pack_k_v = (staticmethod(f) for f in (fp32_pack_kv, fp32_pack_q_do, fp32_pack_k_v))
 
     @staticmethod
@@ -272,10 +301,10 @@ class Bf16Dot:
     reads pairs of rows), each product reduces over pairs ``(q, t)``, the intrinsic's form
     (``schedules/llvm_bf16.py`` tensorizes it). P and dS are rounded to bf16 as product inputs."""
 
-    products = BF16_DOT
     pair = 2
     rows, words = U16, U32
     packed = True
+    transposed = False
     pack_kv, pack_q_do, pack_k_v = (staticmethod(f) for f in (bf16_pack_kv, bf16_pack_q_do, bf16_pack_k_v))
 
     @staticmethod
@@ -308,13 +337,74 @@ class Bf16Dot:
                 T.buffer_store(C, C[vx, vy] + value(a) * value(b), [vx, vy])
 
 
+class AmxTiles(Bf16Dot):
+    """Products on AMX tiles (``tdpbf16ps``): bf16 operands as for ``Bf16Dot``, but every
+    product's first operand must be rows (its A tile: 16 rows, the reduction along each) and its
+    second pair words (its B tile), the layouts of the instruction. The products whose first
+    operand would be pairs of rows take transposed forms: O^T += V^T P^T with V^T as rows per key
+    tile (``amx_pack_kv``), dV^T += dO^T P and dK^T += Q^T dS with Q^T, dO^T as rows per query
+    tile (``amx_pack_q_do``) and dK, dV tiles accumulated transposed. Each product block is a
+    grid of calls, one per block of up to 2 x 2 accumulator tiles of C, to an LLVM IR helper
+    that keeps them in tile registers over the whole reduction (``schedules/llvm_amx.py``).
+
+    Blocks: LLVM configures each of the 8 tile registers with one shape for a whole function.
+    Whole 32-element reduction chunks use one shape (16 rows x 64 bytes) for A, B and C tiles: a
+    2 x 2 block (4 C, 2 A, 2 B) fills all 8. A reduction of 16 mod 32 (a head dim of 48 or 80,
+    16-row tiles) ends on a half chunk, whose A and B tiles have shapes of their own; such kernels
+    use blocks of 2 tiles (5 full-shape registers, 3 of the half shapes), else LLVM runs out."""
+
+    transposed = True
+    pack_kv, pack_q_do = staticmethod(amx_pack_kv), staticmethod(amx_pack_q_do)
+
+    def __init__(self, accumulators: int):
+        self.accumulators = accumulators  # accumulator tiles per block: 4, or 2 with half chunks
+
+    def product(self, block, C, x, y, red, a, b):
+        if a[0] != "row" or b[0] != "word":
+            raise ValueError(f"{block}: AMX products take rows times pair words, got {a[0]} times {b[0]}")
+        (_, rows), (_, cols), (_, red_extent) = x, y, red
+        mt = 2 if rows % (2 * AMX_TILE) == 0 else 1
+        nt = 2 if cols % (2 * AMX_TILE) == 0 and mt * 2 <= self.accumulators else 1
+        helper = amx_helper_name(mt, nt, red_extent)
+        with T.grid(rows // (AMX_TILE * mt), cols // (AMX_TILE * nt)) as (xo, yo):
+            with T.sblock(block):
+                vxo, vyo = T.axis.remap("SS", [xo, yo])
+                x0, y0 = vxo * (AMX_TILE * mt), vyo * (AMX_TILE * nt)
+                T.reads()
+                T.writes(C[x0:x0 + AMX_TILE * mt, y0:y0 + AMX_TILE * nt])
+                T.sblock_attr({HELPER_ATTR: helper})  # the schedule imports its IR
+                a_at, b_at = a[1](x0, y0, 0), b[1](x0, y0, 0)
+                T.evaluate(T.call_extern("void", helper, T.address_of(C[x0, y0]), _row_bytes(C[x0, y0], C[x0 + 1, y0]),
+                                         T.address_of(a_at), _row_bytes(a_at, a[1](x0 + 1, y0, 0)),
+                                         T.address_of(b_at), _row_bytes(b_at, b[1](x0, y0, 1))))
+
+
+_BYTES = {U16: 2, U32: 4, F32: 4}
+
+
+def _row_bytes(load, next_row):
+    """The distance in bytes between two elements of a buffer (loads of it), as an int64."""
+    def offset(ld):
+        flat, stride = tirx.const(0, "int64"), tirx.const(1, "int64")
+        for index, extent in reversed(list(zip(ld.indices, ld.source.shape))):
+            flat, stride = flat + i64(index) * stride, stride * i64(extent)
+        return flat
+
+    elements = Analyzer().simplify(offset(next_row) - offset(load))
+    return elements * tirx.const(_BYTES[str(load.source.dtype)], "int64")
+
+
 def operand_format(spec: AttentionSpec, cfg: CPUKernelConfig):
     """The operand format of a kernel's products (``config.products``)."""
-    if cfg.products != BF16_DOT:
+    if cfg.products not in (BF16_DOT, AMX):
         return Fp32Fma
-    if spec.dtype != BF16 or spec.head_dim % 8:
-        raise ValueError(f"bf16_dot products need bfloat16 inputs, got {spec.dtype} (head dim {spec.head_dim})")
-    return Bf16Dot
+    if spec.dtype != BF16 or spec.head_dim % (AMX_TILE if cfg.products == AMX else 8):
+        raise ValueError(f"{cfg.products} products need bfloat16 inputs and a head dim that is a multiple of "
+                         f"{AMX_TILE if cfg.products == AMX else 8}, got {spec.dtype} (head dim {spec.head_dim})")
+    if cfg.products == BF16_DOT:
+        return Bf16Dot
+    half_chunks = any(extent % (2 * AMX_TILE) for extent in (spec.head_dim, cfg.block_q, cfg.block_k))
+    return AmxTiles(accumulators=2 if half_chunks else 4)
 
 
 def _exponent_scale(spec: AttentionSpec, softmax_scale):
@@ -411,9 +501,14 @@ def fwd_pack_p(k, PTw, PT):
 
 def fwd_pv(k, PVT, Vp, PTw, hk, krow):
     with stage("pv_tile"):
-        k.fmt.product("pv", PVT, ("d", k.D), ("i", k.Br), ("j", k.Bc),
-                      ("word", lambda d, i, w: Vp[hk, k.fmt.words_of(krow) + w, d]),
-                      ("word", lambda d, i, w: PTw[w, i]))
+        if k.fmt.transposed:  # V^T as rows of this key tile
+            k.fmt.product("pv", PVT, ("d", k.D), ("i", k.Br), ("j", k.Bc),
+                          ("row", lambda d, i, w: Vp[hk, krow // k.Bc * k.D + d, w]),
+                          ("word", lambda d, i, w: PTw[w, i]))
+        else:
+            k.fmt.product("pv", PVT, ("d", k.D), ("i", k.Br), ("j", k.Bc),
+                          ("word", lambda d, i, w: Vp[hk, k.fmt.words_of(krow) + w, d]),
+                          ("word", lambda d, i, w: PTw[w, i]))
 
 
 def fwd_accumulate(k, OT, PVT, PT, m, m_next, l, l_tile, alpha):
@@ -477,9 +572,11 @@ def fused_forward(spec: AttentionSpec, cfg: CPUKernelConfig) -> tirx.PrimFunc:
         O = io_buffer(o_h, (Bq, Nq, H, D), out_dtype, "so")
         LSE = T.match_buffer(lse_h, (Bq, H, Nq), F32, align=4)
         ctx.declare(window_left, window_right)
-        # K (rows) and V (pairs of rows with bf16 products), zero-padded to whole key tiles
+        # K (rows) and V (pairs of rows with bf16 products, V^T rows per key tile on AMX),
+        # zero-padded to whole key tiles
         Kp = T.alloc_buffer((Hk, ctx.key_tiles_total() * Bc, D), fmt.rows)
-        Vp = T.alloc_buffer((Hk, ctx.key_tiles_total() * (Bc // fmt.pair), D), fmt.words)
+        Vp = T.alloc_buffer((Hk, ctx.key_tiles_total() * D, Bc), fmt.rows) if fmt.transposed else T.alloc_buffer(
+            (Hk, ctx.key_tiles_total() * (Bc // fmt.pair), D), fmt.words)
         for hk, t in T.grid(Hk, ctx.key_tiles_total()):
             with T.sblock("pack_kv_tile"):
                 vhk, vt = T.axis.remap("SS", [hk, t])
@@ -632,15 +729,19 @@ def bwd_pack_p(k, Pw, P):
 
 
 def bwd_accumulate_dv(k, dVtile, dVrun, Pw, dOw, h, qrow):
-    """dV_j += P^T dO_i."""
+    """dV_j += P^T dO_i (transposed formats: dV_j^T += dO_i^T P, dO^T as rows of the query tile)."""
     with stage("dv_tile"):
-        k.fmt.product("dv", dVtile, ("j", k.Bc), ("d", k.D), ("i", k.Br), ("word", lambda j, d, w: Pw[w, j]),
-                      ("word", lambda j, d, w: dOw[h, k.fmt.words_of(qrow) + w, d]))
+        if k.fmt.transposed:
+            k.fmt.product("dv", dVtile, ("d", k.D), ("j", k.Bc), ("i", k.Br),
+                          ("row", lambda d, j, w: dOw[h, qrow // k.Br * k.D + d, w]), ("word", lambda d, j, w: Pw[w, j]))
+        else:
+            k.fmt.product("dv", dVtile, ("j", k.Bc), ("d", k.D), ("i", k.Br), ("word", lambda j, d, w: Pw[w, j]),
+                          ("word", lambda j, d, w: dOw[h, k.fmt.words_of(qrow) + w, d]))
     with stage("update_dv_tile"):
-        for j, d in T.grid(k.Bc, k.D):
+        for r, c in T.grid(*k.kv_tile):  # (key, head dim) or transposed: the sums' own layout
             with T.sblock("update_dv"):
-                vj, vd = T.axis.remap("SS", [j, d])
-                dVrun[vj, vd] = dVrun[vj, vd] + dVtile[vj, vd]
+                vr, vc = T.axis.remap("SS", [r, c])
+                dVrun[vr, vc] = dVrun[vr, vc] + dVtile[vr, vc]
 
 
 def bwd_grad_scores(k, dS, dP, P, S, VTp, dOp, row_stats, partials, softmax_scale, slot, seq, h, hk, q0, k0, qrow,
@@ -685,15 +786,19 @@ def bwd_pack_ds(k, dSw, dSb, dS):
 
 
 def bwd_accumulate_dk_dq(k, dKtile, dKrun, dQtile, dQacc, dSw, dSb, Qw, Kp, h, hk, qrow, krow):
-    """dK_j += dS^T Q_i, dQ_i += dS K_j."""
+    """dK_j += dS^T Q_i (transposed formats: dK_j^T += Q_i^T dS), dQ_i += dS K_j."""
     with stage("dk_tile"):
-        k.fmt.product("dk", dKtile, ("j", k.Bc), ("d", k.D), ("i", k.Br), ("word", lambda j, d, w: dSw[w, j]),
-                      ("word", lambda j, d, w: Qw[h, k.fmt.words_of(qrow) + w, d]))
+        if k.fmt.transposed:
+            k.fmt.product("dk", dKtile, ("d", k.D), ("j", k.Bc), ("i", k.Br),
+                          ("row", lambda d, j, w: Qw[h, qrow // k.Br * k.D + d, w]), ("word", lambda d, j, w: dSw[w, j]))
+        else:
+            k.fmt.product("dk", dKtile, ("j", k.Bc), ("d", k.D), ("i", k.Br), ("word", lambda j, d, w: dSw[w, j]),
+                          ("word", lambda j, d, w: Qw[h, k.fmt.words_of(qrow) + w, d]))
     with stage("update_dk_tile"):
-        for j, d in T.grid(k.Bc, k.D):
+        for r, c in T.grid(*k.kv_tile):
             with T.sblock("update_dk"):
-                vj, vd = T.axis.remap("SS", [j, d])
-                dKrun[vj, vd] = dKrun[vj, vd] + dKtile[vj, vd]
+                vr, vc = T.axis.remap("SS", [r, c])
+                dKrun[vr, vc] = dKrun[vr, vc] + dKtile[vr, vc]
     with stage("dq_tile"):
         k.fmt.product("dq", dQtile, ("i", k.Br), ("d", k.D), ("j", k.Bc), ("row", lambda i, d, w: dSb[i, w]),
                       ("word", lambda i, d, w: Kp[hk, k.fmt.words_of(krow) + w, d]))
@@ -706,11 +811,11 @@ def bwd_accumulate_dk_dq(k, dKtile, dKrun, dQtile, dQacc, dSw, dSb, Qw, Kp, h, h
 
 def bwd_init_dkv(k, dKrun, dVrun):
     with stage("init_dkv_tile"):
-        for j, d in T.grid(k.Bc, k.D):
+        for r, c in T.grid(*k.kv_tile):
             with T.sblock("init_dkv"):
-                vj, vd = T.axis.remap("SS", [j, d])
-                dKrun[vj, vd] = T.float32(0)
-                dVrun[vj, vd] = T.float32(0)
+                vr, vc = T.axis.remap("SS", [r, c])
+                dKrun[vr, vc] = T.float32(0)
+                dVrun[vr, vc] = T.float32(0)
 
 
 def bwd_update_dkv(k, dKacc, dVacc, dKrun, dVrun, hk, krow):
@@ -718,11 +823,13 @@ def bwd_update_dkv(k, dKacc, dVacc, dKrun, dVrun, hk, krow):
         for j, d in T.grid(k.Bc, k.D):
             with T.sblock("update_dk_acc"):
                 vj, vd = T.axis.remap("SS", [j, d])
-                dKacc[hk, krow + vj, vd] = dKacc[hk, krow + vj, vd] + dKrun[vj, vd]
+                dKacc[hk, krow + vj, vd] = dKacc[hk, krow + vj, vd] + (dKrun[vd, vj] if k.fmt.transposed
+                                                                          else dKrun[vj, vd])
         for j, d in T.grid(k.Bc, k.D):
             with T.sblock("update_dv_acc"):
                 vj, vd = T.axis.remap("SS", [j, d])
-                dVacc[hk, krow + vj, vd] = dVacc[hk, krow + vj, vd] + dVrun[vj, vd]
+                dVacc[hk, krow + vj, vd] = dVacc[hk, krow + vj, vd] + (dVrun[vd, vj] if k.fmt.transposed
+                                                                          else dVrun[vj, vd])
 
 
 def bwd_store_dq(k, dQ, dQacc, softmax_scale, q: TileRows, h, t):
@@ -780,8 +887,11 @@ def fused_backward(spec: AttentionSpec, cfg: CPUKernelConfig) -> tirx.PrimFunc:
         # the products read: fp32, or bf16 bits (U16) and pair words (U32) with bf16 products.
         Qp = T.decl_buffer((H, ctx.query_tiles_total() * Br, D), fmt.rows)
         dOp = T.decl_buffer((H, ctx.query_tiles_total() * Br, D), fmt.rows)
-        Qw = T.decl_buffer((H, ctx.query_tiles_total() * (Br // 2), D), U32) if fmt.packed else Qp
-        dOw = T.decl_buffer((H, ctx.query_tiles_total() * (Br // 2), D), U32) if fmt.packed else dOp
+        # (transposed formats: Q^T and dO^T as rows per query tile)
+        Qw = (T.decl_buffer((H, ctx.query_tiles_total() * D, Br), U16) if fmt.transposed else
+              T.decl_buffer((H, ctx.query_tiles_total() * (Br // 2), D), U32) if fmt.packed else Qp)
+        dOw = (T.decl_buffer((H, ctx.query_tiles_total() * D, Br), U16) if fmt.transposed else
+               T.decl_buffer((H, ctx.query_tiles_total() * (Br // 2), D), U32) if fmt.packed else dOp)
         # Per query row: LSE * log2(e) as fp32 hi + lo, and Delta = rowsum(dO * O).
         RowStats = T.decl_buffer((H, 3, ctx.query_tiles_total() * Br), F32)
         dQacc = T.decl_buffer((H, ctx.query_tiles_total() * Br, D), F32)
@@ -826,10 +936,10 @@ def fused_backward(spec: AttentionSpec, cfg: CPUKernelConfig) -> tirx.PrimFunc:
                     Pw = T.sblock_alloc_buffer((Br // 2, Bc), U32) if fmt.packed else P
                     dSw = T.sblock_alloc_buffer((Br // 2, Bc), U32) if fmt.packed else dS
                     dSb = T.sblock_alloc_buffer((Br, Bc), U16) if fmt.packed else dS
-                    dKtile = T.sblock_alloc_buffer((Bc, D), F32)  # one query tile's share
-                    dVtile = T.sblock_alloc_buffer((Bc, D), F32)
-                    dKrun = T.sblock_alloc_buffer((Bc, D), F32)  # this task's share
-                    dVrun = T.sblock_alloc_buffer((Bc, D), F32)
+                    dKtile = T.sblock_alloc_buffer(k.kv_tile, F32)  # one query tile's share
+                    dVtile = T.sblock_alloc_buffer(k.kv_tile, F32)
+                    dKrun = T.sblock_alloc_buffer(k.kv_tile, F32)  # this task's share
+                    dVrun = T.sblock_alloc_buffer(k.kv_tile, F32)
                     dQtile = T.sblock_alloc_buffer((Br, D), F32)
                     row_stats = T.sblock_alloc_buffer((3, Br), F32)  # lse hi, lse lo, Delta
                     # The task's indices and the tile's state go through a small buffer, not let
