@@ -178,7 +178,8 @@ def schedule_forward(sch: s_tir.Schedule, cfg: CPUKernelConfig, knobs=None) -> s
     _parallel(sch, "pack_kv_tile", 2)
     for name in PRODUCTS["forward"] if products != AMX else ():
         register_tile(sch, "forward", name, knobs, lanes, bf16_pairs=products == BF16_DOT)
-    for name in (*PACKS["forward", products], "load_q", "init_o", "init_stats", "rescale", "probs", "store_o"):
+    for name in (*PACKS["forward", products], "load_q", "init_o", "init_stats", "settle_max", "rescale", "probs",
+                 "store_o"):
         _vectorize_elementwise(sch, name, lanes)
     for name in ("row_max", "row_sum"):
         _vectorize_row_reduction(sch, name, lanes)

@@ -1,7 +1,8 @@
 """AMX micro-kernels: the matrix products of ``products="amx"`` (Intel AMX-BF16, ``tdpbf16ps``).
 
-One helper computes a block of ``mt x nt`` fp32 tiles (16 x 16 each) of ``C = A . B`` over a
-whole reduction of ``red`` bf16 elements, with the accumulators in tile registers throughout:
+One helper computes a block of ``mt x nt`` fp32 tiles (16 x 16 each) of ``C = A . B`` (or
+``C += A . B``: the ``_acc`` helpers load C first) over a whole reduction of ``red`` bf16
+elements, with the accumulators in tile registers throughout:
 
     C[16 mt, 16 nt] = sum over chunks c of A[16 mt, 32 c : 32 c + 32] . B[16 c : 16 c + 16, 16 nt]
 
@@ -31,14 +32,15 @@ from tvm import s_tir
 TILE = 16  # rows of a tile; fp32 columns of an accumulator tile
 CHUNK = 32  # bf16 elements of the reduction per tdpbf16ps (64 bytes: a full tile row)
 HELPER_ATTR = "tvmflash_amx_helper"  # the annotation naming a product block's helper
-_NAME = re.compile(r"tvmflash_amx_(\d)x(\d)_k(\d+)")
+_NAME = re.compile(r"tvmflash_amx_(\d)x(\d)_k(\d+)(_acc)?")
 
 
-def helper_name(mt: int, nt: int, red: int) -> str:
-    """The helper for ``mt x nt`` accumulator tiles over a reduction of ``red`` bf16 elements."""
+def helper_name(mt: int, nt: int, red: int, accumulate: bool = False) -> str:
+    """The helper for ``mt x nt`` accumulator tiles over a reduction of ``red`` bf16 elements:
+    ``C = A . B``, or ``C += A . B`` (``accumulate``: C's tiles loaded first)."""
     if mt not in (1, 2) or nt not in (1, 2) or red <= 0 or red % TILE:
         raise ValueError(f"no AMX helper for {mt} x {nt} tiles over {red} elements (1 or 2 tiles, a multiple of 16)")
-    return f"tvmflash_amx_{mt}x{nt}_k{red}"
+    return f"tvmflash_amx_{mt}x{nt}_k{red}{'_acc' if accumulate else ''}"
 
 
 def _chunks(red: int) -> list[int]:
@@ -48,7 +50,8 @@ def _chunks(red: int) -> list[int]:
 
 def helper_ir(name: str) -> str:
     """The LLVM IR of a helper, from its name (``helper_name``)."""
-    mt, nt, red = (int(g) for g in _NAME.fullmatch(name).groups())
+    mt, nt, red, accumulate = _NAME.fullmatch(name).groups()
+    mt, nt, red = int(mt), int(nt), int(red)
     lines = [f"define void @{name}(ptr %c, i64 %ldc, ptr %a, i64 %lda, ptr %b, i64 %ldb) {{"]
 
     def pointer(var, base, offset_expr):
@@ -59,7 +62,13 @@ def helper_ir(name: str) -> str:
     for m in range(mt):
         for n in range(nt):
             acc[m, n] = f"%acc.{m}.{n}.z"
-            lines.append(f"  {acc[m, n]} = call x86_amx @llvm.x86.tilezero.internal(i16 16, i16 64)")
+            if accumulate:
+                pointer(f"c0.{m}.{n}", "%c", f"mul i64 %ldc, {TILE * m}")
+                lines.append(f"  %c0.{m}.{n}.n = getelementptr i8, ptr %c0.{m}.{n}, i64 {64 * n}")
+                lines.append(f"  {acc[m, n]} = call x86_amx @llvm.x86.tileloadd64.internal(i16 16, i16 64, "
+                             f"ptr %c0.{m}.{n}.n, i64 %ldc)")
+            else:
+                lines.append(f"  {acc[m, n]} = call x86_amx @llvm.x86.tilezero.internal(i16 16, i16 64)")
     offset = 0  # bytes into each A row
     for c, k_bytes in enumerate(_chunks(red)):
         for m in range(mt):

@@ -20,12 +20,13 @@ seq_table, q_tile_seq, k_tile_seq, *mod_inputs, [tile_state, kv_range])``::
           [scores]       ST = K_tile . QT                     raw dot products
           [score_mod]    ST = score_mods(ST * scale, ...)     if the spec has any
           [mask]         ST = -inf where masked               only on partly masked tiles
-          [row_max]      m_next = max(m, max_j ST * c)        log2 units: c = scale * log2(e),
-          [rescale]      alpha = 2^(m - m_next)                 or log2(e) after score mods
+          [row_max]      m_tile = max(m, max_j ST)            of raw scores
+          [settle_max]   m_next = m if (m_tile - m) c <= 8 else m_tile   log2 units: c = scale * log2(e),
+          [rescale]      alpha = 2^((m - m_next) c)             or log2(e) after score mods
           [probs]        PT = 2^(ST * c - m_next)             0 where ST = -inf
           [pack_p]       PTw = PT rounded to bf16             bf16 products only
           [pv]           PVT = V_tile^T . PTw
-          [update_o]     OT = OT * alpha + PVT
+          [update_o]     OT = OT * alpha + PVT      (AMX: [rescale_o] OT *= alpha, [pv] OT += V_tile^T . PTw)
           [row_sum]      l_tile = sum_j PT
           [update_stats] m = m_next, l = l * alpha + l_tile
         [store_o]   out = OT / l (cast once)     [store_lse]  lse = (m + log2 l) ln 2 (float64, once)
@@ -123,6 +124,7 @@ from ..spec import AttentionSpec
 from .common import EMPTY, F32, I64, PARTIAL, CPUContext, TileRows, ceildiv, cyclic_count, i64, io_buffer, stage
 
 BF16 = "bfloat16"
+LAZY_MAX_LOG2 = 8.0  # the forward's running max lags the true one by at most this (log2 units)
 U16, U32 = "uint16", "uint32"  # bf16 bits and pair words (pair_words.py)
 
 
@@ -237,9 +239,11 @@ def amx_pack_kv(k, Kp, Vp, K, V, kv: TileRows, hk, t):
         with T.sblock("pack_k"):  # K's bits, zero-padded
             vj, vd = T.axis.remap("SS", [j, d])
             Kp[hk, t * k.Bc + vj, vd] = kv.load(K, vj, hk, vd, bf16_bits, T.uint16(0))
-    for d, j in T.grid(k.D, k.Bc):
-        with T.sblock("pack_v"):  # V^T's bits: rows of the key tile's values of one head dim
-            vd, vj = T.axis.remap("SS", [d, j])
+    for j, d in T.grid(k.Bc, k.D):
+        # V^T's bits: rows of the key tile's values of one head dim (read along V's rows: a
+        # gather along its keys was scalar loads with the row arithmetic redone per element)
+        with T.sblock("pack_v"):
+            vj, vd = T.axis.remap("SS", [j, d])
             Vp[hk, t * k.D + vd, vj] = kv.load(V, vj, hk, vd, bf16_bits, T.uint16(0))
 
 
@@ -265,6 +269,7 @@ class Fp32Fma:
     rows = words = F32  # operand dtypes: rows (reduction along a row), words (pairs of rows)
     packed = False  # whether P and dS are packed (rounded) as product inputs
     transposed = False  # AMX: V, Q, dO also as transposed rows, dK and dV tiles transposed
+    accumulates = False  # AMX: products add into the running O, dK, dV sums (no fresh partials)
     pack_kv, pack_q_do, pack_k_v = (staticmethod(f) for f in (fp32_pack_kv, fp32_pack_q_do, fp32_pack_k_v))
 
     @staticmethod
@@ -281,7 +286,8 @@ class Fp32Fma:
     def product(block, C, x, y, red, a, b):
         """``C[x, y] = sum over red of a * b`` (a reduction block named ``block``): x, y, red are
         (loop name, extent); a and b are (kind, load(vx, vy, word)) operands: "row" operands hold
-        the reduction along a row, "word" operands in pairs of rows (the same for fp32)."""
+        the reduction along a row, "word" operands in pairs of rows (the same for fp32). Formats
+        that ``accumulate`` also take ``accumulate=True``: ``C[x, y] += ...``."""
         frame, names = _loops(x, y, red)
         with frame as loops:
             for name, loop in zip(names, loops):
@@ -305,6 +311,7 @@ class Bf16Dot:
     rows, words = U16, U32
     packed = True
     transposed = False
+    accumulates = False
     pack_kv, pack_q_do, pack_k_v = (staticmethod(f) for f in (bf16_pack_kv, bf16_pack_q_do, bf16_pack_k_v))
 
     @staticmethod
@@ -353,24 +360,27 @@ class AmxTiles(Bf16Dot):
     16-row tiles) ends on a half chunk, whose A and B tiles have shapes of their own; such kernels
     use blocks of 2 tiles (5 full-shape registers, 3 of the half shapes), else LLVM runs out."""
 
-    transposed = True
+    transposed = accumulates = True
     pack_kv, pack_q_do = staticmethod(amx_pack_kv), staticmethod(amx_pack_q_do)
 
     def __init__(self, accumulators: int):
         self.accumulators = accumulators  # accumulator tiles per block: 4, or 2 with half chunks
 
-    def product(self, block, C, x, y, red, a, b):
+    def product(self, block, C, x, y, red, a, b, accumulate: bool = False):
         if a[0] != "row" or b[0] != "word":
             raise ValueError(f"{block}: AMX products take rows times pair words, got {a[0]} times {b[0]}")
         (_, rows), (_, cols), (_, red_extent) = x, y, red
         mt = 2 if rows % (2 * AMX_TILE) == 0 else 1
         nt = 2 if cols % (2 * AMX_TILE) == 0 and mt * 2 <= self.accumulators else 1
-        helper = amx_helper_name(mt, nt, red_extent)
+        helper = amx_helper_name(mt, nt, red_extent, accumulate)
         with T.grid(rows // (AMX_TILE * mt), cols // (AMX_TILE * nt)) as (xo, yo):
             with T.sblock(block):
                 vxo, vyo = T.axis.remap("SS", [xo, yo])
                 x0, y0 = vxo * (AMX_TILE * mt), vyo * (AMX_TILE * nt)
-                T.reads()
+                if accumulate:
+                    T.reads(C[x0:x0 + AMX_TILE * mt, y0:y0 + AMX_TILE * nt])
+                else:
+                    T.reads()
                 T.writes(C[x0:x0 + AMX_TILE * mt, y0:y0 + AMX_TILE * nt])
                 T.sblock_attr({HELPER_ATTR: helper})  # the schedule imports its IR
                 a_at, b_at = a[1](x0, y0, 0), b[1](x0, y0, 0)
@@ -469,14 +479,22 @@ def fwd_mask(k, ST, seq, h, q0, k0):
                                           ST[vj, vi], T.float32(NEG_INF))
 
 
-def fwd_online_softmax(k, ST, PT, m, m_next, alpha, c_hi, c_lo):
+def fwd_online_softmax(k, ST, PT, m, m_tile, m_next, alpha, c_hi, c_lo):
     with stage("row_max_tile"):
         for j, i in T.grid(k.Bc, k.Br):
             with T.sblock("row_max"):
                 vj, vi = T.axis.remap("RS", [j, i])
                 with T.init():
-                    m_next[vi] = m[vi]
-                m_next[vi] = T.max(m_next[vi], ST[vj, vi])  # of raw scores (c > 0)
+                    m_tile[vi] = m[vi]
+                m_tile[vi] = T.max(m_tile[vi], ST[vj, vi])  # of raw scores (c > 0)
+    with stage("settle_max_tile"):
+        for i in T.serial(k.Br):
+            with T.sblock("settle_max"):
+                vi = T.axis.remap("S", [i])
+                # The max moves only when it grows by more than LAZY_MAX_LOG2 (P then stays <= 2^8,
+                # exact enough in fp32 and bf16): O and l are rescaled on few key tiles, not on every
+                # tile where some row's max grew a little (most of them, for 64 rows).
+                m_next[vi] = T.Select((m_tile[vi] - m[vi]) * c_hi <= T.float32(LAZY_MAX_LOG2), m[vi], m_tile[vi])
     with stage("rescale_tile"):
         for i in T.serial(k.Br):
             with T.sblock("rescale"):
@@ -501,17 +519,17 @@ def fwd_pack_p(k, PTw, PT):
 
 def fwd_pv(k, PVT, Vp, PTw, hk, krow):
     with stage("pv_tile"):
-        if k.fmt.transposed:  # V^T as rows of this key tile
+        if k.fmt.transposed:  # V^T as rows of this key tile; added into O^T (PVT is OT)
             k.fmt.product("pv", PVT, ("d", k.D), ("i", k.Br), ("j", k.Bc),
                           ("row", lambda d, i, w: Vp[hk, krow // k.Bc * k.D + d, w]),
-                          ("word", lambda d, i, w: PTw[w, i]))
+                          ("word", lambda d, i, w: PTw[w, i]), accumulate=True)
         else:
             k.fmt.product("pv", PVT, ("d", k.D), ("i", k.Br), ("j", k.Bc),
                           ("word", lambda d, i, w: Vp[hk, k.fmt.words_of(krow) + w, d]),
                           ("word", lambda d, i, w: PTw[w, i]))
 
 
-def fwd_accumulate(k, OT, PVT, PT, m, m_next, l, l_tile, alpha):
+def fwd_update_o(k, OT, PVT, alpha):
     with stage("update_o_tile"):
         for d in T.serial(k.D):
             # vectorized here (an in-place block, as in mask): with 16-row tiles LLVM unrolled
@@ -520,6 +538,23 @@ def fwd_accumulate(k, OT, PVT, PT, m, m_next, l, l_tile, alpha):
                 with T.sblock("update_o"):
                     vd, vi = T.axis.remap("SS", [d, i])
                     OT[vd, vi] = OT[vd, vi] * alpha[vi] + PVT[vd, vi]
+
+
+def fwd_rescale_o(k, OT, alpha, state):
+    """O^T *= alpha where some row's max moved (once the maxima settle, most key tiles move none)."""
+    with stage("rescale_o_tile"):
+        state[3] = T.int64(0)
+        for i in T.serial(k.Br):
+            state[3] = T.max(state[3], T.Cast(I64, alpha[i] != T.float32(1)))
+        if state[3] != 0:
+            for d in T.serial(k.D):
+                for i in T.vectorized(k.Br):  # (in place, as update_o)
+                    with T.sblock("rescale_o"):
+                        vd, vi = T.axis.remap("SS", [d, i])
+                        OT[vd, vi] = OT[vd, vi] * alpha[vi]
+
+
+def fwd_accumulate(k, PT, m, m_next, l, l_tile, alpha):
     with stage("row_sum_tile"):
         for j, i in T.grid(k.Bc, k.Br):
             with T.sblock("row_sum"):
@@ -552,9 +587,9 @@ def fused_forward(spec: AttentionSpec, cfg: CPUKernelConfig) -> tirx.PrimFunc:
     k = Kernel(spec, cfg, backward=False)
     D, Br, Bc, fmt, ctx = k.D, k.Br, k.Bc, k.fmt, k.ctx
     dtype, out_dtype, has_mods = spec.dtype, spec.out_dtype, k.has_mods
-    pack_kv, load_q, init_tile, scores, score_mod, mask, online_softmax, pack_p, pv, accumulate, store = k.macros(
-        fmt.pack_kv, fwd_load_q, fwd_init, fwd_scores, fwd_score_mod, fwd_mask, fwd_online_softmax, fwd_pack_p, fwd_pv,
-        fwd_accumulate, fwd_store)
+    (pack_kv, load_q, init_tile, scores, score_mod, mask, online_softmax, pack_p, pv, update_o, rescale_o, accumulate,
+     store) = k.macros(fmt.pack_kv, fwd_load_q, fwd_init, fwd_scores, fwd_score_mod, fwd_mask, fwd_online_softmax,
+                       fwd_pack_p, fwd_pv, fwd_update_o, fwd_rescale_o, fwd_accumulate, fwd_store)
 
     @T.prim_func(s_tir=True)
     def flash_fwd(q_h: T.handle, k_h: T.handle, v_h: T.handle, o_h: T.handle, lse_h: T.handle,
@@ -593,16 +628,17 @@ def fused_forward(spec: AttentionSpec, cfg: CPUKernelConfig) -> tirx.PrimFunc:
                 PT = T.sblock_alloc_buffer((Bc, Br), F32)  # unnormalized probabilities
                 PTw = T.sblock_alloc_buffer((Bc // 2, Br), U32) if fmt.packed else PT  # P as the input of PV
                 OT = T.sblock_alloc_buffer((D, Br), F32)  # output accumulator
-                PVT = T.sblock_alloc_buffer((D, Br), F32)  # this key tile's P V
+                PVT = OT if fmt.accumulates else T.sblock_alloc_buffer((D, Br), F32)  # this key tile's P V
                 m = T.sblock_alloc_buffer((Br,), F32)  # running row max (log2 units)
                 m_next = T.sblock_alloc_buffer((Br,), F32)
+                m_tile = T.sblock_alloc_buffer((Br,), F32)  # the max including this key tile's scores
                 l = T.sblock_alloc_buffer((Br,), F32)  # running denominator
                 l_tile = T.sblock_alloc_buffer((Br,), F32)
                 alpha = T.sblock_alloc_buffer((Br,), F32)  # 2^(m - m_next)
                 # The task's indices, the key-tile range and the tile's state go through small
                 # buffers, not let bindings: TVM's simplifier carries let values into every region
                 # analysis below, and compiling took minutes (DEVELOPING.md).
-                state = T.sblock_alloc_buffer((3,), I64)  # tile state, first and end key tile
+                state = T.sblock_alloc_buffer((4,), I64)  # tile state, first and end key tile, any max moved
                 at = T.sblock_alloc_buffer((3,), I64)  # query head, query tile, sequence
                 # Task order: query tiles last to first (a sequence's last tiles see the most keys
                 # when causal), the heads of one tile next to each other: dealt out cyclically,
@@ -632,12 +668,17 @@ def fused_forward(spec: AttentionSpec, cfg: CPUKernelConfig) -> tirx.PrimFunc:
                                 score_mod(ST, T.Cast(F32, softmax_scale), seq, h, q0, k0)
                             if state[0] == PARTIAL:
                                 mask(ST, seq, h, q0, k0)
-                            online_softmax(ST, PT, m, m_next, alpha, exponent_constant(spec, softmax_scale)[0],
+                            online_softmax(ST, PT, m, m_tile, m_next, alpha, exponent_constant(spec, softmax_scale)[0],
                                            exponent_constant(spec, softmax_scale)[1])
                             if fmt.packed:
                                 pack_p(PTw, PT)
-                            pv(PVT, Vp, PTw, hk, krow)
-                            accumulate(OT, PVT, PT, m, m_next, l, l_tile, alpha)
+                            if fmt.accumulates:  # O^T *= alpha, then O^T += V^T P^T in the products
+                                rescale_o(OT, alpha, state)
+                                pv(OT, Vp, PTw, hk, krow)
+                            else:  # PVT = V^T P^T, O^T = O^T * alpha + PVT
+                                pv(PVT, Vp, PTw, hk, krow)
+                                update_o(OT, PVT, alpha)
+                            accumulate(PT, m, m_next, l, l_tile, alpha)
                     store(O, LSE, OT, m, l, _exponent_scale(spec, softmax_scale), q, h)
 
     return flash_fwd
@@ -731,17 +772,19 @@ def bwd_pack_p(k, Pw, P):
 def bwd_accumulate_dv(k, dVtile, dVrun, Pw, dOw, h, qrow):
     """dV_j += P^T dO_i (transposed formats: dV_j^T += dO_i^T P, dO^T as rows of the query tile)."""
     with stage("dv_tile"):
-        if k.fmt.transposed:
-            k.fmt.product("dv", dVtile, ("d", k.D), ("j", k.Bc), ("i", k.Br),
-                          ("row", lambda d, j, w: dOw[h, qrow // k.Br * k.D + d, w]), ("word", lambda d, j, w: Pw[w, j]))
+        if k.fmt.transposed:  # added into the task's dV^T sums directly
+            k.fmt.product("dv", dVrun, ("d", k.D), ("j", k.Bc), ("i", k.Br),
+                          ("row", lambda d, j, w: dOw[h, qrow // k.Br * k.D + d, w]), ("word", lambda d, j, w: Pw[w, j]),
+                          accumulate=True)
         else:
             k.fmt.product("dv", dVtile, ("j", k.Bc), ("d", k.D), ("i", k.Br), ("word", lambda j, d, w: Pw[w, j]),
                           ("word", lambda j, d, w: dOw[h, k.fmt.words_of(qrow) + w, d]))
-    with stage("update_dv_tile"):
-        for r, c in T.grid(*k.kv_tile):  # (key, head dim) or transposed: the sums' own layout
-            with T.sblock("update_dv"):
-                vr, vc = T.axis.remap("SS", [r, c])
-                dVrun[vr, vc] = dVrun[vr, vc] + dVtile[vr, vc]
+    if not k.fmt.accumulates:
+        with stage("update_dv_tile"):
+            for j, d in T.grid(k.Bc, k.D):
+                with T.sblock("update_dv"):
+                    vj, vd = T.axis.remap("SS", [j, d])
+                    dVrun[vj, vd] = dVrun[vj, vd] + dVtile[vj, vd]
 
 
 def bwd_grad_scores(k, dS, dP, P, S, VTp, dOp, row_stats, partials, softmax_scale, slot, seq, h, hk, q0, k0, qrow,
@@ -788,17 +831,19 @@ def bwd_pack_ds(k, dSw, dSb, dS):
 def bwd_accumulate_dk_dq(k, dKtile, dKrun, dQtile, dQacc, dSw, dSb, Qw, Kp, h, hk, qrow, krow):
     """dK_j += dS^T Q_i (transposed formats: dK_j^T += Q_i^T dS), dQ_i += dS K_j."""
     with stage("dk_tile"):
-        if k.fmt.transposed:
-            k.fmt.product("dk", dKtile, ("d", k.D), ("j", k.Bc), ("i", k.Br),
-                          ("row", lambda d, j, w: Qw[h, qrow // k.Br * k.D + d, w]), ("word", lambda d, j, w: dSw[w, j]))
+        if k.fmt.transposed:  # added into the task's dK^T sums directly
+            k.fmt.product("dk", dKrun, ("d", k.D), ("j", k.Bc), ("i", k.Br),
+                          ("row", lambda d, j, w: Qw[h, qrow // k.Br * k.D + d, w]), ("word", lambda d, j, w: dSw[w, j]),
+                          accumulate=True)
         else:
             k.fmt.product("dk", dKtile, ("j", k.Bc), ("d", k.D), ("i", k.Br), ("word", lambda j, d, w: dSw[w, j]),
                           ("word", lambda j, d, w: Qw[h, k.fmt.words_of(qrow) + w, d]))
-    with stage("update_dk_tile"):
-        for r, c in T.grid(*k.kv_tile):
-            with T.sblock("update_dk"):
-                vr, vc = T.axis.remap("SS", [r, c])
-                dKrun[vr, vc] = dKrun[vr, vc] + dKtile[vr, vc]
+    if not k.fmt.accumulates:
+        with stage("update_dk_tile"):
+            for j, d in T.grid(k.Bc, k.D):
+                with T.sblock("update_dk"):
+                    vj, vd = T.axis.remap("SS", [j, d])
+                    dKrun[vj, vd] = dKrun[vj, vd] + dKtile[vj, vd]
     with stage("dq_tile"):
         k.fmt.product("dq", dQtile, ("i", k.Br), ("d", k.D), ("j", k.Bc), ("row", lambda i, d, w: dSb[i, w]),
                       ("word", lambda i, d, w: Kp[hk, k.fmt.words_of(krow) + w, d]))
@@ -936,10 +981,11 @@ def fused_backward(spec: AttentionSpec, cfg: CPUKernelConfig) -> tirx.PrimFunc:
                     Pw = T.sblock_alloc_buffer((Br // 2, Bc), U32) if fmt.packed else P
                     dSw = T.sblock_alloc_buffer((Br // 2, Bc), U32) if fmt.packed else dS
                     dSb = T.sblock_alloc_buffer((Br, Bc), U16) if fmt.packed else dS
-                    dKtile = T.sblock_alloc_buffer(k.kv_tile, F32)  # one query tile's share
-                    dVtile = T.sblock_alloc_buffer(k.kv_tile, F32)
                     dKrun = T.sblock_alloc_buffer(k.kv_tile, F32)  # this task's share
                     dVrun = T.sblock_alloc_buffer(k.kv_tile, F32)
+                    # one query tile's share (formats that accumulate add into the task's directly)
+                    dKtile = dKrun if fmt.accumulates else T.sblock_alloc_buffer((Bc, D), F32)
+                    dVtile = dVrun if fmt.accumulates else T.sblock_alloc_buffer((Bc, D), F32)
                     dQtile = T.sblock_alloc_buffer((Br, D), F32)
                     row_stats = T.sblock_alloc_buffer((3, Br), F32)  # lse hi, lse lo, Delta
                     # The task's indices and the tile's state go through a small buffer, not let
