@@ -1,5 +1,6 @@
 /* bf16_peak.c -- register-only throughput of vdpbf16ps (AVX512-BF16) and vfmadd231ps (AVX-512),
- * zmm, the peaks that benchmarks/bf16.py compares the kernels with. Compiled and run by it:
+ * zmm, and of AMX's tdpbf16ps where the CPU has AMX-BF16 and Linux grants the tiles: the peaks
+ * that benchmarks/bf16.py compares the kernels with. Compiled and run by it:
  *
  *     gcc -O2 -fopenmp bf16_peak.c -o bf16_peak && ./bf16_peak THREADS ROUNDS
  *
@@ -11,7 +12,8 @@
  *   cpu:  FLOPs / CPU time, summed over the threads' own CPU clocks, x THREADS: the rate the
  *         threads reach while they are on a core (other jobs on a shared machine take cores
  *         away from a parallel region, which the wall rate then counts as lost).
- * Output lines: "<instruction> wall <GF/s> cpu <GF/s>". Exit code 2: no AVX512-BF16 here.
+ * Output lines: "<instruction> wall <GF/s> cpu <GF/s>" (tdpbf16ps: 16,384 FLOP, ITERS / 64
+ * iterations). Exit code 2: no AVX512-BF16 here.
  */
 #include <omp.h>
 #include <stdio.h>
@@ -40,17 +42,17 @@ static double median(double *v, int n) {
 }
 
 /* one parallel run: (wall GF/s, cpu GF/s) */
-static void measure(void (*loop)(long), double flop_per_iter, int threads, double *wall, double *cpu) {
+static void measure(void (*loop)(long), double flop_per_iter, long iters, int threads, double *wall, double *cpu) {
     double cpu_sum = 0.0;
     double start = seconds(CLOCK_MONOTONIC);
 #pragma omp parallel num_threads(threads) reduction(+ : cpu_sum)
     {
         double t0 = seconds(CLOCK_THREAD_CPUTIME_ID);
-        loop(ITERS);
+        loop(iters);
         cpu_sum += seconds(CLOCK_THREAD_CPUTIME_ID) - t0;
     }
     double elapsed = seconds(CLOCK_MONOTONIC) - start;
-    double flops = flop_per_iter * 16 * ITERS * threads;
+    double flops = flop_per_iter * 16 * iters * threads;
     *wall = flops / elapsed / 1e9;
     *cpu = flops / (cpu_sum / threads) / 1e9;
 }
@@ -61,13 +63,16 @@ int main(int argc, char **argv) {
     if (rounds < 1 || rounds > ROUNDS_MAX || threads < 1) return 1;
     __builtin_cpu_init();
     if (!__builtin_cpu_supports("avx512f") || !__builtin_cpu_supports("avx512bf16")) return 2;
-    double dw[ROUNDS_MAX], dc[ROUNDS_MAX], fw[ROUNDS_MAX], fc[ROUNDS_MAX];
+    int amx = __builtin_cpu_supports("amx-tile") && __builtin_cpu_supports("amx-bf16") && amx_permitted();
+    double dw[ROUNDS_MAX], dc[ROUNDS_MAX], fw[ROUNDS_MAX], fc[ROUNDS_MAX], tw[ROUNDS_MAX], tc[ROUNDS_MAX];
     loop_dpbf16(ITERS / 10); /* warm up (clocks) */
     for (int r = 0; r < rounds; r++) {
-        measure(loop_dpbf16, 64.0, threads, &dw[r], &dc[r]);
-        measure(loop_fma, 32.0, threads, &fw[r], &fc[r]);
+        measure(loop_dpbf16, 64.0, ITERS, threads, &dw[r], &dc[r]);
+        measure(loop_fma, 32.0, ITERS, threads, &fw[r], &fc[r]);
+        if (amx) measure(loop_tdpbf16, 16384.0, ITERS / 64, threads, &tw[r], &tc[r]);
     }
     printf("vdpbf16ps wall %.1f cpu %.1f\n", median(dw, rounds), median(dc, rounds));
     printf("vfmadd231ps wall %.1f cpu %.1f\n", median(fw, rounds), median(fc, rounds));
+    if (amx) printf("tdpbf16ps wall %.1f cpu %.1f\n", median(tw, rounds), median(tc, rounds));
     return 0;
 }

@@ -32,6 +32,13 @@ def test_demo_checks_itself():
     assert "GiB, standard" in out
 
 
+def test_bf16_benchmark_quick(tmp_path):
+    md = tmp_path / "bf16.md"
+    out = _run("benchmarks/bf16.py", "--quick", "--rounds", "1", "--markdown", str(md))
+    assert "bf16 / SDPA fwd+bwd" in out and "**geomean**" in out
+    assert "| B1 N512 H4/2 D64 causal |" in md.read_text()
+
+
 def test_speed_benchmark_quick(tmp_path):
     md = tmp_path / "speed.md"
     out = _run("benchmarks/speed.py", "--quick", "--no-math", "--markdown", str(md))

@@ -2,9 +2,10 @@
 
 Linux enables AMX's tile data (XTILEDATA, 8 KB of register state) per process, on request:
 ``arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)``; a tile instruction before that faults
-(SIGILL). No kernel of tvmflash uses AMX yet (DEVELOPING.md, "Native bf16 products on CPUs");
-``target.amx_features`` tells which AMX extensions a target compiles for, and
-``request_tile_permission`` makes the request, once per process, before any AMX kernel may run.
+(SIGILL). The kernels with AMX products (``config.AMX``; DEVELOPING.md, "AMX tiles") run only
+after ``request_tile_permission`` made the request, once per process (threads and forked
+children inherit the permission); ``target.amx_features`` tells which AMX extensions a target
+compiles for.
 """
 
 from __future__ import annotations

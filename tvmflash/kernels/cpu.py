@@ -68,16 +68,19 @@ query row and key row is updated by one task per round, in an order fixed by the
 races, results bitwise independent of the thread count, and scratch memory of a few fp32 copies
 of q and k at any thread count.
 
-Products (``config.products``) are an operand-format object (``Fp32Fma``, ``Bf16Dot``): the
-dtypes of its operands (``rows``: the reduction along a row; ``words``: pairs of rows), how a
-product block reduces (``product``), its three operand packs and whether P and dS are packed; a
-third format (AMX tiles) is one more such class. With fp32 FMAs (``fp32_fma``) the operands are fp32 copies and
+Products (``config.products``) are an operand-format object (``Fp32Fma``, ``Bf16Dot``,
+``AmxTiles``): the dtypes of its operands (``rows``: the reduction along a row; ``words``: pairs
+of rows), how a product block reduces (``product``), its three operand packs, whether P and dS
+are packed, and (AMX) whether the products take transposed forms and add into the running sums.
+With fp32 FMAs (``fp32_fma``) the operands are fp32 copies and
 the packs only convert and pad; with bf16 dot products (``bf16_dot``, bf16 inputs on CPUs with
 AVX512-BF16) they stay bf16: bits of rows (uint16) where a product reads pairs along a row,
 pair words (uint32, ``pair_words.py``) where it reads pairs of rows, and every product block
 reduces over pairs ``(q, t)``, the form of the ``vdpbf16ps`` intrinsic it is tensorized into
-(``schedules/llvm_bf16.py``). P and dS are rounded to bf16 (round to nearest even) only as
-product inputs, as FlashAttention does on GPUs; their fp32 values feed the row sums and dS.
+(``schedules/llvm_bf16.py``). With AMX tiles (``amx``) each product block calls micro-kernels
+that keep whole blocks of C in tile registers (``schedules/llvm_amx.py``, ``AmxTiles``). P and
+dS are rounded to bf16 (round to nearest even) only as product inputs, as FlashAttention does on
+GPUs; their fp32 values feed the row sums and dS.
 
 All accumulators and row statistics are fp32 (rule 3). The forward keeps tiles transposed (query index innermost),
 so the row statistics are plain vector operations. Products sum one tile into a fresh partial
