@@ -14,12 +14,14 @@ The report also says whether the variant's gradients differ from the real kernel
 
 from __future__ import annotations
 
+import os
+
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from common import markdown_table, out_dir, parser, plt, reference_f64, relative_error, write_report
 from tvmflash import compiler
-from variants import compile_variant, low_precision_accumulators
+from variants import compile_variant, low_precision_accumulators, vector_products_for_experiments
 
 
 def tvmflash_grads(kernels, q, k, v, dout):
@@ -42,6 +44,8 @@ def main() -> int:
     p.add_argument("--dtypes", nargs="+", default=None, choices=["float16", "bfloat16"])
     p.add_argument("--lengths", type=int, nargs="+", default=None)
     args = p.parse_args()
+    if vector_products_for_experiments():  # (AMX keeps the sums the bf16 variant rounds in tile registers)
+        print(f"bf16 kernels on {os.environ['TVMFLASH_BF16_PRODUCTS']} products in this experiment, not AMX")
     lengths = args.lengths or ([256, 2048] if args.quick else [512, 2048, 8192, 16384])
     dtypes = args.dtypes or (["float16"] if args.quick else ["float16", "bfloat16"])
     short = {"float16": "fp16", "bfloat16": "bf16"}

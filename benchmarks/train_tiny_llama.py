@@ -42,7 +42,7 @@ import torch
 from common import markdown_table, out_dir, parser, plt, write_report
 from tvmflash import torch_op
 from tvmflash.integrations import transformers as tvm_hf
-from variants import compile_variant, low_precision_accumulators
+from variants import compile_variant, low_precision_accumulators, vector_products_for_experiments
 
 NAME = "train_tiny_llama"
 SDPA, TVMFLASH, LSE16, ACC16 = "sdpa", "tvmflash", "fp16 LSE", "bf16 accumulators"
@@ -373,6 +373,8 @@ def main() -> int:
     p.add_argument("--eval-every", type=int, default=None, help="steps between validations")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()
+    if vector_products_for_experiments():  # (AMX keeps the sums the bf16 variant rounds in tile registers)
+        print(f"bf16 kernels on {os.environ['TVMFLASH_BF16_PRODUCTS']} products in this experiment, not AMX")
     size = dict(QUICK if args.quick else FULL)
     for key in ("steps", "batch", "seq", "eval_every"):
         if getattr(args, key) is not None:

@@ -11,16 +11,20 @@ long string the printer otherwise leaves out). The real kernels carry no experim
   dP, dS, dK and dQ: the naive structure that computes P once per use;
 * ``low_precision_accumulators`` (rule 3): every running sum of dQ, dK and dV is rounded to a
   16-bit dtype after each update (bf16 by rounding the fp32 bits: TVM legalizes bf16 scratch
-  buffers to fp32 on CPUs, which would silently undo it).
+  buffers to fp32 on CPUs, which would silently undo it). AMX's products add into dK and dV
+  inside their tile registers, so there is no update to round: on CPUs whose bf16 kernels take
+  AMX the experiments call ``vector_products_for_experiments`` first.
 """
 
 from __future__ import annotations
 
+import os
 import re
 
 from tvm.script import from_source
 
-from tvmflash import compiler
+from tvmflash import compiler, product_rates, target
+from tvmflash.config import AMX, BF16_DOT
 from tvmflash.spec import AttentionSpec
 
 # The in-place running sums of the backward (kernels/cpu.py), by buffer written.
@@ -82,6 +86,18 @@ def recompute_twice(kernel: str, func):
                    for line in lines[start:end]]
     at, _ = _stage_lines(lines, "dprobs")
     return from_source("\n".join(lines[:at] + copies + lines[at:]))
+
+
+def vector_products_for_experiments() -> str | None:
+    """Where this CPU's bf16 kernels would multiply on AMX tiles, make this process's bf16 kernels
+    (shipping and variants alike) take the faster vector path instead ($TVMFLASH_BF16_PRODUCTS):
+    the rule-3 variant needs the running sums' updates, which AMX keeps in tile registers.
+    Returns the products chosen, or None where nothing changed."""
+    if product_rates.bf16_products(target.host_target(), head_dim=64) != AMX:
+        return None
+    rates = product_rates.measured_rates()
+    os.environ[product_rates.OVERRIDE_ENV] = product_rates.faster_products(rates) if rates else BF16_DOT
+    return os.environ[product_rates.OVERRIDE_ENV]
 
 
 def compile_variant(head_dim: int, dtype: str, transform, description: str):

@@ -370,7 +370,7 @@ def _check_case(index: int, case, seed: int, rank: int):
 #     the 1-ulp differences of the 16-bit out through Delta = rowsum(dO * O)), <= 0.5 in fp32.
 #     Partials rounded to 16 bits before the merge (the ring before fp32 partials, emulated)
 #     give 16 to 160 here, and exceed (a) by up to 0.56 ulp.
-#     bf16 on CPUs with AVX512-BF16 multiplies P and dS rounded to bf16 (FlashAttention's GPU
+#     bf16 on CPUs with AVX512-BF16 or AMX multiplies P and dS rounded to bf16 (FlashAttention's GPU
 #     recipe): each weight carries half a bf16 ulp of relative rounding, against the block's max
 #     in the ring and the row's in one process, so (b) allows one bf16 ulp x the magnitude more
 #     there (measured up to ~94 roundings without it); fp16 and fp32 keep the sharp check.
@@ -384,9 +384,9 @@ def _product_input_ulps(dtype) -> float:
     if dtype != torch.bfloat16:
         return 0.0
     from tvmflash import product_rates, target
-    from tvmflash.config import BF16_DOT
+    from tvmflash.config import BF16_OPERANDS
 
-    return 1.0 if product_rates.bf16_products(target.host_target()) == BF16_DOT else 0.0
+    return 1.0 if product_rates.bf16_products(target.host_target()) in BF16_OPERANDS else 0.0
 
 
 def ulp(dtype) -> float:

@@ -10,7 +10,7 @@ import pytest
 
 import tvmflash
 from tvmflash import analysis, memory, plan
-from tvmflash.config import BF16_DOT, FP32_FMA
+from tvmflash.config import AMX, BF16_DOT, FP32_FMA
 
 
 def _allocated(funcs, seqlen_q, seqlen_k, n_threads=2, heads=1, heads_k=1):
@@ -39,15 +39,16 @@ def test_standard_attention_allocates_quadratic_memory():
 @pytest.mark.parametrize("shape", [dict(batch=1, seqlen_q=16384, seqlen_k=16384, heads=8, heads_k=1),
                                    dict(batch=2, seqlen_q=1000, seqlen_k=777, heads=4, heads_k=2),
                                    dict(batch=1, seqlen_q=77, seqlen_k=130, heads=2, heads_k=2)])
-@pytest.mark.parametrize("dtype,products", [("float32", FP32_FMA), ("bfloat16", BF16_DOT)])
+@pytest.mark.parametrize("dtype,products", [("float32", FP32_FMA), ("bfloat16", BF16_DOT), ("bfloat16", AMX)])
 def test_workspace_formula_is_what_the_kernels_allocate(shape, dtype, products):
     """plan.*_workspace_bytes (what FlashKernels.workspace_bytes reports) equals TVM's own count of
     the kernels' allocations, byte for byte (per-thread buffers once: the analysis counts sites),
-    with fp32 FMAs and with bf16 dot products (2-byte operands, P and dS as pair words)."""
+    with fp32 FMAs, with bf16 dot products (2-byte operands, P and dS as pair words) and with AMX
+    tiles (transposed operands, products adding into the sums: compiled for no CPU here)."""
     seqs = plan.batched(shape["batch"], shape["seqlen_q"], shape["seqlen_k"], block_q=64, block_k=64,
                         heads_k=shape["heads_k"])
     sizes = dict(heads=shape["heads"], heads_k=shape["heads_k"], head_dim=64, block_q=64, block_k=64, threads=1,
-                 bf16_products=products == BF16_DOT)
+                 products=products)
     forward, backward = (analysis.allocated_bytes(analysis.specialize(f, n_threads=1, **shape))
                          for f in analysis.fused_kernels(dtype=dtype, products=products))
     assert forward == plan.forward_workspace_bytes(seqs, **sizes)

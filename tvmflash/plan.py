@@ -25,6 +25,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .config import AMX, BF16_OPERANDS, FP32_FMA
+
 Q_BATCH, Q_START, Q_LEN, K_BATCH, K_START, K_LEN, Q_TILE0, K_TILE0, K_SUPER0, DIAGONAL = range(10)
 TABLE_COLUMNS = 10
 # Pair tasks per backward round worth having: enough for this many threads.
@@ -126,31 +128,37 @@ F32, I64 = 4, 8
 
 
 def forward_workspace_bytes(seqs: Sequences, *, heads: int, heads_k: int, head_dim: int, block_q: int,
-                            block_k: int, threads: int, bf16_products: bool = False) -> int:
+                            block_k: int, threads: int, products: str = FP32_FMA) -> int:
     """K and V packed (zero-padded tiles), plus each thread's tile buffers. K and V take 4 bytes
-    per element as fp32 and 2 as bf16 operands (``bf16_products``: bits and pair words), which
-    also halve the query tile and add P's pair words."""
-    operand = 2 if bf16_products else F32  # bytes per element of a packed operand
+    per element as fp32 and 2 as bf16 operands (``products`` bf16_dot or amx: bits and pair
+    words), which also halve the query tile and add P's pair words; AMX's products add into O
+    (no tile of P V) and keep one more state slot (whether a max moved)."""
+    bf16, amx = products in BF16_OPERANDS, products == AMX
+    operand = 2 if bf16 else F32  # bytes per element of a packed operand
     packed = 2 * heads_k * seqs.key_tiles * block_k * head_dim * operand
-    per_thread = (2 * head_dim * block_q + 2 * block_k * block_q + 5 * block_q) * F32 + 6 * I64  # + task indices
-    per_thread += head_dim * block_q * operand + (block_k * block_q * 2 if bf16_products else 0)
+    # O (and P V), S and P, six row vectors; state and task indices
+    per_thread = ((1 if amx else 2) * head_dim * block_q + 2 * block_k * block_q + 6 * block_q) * F32
+    per_thread += (7 if amx else 6) * I64
+    per_thread += head_dim * block_q * operand + (block_k * block_q * 2 if bf16 else 0)
     return packed + threads * per_thread
 
 
 def backward_workspace_bytes(seqs: Sequences, *, heads: int, heads_k: int, head_dim: int, block_q: int,
                              block_k: int, threads: int, grad_input_elements: int = 1, score_mods: bool = False,
-                             bf16_products: bool = False) -> int:
+                             products: str = FP32_FMA) -> int:
     """Q and dO packed with their row statistics, K, K^T and V^T packed, the fp32 dQ, dK and dV
     accumulators: 3 fp32 copies of q and 5 of k at any thread count (bf16 products: Q and dO
     twice as 2-byte operands, rows and pairs of rows: still 3 of q; K, K^T, V^T as 2-byte pair
     words: 3.5 of k). Per thread: its tile buffers (bf16: plus P and dS as pair words, dS as
     bf16) and its partial gradients of captured tensors (all of them, one row)."""
+    bf16_products, amx = products in BF16_OPERANDS, products == AMX  # (AMX: no dK, dV tiles of one query tile)
     rows_q = heads * seqs.query_tiles * block_q
     rows_k = heads_k * seqs.key_tiles * block_k
     operand = 2 if bf16_products else F32
     shared = (rows_q * head_dim + 3 * rows_q + 2 * rows_k * head_dim) * F32
     shared += (4 if bf16_products else 2) * rows_q * head_dim * operand + 3 * rows_k * head_dim * operand
-    tiles = (4 + score_mods) * block_q * block_k + 4 * block_k * head_dim + block_q * head_dim + 3 * block_q
+    tiles = ((4 + score_mods) * block_q * block_k + (2 if amx else 4) * block_k * head_dim + block_q * head_dim
+             + 3 * block_q)
     per_thread = (tiles + grad_input_elements) * F32 + 6 * I64 + (3 * block_q * block_k * 2 if bf16_products else 0)
     return shared + threads * per_thread
 

@@ -23,7 +23,7 @@ import tvm
 import tvm_ffi
 
 from . import cache, checks, plan, settings, threads
-from .config import AMX, BF16_DOT, BF16_OPERANDS, config_from_json
+from .config import AMX, BF16_DOT, config_from_json
 
 CPU_FUNCTIONS = ("flash_fwd", "flash_bwd")
 CUDA_FUNCTIONS = ("flash_fwd", "flash_bwd_prep", "flash_bwd", "flash_bwd_dq")
@@ -304,7 +304,7 @@ class FlashKernels:
         cfg = self.configs[kernel]
         seqs = plan.batched(batch, seqlen_q, seqlen_k, block_q=cfg.block_q, block_k=cfg.block_k, heads_k=heads_k)
         sizes = dict(heads=heads, heads_k=heads_k, head_dim=self.head_dim, block_q=cfg.block_q, block_k=cfg.block_k,
-                     threads=threads, bf16_products=cfg.products in BF16_OPERANDS)
+                     threads=threads, products=cfg.products)
         if kernel == "forward":
             return plan.forward_workspace_bytes(seqs, **sizes)
         grad_elements = max(sum(math.prod(i[1]) for i in self._mod_inputs if i[3]), 1)
