@@ -23,7 +23,7 @@ import time
 import torch
 
 from . import analysis, bench, compiler, memory, settings, target
-from .config import BF16_DOT
+from .config import AMX, BF16_DOT
 from .reference import reference_attention
 from .torch_op import flash_attn_func, kernels_for
 
@@ -97,15 +97,15 @@ def describe_paths() -> None:
                   else f"loaded from the cache ({settings.cache_dir()})")
         cfg = kernels.configs["forward"]
         width = {8: "256-bit vectors", 16: "512-bit vectors"}.get(cfg.lanes, f"{cfg.lanes} fp32 lanes")
-        if cfg.products == BF16_DOT:
+        if cfg.products == AMX:
+            products = "AMX tiles (tdpbf16ps, fp32 accumulation)"
+        elif cfg.products == BF16_DOT:
             products = "bf16 dot products (AVX512-BF16 vdpbf16ps, fp32 accumulation)"
         elif dtype == torch.float32:
             products = "fp32 FMAs"
         else:
             products = "tiles widened to fp32, fp32 FMAs (no AVX512-BF16 dot products used)"
         print(f"  {_name(dtype)}: {products}, {width}; {origin}")
-    if "AMX" in have:
-        print("  AMX: not used by tvmflash's kernels (PyTorch's SDPA may use it for bf16, through oneDNN)")
 
 
 def _load_note() -> str:

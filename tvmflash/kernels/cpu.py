@@ -53,12 +53,12 @@ window_right, n_threads, n_rounds, super_tile, seq_table, q_tile_seq, k_tile_seq
               [mask]        X = -inf where masked
               [probs]       P = 2^(X * c - LSE)
               [pack_p]      Pw = P rounded to bf16                        bf16 products only
-              [dv] [update_dv]   dVacc_j += Pw^T . dO_i
+              [dv] [update_dv]   dVacc_j += Pw^T . dO_i      (AMX: [dv] dVacc_j^T += dO_i^T . Pw)
               [dprobs]      dP = dO_i . V_j^T
               [dscores]     dS = P (dP - Delta)   [dscores_mod]  dS *= d score_mods / d S
               [mod_grads]   captured-tensor gradients += upstream terms (into the slot's partial)
               [pack_ds]     dSw, dSb = dS rounded to bf16 (pairs of rows, rows)   bf16 products only
-              [dk] [update_dk]   dKacc_j += dSw^T . Q_i
+              [dk] [update_dk]   dKacc_j += dSw^T . Q_i      (AMX: [dk] dKacc_j^T += Q_i^T . dSw)
               [dq] [update_dq]   dQacc_i += dSb . K_j
     [store_dq]  dq = dQacc * scale    [store_dkv]  dk = dKacc * scale, dv = dVacc    (cast once)
     [sum_mod_grads]   captured-tensor gradients = the slots' partials, summed in slot order
@@ -772,22 +772,24 @@ def bwd_pack_p(k, Pw, P):
                 Pw[vq, vj] = rounded_pair_word(P[2 * vq, vj], P[2 * vq + 1, vj])
 
 
-def bwd_accumulate_dv(k, dVtile, dVrun, Pw, dOw, h, qrow):
-    """dV_j += P^T dO_i (transposed formats: dV_j^T += dO_i^T P, dO^T as rows of the query tile)."""
-    with stage("dv_tile"):
-        if k.fmt.transposed:  # added into the task's dV^T sums directly
-            k.fmt.product("dv", dVrun, ("d", k.D), ("j", k.Bc), ("i", k.Br),
-                          ("row", lambda d, j, w: dOw[h, qrow // k.Br * k.D + d, w]), ("word", lambda d, j, w: Pw[w, j]),
-                          accumulate=True)
+def bwd_key_grad(k, name, tile, run, weights, rows, h, qrow):
+    """A key tile's sums of ``weights^T rows_i`` (block ``name``): dV_j += P^T dO_i, dK_j += dS^T
+    Q_i, with P, dS as pair words. Transposed formats: run_j^T += rows_i^T weights, rows^T as rows
+    of the query tile, added into the task's sums directly (``tile`` is then ``run``)."""
+    with stage(name + "_tile"):
+        if k.fmt.transposed:
+            k.fmt.product(name, run, ("d", k.D), ("j", k.Bc), ("i", k.Br),
+                          ("row", lambda d, j, w: rows[h, qrow // k.Br * k.D + d, w]),
+                          ("word", lambda d, j, w: weights[w, j]), accumulate=True)
         else:
-            k.fmt.product("dv", dVtile, ("j", k.Bc), ("d", k.D), ("i", k.Br), ("word", lambda j, d, w: Pw[w, j]),
-                          ("word", lambda j, d, w: dOw[h, k.fmt.words_of(qrow) + w, d]))
+            k.fmt.product(name, tile, ("j", k.Bc), ("d", k.D), ("i", k.Br), ("word", lambda j, d, w: weights[w, j]),
+                          ("word", lambda j, d, w: rows[h, k.fmt.words_of(qrow) + w, d]))
     if not k.fmt.accumulates:
-        with stage("update_dv_tile"):
+        with stage("update_" + name + "_tile"):
             for j, d in T.grid(k.Bc, k.D):
-                with T.sblock("update_dv"):
+                with T.sblock("update_" + name):
                     vj, vd = T.axis.remap("SS", [j, d])
-                    dVrun[vj, vd] = dVrun[vj, vd] + dVtile[vj, vd]
+                    run[vj, vd] = run[vj, vd] + tile[vj, vd]
 
 
 def bwd_grad_scores(k, dS, dP, P, S, VTp, dOp, row_stats, partials, softmax_scale, slot, seq, h, hk, q0, k0, qrow,
@@ -831,22 +833,8 @@ def bwd_pack_ds(k, dSw, dSb, dS):
                 dSb[vi, vj] = rounded_bits(dS[vi, vj])
 
 
-def bwd_accumulate_dk_dq(k, dKtile, dKrun, dQtile, dQacc, dSw, dSb, Qw, Kp, h, hk, qrow, krow):
-    """dK_j += dS^T Q_i (transposed formats: dK_j^T += Q_i^T dS), dQ_i += dS K_j."""
-    with stage("dk_tile"):
-        if k.fmt.transposed:  # added into the task's dK^T sums directly
-            k.fmt.product("dk", dKrun, ("d", k.D), ("j", k.Bc), ("i", k.Br),
-                          ("row", lambda d, j, w: Qw[h, qrow // k.Br * k.D + d, w]), ("word", lambda d, j, w: dSw[w, j]),
-                          accumulate=True)
-        else:
-            k.fmt.product("dk", dKtile, ("j", k.Bc), ("d", k.D), ("i", k.Br), ("word", lambda j, d, w: dSw[w, j]),
-                          ("word", lambda j, d, w: Qw[h, k.fmt.words_of(qrow) + w, d]))
-    if not k.fmt.accumulates:
-        with stage("update_dk_tile"):
-            for j, d in T.grid(k.Bc, k.D):
-                with T.sblock("update_dk"):
-                    vj, vd = T.axis.remap("SS", [j, d])
-                    dKrun[vj, vd] = dKrun[vj, vd] + dKtile[vj, vd]
+def bwd_accumulate_dq(k, dQtile, dQacc, dSb, Kp, h, hk, qrow, krow):
+    """dQ_i += dS K_j."""
     with stage("dq_tile"):
         k.fmt.product("dq", dQtile, ("i", k.Br), ("d", k.D), ("j", k.Bc), ("row", lambda i, d, w: dSb[i, w]),
                       ("word", lambda i, d, w: Kp[hk, k.fmt.words_of(krow) + w, d]))
@@ -904,10 +892,12 @@ def fused_backward(spec: AttentionSpec, cfg: CPUKernelConfig) -> tirx.PrimFunc:
     D, Br, Bc, fmt, ctx = k.D, k.Br, k.Bc, k.fmt, k.ctx
     dtype, out_dtype, has_grads = spec.dtype, spec.out_dtype, ctx.has_captured_grads
     grad_elements = _grad_elements(spec)
-    (pack_q_do, pack_k_v, prepare_rows, zero_dkv, zero_mod_grads, recompute_probs, pack_p, accumulate_dv, grad_scores_,
-     pack_ds, accumulate_dk_dq, init_dkv, update_dkv, store_dq, store_dkv) = k.macros(
+    # (dV's and dK's sums: one stage function, two macros: TVM renames the blocks of a macro's
+    # second expansion, and the schedule finds blocks by name)
+    (pack_q_do, pack_k_v, prepare_rows, zero_dkv, zero_mod_grads, recompute_probs, pack_p, grad_v, grad_scores_,
+     pack_ds, grad_k, accumulate_dq, init_dkv, update_dkv, store_dq, store_dkv) = k.macros(
         fmt.pack_q_do, fmt.pack_k_v, bwd_row_stats, bwd_zero_dkv, bwd_zero_mod_grads, bwd_recompute_probs, bwd_pack_p,
-        bwd_accumulate_dv, bwd_grad_scores, bwd_pack_ds, bwd_accumulate_dk_dq, bwd_init_dkv, bwd_update_dkv,
+        bwd_key_grad, bwd_grad_scores, bwd_pack_ds, bwd_key_grad, bwd_accumulate_dq, bwd_init_dkv, bwd_update_dkv,
         bwd_store_dq, bwd_store_dkv)
 
     @T.prim_func(s_tir=True)
@@ -1036,13 +1026,13 @@ def fused_backward(spec: AttentionSpec, cfg: CPUKernelConfig) -> tirx.PrimFunc:
                                                                 seq, h, hk, q0, k0, qrow, gk, state[0])
                                                 if fmt.packed:
                                                     pack_p(Pw, P)
-                                                accumulate_dv(dVtile, dVrun, Pw, dOw, h, qrow)
+                                                grad_v("dv", dVtile, dVrun, Pw, dOw, h, qrow)
                                                 grad_scores_(dS, dP, P, S, VTp, dOp, row_stats, partials, softmax_scale,
                                                              vslot, seq, h, hk, q0, k0, qrow, gk)
                                                 if fmt.packed:
                                                     pack_ds(dSw, dSb, dS)
-                                                accumulate_dk_dq(dKtile, dKrun, dQtile, dQacc, dSw, dSb, Qw, Kp, h, hk,
-                                                                 qrow, krow)
+                                                grad_k("dk", dKtile, dKrun, dSw, Qw, h, qrow)
+                                                accumulate_dq(dQtile, dQacc, dSb, Kp, h, hk, qrow, krow)
                                     if state[1] == 1:
                                         update_dkv(dKacc, dVacc, dKrun, dVrun, hk, krow)
         for h, t in T.grid(H, ctx.query_tiles_total()):
