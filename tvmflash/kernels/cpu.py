@@ -715,11 +715,11 @@ def bwd_row_stats(k, RowStats, dQacc, dO, O, LSE, q: TileRows, h, t):
 
 
 def bwd_zero_dkv(k, dKacc, dVacc, hk, t):
-    for j, d in T.grid(k.Bc, k.D):
+    for r, c in T.grid(*k.kv_tile):  # the key tile's block of the sums (transposed formats: (D, Bc))
         with T.sblock("zero_dkv"):
-            vj, vd = T.axis.remap("SS", [j, d])
-            dKacc[hk, t * k.Bc + vj, vd] = T.float32(0)
-            dVacc[hk, t * k.Bc + vj, vd] = T.float32(0)
+            vr, vc = T.axis.remap("SS", [r, c])
+            dKacc[hk, t * k.kv_tile[0] + vr, vc] = T.float32(0)
+            dVacc[hk, t * k.kv_tile[0] + vr, vc] = T.float32(0)
 
 
 def bwd_zero_mod_grads(k, partials, n_threads):
@@ -854,18 +854,18 @@ def bwd_init_dkv(k, dKrun, dVrun):
                 dVrun[vr, vc] = T.float32(0)
 
 
-def bwd_update_dkv(k, dKacc, dVacc, dKrun, dVrun, hk, krow):
+def bwd_update_dkv(k, dKacc, dVacc, dKrun, dVrun, hk, gk):
+    """The key tile's block of the sums += the task's (both in the task's layout, ``kv_tile``:
+    transposed formats keep the sums transposed too, and store_dkv turns them back once)."""
     with stage("update_dkv_tile"):
-        for j, d in T.grid(k.Bc, k.D):
+        for r, c in T.grid(*k.kv_tile):
             with T.sblock("update_dk_acc"):
-                vj, vd = T.axis.remap("SS", [j, d])
-                dKacc[hk, krow + vj, vd] = dKacc[hk, krow + vj, vd] + (dKrun[vd, vj] if k.fmt.transposed
-                                                                          else dKrun[vj, vd])
-        for j, d in T.grid(k.Bc, k.D):
+                vr, vc = T.axis.remap("SS", [r, c])
+                dKacc[hk, gk * k.kv_tile[0] + vr, vc] = dKacc[hk, gk * k.kv_tile[0] + vr, vc] + dKrun[vr, vc]
+        for r, c in T.grid(*k.kv_tile):
             with T.sblock("update_dv_acc"):
-                vj, vd = T.axis.remap("SS", [j, d])
-                dVacc[hk, krow + vj, vd] = dVacc[hk, krow + vj, vd] + (dVrun[vd, vj] if k.fmt.transposed
-                                                                          else dVrun[vj, vd])
+                vr, vc = T.axis.remap("SS", [r, c])
+                dVacc[hk, gk * k.kv_tile[0] + vr, vc] = dVacc[hk, gk * k.kv_tile[0] + vr, vc] + dVrun[vr, vc]
 
 
 def bwd_store_dq(k, dQ, dQacc, softmax_scale, q: TileRows, h, t):
@@ -882,9 +882,11 @@ def bwd_store_dkv(k, dK, dV, dKacc, dVacc, softmax_scale, kv: TileRows, hk, t):
         with T.sblock("store_dkv"):
             vj, vd = T.axis.remap("SS", [j, d])
             if kv.inside(vj):
-                dK[kv.batch, kv.start + kv.first + vj, hk, vd] = T.Cast(
-                    k.spec.out_dtype, dKacc[hk, t * k.Bc + vj, vd] * T.Cast(F32, softmax_scale))
-                dV[kv.batch, kv.start + kv.first + vj, hk, vd] = T.Cast(k.spec.out_dtype, dVacc[hk, t * k.Bc + vj, vd])
+                dK[kv.batch, kv.start + kv.first + vj, hk, vd] = T.Cast(k.spec.out_dtype, (
+                    dKacc[hk, t * k.D + vd, vj] if k.fmt.transposed else dKacc[hk, t * k.Bc + vj, vd])
+                    * T.Cast(F32, softmax_scale))
+                dV[kv.batch, kv.start + kv.first + vj, hk, vd] = T.Cast(k.spec.out_dtype, (
+                    dVacc[hk, t * k.D + vd, vj] if k.fmt.transposed else dVacc[hk, t * k.Bc + vj, vd]))
 
 
 def fused_backward(spec: AttentionSpec, cfg: CPUKernelConfig) -> tirx.PrimFunc:
@@ -937,8 +939,9 @@ def fused_backward(spec: AttentionSpec, cfg: CPUKernelConfig) -> tirx.PrimFunc:
         Kp = T.decl_buffer((Hk, ctx.key_tiles_total() * (Bc // fmt.pair), D), fmt.words)
         KTp = T.decl_buffer((Hk, ctx.key_tiles_total(), D // fmt.pair, Bc), fmt.words)
         VTp = T.decl_buffer((Hk, ctx.key_tiles_total(), D // fmt.pair, Bc), fmt.words)
-        dKacc = T.decl_buffer((Hk, ctx.key_tiles_total() * Bc, D), F32)
-        dVacc = T.decl_buffer((Hk, ctx.key_tiles_total() * Bc, D), F32)
+        # (transposed formats: a (D, Bc) block per key tile)
+        dKacc = T.decl_buffer((Hk, ctx.key_tiles_total() * k.kv_tile[0], k.kv_tile[1]), F32)
+        dVacc = T.decl_buffer((Hk, ctx.key_tiles_total() * k.kv_tile[0], k.kv_tile[1]), F32)
         # each thread's partial gradients of captured tensors (summed in slot order at the end)
         partials = T.decl_buffer((n_threads, grad_elements), F32)
         for h, t in T.grid(H, ctx.query_tiles_total()):
@@ -1034,7 +1037,7 @@ def fused_backward(spec: AttentionSpec, cfg: CPUKernelConfig) -> tirx.PrimFunc:
                                                 grad_k("dk", dKtile, dKrun, dSw, Qw, h, qrow)
                                                 accumulate_dq(dQtile, dQacc, dSb, Kp, h, hk, qrow, krow)
                                     if state[1] == 1:
-                                        update_dkv(dKacc, dVacc, dKrun, dVrun, hk, krow)
+                                        update_dkv(dKacc, dVacc, dKrun, dVrun, hk, gk)
         for h, t in T.grid(H, ctx.query_tiles_total()):
             with T.sblock("store_dq_tile"):
                 vh, vt = T.axis.remap("SS", [h, t])
