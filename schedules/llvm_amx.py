@@ -29,7 +29,7 @@ import re
 
 from tvm import s_tir
 
-TILE = 16  # rows of a tile; fp32 columns of an accumulator tile
+from tvmflash.config import AMX_TILE as TILE  # rows of a tile; fp32 columns of an accumulator tile
 CHUNK = 32  # bf16 elements of the reduction per tdpbf16ps (64 bytes: a full tile row)
 HELPER_ATTR = "tvmflash_amx_helper"  # the annotation naming a product block's helper
 _NAME = re.compile(r"tvmflash_amx_(\d)x(\d)_k(\d+)(_acc)?")

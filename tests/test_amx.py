@@ -35,9 +35,9 @@ SAPPHIRE_RAPIDS = {"kind": "llvm", "mcpu": "sapphirerapids"}  # AMX-BF16 and AVX
 HOST_AMX = targets.supports_amx(targets.resolve("llvm"))
 
 
-def _amx_configs(head_dim_tiles: int = 64) -> dict:
-    return {kernel: default_cpu_config(kernel, avx512=True, products=AMX, seqlen_q=head_dim_tiles,
-                                       seqlen_k=head_dim_tiles) for kernel in ("forward", "backward")}
+def _amx_configs(seqlen: int = 64) -> dict:
+    return {kernel: default_cpu_config(kernel, avx512=True, products=AMX, seqlen_q=seqlen,
+                                       seqlen_k=seqlen) for kernel in ("forward", "backward")}
 
 
 def _needs_amx_here():

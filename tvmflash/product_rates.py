@@ -104,15 +104,17 @@ def bf16_products(target, head_dim: int | None = None) -> str:
     head dim that is a multiple of 16 and, on this CPU, Linux's permission."""
     if not targets.supports_bf16_dot(target):
         return FP32_FMA
+    forced = override()
+    if forced in (FP32_FMA, BF16_DOT):
+        return forced
     amx_allowed = targets.supports_amx(target) and (head_dim is None or head_dim % AMX_TILE == 0)
     this_cpu = _compiles_for_this_cpu(target) and not targets.is_aarch64(target)
-    if amx_allowed and this_cpu:
-        from .amx import request_tile_permission  # (asked once per process)
+    if amx_allowed and this_cpu:  # (Linux asked once per process, only where AMX could be chosen)
+        from .amx import request_tile_permission
 
         amx_allowed = request_tile_permission()
-    forced = override()
-    if forced is not None and (forced != AMX or amx_allowed):
-        return forced
+    if forced == AMX and amx_allowed:
+        return AMX
     if not this_cpu:
         # another CPU, or aarch64 (the probe is x86 code; BFDOT vs FMLA rates are not measured there)
         return AMX if amx_allowed else BF16_DOT

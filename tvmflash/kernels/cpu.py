@@ -164,19 +164,27 @@ class Kernel:
 
 
 # --- the operand packs of each format (TVMScript, expanded as macros of a Kernel) -----------------
+def _pack_rows(block, tile: TileRows, head, first, extent, width, convert, zero, *pairs):
+    """One block over tile rows i < extent and d < width: for each ``(dst, src)`` of ``pairs``,
+    ``dst[head, first + i, d] = convert(src's element at tile row i)``, ``zero`` past the
+    sequence's end (a tile's padding). The row copy every format's packs start from (called from
+    their macros; built with the IR builder, as the products are)."""
+    frame, names = _loops(("i", extent), ("d", width))
+    with frame as loops:
+        for name, loop in zip(names, loops):
+            IRBuilder.name(name, loop)
+        with T.sblock(block):
+            vi, vd = T.axis.remap("SS", loops)
+            for dst, src in pairs:
+                T.buffer_store(dst, tile.load(src, vi, head, vd, convert, zero), [head, first + vi, vd])
+
+
 def fp32_pack_kv(k, Kp, Vp, K, V, kv: TileRows, hk, t):
-    for j, d in T.grid(k.Bc, k.D):
-        with T.sblock("pack_kv"):
-            vj, vd = T.axis.remap("SS", [j, d])
-            Kp[hk, t * k.Bc + vj, vd] = kv.load(K, vj, hk, vd, _to_f32, T.float32(0))
-            Vp[hk, t * k.Bc + vj, vd] = kv.load(V, vj, hk, vd, _to_f32, T.float32(0))
+    _pack_rows("pack_kv", kv, hk, t * k.Bc, k.Bc, k.D, _to_f32, T.float32(0), (Kp, K), (Vp, V))
 
 
 def bf16_pack_kv(k, Kp, Vp, K, V, kv: TileRows, hk, t):
-    for j, d in T.grid(k.Bc, k.D):
-        with T.sblock("pack_k"):  # K's bits, zero-padded
-            vj, vd = T.axis.remap("SS", [j, d])
-            Kp[hk, t * k.Bc + vj, vd] = kv.load(K, vj, hk, vd, bf16_bits, T.uint16(0))
+    _pack_rows("pack_k", kv, hk, t * k.Bc, k.Bc, k.D, bf16_bits, T.uint16(0), (Kp, K))  # K's bits, zero-padded
     for p, d in T.grid(k.Bc // 2, k.D):
         with T.sblock("pack_v"):  # V as pair words of rows 2p, 2p + 1
             vp, vd = T.axis.remap("SS", [p, d])
@@ -185,19 +193,11 @@ def bf16_pack_kv(k, Kp, Vp, K, V, kv: TileRows, hk, t):
 
 
 def fp32_pack_q_do(k, Qp, dOp, Qw, dOw, Q, dO, q: TileRows, h, t):
-    for i, d in T.grid(k.Br, k.D):
-        with T.sblock("pack_q_do"):
-            vi, vd = T.axis.remap("SS", [i, d])
-            Qp[h, t * k.Br + vi, vd] = q.load(Q, vi, h, vd, _to_f32, T.float32(0))
-            dOp[h, t * k.Br + vi, vd] = q.load(dO, vi, h, vd, _to_f32, T.float32(0))
+    _pack_rows("pack_q_do", q, h, t * k.Br, k.Br, k.D, _to_f32, T.float32(0), (Qp, Q), (dOp, dO))
 
 
 def bf16_pack_q_do(k, Qp, dOp, Qw, dOw, Q, dO, q: TileRows, h, t):
-    for i, d in T.grid(k.Br, k.D):
-        with T.sblock("pack_q_do"):  # their bits, zero-padded
-            vi, vd = T.axis.remap("SS", [i, d])
-            Qp[h, t * k.Br + vi, vd] = q.load(Q, vi, h, vd, bf16_bits, T.uint16(0))
-            dOp[h, t * k.Br + vi, vd] = q.load(dO, vi, h, vd, bf16_bits, T.uint16(0))
+    _pack_rows("pack_q_do", q, h, t * k.Br, k.Br, k.D, bf16_bits, T.uint16(0), (Qp, Q), (dOp, dO))  # their bits
     for p, d in T.grid(k.Br // 2, k.D):
         with T.sblock("pack_q_do_pairs"):  # pair words of rows 2p, 2p + 1
             vp, vd = T.axis.remap("SS", [p, d])
@@ -207,10 +207,7 @@ def bf16_pack_q_do(k, Qp, dOp, Qw, dOw, Q, dO, q: TileRows, h, t):
 
 
 def fp32_pack_k_v(k, Kp, KTp, VTp, K, V, kv: TileRows, hk, t):
-    for j, d in T.grid(k.Bc, k.D):
-        with T.sblock("pack_k"):
-            vj, vd = T.axis.remap("SS", [j, d])
-            Kp[hk, t * k.Bc + vj, vd] = kv.load(K, vj, hk, vd, _to_f32, T.float32(0))
+    _pack_rows("pack_k", kv, hk, t * k.Bc, k.Bc, k.D, _to_f32, T.float32(0), (Kp, K))
     for d, j in T.grid(k.D, k.Bc):
         with T.sblock("pack_kt"):
             vd, vj = T.axis.remap("SS", [d, j])
@@ -238,10 +235,7 @@ def bf16_pack_k_v(k, Kp, KTp, VTp, K, V, kv: TileRows, hk, t):
 
 
 def amx_pack_kv(k, Kp, Vp, K, V, kv: TileRows, hk, t):
-    for j, d in T.grid(k.Bc, k.D):
-        with T.sblock("pack_k"):  # K's bits, zero-padded
-            vj, vd = T.axis.remap("SS", [j, d])
-            Kp[hk, t * k.Bc + vj, vd] = kv.load(K, vj, hk, vd, bf16_bits, T.uint16(0))
+    _pack_rows("pack_k", kv, hk, t * k.Bc, k.Bc, k.D, bf16_bits, T.uint16(0), (Kp, K))  # K's bits, zero-padded
     for j, d in T.grid(k.Bc, k.D):
         # V^T's bits: rows of the key tile's values of one head dim (read along V's rows: a
         # gather along its keys was scalar loads with the row arithmetic redone per element)
@@ -251,11 +245,7 @@ def amx_pack_kv(k, Kp, Vp, K, V, kv: TileRows, hk, t):
 
 
 def amx_pack_q_do(k, Qp, dOp, QTr, dOTr, Q, dO, q: TileRows, h, t):
-    for i, d in T.grid(k.Br, k.D):
-        with T.sblock("pack_q_do"):  # their bits, zero-padded
-            vi, vd = T.axis.remap("SS", [i, d])
-            Qp[h, t * k.Br + vi, vd] = q.load(Q, vi, h, vd, bf16_bits, T.uint16(0))
-            dOp[h, t * k.Br + vi, vd] = q.load(dO, vi, h, vd, bf16_bits, T.uint16(0))
+    _pack_rows("pack_q_do", q, h, t * k.Br, k.Br, k.D, bf16_bits, T.uint16(0), (Qp, Q), (dOp, dO))  # their bits
     for d, i in T.grid(k.D, k.Br):
         with T.sblock("pack_q_do_t"):  # Q^T, dO^T as rows (the A operands of dK^T, dV^T)
             vd, vi = T.axis.remap("SS", [d, i])
