@@ -2,8 +2,8 @@
 
 * ``scores``: S = Q . K^T with the head dim in vector lanes: per key, ``D / lanes`` vector
   loads of the cache row (converted to fp32 on load) feed ``block_rows`` FMAs each, into
-  ``keys x block_rows`` accumulator vectors held in registers; ``scores_sum`` then adds the
-  lanes of each accumulator.
+  ``keys x block_rows`` accumulator vectors held in registers; the kernel's shuffle tree then
+  sums their lanes.
 * ``pv``: O += P . V as the register-tiled micro-kernel of ``schedules/llvm.py`` (rows x vectors
   of the head dim in registers, the keys outside: one V row load feeds ``rows`` FMAs).
 * element-wise stages vectorized along their innermost loop; the task slots and the merge run
@@ -32,23 +32,18 @@ class _Knobs:
 
 
 def _scores(sch: s_tir.Schedule, cfg: DecodeConfig, head_dim: int) -> None:
-    """The score register tile (loops c, key, row, lane under the key-group loop) and the folds
-    of its lanes: unrolled, vectorized along the lanes, so that LLVM keeps them in registers."""
+    """The score register tile (loops c, key, row, lane under the key-group loop) unrolled and
+    vectorized along the lanes: LLVM keeps its accumulators in registers."""
     block = sch.get_sblock("scores")
     c, j, i, lane = sch.get_loops(block)[-4:]
+    for loop in (c, j, i):
+        sch.unroll(loop)
+    sch.vectorize(lane)
+    init = sch.decompose_reduction(block, c)
+    j, i, lane = sch.get_loops(init)[-3:]
     sch.unroll(j)
     sch.unroll(i)
     sch.vectorize(lane)
-    sch.decompose_reduction(block, c)
-    width = score_lanes(cfg, head_dim) // 2
-    while width > 1:
-        fj, fi, fl = sch.get_loops(sch.get_sblock(f"scores_fold{width}"))[-3:]
-        sch.unroll(fj)
-        sch.unroll(fi)
-        sch.vectorize(fl)
-        width //= 2
-    for loop in sch.get_loops(sch.get_sblock("scores_sum"))[-2:]:
-        sch.unroll(loop)
 
 
 def schedule_decode(sch: s_tir.Schedule, cfg: DecodeConfig, head_dim: int) -> s_tir.Schedule:

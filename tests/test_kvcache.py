@@ -430,6 +430,34 @@ def test_avx2_build(gen, seed):
     check_against_reference("avx2", out, lse, q, k_cache, v_cache, starts=[0, 0], ends=ends, seed=seed)
 
 
+@pytest.mark.parametrize("score_lanes,score_keys,block_rows,heads,head_dim,dtype", [
+    (8, 4, 4, 8, 64, "float32"),     # 16 accumulators of 8 lanes: two vectors of sums
+    (16, 1, 4, 12, 64, "bfloat16"),  # 4 accumulators of 16 lanes: one vector folded onto itself
+    (16, 4, 2, 6, 64, "float32"),    # 8 of 16, 2-row blocks; 6 rows per kv head: three blocks
+    (16, 2, 4, 6, 40, "bfloat16"),   # head dim 40: 8 lanes; a 4-row block half padding
+])
+def test_score_tree_shapes(gen, seed, score_lanes, score_keys, block_rows, heads, head_dim, dtype):
+    """The score product's lane sums (``DecodeKernel.sum_tree``) for every shape of its tree:
+    more accumulators than lanes, fewer, and row blocks that pad the GQA group."""
+    from tvmflash import compiler
+    from tvmflash.config import DecodeConfig
+    from tvmflash.spec import AttentionSpec, UNLIMITED_WINDOW
+
+    config = DecodeConfig(block_rows=block_rows, score_lanes=score_lanes, score_keys=score_keys)
+    kernels = compiler.compile_decode({"kind": "llvm"}, AttentionSpec(head_dim, dtype), config=config)
+    batch, heads_k, capacity, ends = 2, heads // (6 if heads % 4 else 4), 150, [150, 77]
+    draw = lambda *shape: torch.randn(*shape, generator=gen).to(DTYPES[dtype])  # noqa: E731
+    k_cache, v_cache = draw(batch, capacity, heads_k, head_dim), draw(batch, capacity, heads_k, head_dim)
+    q = draw(batch, 1, heads, head_dim)
+    window = (UNLIMITED_WINDOW, UNLIMITED_WINDOW)
+    seq_info, units = plan.decode_units([0, 0], ends, seqlen_q=1, window=window, block_k=kernels.config.block_k,
+                                        heads_k=heads_k, threads=2)
+    out, lse = torch.full_like(q, float("nan")), torch.full((batch, heads, 1), float("nan"))
+    kernels.decode(q, k_cache, v_cache, out, lse, head_dim ** -0.5, window, 2, torch.from_numpy(seq_info),
+                   torch.from_numpy(units), torch.arange(batch, dtype=torch.int32)[:, None])
+    check_against_reference(f"tree {config}", out, lse, q, k_cache, v_cache, starts=[0, 0], ends=ends, seed=seed)
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("num_splits", [1, 4])
 @pytest.mark.parametrize("window_size,value", [((-1, -1), "nan"), ((40, -1), "nan"), ((-1, -1), "inf")])

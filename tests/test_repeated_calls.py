@@ -71,6 +71,28 @@ def test_decode_refuses_bad_input_after_a_repeated_call(gen):
         flash_attn_with_kvcache(q.requires_grad_(), k_cache, v_cache, cache_seqlens=100)
 
 
+def test_decode_refuses_what_the_kernel_checks_after_a_repeated_call(gen):
+    """The repeated-call key leaves dtypes, devices and strides to the kernel's own argument
+    checks: what they refuse must still get the full path's error, and a q it cannot read in
+    place (last stride 2) the full path's copy."""
+    q, k_cache, v_cache = _decode_inputs(gen)
+    with torch.no_grad():
+        for _ in range(2):
+            want = flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=100)
+        with pytest.raises(TypeError, match="v_cache has dtype torch.float64"):
+            flash_attn_with_kvcache(q, k_cache, v_cache.double(), cache_seqlens=100)
+        with pytest.raises(ValueError, match="contiguous last dimension"):
+            flash_attn_with_kvcache(q, k_cache, v_cache.transpose(2, 3).contiguous().transpose(2, 3),
+                                    cache_seqlens=100)
+        with pytest.raises(ValueError, match="same shape"):
+            flash_attn_with_kvcache(q, k_cache, v_cache[:, :, :1], cache_seqlens=100)
+        spread = torch.zeros(*q.shape[:-1], 2 * q.shape[-1])
+        spread[..., ::2] = q
+        assert torch.equal(flash_attn_with_kvcache(spread[..., ::2], k_cache, v_cache, cache_seqlens=100), want)
+        half = flash_attn_with_kvcache(q.half(), k_cache.half(), v_cache.half(), cache_seqlens=100)
+        torch.testing.assert_close(half.float(), want, atol=2e-3, rtol=2e-3)  # (another dtype: another kernel)
+
+
 def test_forward_repeats_match_the_full_path(gen):
     q, k, v = random_inputs(gen, 1, 21, 21, 4, 2, 64, "float32")
     with torch.inference_mode():

@@ -166,6 +166,9 @@ def test_generate_greedy_matches_eager(model, gen, monkeypatch):
     kernel_calls = []
     kvcache = tvm_hf.flash_attn_with_kvcache
     monkeypatch.setattr(tvm_hf, "flash_attn_with_kvcache", lambda *a, **kw: kernel_calls.append(1) or kvcache(*a, **kw))
+    repeated = tvm_hf.repeated_decode_step  # (steps like one checked before: the kernel without the checks)
+    monkeypatch.setattr(tvm_hf, "repeated_decode_step",
+                        lambda *a: (lambda out: out if out is None else kernel_calls.append(1) or out)(repeated(*a)))
     kwargs = dict(attention_mask=mask, max_new_tokens=16, do_sample=False, pad_token_id=0, output_scores=True,
                   return_dict_in_generate=True)
     with torch.no_grad():

@@ -282,8 +282,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         if key is not None:
             if len(_steps) >= _MAX_STEPS:
                 _steps.clear()
-            _steps[key] = _DecodeStep(kernels, out.shape, lse.shape, scale, window, group, num_splits, pages, mods,
-                                      return_softmax_lse)
+            _steps[key] = _DecodeStep(kernels, lse.shape, scale, window, group, num_splits, pages, mods,
+                                      return_softmax_lse, batch, seqlen_q)
     return (out, lse) if return_softmax_lse else out
 
 
@@ -344,10 +344,14 @@ def _write_new_tokens(k_cache, v_cache, k, v, seqlens, cache_rows, block_table) 
 # --- decode steps seen before ------------------------------------------------------------------
 # A model calls flash_attn_with_kvcache once per layer and token with the same tensors' shapes and
 # the same options; only the cache lengths change. The checks above (~25 us of Python, more than
-# the kernel takes against a short cache) depend on nothing else, so a call whose shapes, strides,
-# dtypes and options all equal those of a call that passed them runs as that one did, checking
-# what can still differ: the lengths (bounds), gradient mode and requires_grad. The key holds
-# exact types (True == 1 in a dict key, but not for the checks).
+# the kernel takes against a short cache) depend on little else, so a call whose key equals that
+# of a call that passed them runs as that one did. The key holds what the plan and the kernel
+# choice depend on (q's shape and dtype, the cache's batch and kv heads, the options, with exact
+# types: True == 1 in a dict key, but not for the checks). The rest is the kernel's own argument
+# checks, which TVM's generated code makes on every call (dtype, device, rank, a unit last
+# stride, k_cache and v_cache of one shape, q and out of one): a call they refuse (a cache of
+# another dtype than q, say) returns None and runs the full checks, which name the problem. What
+# neither covers is checked per call: the lengths against the cache's length, and gradients.
 _steps: dict[tuple, _DecodeStep] = {}
 _MAX_STEPS = 256
 
@@ -355,7 +359,8 @@ _MAX_STEPS = 256
 def _step_key(q, k_cache, v_cache, cache_seqlens, softmax_scale, causal, window_size, softcap, rotary_interleaved,
               num_splits, return_lse) -> tuple | None:
     """What the checks of a call without new tokens, rotary, paging, cache_batch_idx,
-    cache_leftpad and ALiBi depend on; None for arguments of unusual types (the checks see them)."""
+    cache_leftpad and ALiBi depend on beyond the kernel's own argument checks; None for
+    arguments of unusual types (the checks see them)."""
     if (type(q) is not torch.Tensor or type(k_cache) is not torch.Tensor or type(v_cache) is not torch.Tensor
             or not (softmax_scale is None or type(softmax_scale) is float) or type(causal) is not bool
             or type(window_size) is not tuple or len(window_size) != 2 or type(window_size[0]) is not int
@@ -368,29 +373,40 @@ def _step_key(q, k_cache, v_cache, cache_seqlens, softmax_scale, causal, window_
         lengths = (cache_seqlens.dtype, cache_seqlens.shape, cache_seqlens.is_cpu, cache_seqlens.layout)
     else:
         return None
-    # The checks read the caches' last stride only, and their length, which a growing cache changes
-    # every step: each call compares it with v_cache's and the lengths with it.
-    try:  # (sparse tensors have no strides; a tensor of other than 4 dims fails a check, not here)
-        k_shape = k_cache.shape
-        return (q.shape, q.stride(), q.dtype, q.is_cpu, k_shape[0], k_shape[2:], k_cache.stride(-1), k_cache.dtype,
-                k_cache.is_cpu, v_cache.stride(-1), v_cache.dtype, v_cache.is_cpu, lengths, softmax_scale, causal,
-                window_size, softcap, num_splits, rotary_interleaved, return_lse,
-                *_steering_values())  # (what decode_kernels' memo keys on)
-    except (IndexError, RuntimeError):
+    cache_shape = k_cache.shape
+    if len(cache_shape) != 4:
         return None
+    # (the caches' length changes every step of a growing cache: each call compares it with the lengths)
+    return (q.shape, q.dtype, cache_shape[0], cache_shape[2], lengths, softmax_scale, causal, window_size, softcap,
+            num_splits, rotary_interleaved, return_lse, *_steering_values())  # (what decode_kernels' memo keys on)
+
+
+def repeated_decode_step(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, softmax_scale: float | None,
+                         causal: bool, window_size: tuple[int, int], softcap: float) -> torch.Tensor | None:
+    """``flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=k_cache.shape[1], ...)`` if
+    a call with the same key passed its checks before, else None: an integration's decode step
+    (one new token per sequence against every row of dense caches, each layer and token) without
+    the checks and the keyword arguments (the scale a float or None, the window a tuple of two
+    ints and softcap a float, as the checks want them)."""
+    cache_shape = k_cache.shape
+    step = _steps.get((q.shape, q.dtype, *cache_shape[::2], int, softmax_scale, causal, window_size, softcap, 0, True,
+                       False, *_steering_values()))  # (_step_key's key of that call)
+    return None if step is None else step(q, k_cache, v_cache, cache_shape[1])
 
 
 class _DecodeStep:
     """A checked decode call's plan, for calls with the same ``_step_key``."""
 
-    def __init__(self, kernels, out_shape, lse_shape, scale, window, group, num_splits, pages, mods, return_lse):
+    def __init__(self, kernels, lse_shape, scale, window, group, num_splits, pages, mods, return_lse, batch, seqlen_q):
         # plain tuples: torch.empty(*shape) parses ~2x faster than a torch.Size (~2-3 us a call)
-        self.kernels, self.out_shape, self.lse_shape = kernels, tuple(out_shape), tuple(lse_shape)
+        self.kernels, self.lse_shape = kernels, tuple(lse_shape)
         self.device = torch.device("cpu")  # (not the default device, which a user may have set)
         self.scale, self.window, self.group, self.num_splits = scale, window, group, num_splits
         self.pages, self.mods, self.return_lse = pages, mods, return_lse
-        self.batch, self.seqlen_q = out_shape[0], out_shape[1]
-        self.starts = (0,) * self.batch
+        self.batch, self.seqlen_q = batch, seqlen_q
+        self.starts = (0,) * batch
+        self.function, self.block_k = kernels._function, kernels.config.block_k
+        self.threads = threads_module.torch_threads if kernels._on_torch_threads else settings.num_threads
         # the tables of the last lengths: the layers of a model call with the same lengths in turn
         self._last = (None, None)
         self._scratch = threading.local()  # each thread's lse when the caller does not want it
@@ -399,9 +415,10 @@ class _DecodeStep:
         """The call's result, or None where the full checks must run (they raise)."""
         if torch.is_grad_enabled() and (q.requires_grad or k_cache.requires_grad or v_cache.requires_grad):
             return None
-        capacity = k_cache.shape[1]
-        if v_cache.shape != k_cache.shape:
+        shape = k_cache.shape
+        if v_cache.shape != shape:
             return None
+        capacity = shape[1]
         if cache_seqlens is None:
             ends = (capacity,) * self.batch
         elif type(cache_seqlens) is int:
@@ -412,26 +429,29 @@ class _DecodeStep:
             ends = cache_seqlens.tolist()
             if min(ends) < 0 or max(ends) > capacity:
                 return None
-        kernels = self.kernels
-        threads = kernels.plan_threads()
+        threads = self.threads()
         planned, tables = self._last
         if planned != (ends, threads):
             seq_info, units = plan.decode_units(self.starts, ends, seqlen_q=self.seqlen_q, window=self.window,
-                                                block_k=kernels.config.block_k, heads_k=k_cache.shape[2],
-                                                threads=threads, num_splits=self.num_splits, head_group=self.group)
+                                                block_k=self.block_k, heads_k=shape[2], threads=threads,
+                                                num_splits=self.num_splits, head_group=self.group)
             tables = torch.from_numpy(seq_info), torch.from_numpy(units), min(threads, max(1, len(units)))
             self._last = ((ends, threads), tables)  # (one assignment: other threads see old or new)
         seq_info, units, team = tables
-        out = torch.empty(*self.out_shape, dtype=q.dtype, device=self.device)
+        out = torch.empty_like(q)  # (q's shape and dtype; the kernel writes any strides)
         if self.return_lse:
             lse = torch.empty(*self.lse_shape, dtype=torch.float32, device=self.device)
         else:
             lse = getattr(self._scratch, "lse", None)
             if lse is None:
                 lse = self._scratch.lse = torch.empty(*self.lse_shape, dtype=torch.float32, device=self.device)
-        # (DecodeKernels.decode without its checks: the first call of this step made them)
-        if kernels._on_torch_threads:
+        # (DecodeKernels.decode without its checks: the first call of this step made them, and the
+        # kernel's argument checks cover the rest: what they refuse, the full path names)
+        if self.threads is threads_module.torch_threads:
             threads_module.limit(team)
-        kernels._function(q, k_cache, v_cache, out, lse, self.scale, *self.window, team, seq_info, units, self.pages,
+        try:
+            self.function(q, k_cache, v_cache, out, lse, self.scale, *self.window, team, seq_info, units, self.pages,
                           *self.mods)
+        except Exception:  # (TVM's argument checks raise ValueError or TypeError; DLPack may raise others)
+            return None
         return (out, lse) if self.return_lse else out

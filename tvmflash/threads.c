@@ -29,7 +29,11 @@ static int (*omp_in_parallel)(void);
 /* GNU libgomp's pool does not survive fork: a parallel region in the child waits forever for
  * the parent's workers. A forked child runs the tasks on its calling thread. */
 static volatile int forked_child = 0;
-static void on_fork_child(void) { forked_child = 1; }
+static __thread long own_tid = 0; /* this thread's id (gettid is a system call: once per thread) */
+static void on_fork_child(void) {
+  forked_child = 1;
+  own_tid = 0; /* (the forking thread, the child's only one, has a new id) */
+}
 /* Whether this process started a libgomp region (then libgomp's pool exists and a forked child
  * must not start one: threads.py makes torch's own ops in the child single-threaded too). */
 static volatile int started_region = 0;
@@ -49,7 +53,8 @@ typedef struct {
 
 static void run_task(Job* job, int task_id, int num_task) {
   ParallelGroupEnv env = {0, num_task};
-  if (task_id < MAX_RECORDED) last_tids[task_id] = (long)syscall(SYS_gettid);
+  if (own_tid == 0) own_tid = (long)syscall(SYS_gettid);
+  if (task_id < MAX_RECORDED) last_tids[task_id] = own_tid;
   if (job->lambda(task_id, &env, job->cdata) != 0) job->failed = 1;
 }
 

@@ -57,7 +57,7 @@ import logging
 import torch
 
 from .. import version
-from ..kvcache import flash_attn_with_kvcache
+from ..kvcache import flash_attn_with_kvcache, repeated_decode_step
 from ..torch_op import flash_attn_func, flash_attn_varlen_func
 
 NAME = "tvm_attention"
@@ -156,7 +156,7 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
 
     # The kernels' layout: (batch, seqlen, heads, head_dim) views, no copy.
-    q, k, v = (t.transpose(1, 2) for t in (query, key, value))
+    q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
     if k.dtype != q.dtype or v.dtype != q.dtype:
         k, v = k.to(q.dtype), v.to(q.dtype)
     head_dim, v_head_dim = q.shape[-1], v.shape[-1]
@@ -164,11 +164,16 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
         if v_head_dim > head_dim:
             raise ValueError(f"value head dim {v_head_dim} exceeds the query's {head_dim}")
         v = torch.nn.functional.pad(v, (0, head_dim - v_head_dim))
-    opts = {"softmax_scale": scaling, "causal": causal, "window_size": _window(sliding_window, causal, k.shape[1]),
-            "softcap": float(softcap) if softcap else 0.0}
+    window, softcap = _window(sliding_window, causal, k.shape[1]), float(softcap) if softcap else 0.0
 
     batch, len_q = q.shape[:2]
     cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
+    if attention_mask is None and len_q == 1 and (cu_q is None or cu_k is None) and k.shape[1] != 1:
+        # generate()'s every new token (a model's layers call this in turn: no more than it needs)
+        out = decode_attention(q, k, v, None, softmax_scale=scaling, causal=causal, window_size=window,
+                               softcap=softcap)
+        return (out if v_head_dim == head_dim else out[..., :v_head_dim]), None
+    opts = {"softmax_scale": scaling, "causal": causal, "window_size": window, "softcap": softcap}
     docs = None  # documents packed into rows, told apart by position_ids (q and k the same tokens)
     if attention_mask is None and (cu_q is None or cu_k is None) and len_q == k.shape[1]:
         docs = _documents_from_positions(kwargs.get("position_ids"), batch, len_q)
@@ -207,6 +212,10 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask
     Otherwise (gradients, CUDA tensors): ``flash_attn_func``, or ``flash_attn_varlen_func`` on the
     gathered real keys.
     """
+    if key_mask is None and not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)):
+        out = repeated_decode_step(q, k, v, softmax_scale, causal, window_size, softcap)
+        if out is not None:  # (a step like one checked before: the layers and tokens after the first)
+            return out
     opts = {"softmax_scale": softmax_scale, "causal": causal, "window_size": window_size, "softcap": softcap}
     n = k.shape[1] if key_mask is None else key_mask.shape[1]
     plan = None if key_mask is None else _unpad_plan(key_mask, 1)

@@ -21,11 +21,10 @@ n_threads, seq_info, units, block_table, *mod_inputs)``::
                               (heads outside its group stay so: they weigh 0 in the merge)
         [load_q]              Q rows of every kv head as fp32 (the thread's copy)
         for key tile kt of the unit (block_k keys, inside one page):
-          [scores] [scores_fold*] [scores_sum]   for keys (score_keys at a time), kv head of the
-                                                 unit's group, row block:
-                   S = Q . K^T, head dim in vector lanes summed by halving folds in registers;
-                   the tile is read in memory order (key, head), V of the tile and K of the next
-                   tile are prefetched into L2 on the way (prefetcht1)
+          [scores]   for keys (score_keys at a time), kv head of the unit's group, row block:
+                   S = Q . K^T, head dim in vector lanes, summed by a transposing shuffle tree in
+                   registers (sum_tree); the tile is read in memory order (key, head), V of the
+                   tile and K of the next tile are prefetched into L2 on the way (prefetcht1)
           for kv head hk of the group, row block:
             [load_stats] [load_scores]     the rows' running m, l and scores
             [score_mod] [mask]             softcap / ALiBi; -inf outside the window / sequence
@@ -121,30 +120,38 @@ class DecodeKernel:
     def exponent_constant(self, softmax_scale):
         return scale_log2_parts(tirx.const(1.0, "float64") if self.has_mods else softmax_scale)
 
-    def alloc_folds(self):
-        folds, w = [], self.L // 2
-        while w > 1:
-            buf = T.sblock_alloc_buffer((self.KJ, self.Br, w), F32, scope="local")
-            IRBuilder.name(f"SL{w}", buf)
-            folds.append(buf)
-            w //= 2
-        return folds
+    def sum_tree(self, SL, store):
+        """The lanes of each of SL's KJ x Br accumulator vectors summed (SL[j, i, :], the score of
+        key j and row i), ``store(i, vector of row i's KJ scores)``.
 
-    def sum_lanes(self, SL, folds, store):
-        """store(j, i, sum of SL[j, i, :]) by halving folds (a vector's halves added, in
-        registers), a tree."""
-        for src, dst in zip([SL, *folds], [*folds, None]):
-            w = int(src.shape[2]) // 2
-            if dst is None:
-                with T.grid(self.KJ, self.Br) as (j, i):
-                    with T.sblock("scores_sum"):
-                        vj, vi = T.axis.remap("SS", [j, i])
-                        store(vj, vi, src[vj, vi, 0] + src[vj, vi, 1])
-            else:
-                with T.grid(self.KJ, self.Br, w) as (j, i, l):
-                    with T.sblock(f"scores_fold{w}"):
-                        vj, vi, vl = T.axis.remap("SSS", [j, i, l])
-                        T.buffer_store(dst, src[vj, vi, vl] + src[vj, vi, vl + w], [vj, vi, vl])
+        A transposing tree in registers: two vectors whose lanes hold groups of w partial sums
+        become one whose groups of w / 2 hold both's sums (each group's halves added), until each
+        lane holds one score; a vector left alone is folded onto itself. KJ x Br accumulators of
+        L lanes take ~KJ x Br x 3 shuffles and adds, against ~log2(L) x 2 per accumulator when
+        each is summed alone."""
+        L, w = self.L, self.L
+        vectors = [(tirx.BufferLoad(SL, [j, i, tirx.Ramp(0, 1, L)]), [j * self.Br + i])
+                   for j in range(self.KJ) for i in range(self.Br)]
+        while w > 1:
+            half = w // 2
+            if len(vectors) > 1:  # pairs: both vectors' groups, halved, side by side
+                merged = []
+                for (x, xs), (y, ys) in zip(vectors[0::2], vectors[1::2]):
+                    low = [base + g * w + h for g in range(len(xs)) for base in (0, L) for h in range(half)]
+                    high = [i + half for i in low]
+                    merged.append((tirx.Shuffle([x, y], low) + tirx.Shuffle([x, y], high),
+                                   [o for pair in zip(xs, ys) for o in pair]))
+                vectors = merged
+            else:  # one vector: its groups halved in place (half as many lanes)
+                (x, xs), = vectors
+                low = [g * w + h for g in range(len(xs)) for h in range(half)]
+                vectors = [(tirx.Shuffle([x], low) + tirx.Shuffle([x], [i + half for i in low]), xs)]
+            w = half
+        lanes = [v for v, _ in vectors]
+        where = {o: n * L + lane for n, (_, owners) in enumerate(vectors) for lane, o in enumerate(owners)}
+        for i in range(self.Br):
+            at = [where[j * self.Br + i] for j in range(self.KJ)]
+            store(i, tirx.Shuffle(lanes, at))
 
     def prefetch(self, buf, page, row, head):
         """The cache lines of one head's row, into L2: locality 2 is prefetcht1 on x86 (into L1,
@@ -168,14 +175,13 @@ def dec_scores(k, SA: T.Buffer, QF: T.Buffer, K: T.Buffer, V: T.Buffer, slot: T.
            last: T.int64, next_tile: T.int64, next_page: T.int64, next_prow: T.int64, next_last: T.int64,
            hk_first: T.int64, hk_end: T.int64):
     """S = Q . K^T for every kv head and row block of the tile, keys outermost: the tile's
-    rows are read in memory order (key, head). The same rows of V (and of the next tile's K)
-    are prefetched into L2 on the way, for the P . V passes that follow."""
+    rows are read in memory order (key, head). KJ keys x Br rows at a time, the head dim in
+    vector lanes, summed by ``sum_tree``. V of the tile and K of the next tile are prefetched
+    into L2 on the way, for the P . V passes that follow."""
     with stage("scores_tile"):
         T.reads(QF[slot, 0:QF.shape[1], 0:QF.shape[2], 0:k.D], K[page, prow:prow + k.Bc, 0:QF.shape[1], 0:k.D])
         T.writes(SA[slot, 0:QF.shape[1], 0:QF.shape[2], 0:k.Bc])
-        # KJ keys x Br rows of dot products, per vector lane: register accumulators
-        SL = T.sblock_alloc_buffer((k.KJ, k.Br, k.L), F32, scope="local")
-        folds = k.alloc_folds()
+        SL = T.sblock_alloc_buffer((k.KJ, k.Br, k.L), F32, scope="local")  # KJ keys x Br rows, per lane
         for jo in T.serial(k.Bc // k.KJ):
             j0: T.let[T.int64] = T.Cast(I64, jo) * k.KJ
             for hh in T.serial(hk_end - hk_first):
@@ -193,8 +199,8 @@ def dec_scores(k, SA: T.Buffer, QF: T.Buffer, K: T.Buffer, V: T.Buffer, slot: T.
                                 SL[vj, vi, vl] = T.float32(0)
                             SL[vj, vi, vl] = SL[vj, vi, vl] + QF[slot, hk, r0 + vi, vc * k.L + vl] * T.Cast(
                                 F32, K[page, prow + T.min(j0 + vj, last), hk, vc * k.L + vl])
-                    k.sum_lanes(SL, folds, lambda vj, vi, value: T.buffer_store(
-                        SA, value, [slot, hk, r0 + vi, j0 + vj]))
+                    k.sum_tree(SL, lambda i, scores: T.buffer_store(
+                        SA, scores, [slot, hk, r0 + i, tirx.Ramp(j0, 1, k.KJ) if k.KJ > 1 else j0]))
 
 def dec_load_scores(k, ST: T.Buffer, SA: T.Buffer, slot: T.int64, hk: T.int64, r0: T.int64):
     with stage("load_scores_tile"):
