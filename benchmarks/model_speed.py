@@ -7,7 +7,8 @@
   shows here; medians, and the 90th percentile of each (a bimodal distribution puts it far above
   the median);
 * ``generate``: transformers ``generate()`` with an 8-layer Llama from a config (GQA 8/2,
-  D64, random weights), bf16 and fp32, short and long prompts (tokens/s);
+  D64, random weights), bf16 and fp32, short and long prompts (tokens/s); ``--batch B``: B
+  prompts at once, left-padded (row b by b / 2B of the prompt), as batched generation pads them;
 * ``train``: a training step (forward, backward, AdamW step) of the same Llama on one sequence
   per length (ms per step, median of the steps of a process).
 
@@ -20,6 +21,7 @@ the numbers are preliminary.
     python benchmarks/model_speed.py                 # all four
     python benchmarks/model_speed.py fixed linear --rounds 2000 --threads 1
     python benchmarks/model_speed.py generate train --runs 5 --prompts 32 1024 --train-lengths 512
+    python benchmarks/model_speed.py generate --batch 4 --prompts 40 --new-tokens 32
 """
 
 from __future__ import annotations
@@ -170,18 +172,23 @@ def _implementation(short: str) -> str:
     return tvm_hf.register()
 
 
-def worker_generate(dtype, prompt: int, new_tokens: int, implementation: str) -> dict:
-    """tokens/s of one timed generate() after a warm-up (compiles, caches) in this process."""
+def worker_generate(dtype, prompt: int, new_tokens: int, implementation: str, batch: int = 1) -> dict:
+    """tokens/s (all rows') of one timed generate() after a warm-up (compiles, caches) in this
+    process; rows after the first left-padded by b / 2B of the prompt."""
     model = _llama(dtype, _implementation(implementation)).eval()
     # Token 0 is the pad token: generate() would mask every 0 inside the prompt (holes in the mask).
-    ids = torch.randint(1, 1024, (1, prompt), generator=torch.Generator().manual_seed(prompt))
-    kwargs = dict(attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+    ids = torch.randint(1, 1024, (batch, prompt), generator=torch.Generator().manual_seed(prompt))
+    mask = torch.ones_like(ids)
+    for b in range(batch):
+        mask[b, :prompt * b // (2 * batch)] = 0
+    ids = ids.masked_fill(mask == 0, 0)
+    kwargs = dict(attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
                   do_sample=False, pad_token_id=0)
     with torch.no_grad():  # (inference_mode: the integration reads position_ids._version)
         model.generate(ids, **{**kwargs, "max_new_tokens": 2, "min_new_tokens": 2})
         start = time.perf_counter()
         model.generate(ids, **kwargs)
-    return {"value": new_tokens / (time.perf_counter() - start)}
+    return {"value": batch * new_tokens / (time.perf_counter() - start)}
 
 
 def worker_train(dtype, length: int, steps: int, implementation: str) -> dict:
@@ -220,7 +227,7 @@ def alternated(args: argparse.Namespace, part: str, cases: list, unit: str, high
         for _ in range(args.runs):
             for impl in implementations:
                 values[impl].append(_in_own_process(args, [part, dtype, str(size), impl, str(args.new_tokens),
-                                                           str(args.train_steps)]))
+                                                           str(args.train_steps), str(args.batch)]))
         medians = {impl: statistics.median(v) for impl, v in values.items()}
         scale = 1 if higher_is_faster else 1e3
         cells = [f"{medians[i] * scale:.1f} ({min(values[i]) * scale:.1f}-{max(values[i]) * scale:.1f})"
@@ -228,7 +235,7 @@ def alternated(args: argparse.Namespace, part: str, cases: list, unit: str, high
         if len(implementations) == 2:
             ratio = medians["sdpa"] / medians["tvm"] if higher_is_faster else medians["tvm"] / medians["sdpa"]
             cells.append(f"{ratio:.2f}")
-        what = "prompt" if part == "generate" else "sequence"
+        what = "sequence" if part == "train" else "prompt" if args.batch == 1 else f"{args.batch} left-padded prompts"
         rows.append(f"| {dtype} {what} {size} | {' | '.join(cells)} |")
         print(f"  {part}: {rows[-1]}", file=sys.stderr, flush=True)
     headers = [f"{impl} {unit} (min-max)" for impl in implementations] + (
@@ -241,10 +248,10 @@ def alternated(args: argparse.Namespace, part: str, cases: list, unit: str, high
 
 
 def worker(argv: list[str]) -> None:
-    part, dtype, size, implementation, new_tokens, steps = argv
+    part, dtype, size, implementation, new_tokens, steps, batch = argv
     dtype = getattr(torch, dtype)
     if part == "generate":
-        result = worker_generate(dtype, int(size), int(new_tokens), implementation)
+        result = worker_generate(dtype, int(size), int(new_tokens), implementation, int(batch))
     else:
         result = worker_train(dtype, int(size), int(steps), implementation)
     print(json.dumps(result))
@@ -257,13 +264,14 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=1000, help="interleaved rounds per case (fixed, linear)")
     p.add_argument("--prompts", type=int, nargs="+", default=[32, 1024])
     p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--batch", type=int, default=1, help="generate(): prompts per call (left-padded)")
     p.add_argument("--train-lengths", type=int, nargs="+", default=[16, 512])
     p.add_argument("--train-steps", type=int, default=5)
     p.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"], help="generate() and training dtypes")
     p.add_argument("--runs", type=int, default=3, help="processes per implementation and case (generate, train)")
     p.add_argument("--only", choices=["tvm", "sdpa"], help="generate() / train with one implementation only")
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
-    p.add_argument("--worker", nargs=6, help=argparse.SUPPRESS)
+    p.add_argument("--worker", nargs=7, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -49,6 +49,26 @@ def test_growing_cache_matches_the_full_path(gen, lengths):
         torch.testing.assert_close(got[b:b + 1].double(), ref.double(), atol=1e-5, rtol=1e-5)
 
 
+def test_left_padded_cache_matches_the_full_path(gen):
+    """generate()'s batch of left-padded prompts: cache_leftpad (the first real key of each row)
+    takes the repeated-call path too, and a left pad past a row's length is still refused."""
+    q, k_all, v_all = _decode_inputs(gen)
+    pads = torch.tensor([3, 70], dtype=torch.int32)
+    with torch.no_grad():
+        for n in (90, 91, 128, 129):
+            args = (q, k_all[:, :n], v_all[:, :n])
+            got = [flash_attn_with_kvcache(*args, cache_seqlens=n, cache_leftpad=pads, causal=True) for _ in range(2)]
+            assert kvcache._steps
+            want = _full_path(flash_attn_with_kvcache, *args, cache_seqlens=n, cache_leftpad=pads, causal=True)
+            assert torch.equal(got[0], want) and torch.equal(got[1], want)
+        for b in range(2):
+            ref = reference_attention(q[b:b + 1], k_all[b:b + 1, pads[b]:n], v_all[b:b + 1, pads[b]:n])[0]
+            torch.testing.assert_close(got[1][b:b + 1].double(), ref.double(), atol=1e-5, rtol=1e-5)
+        flash_attn_with_kvcache(*args, cache_seqlens=n, cache_leftpad=pads, causal=True)
+        with pytest.raises(ValueError, match="cache_leftpad must lie"):
+            flash_attn_with_kvcache(*args, cache_seqlens=n, cache_leftpad=torch.tensor([3, n + 1], dtype=torch.int32))
+
+
 def test_decode_refuses_bad_input_after_a_repeated_call(gen):
     q, k_cache, v_cache = _decode_inputs(gen)
     with torch.no_grad():

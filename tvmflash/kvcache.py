@@ -113,13 +113,13 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     softmax_lse (batch, nheads, seqlen_q) fp32 if ``return_softmax_lse``. Forward only.
     """
     if (k is None and v is None and rotary_cos is None and rotary_sin is None and cache_batch_idx is None
-            and cache_leftpad is None and block_table is None and alibi_slopes is None):
+            and block_table is None and alibi_slopes is None):
         # a decode step of the kind every model makes (shapes and options seen before): checked once
-        key = _step_key(q, k_cache, v_cache, cache_seqlens, softmax_scale, causal, window_size, softcap,
-                        rotary_interleaved, num_splits, return_softmax_lse)
+        key = _step_key(q, k_cache, v_cache, cache_seqlens, cache_leftpad, softmax_scale, causal, window_size,
+                        softcap, rotary_interleaved, num_splits, return_softmax_lse)
         step = _steps.get(key) if key is not None else None
         if step is not None:
-            result = step(q, k_cache, v_cache, cache_seqlens)
+            result = step(q, k_cache, v_cache, cache_seqlens, cache_leftpad)
             if result is not None:
                 return result  # (None: something the checks below must see, and raise on)
     q = _tensor("q", q, 4)
@@ -275,10 +275,10 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     lse = torch.empty(batch, heads, seqlen_q, dtype=torch.float32)
     kernels.decode(q_in, k_cache, v_cache, out, lse, scale, window, threads, torch.from_numpy(seq_info),
                    torch.from_numpy(units), pages, mods)
-    if (not seqlen_new and not paged and cache_batch_idx is None and cache_leftpad is None and alibi_slopes is None
-            and q_in is q):
-        key = _step_key(q, k_cache, v_cache, cache_seqlens, softmax_scale, causal, window_size, softcap,
-                        rotary_interleaved, num_splits, return_softmax_lse)
+    if (not seqlen_new and not paged and cache_batch_idx is None and alibi_slopes is None and q_in is q
+            and (cache_leftpad is None or type(cache_leftpad) is torch.Tensor)):
+        key = _step_key(q, k_cache, v_cache, cache_seqlens, cache_leftpad, softmax_scale, causal, window_size,
+                        softcap, rotary_interleaved, num_splits, return_softmax_lse)
         if key is not None:
             if len(_steps) >= _MAX_STEPS:
                 _steps.clear()
@@ -356,11 +356,11 @@ _steps: dict[tuple, _DecodeStep] = {}
 _MAX_STEPS = 256
 
 
-def _step_key(q, k_cache, v_cache, cache_seqlens, softmax_scale, causal, window_size, softcap, rotary_interleaved,
-              num_splits, return_lse) -> tuple | None:
-    """What the checks of a call without new tokens, rotary, paging, cache_batch_idx,
-    cache_leftpad and ALiBi depend on beyond the kernel's own argument checks; None for
-    arguments of unusual types (the checks see them)."""
+def _step_key(q, k_cache, v_cache, cache_seqlens, cache_leftpad, softmax_scale, causal, window_size, softcap,
+              rotary_interleaved, num_splits, return_lse) -> tuple | None:
+    """What the checks of a call without new tokens, rotary, paging, cache_batch_idx and ALiBi
+    depend on beyond the kernel's own argument checks; None for arguments of unusual types (the
+    checks see them)."""
     if (type(q) is not torch.Tensor or type(k_cache) is not torch.Tensor or type(v_cache) is not torch.Tensor
             or not (softmax_scale is None or type(softmax_scale) is float) or type(causal) is not bool
             or type(window_size) is not tuple or len(window_size) != 2 or type(window_size[0]) is not int
@@ -373,25 +373,34 @@ def _step_key(q, k_cache, v_cache, cache_seqlens, softmax_scale, causal, window_
         lengths = (cache_seqlens.dtype, cache_seqlens.shape, cache_seqlens.is_cpu, cache_seqlens.layout)
     else:
         return None
+    if cache_leftpad is None:
+        starts = None
+    elif type(cache_leftpad) is torch.Tensor:
+        starts = (cache_leftpad.dtype, cache_leftpad.shape, cache_leftpad.is_cpu, cache_leftpad.layout)
+    else:
+        return None
     cache_shape = k_cache.shape
     if len(cache_shape) != 4:
         return None
     # (the caches' length changes every step of a growing cache: each call compares it with the lengths)
-    return (q.shape, q.dtype, cache_shape[0], cache_shape[2], lengths, softmax_scale, causal, window_size, softcap,
-            num_splits, rotary_interleaved, return_lse, *_steering_values())  # (what decode_kernels' memo keys on)
+    return (q.shape, q.dtype, cache_shape[0], cache_shape[2], lengths, starts, softmax_scale, causal, window_size,
+            softcap, num_splits, rotary_interleaved, return_lse, *_steering_values())  # (decode_kernels' memo too)
 
 
-def repeated_decode_step(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, softmax_scale: float | None,
-                         causal: bool, window_size: tuple[int, int], softcap: float) -> torch.Tensor | None:
-    """``flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=k_cache.shape[1], ...)`` if
-    a call with the same key passed its checks before, else None: an integration's decode step
-    (one new token per sequence against every row of dense caches, each layer and token) without
-    the checks and the keyword arguments (the scale a float or None, the window a tuple of two
-    ints and softcap a float, as the checks want them)."""
+def repeated_decode_step(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cache_seqlens: int,
+                         softmax_scale: float | None, causal: bool, window_size: tuple[int, int], softcap: float,
+                         cache_leftpad: torch.Tensor | None = None) -> torch.Tensor | None:
+    """``flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=cache_seqlens,
+    cache_leftpad=cache_leftpad, ...)`` if a call with the same key passed its checks before,
+    else None: an integration's decode step (one new token per sequence against dense caches,
+    each layer and token) without the checks and the keyword arguments (the scale a float or
+    None, the window a tuple of two ints, softcap a float, as the checks want them)."""
     cache_shape = k_cache.shape
-    step = _steps.get((q.shape, q.dtype, *cache_shape[::2], int, softmax_scale, causal, window_size, softcap, 0, True,
-                       False, *_steering_values()))  # (_step_key's key of that call)
-    return None if step is None else step(q, k_cache, v_cache, cache_shape[1])
+    starts = None if cache_leftpad is None else (cache_leftpad.dtype, cache_leftpad.shape, cache_leftpad.is_cpu,
+                                                 cache_leftpad.layout)
+    step = _steps.get((q.shape, q.dtype, *cache_shape[::2], int, starts, softmax_scale, causal, window_size, softcap,
+                       0, True, False, *_steering_values()))  # (_step_key's key of that call)
+    return None if step is None else step(q, k_cache, v_cache, cache_seqlens, cache_leftpad)
 
 
 class _DecodeStep:
@@ -411,7 +420,7 @@ class _DecodeStep:
         self._last = (None, None)
         self._scratch = threading.local()  # each thread's lse when the caller does not want it
 
-    def __call__(self, q, k_cache, v_cache, cache_seqlens):
+    def __call__(self, q, k_cache, v_cache, cache_seqlens, cache_leftpad=None):
         """The call's result, or None where the full checks must run (they raise)."""
         if torch.is_grad_enabled() and (q.requires_grad or k_cache.requires_grad or v_cache.requires_grad):
             return None
@@ -429,14 +438,20 @@ class _DecodeStep:
             ends = cache_seqlens.tolist()
             if min(ends) < 0 or max(ends) > capacity:
                 return None
+        if cache_leftpad is None:
+            starts = self.starts
+        else:  # (the first real key of each sequence: left padding)
+            starts = cache_leftpad.tolist()
+            if any(not 0 <= s <= e for s, e in zip(starts, ends)):
+                return None
         threads = self.threads()
         planned, tables = self._last
-        if planned != (ends, threads):
-            seq_info, units = plan.decode_units(self.starts, ends, seqlen_q=self.seqlen_q, window=self.window,
+        if planned != (ends, starts, threads):
+            seq_info, units = plan.decode_units(starts, ends, seqlen_q=self.seqlen_q, window=self.window,
                                                 block_k=self.block_k, heads_k=shape[2], threads=threads,
                                                 num_splits=self.num_splits, head_group=self.group)
             tables = torch.from_numpy(seq_info), torch.from_numpy(units), min(threads, max(1, len(units)))
-            self._last = ((ends, threads), tables)  # (one assignment: other threads see old or new)
+            self._last = ((ends, starts, threads), tables)  # (one assignment: other threads see old or new)
         seq_info, units, team = tables
         out = torch.empty_like(q)  # (q's shape and dtype; the kernel writes any strides)
         if self.return_lse:

@@ -212,14 +212,15 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask
     Otherwise (gradients, CUDA tensors): ``flash_attn_func``, or ``flash_attn_varlen_func`` on the
     gathered real keys.
     """
-    if key_mask is None and not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)):
-        out = repeated_decode_step(q, k, v, softmax_scale, causal, window_size, softcap)
-        if out is not None:  # (a step like one checked before: the layers and tokens after the first)
-            return out
-    opts = {"softmax_scale": softmax_scale, "causal": causal, "window_size": window_size, "softcap": softcap}
     n = k.shape[1] if key_mask is None else key_mask.shape[1]
     plan = None if key_mask is None else _unpad_plan(key_mask, 1)
     left_pad = None if plan is None else plan.left_pad
+    if ((plan is None or left_pad is not None)
+            and not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad))):
+        out = repeated_decode_step(q, k, v, n, softmax_scale, causal, window_size, softcap, left_pad)
+        if out is not None:  # (a step like one checked before: the layers and tokens after the first)
+            return out
+    opts = {"softmax_scale": softmax_scale, "causal": causal, "window_size": window_size, "softcap": softcap}
     if _decode_kernel_applies(q, k, v):
         if plan is None or left_pad is not None:
             return flash_attn_with_kvcache(q, k, v, cache_seqlens=n, cache_leftpad=left_pad, **opts)
