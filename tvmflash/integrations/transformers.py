@@ -213,27 +213,28 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask
     gathered real keys.
     """
     n = k.shape[1] if key_mask is None else key_mask.shape[1]
-    plan = None if key_mask is None else _unpad_plan(key_mask, 1)
-    left_pad = None if plan is None else plan.left_pad
-    if ((plan is None or left_pad is not None)
+    left_pad = None if key_mask is None else _per_mask(key_mask, "_tvmflash_left_pad", None,
+                                                         lambda: _left_pad(key_mask))
+    if ((key_mask is None or left_pad is not None)
             and not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad))):
         out = repeated_decode_step(q, k, v, n, softmax_scale, causal, window_size, softcap, left_pad)
         if out is not None:  # (a step like one checked before: the layers and tokens after the first)
             return out
     opts = {"softmax_scale": softmax_scale, "causal": causal, "window_size": window_size, "softcap": softcap}
-    if _decode_kernel_applies(q, k, v):
-        if plan is None or left_pad is not None:
-            return flash_attn_with_kvcache(q, k, v, cache_seqlens=n, cache_leftpad=left_pad, **opts)
-        if plan.max_k > 0:  # holes (pad tokens inside a prompt): each row's real keys gathered to its front
-            table, lengths = plan.key_table(key_mask)
-            if q.shape[0] == 1:  # index_select: ~2.5x faster than advanced indexing here
-                k, v = k.index_select(1, table[0]), v.index_select(1, table[0])
-            else:
-                rows = torch.arange(q.shape[0], device=q.device)[:, None]
-                k, v = k[rows, table], v[rows, table]
-            return flash_attn_with_kvcache(q, k, v, cache_seqlens=lengths, **opts)
+    on_kernel = _decode_kernel_applies(q, k, v)
+    if on_kernel and (key_mask is None or left_pad is not None):
+        return flash_attn_with_kvcache(q, k, v, cache_seqlens=n, cache_leftpad=left_pad, **opts)
     if key_mask is None:
         return flash_attn_func(q, k, v, **opts)
+    plan = _unpad_plan(key_mask, 1)
+    if on_kernel and plan.max_k > 0:  # holes (pad tokens inside a prompt): each row's real keys gathered to its front
+        table, lengths = plan.key_table(key_mask)
+        if q.shape[0] == 1:  # index_select: ~2.5x faster than advanced indexing here
+            k, v = k.index_select(1, table[0]), v.index_select(1, table[0])
+        else:
+            rows = torch.arange(q.shape[0], device=q.device)[:, None]
+            k, v = k[rows, table], v[rows, table]
+        return flash_attn_with_kvcache(q, k, v, cache_seqlens=lengths, **opts)
     k, v = k[:, :n], v[:, :n]
     batch = q.shape[0]
     cu_q = torch.arange(batch + 1, dtype=torch.int32, device=q.device)
@@ -279,10 +280,7 @@ class _Unpad:
         self.query_index, self.cu_q, self.max_q = _nonzero_and_cu(key_mask[:, -len_q:])
         # (batch,) int32 first real key where every row's real keys are one run ending at the
         # last key (left padding, or none; what decode's KV-cache kernel reads), else None
-        n = key_mask.shape[1]
-        first = n - (self.cu_k[1:] - self.cu_k[:-1])
-        run = torch.arange(n, device=first.device)[None, :] >= first[:, None]
-        self.left_pad = first.to(torch.int32) if torch.equal(run, key_mask.bool()) else None
+        self.left_pad = _left_pad(key_mask, self.cu_k[1:] - self.cu_k[:-1])
         self._blind = {}
         self._key_table = None
 
@@ -330,24 +328,41 @@ def _nonzero_and_cu(mask: torch.Tensor):
     return index, cu, int(lengths.max()) if lengths.numel() else 0
 
 
+def _left_pad(mask: torch.Tensor, lengths: torch.Tensor | None = None) -> torch.Tensor | None:
+    """(batch,) int32 first real key where every row's real keys are one run ending at the last
+    key (left padding, or none: what decode's KV-cache kernel reads), else None. ``lengths``:
+    the real keys per row, if known."""
+    n = mask.shape[1]
+    first = n - (mask.sum(dim=1, dtype=torch.int32) if lengths is None else lengths)
+    run = torch.arange(n, device=first.device)[None, :] >= first[:, None]
+    return first.to(torch.int32) if torch.equal(run, mask.bool()) else None
+
+
 def _unpad_plan(mask: torch.Tensor, len_q: int) -> _Unpad:
-    """The gather indices and cu_seqlens for ``mask``, computed once per mask tensor.
+    """The gather indices and cu_seqlens for ``mask``, computed once per mask tensor."""
+    return _per_mask(mask, "_tvmflash_unpad", len_q, lambda: _Unpad(mask, len_q))
+
+
+def _per_mask(mask: torch.Tensor, name: str, key, build):
+    """``build()``, computed once per mask tensor and ``key`` (kept on the tensor as ``name``).
 
     A model builds its masks once per forward and hands the same tensor to every layer of a
     kind, so the indices (and the device sync for the lengths) are found once, not per layer.
+    A decode step gets a new mask every token and needs only its left padding (``_left_pad``:
+    ~12 us, against ~38 for the full plan).
     """
     if mask.is_inference():  # no version counter to tell an in-place change: computed per call
-        return _Unpad(mask, len_q)
-    stamp = (mask._version, len_q)
-    cached = getattr(mask, "_tvmflash_unpad", None)
+        return build()
+    stamp = (mask._version, key)
+    cached = getattr(mask, name, None)
     if cached is not None and cached[0] == stamp:
         return cached[1]
-    plan = _Unpad(mask, len_q)
+    found = build()
     try:
-        mask._tvmflash_unpad = (stamp, plan)
+        setattr(mask, name, (stamp, found))
     except (AttributeError, RuntimeError):  # tensor subclasses that refuse attributes
         pass
-    return plan
+    return found
 
 
 def _padded_attention(q, k, v, mask: torch.Tensor, opts: dict, sliding_window: int | None) -> torch.Tensor:
