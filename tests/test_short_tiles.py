@@ -93,3 +93,32 @@ def test_inference_calls_take_the_short_tiles(gen):
         fast = flash_attn_func(q, k, v, causal=True)
     slow = torch.ops.tvmflash.flash_attn_forward(q, k, v, None, None, None, 0.125, -1, 0, 0.0, False, False, None)[0]
     assert torch.equal(fast, slow)
+
+
+@pytest.mark.parametrize("lengths_q,lengths_k,edges", [
+    ([15, 1, 9], [15, 1, 9], (16, 16)),      # a padded batch of short prompts: 16-row tiles
+    ([31, 17, 5], [20, 33, 5], (32, 64)),    # the longest query and key choose each side
+])
+def test_packed_short_sequences_match_float64(lengths_q, lengths_k, edges, gen, seed):
+    """Packed sequences (``flash_attn_varlen_func``, transformers' padded batches) choose tiles by
+    their longest sequence: each sequence's out, lse, dq, dk, dv against float64 attention."""
+    from tvmflash import flash_attn_varlen_func
+
+    cu_q, cu_k = (torch.tensor([0, *torch.tensor(n).cumsum(0).tolist()], dtype=torch.int32)
+                  for n in (lengths_q, lengths_k))
+    assert torch_op._call_seqlens(torch.zeros(1, 1, 1, 64), None, cu_q, cu_k) == (max(lengths_q), max(lengths_k))
+    cfg = torch_op.kernels_for(torch.zeros(1, 1, 1, 64), seqlens=(max(lengths_q), max(lengths_k))).configs["forward"]
+    assert (cfg.block_q, cfg.block_k) == edges
+    heads, heads_k = 4, 2
+    q = torch.randn(sum(lengths_q), heads, 64, generator=gen).requires_grad_()
+    k = torch.randn(sum(lengths_k), heads_k, 64, generator=gen).requires_grad_()
+    v = torch.randn(sum(lengths_k), heads_k, 64, generator=gen).requires_grad_()
+    dout = torch.randn(q.shape, generator=gen)
+    out, lse, _ = flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lengths_q), max(lengths_k), causal=True,
+                                         return_attn_probs=True)
+    dq, dk, dv = torch.autograd.grad(out, (q, k, v), dout)
+    for b in range(len(lengths_q)):
+        rq, rk = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
+        one = lambda t, rows: t[rows][None]  # noqa: E731  (1, length, heads, head_dim)
+        assert_matches_reference(f"sequence {b}", (one(q, rq), one(k, rk), one(v, rk), one(dout, rq)),
+                                 (one(out, rq), lse[:, rq][None], one(dq, rq), one(dk, rk), one(dv, rk)), True, seed)
