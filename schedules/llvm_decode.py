@@ -15,7 +15,6 @@ from __future__ import annotations
 from tvm import s_tir
 
 from tvmflash.config import DecodeConfig
-from tvmflash.kernels.decode import score_lanes
 
 from .llvm import _extent, _largest_divisor, _vectorize_elementwise, _vectorize_row_reduction, register_tile
 
@@ -31,7 +30,7 @@ class _Knobs:
         return [None, _largest_divisor(_extent(sch, loop), min(wanted, max_inner))]
 
 
-def _scores(sch: s_tir.Schedule, cfg: DecodeConfig, head_dim: int) -> None:
+def _scores(sch: s_tir.Schedule) -> None:
     """The score register tile (loops c, key, row, lane under the key-group loop) unrolled and
     vectorized along the lanes: LLVM keeps its accumulators in registers."""
     block = sch.get_sblock("scores")
@@ -51,7 +50,7 @@ def schedule_decode(sch: s_tir.Schedule, cfg: DecodeConfig, head_dim: int) -> s_
     sch.parallel(sch.get_loops(sch.get_sblock("slot"))[-1])
     merge_loops = sch.get_loops(sch.get_sblock("merge"))
     sch.parallel(sch.fuse(*merge_loops[-2:]))
-    _scores(sch, cfg, head_dim)
+    _scores(sch)
     register_tile(sch, "decode", "pv", _Knobs(cfg), lanes)
     for name in ("load_q", "init_o", "load_scores", "probs", "merge_init", "merge_store"):
         _vectorize_elementwise(sch, name, lanes)

@@ -370,21 +370,31 @@ def _step_key(q, k_cache, v_cache, cache_seqlens, cache_leftpad, softmax_scale, 
     if cache_seqlens is None or type(cache_seqlens) is int:
         lengths = type(cache_seqlens)
     elif type(cache_seqlens) is torch.Tensor:
-        lengths = (cache_seqlens.dtype, cache_seqlens.shape, cache_seqlens.is_cpu, cache_seqlens.layout)
+        lengths = _vector_kind(cache_seqlens)
     else:
         return None
-    if cache_leftpad is None:
-        starts = None
-    elif type(cache_leftpad) is torch.Tensor:
-        starts = (cache_leftpad.dtype, cache_leftpad.shape, cache_leftpad.is_cpu, cache_leftpad.layout)
-    else:
+    if cache_leftpad is not None and type(cache_leftpad) is not torch.Tensor:
         return None
+    if len(k_cache.shape) != 4:
+        return None
+    return _key(q, k_cache, lengths, cache_leftpad, softmax_scale, causal, window_size, softcap, num_splits,
+                rotary_interleaved, return_lse)
+
+
+def _key(q, k_cache, lengths, cache_leftpad, softmax_scale, causal, window_size, softcap, num_splits,
+         rotary_interleaved, return_lse) -> tuple:
+    """The step key from arguments of the types the checks want (``lengths``: the kind of
+    cache_seqlens). The caches' length is not in it: a growing cache changes it every step, and
+    each call compares it with the lengths."""
     cache_shape = k_cache.shape
-    if len(cache_shape) != 4:
-        return None
-    # (the caches' length changes every step of a growing cache: each call compares it with the lengths)
+    starts = None if cache_leftpad is None else _vector_kind(cache_leftpad)
     return (q.shape, q.dtype, cache_shape[0], cache_shape[2], lengths, starts, softmax_scale, causal, window_size,
             softcap, num_splits, rotary_interleaved, return_lse, *_steering_values())  # (decode_kernels' memo too)
+
+
+def _vector_kind(t: torch.Tensor) -> tuple:
+    """What the checks of a (batch,) int tensor argument read, but its values."""
+    return t.dtype, t.shape, t.is_cpu, t.layout
 
 
 def repeated_decode_step(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cache_seqlens: int,
@@ -395,11 +405,8 @@ def repeated_decode_step(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     else None: an integration's decode step (one new token per sequence against dense caches,
     each layer and token) without the checks and the keyword arguments (the scale a float or
     None, the window a tuple of two ints, softcap a float, as the checks want them)."""
-    cache_shape = k_cache.shape
-    starts = None if cache_leftpad is None else (cache_leftpad.dtype, cache_leftpad.shape, cache_leftpad.is_cpu,
-                                                 cache_leftpad.layout)
-    step = _steps.get((q.shape, q.dtype, *cache_shape[::2], int, starts, softmax_scale, causal, window_size, softcap,
-                       0, True, False, *_steering_values()))  # (_step_key's key of that call)
+    step = _steps.get(_key(q, k_cache, int, cache_leftpad, softmax_scale, causal, window_size, softcap, 0, True,
+                           False))
     return None if step is None else step(q, k_cache, v_cache, cache_seqlens, cache_leftpad)
 
 
@@ -415,7 +422,8 @@ class _DecodeStep:
         self.batch, self.seqlen_q = batch, seqlen_q
         self.starts = (0,) * batch
         self.function, self.block_k = kernels._function, kernels.config.block_k
-        self.threads = threads_module.torch_threads if kernels._on_torch_threads else settings.num_threads
+        self.on_torch_threads = kernels._on_torch_threads
+        self.threads = threads_module.torch_threads if self.on_torch_threads else settings.num_threads
         # the tables of the last lengths: the layers of a model call with the same lengths in turn
         self._last = (None, None)
         self._scratch = threading.local()  # each thread's lse when the caller does not want it
@@ -462,7 +470,7 @@ class _DecodeStep:
                 lse = self._scratch.lse = torch.empty(*self.lse_shape, dtype=torch.float32, device=self.device)
         # (DecodeKernels.decode without its checks: the first call of this step made them, and the
         # kernel's argument checks cover the rest: what they refuse, the full path names)
-        if self.threads is threads_module.torch_threads:
+        if self.on_torch_threads:
             threads_module.limit(team)
         try:
             self.function(q, k_cache, v_cache, out, lse, self.scale, *self.window, team, seq_info, units, self.pages,

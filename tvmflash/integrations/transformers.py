@@ -270,17 +270,13 @@ def _window(sliding_window: int | None, causal: bool, len_k: int) -> tuple[int, 
 class _Unpad:
     """Where the real tokens of a padded batch are, and their sequences' boundaries."""
 
-    __slots__ = ("len_q", "key_index", "cu_k", "max_k", "query_index", "cu_q", "max_q", "left_pad", "_blind",
-                 "_key_table")
+    __slots__ = ("len_q", "key_index", "cu_k", "max_k", "query_index", "cu_q", "max_q", "_blind", "_key_table")
 
     def __init__(self, key_mask: torch.Tensor, len_q: int):
         self.len_q = len_q
         self.key_index, self.cu_k, self.max_k = _nonzero_and_cu(key_mask)
         # The queries are the last len_q keys (transformers' flash-attention convention).
         self.query_index, self.cu_q, self.max_q = _nonzero_and_cu(key_mask[:, -len_q:])
-        # (batch,) int32 first real key where every row's real keys are one run ending at the
-        # last key (left padding, or none; what decode's KV-cache kernel reads), else None
-        self.left_pad = _left_pad(key_mask, self.cu_k[1:] - self.cu_k[:-1])
         self._blind = {}
         self._key_table = None
 
@@ -328,12 +324,11 @@ def _nonzero_and_cu(mask: torch.Tensor):
     return index, cu, int(lengths.max()) if lengths.numel() else 0
 
 
-def _left_pad(mask: torch.Tensor, lengths: torch.Tensor | None = None) -> torch.Tensor | None:
+def _left_pad(mask: torch.Tensor) -> torch.Tensor | None:
     """(batch,) int32 first real key where every row's real keys are one run ending at the last
-    key (left padding, or none: what decode's KV-cache kernel reads), else None. ``lengths``:
-    the real keys per row, if known."""
+    key (left padding, or none: what decode's KV-cache kernel reads), else None."""
     n = mask.shape[1]
-    first = n - (mask.sum(dim=1, dtype=torch.int32) if lengths is None else lengths)
+    first = n - mask.sum(dim=1, dtype=torch.int32)
     run = torch.arange(n, device=first.device)[None, :] >= first[:, None]
     return first.to(torch.int32) if torch.equal(run, mask.bool()) else None
 
