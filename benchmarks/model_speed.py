@@ -14,7 +14,12 @@
 
 ``generate`` and ``train`` run each implementation alone in a process of its own (``--worker``),
 the implementations alternated process by process (``--runs`` processes each), medians over the
-processes. Ratios are tvmflash / SDPA of times (for tokens/s: sdpa / tvm, so that below 1 is
+processes. Between processes, models differ by a few per cent even with one implementation
+(allocation: pages, huge pages), which limits what those ratios resolve; ``swap`` measures the
+same ``generate()`` cases and training steps on one model in one process, switching its
+attention implementation (``set_attn_implementation``) between calls, in ABBA order
+(``--runs`` rounds): the ratio of medians then compares only the attention. (It also shows that
+one implementation's threads do not slow the other's: they run on the same torch threads.) Ratios are tvmflash / SDPA of times (for tokens/s: sdpa / tvm, so that below 1 is
 tvmflash faster everywhere). The load average is printed with the results: on a shared machine
 the numbers are preliminary.
 
@@ -22,6 +27,7 @@ the numbers are preliminary.
     python benchmarks/model_speed.py fixed linear --rounds 2000 --threads 1
     python benchmarks/model_speed.py generate train --runs 5 --prompts 32 1024 --train-lengths 512
     python benchmarks/model_speed.py generate --batch 4 --prompts 40 --new-tokens 32
+    python benchmarks/model_speed.py swap --runs 8
 """
 
 from __future__ import annotations
@@ -176,14 +182,7 @@ def worker_generate(dtype, prompt: int, new_tokens: int, implementation: str, ba
     """tokens/s (all rows') of one timed generate() after a warm-up (compiles, caches) in this
     process; rows after the first left-padded by b / 2B of the prompt."""
     model = _llama(dtype, _implementation(implementation)).eval()
-    # Token 0 is the pad token: generate() would mask every 0 inside the prompt (holes in the mask).
-    ids = torch.randint(1, 1024, (batch, prompt), generator=torch.Generator().manual_seed(prompt))
-    mask = torch.ones_like(ids)
-    for b in range(batch):
-        mask[b, :prompt * b // (2 * batch)] = 0
-    ids = ids.masked_fill(mask == 0, 0)
-    kwargs = dict(attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                  do_sample=False, pad_token_id=0)
+    ids, kwargs = _generate_inputs(prompt, new_tokens, batch)
     with torch.no_grad():  # (inference_mode: the integration reads position_ids._version)
         model.generate(ids, **{**kwargs, "max_new_tokens": 2, "min_new_tokens": 2})
         start = time.perf_counter()
@@ -206,6 +205,81 @@ def worker_train(dtype, length: int, steps: int, implementation: str) -> dict:
         if step >= 2:
             times.append(time.perf_counter() - start)
     return {"value": statistics.median(times)}
+
+
+def _generate_inputs(prompt: int, new_tokens: int, batch: int):
+    # Token 0 is the pad token: generate() would mask every 0 inside the prompt (holes in the mask).
+    ids = torch.randint(1, 1024, (batch, prompt), generator=torch.Generator().manual_seed(prompt))
+    mask = torch.ones_like(ids)
+    for b in range(batch):
+        mask[b, :prompt * b // (2 * batch)] = 0
+    ids = ids.masked_fill(mask == 0, 0)
+    return ids, dict(attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+                     pad_token_id=0)
+
+
+def _abba_seconds(run, implementations: list[str], rounds: int) -> dict:
+    """Seconds of ``run()`` per implementation, switched on one model in ABBA order (a drift
+    over the rounds then weighs on both alike)."""
+    times = {impl: [] for impl in implementations}
+    for r in range(rounds):
+        for impl in (implementations if r % 2 == 0 else implementations[::-1]):
+            start = time.perf_counter()
+            run(impl)
+            times[impl].append(time.perf_counter() - start)
+    return times
+
+
+def swapped(args: argparse.Namespace) -> None:
+    """generate() and training steps on one model per dtype, its attention switched call by call."""
+    names = {"sdpa": "sdpa", "tvm": _implementation("tvm")}
+    rows = []
+
+    def row(label: str, times: dict, scale: float, unit: str) -> None:
+        medians = {impl: statistics.median(v) for impl, v in times.items()}
+        paired = statistics.median(t / s for t, s in zip(times["tvm"], times["sdpa"]))
+        rows.append(f"| {label} | {medians['tvm'] * scale:.1f} | {medians['sdpa'] * scale:.1f} | {unit} | "
+                    f"{medians['tvm'] / medians['sdpa']:.3f} | {paired:.3f} | "
+                    f"{min(times['tvm']) / min(times['sdpa']):.3f} |")
+        print(f"  swap: {rows[-1]}", file=sys.stderr, flush=True)
+
+    for dtype_name in args.dtypes:
+        dtype = getattr(torch, dtype_name)
+        model = _llama(dtype, "sdpa").eval()
+        for prompt in args.prompts:
+            ids, kwargs = _generate_inputs(prompt, args.new_tokens, args.batch)
+
+            def generate(impl, kwargs=kwargs, ids=ids):
+                model.set_attn_implementation(names[impl])
+                with torch.no_grad():
+                    model.generate(ids, **kwargs)
+
+            for impl in names:  # warm-up: compiles, caches
+                model.set_attn_implementation(names[impl])
+                with torch.no_grad():
+                    model.generate(ids, **{**kwargs, "max_new_tokens": 2, "min_new_tokens": 2})
+            what = "prompt" if args.batch == 1 else f"{args.batch} left-padded prompts"
+            row(f"{dtype_name} generate(), {what} {prompt}", _abba_seconds(generate, list(names), args.runs), 1e3,
+                f"ms per {args.new_tokens} tokens")
+        model.train()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
+        for length in args.train_lengths:
+            ids = torch.randint(0, 1024, (1, length), generator=torch.Generator().manual_seed(length))
+
+            def step(impl, ids=ids):
+                model.set_attn_implementation(names[impl])
+                model(input_ids=ids, labels=ids).loss.backward()
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+
+            for impl in (*names, *names):
+                step(impl)
+            row(f"{dtype_name} training step, sequence {length}", _abba_seconds(step, list(names), args.runs), 1e3,
+                "ms per step")
+    print(f"\nOne model per dtype in one process, attention switched between calls (ABBA, {args.runs} rounds):"
+          " 8-layer Llama (GQA 8/2, D64)\n\n| case | tvmflash | SDPA | unit | ratio of medians | median of paired "
+          "ratios | ratio of minima |\n|---|---|---|---|---|---|---|")
+    print("\n".join(rows), flush=True)
 
 
 def _in_own_process(args: argparse.Namespace, worker: list[str]) -> float:
@@ -259,8 +333,8 @@ def worker(argv: list[str]) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parts = ["fixed", "linear", "generate", "train"]
-    p.add_argument("parts", nargs="*", help=f"of {', '.join(parts)} (default: all)")
+    parts = ["fixed", "linear", "generate", "train", "swap"]
+    p.add_argument("parts", nargs="*", help=f"of {', '.join(parts)} (default: all but swap)")
     p.add_argument("--rounds", type=int, default=1000, help="interleaved rounds per case (fixed, linear)")
     p.add_argument("--prompts", type=int, nargs="+", default=[32, 1024])
     p.add_argument("--new-tokens", type=int, default=64)
@@ -268,7 +342,7 @@ def main() -> None:
     p.add_argument("--train-lengths", type=int, nargs="+", default=[16, 512])
     p.add_argument("--train-steps", type=int, default=5)
     p.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"], help="generate() and training dtypes")
-    p.add_argument("--runs", type=int, default=3, help="processes per implementation and case (generate, train)")
+    p.add_argument("--runs", type=int, default=3, help="processes per implementation and case (generate, train); rounds (swap)")
     p.add_argument("--only", choices=["tvm", "sdpa"], help="generate() / train with one implementation only")
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
     p.add_argument("--worker", nargs=7, help=argparse.SUPPRESS)
@@ -278,7 +352,7 @@ def main() -> None:
     if args.worker:
         worker(args.worker)
         return
-    args.parts = args.parts or parts
+    args.parts = args.parts or parts[:-1]
     if set(args.parts) - set(parts):
         p.error(f"unknown parts {sorted(set(args.parts) - set(parts))}: choose from {parts}")
     print(f"machine: {machine()}\ntvmflash {tvmflash.__version__}, {torch.get_num_threads()} threads, "
@@ -291,6 +365,8 @@ def main() -> None:
         alternated(args, "generate", [(d, n) for d in args.dtypes for n in args.prompts], "tokens/s", True)
     if "train" in args.parts:
         alternated(args, "train", [(d, n) for d in args.dtypes for n in args.train_lengths], "ms/step", False)
+    if "swap" in args.parts:
+        swapped(args)
     print(f"\nload average at the end: {os.getloadavg()}")
 
 

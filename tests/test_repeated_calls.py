@@ -28,25 +28,59 @@ def _full_path(fn, *args, **kwargs):
         torch_op._calls.clear()
 
 
-@pytest.mark.parametrize("lengths", ["int", "tensor"])
-def test_growing_cache_matches_the_full_path(gen, lengths):
+@pytest.mark.parametrize("lengths,window", [("int", -1), ("tensor", -1), ("int", 20)])
+def test_growing_cache_matches_the_full_path(gen, lengths, window):
     """A cache that grows by one row per step (transformers' DynamicCache: a new tensor each
-    step), lengths crossing key tiles (63 -> 65, 127 -> 129)."""
+    step), lengths within a key tile (a step then rewrites only its table's ends) and crossing
+    tiles (63 -> 65, 127 -> 129); a sliding window moves the first visible tile too."""
     q, k_all, v_all = _decode_inputs(gen)
+    options = dict(causal=True, window_size=(window, -1), return_softmax_lse=True)
+    lengths_seen = (61, 62, 63, 64, 65, 66, 84, 85, 86, 127, 128, 129, 200)
+
+    def caches(n):  # (a new tensor each step, as a DynamicCache's)
+        seqlens = n - 3 if lengths == "int" else torch.tensor([n - 3, n - 40], dtype=torch.int32)
+        return k_all[:, :n].transpose(1, 2).contiguous().transpose(1, 2), v_all[:, :n], seqlens
+
     with torch.no_grad():
-        for n in (61, 62, 63, 64, 65, 127, 128, 129, 200):
-            k_cache, v_cache = k_all[:, :n].transpose(1, 2).contiguous().transpose(1, 2), v_all[:, :n]
-            seqlens = n - 3 if lengths == "int" else torch.tensor([n - 3, n - 40], dtype=torch.int32)
-            got, lse = flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens, causal=True,
-                                               return_softmax_lse=True)
-            want, want_lse = _full_path(flash_attn_with_kvcache, q, k_cache, v_cache, cache_seqlens=seqlens,
-                                        causal=True, return_softmax_lse=True)
-            assert torch.equal(got, want) and torch.equal(lse, want_lse)
-            flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens, causal=True, return_softmax_lse=True)
-    ends = [n - 3, n - 40] if lengths == "tensor" else [n - 3] * 2
-    for b, end in enumerate(ends):
-        ref = reference_attention(q[b:b + 1], k_cache[b:b + 1, :end], v_cache[b:b + 1, :end])[0]
-        torch.testing.assert_close(got[b:b + 1].double(), ref.double(), atol=1e-5, rtol=1e-5)
+        want = {n: _full_path(flash_attn_with_kvcache, q, *caches(n)[:2], cache_seqlens=caches(n)[2], **options)
+                for n in lengths_seen}
+        flash_attn_with_kvcache(q, *caches(60)[:2], cache_seqlens=caches(60)[2], **options)
+        for n in lengths_seen:
+            k_cache, v_cache, seqlens = caches(n)
+            assert kvcache._steps  # (the step of the calls before)
+            got, lse = flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens, **options)
+            assert torch.equal(got, want[n][0]) and torch.equal(lse, want[n][1])
+            ends = [n - 3, n - 40] if lengths == "tensor" else [n - 3] * 2
+            for b, end in enumerate(ends):
+                start = 0 if window < 0 else max(end - 1 - window, 0)
+                ref = reference_attention(q[b:b + 1], k_cache[b:b + 1, start:end], v_cache[b:b + 1, start:end],
+                                          dtype=torch.float64)[0]
+                torch.testing.assert_close(got[b:b + 1].double(), ref, atol=1e-5, rtol=1e-5)
+
+
+def test_decode_steps_from_two_threads_keep_their_own_lengths(gen):
+    """Threads that repeat one decode step with lengths of their own each get the attention over
+    their own lengths (each thread's tables are its own, rewritten as its lengths change)."""
+    import threading
+
+    q, k_cache, v_cache = _decode_inputs(gen)
+    want = {n: reference_attention(q, k_cache[:, :n], v_cache[:, :n], dtype=torch.float64)[0]
+            for n in range(100, 140)}
+    errors = []
+
+    def run(offset):
+        with torch.inference_mode():
+            for n in range(100 + offset, 140, 2):
+                for _ in range(3):
+                    out = flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=n)
+                    errors.append(float((out.double() - want[n]).abs().max()))
+
+    workers = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    assert len(errors) == 120 and max(errors) <= 1e-5
 
 
 def test_left_padded_cache_matches_the_full_path(gen):

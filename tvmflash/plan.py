@@ -189,7 +189,8 @@ def decode_head_group(heads_k: int, block_k: int, head_dim: int, elem_bytes: int
 
 
 def decode_units(k_start, k_end, *, seqlen_q: int, window: tuple[int, int], block_k: int, heads_k: int,
-                 threads: int, num_splits: int = 0, head_group: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+                 threads: int, num_splits: int = 0, head_group: int | None = None,
+                 seq_info: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     """The tables of one ``flash_decode`` call: which key tiles each sequence's queries can see
     (keys ``k_start <= k < k_end``, the window bottom-right aligned at ``k_end - seqlen_q``), cut
     into units (one kernel task each): a split of the tiles times a group of ``head_group`` kv
@@ -198,16 +199,26 @@ def decode_units(k_start, k_end, *, seqlen_q: int, window: tuple[int, int], bloc
     Plain Python: a decode step calls this every token, and numpy's per-call overhead on a few
     sequences was ~100 us. The units depend on the visible tiles only, which change once per
     ``block_k`` tokens of a growing cache: they are memoized (the returned units array is shared:
-    read it, never write it)."""
-    left, right = window
+    read it, never write it). ``seq_info``: a (batch, DECODE_SEQ_COLUMNS) int32 array to fill in
+    place of a new one (a repeated decode step's own)."""
     group = heads_k if head_group is None else max(1, min(head_group, heads_k))
     bounds = [(int(start), int(end)) for start, end in zip(k_start, k_end)]
     if max((abs(x) for pair in bounds for x in pair), default=0) >= 2**31:
         raise ValueError("sequences too long for the kernels' int32 tables (2^31 keys)")
-    spans = tuple(_visible_tiles(start, end, seqlen_q, left, right, block_k) for start, end in bounds)
+    spans = visible_tiles(bounds, seqlen_q, window, block_k)
     units, unit_ranges = _split_units(spans, heads_k, group, threads, num_splits)
-    seq_info = np.array([(start, end, u0, u1) for (start, end), (u0, u1) in zip(bounds, unit_ranges)], np.int32)
-    return seq_info.reshape(-1, DECODE_SEQ_COLUMNS), units
+    rows = [(start, end, u0, u1) for (start, end), (u0, u1) in zip(bounds, unit_ranges)]
+    if seq_info is None:
+        return np.array(rows, np.int32).reshape(-1, DECODE_SEQ_COLUMNS), units
+    seq_info[:] = rows
+    return seq_info, units
+
+
+def visible_tiles(bounds, seqlen_q: int, window: tuple[int, int], block_k: int) -> tuple:
+    """Each sequence's (first key tile, tile count) that its queries can see, for (start, end) int
+    pairs: what the units depend on (a growing cache's new end changes them once per key tile)."""
+    left, right = window
+    return tuple(_visible_tiles(start, end, seqlen_q, left, right, block_k) for start, end in bounds)
 
 
 def _visible_tiles(start: int, end: int, seqlen_q: int, left: int, right: int, block_k: int) -> tuple[int, int]:
