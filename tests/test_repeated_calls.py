@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import random_inputs, reference_attention
+from conftest import assert_flash_rule, random_inputs, reference_attention
 from tvmflash import checks, flash_attn_func, flash_attn_with_kvcache, kvcache, torch_op
 
 
@@ -174,6 +174,49 @@ def test_forward_repeats_keep_autograd_autocast_and_checks(gen):
         flash_attn_func(q, k, v, dropout_p=0.1, causal=True)
     with pytest.raises((TypeError, ValueError)):
         flash_attn_func(q, k.double(), v, causal=True)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_training_repeats_match_the_full_path(gen, seed, monkeypatch, dtype):
+    """A training step's layers repeat a call that autograd records: its forward and backward run
+    without the checks (_RepeatedTraining) and give the full path's out, lse and gradients, bit
+    for bit; the backward still refuses an LSE too large to recompute from and a second
+    derivative."""
+    backwards = []
+    original = torch_op._ForwardCall.backward
+    monkeypatch.setattr(torch_op._ForwardCall, "backward",
+                        lambda self, *a: backwards.append(1) or original(self, *a))
+    options = dict(causal=True, softcap=5.0, return_attn_probs=True)
+    first = random_inputs(gen, 1, 21, 21, 4, 2, 64, dtype, requires_grad=True)
+    flash_attn_func(*first, **options)[0].sum().backward()
+    assert torch_op._calls
+    leaves = random_inputs(gen, 1, 21, 21, 4, 2, 64, dtype, requires_grad=True)
+    dout = torch.randn(leaves[0].shape, generator=gen).to(leaves[0].dtype)
+    out, lse, _ = flash_attn_func(*leaves, **options)
+    grads = torch.autograd.grad(out, leaves, dout)
+    assert backwards == [1]
+    copies = [t.detach().clone().requires_grad_() for t in leaves]
+    want_out, want_lse, _ = _full_path(flash_attn_func, *copies, **options)
+    want = torch.autograd.grad(want_out, copies, dout)
+    assert torch.equal(out, want_out) and torch.equal(lse, want_lse)
+    assert all(torch.equal(g, w) for g, w in zip(grads, want))
+    doubles = [t.detach().double().requires_grad_() for t in leaves]
+    ref, _ = reference_attention(*doubles, True, softcap=5.0)
+    ref_grads = torch.autograd.grad(ref, doubles, dout.double())
+    plain = [t.detach().requires_grad_() for t in leaves]  # plain PyTorch in the same dtype
+    same, _ = reference_attention(*plain, True, softcap=5.0, dtype=leaves[0].dtype)
+    same_grads = torch.autograd.grad(same, plain, dout)
+    for name, g, r, p in zip(("dq", "dk", "dv"), grads, ref_grads, same_grads):
+        assert_flash_rule(name, g, r, p, leaves[0].dtype, seed)
+
+    flash_attn_func(*first, causal=True)  # (without softcap, which bounds the scores and the LSE)
+    huge = [(t.detach() * 1e5).requires_grad_() if i < 2 else t for i, t in enumerate(leaves)]
+    with pytest.raises(ValueError, match="log-sum-exp reached"):
+        flash_attn_func(*huge, causal=True).sum().backward()
+    assert backwards == [1, 1]
+    dq, = torch.autograd.grad(flash_attn_func(*leaves, causal=True).sum(), leaves[0], create_graph=True)
+    with pytest.raises(RuntimeError, match="no autograd formula"):
+        (dq.pow(2).sum() + leaves[0].sum()).backward()
 
 
 def test_steering_variables_are_read_fresh_on_every_call(monkeypatch):

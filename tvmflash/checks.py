@@ -473,6 +473,8 @@ def check_lse_recomputable(lse) -> None:
         # workers, whose spinning then takes cores from the kernel that follows (DEVELOPING.md)
         values = lse.detach().numpy() if hasattr(lse, "detach") else (
             lse if isinstance(lse, np.ndarray) else np.from_dlpack(lse))
+        if -MAX_RECOMPUTABLE_LSE < values.min() and values.max() < MAX_RECOMPUTABLE_LSE:
+            return  # (all finite and small: two reductions; a training step's call ran the masked ones in ~70 us)
         finite = values[np.isfinite(values)]
         largest = float(np.abs(finite).max()) if finite.size else 0.0
     if largest >= MAX_RECOMPUTABLE_LSE:

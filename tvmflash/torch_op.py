@@ -170,11 +170,6 @@ def _eager_path(*tensors) -> str | None:
     return "autograd" if _records_grad(present) else "body"
 
 
-def _runs_directly(device_type: str, *tensors) -> bool:
-    """``_eager_path`` is "body", for plain tensors (the repeated-call path's key has checked their types)."""
-    return not _records_grad(tensors) and _plain_eager(device_type)
-
-
 def _records_grad(tensors) -> bool:
     return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
 
@@ -353,8 +348,11 @@ def _attention(q, k, v, cu_seqlens_q, cu_seqlens_k, dropout_p, softmax_scale, ca
         key = _call_key(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, deterministic,
                         return_attn_probs)
         call = _calls.get(key) if key is not None else None
-        if call is not None and _runs_directly("cpu", q, k, v):  # (the key: plain CPU tensors)
-            return call(q, k, v)
+        if call is not None and _plain_eager("cpu"):  # (the key: plain CPU tensors)
+            if not _records_grad((q, k, v)):
+                return call(q, k, v)
+            out, lse = _RepeatedTraining.apply(call, q, k, v)
+            return (out, lse, None) if return_attn_probs else out
     varlen = cu_seqlens_q is not None
     tensors = {"q": q, "k": k, "v": v}
     infos = _check_tensors(tensors)
@@ -394,24 +392,25 @@ def _attention(q, k, v, cu_seqlens_q, cu_seqlens_k, dropout_p, softmax_scale, ca
     path = _eager_path(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes)
     if path == "body":
         out, lse = _run_forward(dims, *args)
-        in_place = all(a is b for a, b in zip((q, k, v), given))  # no padding, no copy
-        if fast and key is not None and in_place and not _empty_problem(q, k, False):
-            _remember_call(key, dims, q, k, options, return_attn_probs)
     elif path == "autograd":
         out, lse = _EagerAttention.apply(dims, *args)
     else:
         out, lse = _forward(*args)
+    in_place = all(a is b for a, b in zip((q, k, v), given))  # no padding, no copy
+    if path is not None and fast and key is not None and in_place and not _empty_problem(q, k, False):
+        _remember_call(key, dims, q, k, options, return_attn_probs, args[6:])
     out = out[..., :head_dim]
     return (out, lse, None) if return_attn_probs else out
 
 
-# --- inference calls seen before -------------------------------------------------------------
+# --- calls seen before ----------------------------------------------------------------------
 # A model calls flash_attn_func once per layer and step with the same shapes and options. The
 # checks (~40 us of Python, as much as the kernel at 16 tokens) depend on nothing else: a call
 # whose tensors' types, shapes, strides, dtypes and whose options (exact types: True == 1 in a
 # key, not for the checks) equal those of a checked dispatcher-free call runs as it did. What
-# can still differ is checked per call (_runs_directly: gradients, autocast, compile,
-# modes). Forward only; calls with packed sequences, ALiBi or padded head dims take the full path.
+# can still differ is checked per call (_plain_eager: autocast, compile, modes; gradients, which
+# decide between the forward alone and _RepeatedTraining's forward and backward). Calls with
+# packed sequences, ALiBi or padded head dims take the full path.
 _calls: dict[tuple, _ForwardCall] = {}
 _MAX_CALLS = 256
 _OPTION_TYPES = (float, int, type(None))
@@ -432,8 +431,9 @@ def _call_key(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, d
         return None
 
 
-def _remember_call(key, dims, q, k, options, return_attn_probs) -> None:
-    """Remember a checked call of CPU tensors that the kernels read in place (no copy, no padding)."""
+def _remember_call(key, dims, q, k, options, return_attn_probs, op_scalars) -> None:
+    """Remember a checked call of CPU tensors that the kernels read in place (no copy, no padding);
+    ``op_scalars``: the op's arguments after the tensors (a backward the repeat cannot run takes them)."""
     if not q.is_cpu:
         return
     kernels = kernels_for(q, deterministic=options.deterministic, softcap=options.softcap > 0,
@@ -445,35 +445,95 @@ def _remember_call(key, dims, q, k, options, return_attn_probs) -> None:
         _calls.clear()
     _calls[key] = _ForwardCall(kernels, q.shape, (batch, heads, seqlen_q), checks.softmax_scale(options.softmax_scale,
                                kernels.head_dim), checks.window((options.window[0], options.window[1]), False),
-                               tables[:3], _mod_inputs(q, options.softcap, None), tasks, return_attn_probs)
+                               tables[:3], _mod_inputs(q, options.softcap, None), tasks, return_attn_probs,
+                               (batch, seqlen_q, k.shape[1], heads_k), op_scalars)
 
 
 class _ForwardCall:
-    """A checked forward call's kernels and tables, for calls with the same ``_call_key``."""
+    """A checked forward call's kernels and tables, for calls with the same ``_call_key``, and
+    its backward's (planned at the first backward)."""
 
-    def __init__(self, kernels, out_shape, lse_shape, scale, window, tables, mods, tasks, return_attn_probs):
+    def __init__(self, kernels, out_shape, lse_shape, scale, window, tables, mods, tasks, return_attn_probs,
+                 sizes, op_scalars):
         # plain tuples: torch.empty(*shape) parses ~2x faster than a torch.Size (~2-3 us a call)
         self.kernels, self.out_shape, self.lse_shape = kernels, tuple(out_shape), tuple(lse_shape)
         self.scale, self.window = scale, window
         self.tables, self.mods, self.tasks, self.return_attn_probs = tables, mods, tasks, return_attn_probs
+        self.sizes, self.op_scalars = sizes, op_scalars
         self.function = kernels._functions["flash_fwd"]
         self.device = torch.device("cpu")
         self._scratch = threading.local()  # each thread's lse when the caller does not want it
+        self._backward_tables = None
 
     def __call__(self, q, k, v):
+        if self.return_attn_probs:
+            lse = self.new_lse()
+            return self.forward(q, k, v, lse), lse, None
+        lse = getattr(self._scratch, "lse", None)
+        if lse is None:
+            lse = self._scratch.lse = self.new_lse()
+        return self.forward(q, k, v, lse)
+
+    def new_lse(self) -> torch.Tensor:
+        return torch.empty(*self.lse_shape, dtype=torch.float32, device=self.device)
+
+    def forward(self, q, k, v, lse: torch.Tensor) -> torch.Tensor:
+        """out, with the row statistics written into ``lse``."""
         kernels = self.kernels
         out = torch.empty(*self.out_shape, dtype=q.dtype, device=self.device)
-        if self.return_attn_probs:
-            lse = torch.empty(*self.lse_shape, dtype=torch.float32, device=self.device)
-        else:
-            lse = getattr(self._scratch, "lse", None)
-            if lse is None:
-                lse = self._scratch.lse = torch.empty(*self.lse_shape, dtype=torch.float32, device=self.device)
         n_threads = kernels.plan_threads()
         if kernels._on_torch_threads:
             threads.limit(min(n_threads, self.tasks))
         self.function(q, k, v, out, lse, self.scale, *self.window, n_threads, *self.tables, *self.mods)
-        return (out, lse, None) if self.return_attn_probs else out
+        return out
+
+    def backward(self, dout, q, k, v, out, lse) -> tuple | None:
+        """dq, dk, dv of this call's forward (out, lse), or None where the full backward must run."""
+        kernels = self.kernels
+        if self._backward_tables is None:
+            batch, seqlen_q, seqlen_k, heads_k = self.sizes
+            seqs, tables = kernels._sequences("backward", batch, seqlen_q, seqlen_k, heads_k, None, None)
+            self._backward_tables = (seqs.rounds, seqs.super_tile, *tables, *kernels._mods(q, self.mods, ()))
+        checks.check_lse_recomputable(lse)
+        dout = kernel_layout(dout)
+        dq, dk, dv = (torch.empty(t.shape, dtype=t.dtype, device=self.device) for t in (q, k, v))
+        n_threads = kernels.plan_threads()
+        if kernels._on_torch_threads:
+            threads.limit(n_threads)
+        try:  # (the kernel's own argument checks: what they refuse, the full backward names)
+            kernels._functions["flash_bwd"](dout, q, k, v, out, lse, dq, dk, dv, self.scale, *self.window, n_threads,
+                                            *self._backward_tables)
+        except Exception:
+            return None
+        return dq, dk, dv
+
+
+class _RepeatedTraining(torch.autograd.Function):
+    """A repeated call (``_calls``) that autograd records: its forward and backward without the
+    checks, which ``_EagerAttention`` runs every call (a training step's layers repeat their
+    shapes; forward + backward at B1 N16 H8/2 D64 fp32: 400 -> 190-230 us)."""
+
+    @staticmethod
+    def forward(ctx, call, q, k, v):
+        lse = call.new_lse()
+        out = call.forward(q, k, v, lse)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.call = call
+        ctx.mark_non_differentiable(lse)
+        ctx.set_materialize_grads(False)  # (see _setup_context)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):
+        if dout is None:
+            return None, None, None, None
+        q, k, v, out, lse = ctx.saved_tensors
+        grads = None
+        if not torch.is_grad_enabled() and _plain_eager(dout.device.type):
+            grads = ctx.call.backward(dout, q, k, v, out, lse)
+        if grads is None:  # create_graph, a mode, or what the kernel refused: the op (see _EagerAttention)
+            grads = _backward(kernel_layout(dout), q, k, v, out, lse, None, None, None, *ctx.call.op_scalars)
+        return None, *grads
 
 
 def _padded_head_dims(q, k, v):
