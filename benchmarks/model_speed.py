@@ -28,6 +28,7 @@ the numbers are preliminary.
     python benchmarks/model_speed.py generate train --runs 5 --prompts 32 1024 --train-lengths 512
     python benchmarks/model_speed.py generate --batch 4 --prompts 40 --new-tokens 32
     python benchmarks/model_speed.py swap --runs 8
+    python benchmarks/model_speed.py swap --runs 6 --batch 4 --prompts 40 --train-lengths 40 256
 """
 
 from __future__ import annotations
@@ -264,17 +265,20 @@ def swapped(args: argparse.Namespace) -> None:
         model.train()
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
         for length in args.train_lengths:
-            ids = torch.randint(0, 1024, (1, length), generator=torch.Generator().manual_seed(length))
+            ids, kwargs = _generate_inputs(length, 0, args.batch)
+            mask = kwargs["attention_mask"]
+            labels = ids.masked_fill(mask == 0, -100)
 
-            def step(impl, ids=ids):
+            def step(impl, ids=ids, mask=mask, labels=labels):
                 model.set_attn_implementation(names[impl])
-                model(input_ids=ids, labels=ids).loss.backward()
+                model(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
 
             for impl in (*names, *names):
                 step(impl)
-            row(f"{dtype_name} training step, sequence {length}", _abba_seconds(step, list(names), args.runs), 1e3,
+            what = "sequence" if args.batch == 1 else f"{args.batch} left-padded sequences"
+            row(f"{dtype_name} training step, {what} {length}", _abba_seconds(step, list(names), args.runs), 1e3,
                 "ms per step")
     print(f"\nOne model per dtype in one process, attention switched between calls (ABBA, {args.runs} rounds):"
           " 8-layer Llama (GQA 8/2, D64)\n\n| case | tvmflash | SDPA | unit | ratio of medians | median of paired "
@@ -338,7 +342,8 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=1000, help="interleaved rounds per case (fixed, linear)")
     p.add_argument("--prompts", type=int, nargs="+", default=[32, 1024])
     p.add_argument("--new-tokens", type=int, default=64)
-    p.add_argument("--batch", type=int, default=1, help="generate(): prompts per call (left-padded)")
+    p.add_argument("--batch", type=int, default=1,
+                   help="generate(): prompts per call; swap: sequences per training step too (left-padded)")
     p.add_argument("--train-lengths", type=int, nargs="+", default=[16, 512])
     p.add_argument("--train-steps", type=int, default=5)
     p.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"], help="generate() and training dtypes")

@@ -198,3 +198,53 @@ def test_empty_sizes():
 def test_bad_inputs_raise_clear_errors(args, kwargs, error, match):
     with pytest.raises(error, match=match):
         flash_attn_func(*args, **kwargs)
+
+
+@pytest.mark.parametrize("dtype,variant", [("float32", {}), ("bfloat16", {}), ("float32", {"window_size": (6, -1)}),
+                                           ("float32", {"softcap": 3.0})])
+def test_padded_rows_attention_matches_float64_per_row(gen, seed, dtype, variant):
+    """A padded batch read in place (torch_op.padded_rows_attention): each row's run of real tokens
+    (left padding, right padding, both, none, an empty row) attends within itself, causal, as a
+    sequence of its own would; rows outside the runs get output 0 and every gradient row outside
+    them is 0. Two calls with other runs: rows the first call wrote do not leak into the second."""
+    from conftest import assert_flash_rule
+    from tvmflash import torch_op
+
+    q, k, v = random_inputs(gen, 5, 37, 37, 4, 2, 64, dtype, requires_grad=True)
+    dout = torch.randn(q.shape, generator=gen).to(q.dtype)
+    options = dict(softmax_scale=None, causal=True, window_size=variant.get("window_size", (-1, -1)),
+                   softcap=variant.get("softcap", 0.0))
+    for runs in (((0, 37), (9, 37), (0, 20), (3, 30), (0, 0)), ((5, 37), (0, 37), (0, 0), (0, 1), (30, 37))):
+        out = torch_op.padded_rows_attention(q, k, v, runs, **options)
+        grads = torch.autograd.grad(out, (q, k, v), dout)
+        for b, (start, end) in enumerate(runs):
+            outside = torch.ones(37, dtype=torch.bool)
+            outside[start:end] = False
+            for name, t in zip(("out", "dq", "dk", "dv"), (out, *grads)):
+                assert torch.all(t[b, outside] == 0), f"{name} row {b}: nonzero outside the run {start, end}"
+            if end == start:
+                continue
+            rows = [t[b:b + 1, start:end].detach() for t in (q, k, v, dout)]
+            results = {}
+            for ref_dtype in (torch.float64, q.dtype):
+                leaves = [t.to(ref_dtype).requires_grad_() for t in rows[:3]]
+                ref, _ = reference_attention(*leaves, True, dtype=ref_dtype, **variant)
+                results[ref_dtype] = (ref, *torch.autograd.grad(ref, leaves, rows[3].to(ref_dtype)))
+            for i, (name, t) in enumerate(zip(("out", "dq", "dk", "dv"), (out, *grads))):
+                assert_flash_rule(f"{name} row {b} of runs {runs}", t[b:b + 1, start:end].detach(),
+                                  results[torch.float64][i].detach(), results[q.dtype][i].detach(), q.dtype, seed)
+
+
+def test_padded_rows_attention_refuses_a_second_derivative(gen):
+    from tvmflash import torch_op
+
+    q, k, v = random_inputs(gen, 2, 19, 19, 2, 2, 64, "float32", requires_grad=True)
+    out = torch_op.padded_rows_attention(q, k, v, ((0, 19), (4, 19)), softmax_scale=None, causal=True,
+                                         window_size=(-1, -1), softcap=0.0)
+    dq, = torch.autograd.grad(out.sum(), q, create_graph=True)
+    assert dq.requires_grad
+    with pytest.raises(RuntimeError, match="no autograd formula"):
+        (dq.pow(2).sum() + q.sum()).backward()
+    with pytest.raises(ValueError, match="row runs must lie within"):
+        torch_op.padded_rows_attention(q, k, v, ((0, 20), (0, 19)), softmax_scale=None, causal=True,
+                                       window_size=(-1, -1), softcap=0.0)

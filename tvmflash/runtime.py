@@ -181,11 +181,20 @@ class FlashKernels:
         return checks.window(window_size, causal)
 
     def _sequences(self, kernel: str, batch: int, seqlen_q: int, seqlen_k: int, heads_k: int, cu_seqlens_q,
-                   cu_seqlens_k, diagonal=None, like=None):
+                   cu_seqlens_k, diagonal=None, like=None, row_runs=None):
         """plan.py's sequence table and tile maps, as tensors where the kernels run (``like``'s
-        device for CUDA kernels)."""
+        device for CUDA kernels). ``row_runs``: a tuple of (start, end) per batch row of batched
+        tensors: sequence b is rows start..end - 1 of row b, queries and keys alike (a padded
+        batch read in place; CPU kernels)."""
         cfg = self.configs[kernel]
         device = _device_of(like) if self.is_cuda else None
+        if row_runs is not None:
+            if self.is_cuda or len(row_runs) != batch or seqlen_q != seqlen_k or cu_seqlens_q is not None:
+                raise ValueError("row runs take CPU kernels, batched tensors with as many queries as keys and "
+                                 "a run per batch row")
+            if any(not 0 <= start <= end <= seqlen_q for start, end in row_runs):
+                raise ValueError(f"row runs must lie within the {seqlen_q} rows, got {row_runs}")
+            return _row_runs_arrays_cached(tuple(row_runs), cfg.block_q, cfg.block_k, heads_k)
         if cu_seqlens_q is None and cu_seqlens_k is None:
             return _batched_arrays(batch, seqlen_q, seqlen_k, cfg.block_q, cfg.block_k, heads_k, diagonal, device)
         if cu_seqlens_q is None or cu_seqlens_k is None:
@@ -232,14 +241,15 @@ class FlashKernels:
                             cu_seqlens_k, self._mods(q, mod_inputs, block_mask=block_mask), diagonal, num_threads)
 
     def launch_forward(self, dims, q, k, v, out, lse, scale: float, window: tuple[int, int], cu_seqlens_q,
-                       cu_seqlens_k, mods: list, diagonal=None, num_threads=None) -> None:
+                       cu_seqlens_k, mods: list, diagonal=None, num_threads=None, row_runs=None) -> None:
         """``forward`` on checked arguments: ``dims`` = ``checks.check_forward_args(...)``, scale
-        and window final (the torch op checks its inputs once and allocates out and lse itself)."""
+        and window final (the torch op checks its inputs once and allocates out and lse itself).
+        ``row_runs``: see ``_sequences`` (rows outside the runs are not written)."""
         batch, seqlen_q, heads, heads_k = dims
         self._check_runs_here()
         left, right = window
         seqs, tables = self._sequences("forward", batch, seqlen_q, _len(k), heads_k, cu_seqlens_q, cu_seqlens_k,
-                                       diagonal, like=q)
+                                       diagonal, like=q, row_runs=row_runs)
         if self.is_cuda:
             checks.check_cuda_grid(heads)
             self._functions["flash_fwd"](q, k, v, out, lse, scale, left, right, tables[0], tables[1], *mods)
@@ -264,15 +274,16 @@ class FlashKernels:
 
     def launch_backward(self, dims, dout, q, k, v, out, lse, dq, dk, dv, scale: float, window: tuple[int, int],
                         cu_seqlens_q, cu_seqlens_k, mod_inputs=(), mod_grads=(), block_mask=None, diagonal=None,
-                        num_threads=None) -> None:
+                        num_threads=None, row_runs=None) -> None:
         """``backward`` on checked arguments: ``dims`` = ``checks.check_backward_args(...)`` or,
-        where the caller allocated dq, dk, dv itself, ``checks.check_backward_inputs(...)``."""
+        where the caller allocated dq, dk, dv itself, ``checks.check_backward_inputs(...)``.
+        ``row_runs``: see ``_sequences`` (gradient rows outside the runs are not written)."""
         batch, seqlen_q, heads, heads_k = dims
         checks.check_lse_recomputable(lse)
         self._check_runs_here()
         left, right = window
         seqs, tables = self._sequences("backward", batch, seqlen_q, _len(k), heads_k, cu_seqlens_q, cu_seqlens_k,
-                                       diagonal, like=q)
+                                       diagonal, like=q, row_runs=row_runs)
         if self.is_cuda:
             self._cuda_backward(dout, q, k, v, out, lse, dq, dk, dv, scale, (left, right), seqs, tables[0],
                                 self._mods(q, mod_inputs, mod_grads, block_mask), heads_k,
@@ -383,6 +394,15 @@ def _varlen_arrays_cached(cu_q: tuple, cu_k: tuple, block_q, block_k, heads_k, d
     seqs = plan.varlen(cu_q, cu_k, block_q=block_q, block_k=block_k, heads_k=heads_k)
     device = None if device_key is None else tvm.runtime.Device(*device_key)
     return seqs, [tvm.runtime.tensor(a, device) for a in seqs.arrays()]
+
+
+@functools.lru_cache(maxsize=256)
+def _row_runs_arrays_cached(row_runs: tuple, block_q, block_k, heads_k):
+    starts = [start for start, _ in row_runs]
+    lengths = [end - start for start, end in row_runs]
+    seqs = plan.sequences(starts, lengths, starts, lengths, packed=False, block_q=block_q, block_k=block_k,
+                          heads_k=heads_k)
+    return seqs, [tvm.runtime.tensor(a) for a in seqs.arrays()]
 
 
 def _batched_arrays(batch, seqlen_q, seqlen_k, block_q, block_k, heads_k, diagonal, device=None):

@@ -58,7 +58,7 @@ import torch
 
 from .. import version
 from ..kvcache import flash_attn_with_kvcache, repeated_decode_step
-from ..torch_op import flash_attn_func, flash_attn_varlen_func
+from ..torch_op import flash_attn_func, flash_attn_varlen_func, padded_rows_attention
 
 NAME = "tvm_attention"
 
@@ -333,6 +333,19 @@ def _left_pad(mask: torch.Tensor) -> torch.Tensor | None:
     return first.to(torch.int32) if torch.equal(run, mask.bool()) else None
 
 
+def _row_runs(mask: torch.Tensor) -> tuple | None:
+    """Each row's (first, end) real key where every row's real keys are one run (left or right
+    padding: what tokenizers make), else None (holes: pad tokens inside a sequence)."""
+    n = mask.shape[1]
+    lengths = mask.sum(dim=1)
+    first = mask.to(torch.uint8).argmax(dim=1) * (lengths > 0)
+    positions = torch.arange(n, device=mask.device)[None, :]
+    run = (positions >= first[:, None]) & (positions < (first + lengths)[:, None])
+    if not torch.equal(run, mask.bool()):
+        return None
+    return tuple((start, start + length) for start, length in zip(first.tolist(), lengths.tolist()))
+
+
 def _unpad_plan(mask: torch.Tensor, len_q: int) -> _Unpad:
     """The gather indices and cu_seqlens for ``mask``, computed once per mask tensor."""
     return _per_mask(mask, "_tvmflash_unpad", len_q, lambda: _Unpad(mask, len_q))
@@ -361,7 +374,10 @@ def _per_mask(mask: torch.Tensor, name: str, key, build):
 
 
 def _padded_attention(q, k, v, mask: torch.Tensor, opts: dict, sliding_window: int | None) -> torch.Tensor:
-    """Attention over the real tokens of a padded batch: gather, ``flash_attn_varlen_func``, scatter.
+    """Attention over the real tokens of a padded batch. Rows whose real tokens are one run (left
+    or right padding) are read in place (``padded_rows_attention``, the runs as the kernels'
+    sequence table); a mask with holes (pad tokens inside a row) takes a gather,
+    ``flash_attn_varlen_func`` and a scatter.
 
     Padding query rows get 0, except rows for which transformers' mask hides every key: they get
     what ``eager`` gives them, the mean of v over the layer's keys (see ``rows_without_keys``).
@@ -379,10 +395,13 @@ def _padded_attention(q, k, v, mask: torch.Tensor, opts: dict, sliding_window: i
     blind = plan.rows_without_keys(mask, opts["causal"], sliding_window)
     k_all, v_all = k, v
     k, v = k[:, :n], v[:, :n]  # keys past the mask: empty static-cache slots
-    out = flash_attn_varlen_func(q[plan.query_index], k[plan.key_index], v[plan.key_index], plan.cu_q, plan.cu_k,
-                                 plan.max_q, plan.max_k, **opts)
-    # Padded query rows get 0 (an index_put on zeros: differentiable, the gradient is a gather).
-    out = q.new_zeros(batch, len_q, heads, out.shape[-1]).index_put(plan.query_index, out)
+    runs = _per_mask(mask, "_tvmflash_row_runs", None, lambda: _row_runs(mask)) if len_q == n else None
+    out = None if runs is None else padded_rows_attention(q, k, v, runs, **opts)
+    if out is None:
+        out = flash_attn_varlen_func(q[plan.query_index], k[plan.key_index], v[plan.key_index], plan.cu_q,
+                                     plan.cu_k, plan.max_q, plan.max_k, **opts)
+        # Padded query rows get 0 (an index_put on zeros: differentiable, the gradient is a gather).
+        out = q.new_zeros(batch, len_q, heads, out.shape[-1]).index_put(plan.query_index, out)
     if blind is not None:  # eager's uniform softmax over a fully masked row
         rows = blind.nonzero(as_tuple=True)
         scale = opts["softmax_scale"] if opts["softmax_scale"] is not None else head_dim ** -0.5
@@ -414,36 +433,70 @@ class _BlindRows(torch.autograd.Function):
         q, k, v, batch_index = ctx.saved_tensors
         rows, heads, head_dim = q.shape
         batch, n_keys, heads_kv, _ = k.shape
-        groups = heads // heads_kv
-        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device) if ctx.needs_input_grad[0] else None
-        dk = torch.zeros(k.shape, dtype=torch.float32, device=k.device) if ctx.needs_input_grad[1] else None
         dv = None
         if ctx.needs_input_grad[2]:  # d mean(v) / dv: dO summed over the rows (and head groups) of each batch row
             per_batch = torch.zeros(batch, heads, head_dim, dtype=torch.float32, device=v.device)
             per_batch.index_add_(0, batch_index, dout.float())
-            per_batch = per_batch.view(batch, heads_kv, groups, head_dim).sum(2) / n_keys
+            per_batch = per_batch.view(batch, heads_kv, heads // heads_kv, head_dim).sum(2) / n_keys
             dv = per_batch[:, None].expand(batch, n_keys, heads_kv, head_dim).to(v.dtype)
-        if dq is not None or dk is not None:
-            # Per batch row (its rows share its keys), in chunks of rows: scores (rows, heads, n_keys).
-            chunk = max(1, (1 << 22) // max(1, heads * n_keys))
-            for b in torch.unique(batch_index).tolist():
-                mine = (batch_index == b).nonzero().flatten()
-                kb, vb = k[b].float(), v[b].float()  # (n_keys, heads_kv, d)
-                for start in range(0, mine.numel(), chunk):
-                    sel = mine[start:start + chunk]
-                    qc = q[sel].float().view(-1, heads_kv, groups, head_dim)
-                    doc = dout[sel].float().view(-1, heads_kv, groups, head_dim)
-                    dp = torch.einsum("rkgd,jkd->rkgj", doc, vb)
-                    ds = (dp - dp.mean(-1, keepdim=True)) / n_keys
-                    if ctx.softcap:
-                        scores = torch.einsum("rkgd,jkd->rkgj", qc, kb) * ctx.scale
-                        ds = ds * (1 - torch.tanh(scores / ctx.softcap) ** 2)
-                    if dq is not None:
-                        dq[sel] = torch.einsum("rkgj,jkd->rkgd", ds, kb).reshape(-1, heads, head_dim) * ctx.scale
-                    if dk is not None:
-                        dk[b] += torch.einsum("rkgj,rkgd->jkd", ds, qc) * ctx.scale
-        return (dq.to(q.dtype) if dq is not None else None), (dk.to(k.dtype) if dk is not None else None), dv, \
-            None, None, None
+        dq = dk = None
+        if ctx.needs_input_grad[0] or ctx.needs_input_grad[1]:
+            grads = _blind_rows_dq_dk_softcap if ctx.softcap else _blind_rows_dq_dk
+            dq, dk = grads(q, k, v, batch_index, dout, ctx.scale, ctx.softcap)
+        return (dq.to(q.dtype) if ctx.needs_input_grad[0] else None), \
+            (dk.to(k.dtype) if ctx.needs_input_grad[1] else None), dv, None, None, None
+
+
+def _blind_rows_dq_dk(q, k, v, batch_index, dout, scale: float, softcap: float):
+    """_BlindRows' fp32 dq and dk without softcap, as products of head_dim x head_dim matrices:
+    with dS_rj = (dO_r . v_j - dO_r . mean(v)) / n, dq_r = scale / n (dO_r M - n (dO_r . mean(v))
+    mean(k)) for M = sum_j v_j k_j^T, and dk_j = scale / n (A v_j - w) for A = sum_r q_r dO_r^T,
+    w = sum_r (dO_r . mean(v)) q_r (sums over a batch row's blind rows and head groups). No
+    (rows x keys) scores; one batched product per batch row (4 left-padded rows of 256 tokens,
+    fp32, with the autograd around it: 5.5 -> 3.4 ms)."""
+    rows, heads, head_dim = q.shape
+    batch, n_keys, heads_kv, _ = k.shape
+    groups = heads // heads_kv
+    dq = torch.empty(rows, heads_kv, groups, head_dim, dtype=torch.float32, device=q.device)
+    dk = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
+    segments, counts = torch.unique_consecutive(batch_index, return_counts=True)  # (nonzero's rows: by batch row)
+    start = 0
+    for b, count in zip(segments.tolist(), counts.tolist()):
+        rows_b = slice(start, start + count)
+        start += count
+        kb, vb = (t[b].float().transpose(0, 1) for t in (k, v))  # (heads_kv, n_keys, d)
+        qb, dob = (t[rows_b].float().view(count, heads_kv, groups, head_dim).transpose(0, 1)
+                   .reshape(heads_kv, count * groups, head_dim) for t in (q, dout))
+        c = dob @ vb.mean(1)[:, :, None]  # dO_r . mean(v): (heads_kv, rows x groups, 1)
+        dq_b = dob @ (vb.transpose(1, 2) @ kb) - n_keys * c * kb.mean(1)[:, None, :]
+        dq[rows_b] = dq_b.view(heads_kv, count, groups, head_dim).transpose(0, 1)
+        dk[b] += (vb @ (qb.transpose(1, 2) @ dob).transpose(1, 2) - (c * qb).sum(1)[:, None, :]).transpose(0, 1)
+    return dq.view(rows, heads, head_dim) * (scale / n_keys), dk * (scale / n_keys)
+
+
+def _blind_rows_dq_dk_softcap(q, k, v, batch_index, dout, scale: float, softcap: float):
+    """_BlindRows' fp32 dq and dk with softcap, whose derivative (1 - tanh^2) weighs each score:
+    dense per batch row (its rows share its keys), in chunks of rows: scores (rows, heads, n_keys)."""
+    rows, heads, head_dim = q.shape
+    batch, n_keys, heads_kv, _ = k.shape
+    groups = heads // heads_kv
+    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    dk = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
+    chunk = max(1, (1 << 22) // max(1, heads * n_keys))
+    for b in torch.unique(batch_index).tolist():
+        mine = (batch_index == b).nonzero().flatten()
+        kb, vb = k[b].float(), v[b].float()  # (n_keys, heads_kv, d)
+        for start in range(0, mine.numel(), chunk):
+            sel = mine[start:start + chunk]
+            qc = q[sel].float().view(-1, heads_kv, groups, head_dim)
+            doc = dout[sel].float().view(-1, heads_kv, groups, head_dim)
+            dp = torch.einsum("rkgd,jkd->rkgj", doc, vb)
+            ds = (dp - dp.mean(-1, keepdim=True)) / n_keys
+            scores = torch.einsum("rkgd,jkd->rkgj", qc, kb) * scale
+            ds = ds * (1 - torch.tanh(scores / softcap) ** 2)
+            dq[sel] = torch.einsum("rkgj,jkd->rkgd", ds, kb).reshape(-1, heads, head_dim) * scale
+            dk[b] += torch.einsum("rkgj,rkgd->jkd", ds, qc) * scale
+    return dq, dk
 
 
 def _packed_attention(q, k, v, cu_q: torch.Tensor, cu_k: torch.Tensor, opts: dict) -> torch.Tensor:
