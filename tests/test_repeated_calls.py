@@ -4,6 +4,8 @@ full path, and every input the full path refuses must still be refused after suc
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 
@@ -15,6 +17,16 @@ def _decode_inputs(gen, capacity=300, dtype=torch.float32):
     k_cache = torch.randn(2, capacity, 2, 64, generator=gen).to(dtype)
     v_cache = torch.randn(2, capacity, 2, 64, generator=gen).to(dtype)
     return torch.randn(2, 1, 8, 64, generator=gen).to(dtype), k_cache, v_cache
+
+
+def _in_two_threads(run) -> None:
+    """run(0) and run(1) at once, each on a thread of its own."""
+
+    workers = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
 
 
 def _full_path(fn, *args, **kwargs):
@@ -61,8 +73,6 @@ def test_growing_cache_matches_the_full_path(gen, lengths, window):
 def test_decode_steps_from_two_threads_keep_their_own_lengths(gen):
     """Threads that repeat one decode step with lengths of their own each get the attention over
     their own lengths (each thread's tables are its own, rewritten as its lengths change)."""
-    import threading
-
     q, k_cache, v_cache = _decode_inputs(gen)
     want = {n: reference_attention(q, k_cache[:, :n], v_cache[:, :n], dtype=torch.float64)[0]
             for n in range(100, 140)}
@@ -75,11 +85,7 @@ def test_decode_steps_from_two_threads_keep_their_own_lengths(gen):
                     out = flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=n)
                     errors.append(float((out.double() - want[n]).abs().max()))
 
-    workers = [threading.Thread(target=run, args=(i,)) for i in range(2)]
-    for w in workers:
-        w.start()
-    for w in workers:
-        w.join()
+    _in_two_threads(run)
     assert len(errors) == 120 and max(errors) <= 1e-5
 
 
@@ -244,8 +250,6 @@ def test_steering_variables_are_read_fresh_on_every_call(monkeypatch):
 def test_forward_repeats_from_two_threads_keep_their_own_results(gen):
     """Repeated calls share one cached plan: calls from two threads at once each get the
     attention of their own inputs (a fresh output each)."""
-    import threading
-
     inputs = [[torch.randn(1, 37, 4, 32, generator=gen) for _ in range(3)] for _ in range(2)]
     want = [reference_attention(q, k, v, causal=True, dtype=torch.float64)[0] for q, k, v in inputs]
     errors = []
@@ -256,9 +260,5 @@ def test_forward_repeats_from_two_threads_keep_their_own_results(gen):
                 out = flash_attn_func(*inputs[i], causal=True)
                 errors.append(float((out.double() - want[i]).abs().max()))
 
-    workers = [threading.Thread(target=run, args=(i,)) for i in range(2)]
-    for w in workers:
-        w.start()
-    for w in workers:
-        w.join()
+    _in_two_threads(run)
     assert len(errors) == 60 and max(errors) <= 1e-5
