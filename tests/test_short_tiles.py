@@ -1,5 +1,5 @@
-"""Tiles for short sequences (config.tile_edge): calls of up to 16 or 32 queries or keys run
-kernels built with 16- or 32-row tiles, compiled at the first such call. Results against float64
+"""Tiles for short sequences (config.tile_edge): calls whose queries or keys 64-row tiles would pad
+by more than an eighth run kernels built with 16- or 32-row tiles, compiled at the first such call. Results against float64
 at lengths on both sides of each threshold (none a multiple of a tile, but the thresholds)."""
 
 from __future__ import annotations
@@ -14,9 +14,15 @@ from tvmflash.config import CPUKernelConfig, RegisterTile, default_cpu_config, t
 from tvmflash.spec import AttentionSpec
 
 
-def test_tile_edge_holds_the_sequence():
-    assert [tile_edge(n) for n in (1, 15, 16, 17, 31, 32, 33, 63, 64, 65, 5000, None)] == [
-        16, 16, 16, 32, 32, 32, 64, 64, 64, 64, 64, 64]
+def test_tile_edge_pads_least():
+    """The largest edge that pads by at most an eighth of the sequence, else the least padding
+    (16 rows only up to 64 tokens)."""
+    lengths = (1, 15, 16, 17, 31, 32, 33, 48, 63, 64, 65, 96, 100, 127, 129, 200, 300, 5000, None)
+    assert [tile_edge(n) for n in lengths] == [16, 16, 16, 32, 32, 32, 16, 16, 64, 64, 32, 32, 64, 64, 32, 32, 64,
+                                               64, 64]
+    for n in range(1, 600):
+        padding = {edge: -n % edge for edge in ((16, 32, 64) if n <= 64 else (32, 64))}
+        assert padding[tile_edge(n)] * 8 <= n or padding[tile_edge(n)] == min(padding.values())
 
 
 @pytest.mark.parametrize("seqlen_q", [1, 16, 17, 32, 100])
@@ -33,14 +39,14 @@ def test_forward_register_tiles_fit_the_tile(seqlen_q):
 def test_kernels_follow_the_call_length():
     q = torch.zeros(1, 1, 1, 64)
     edges = {}
-    for seqlens in ((16, 16), (17, 17), (15, 1000), (33, 33), None):
+    for seqlens in ((16, 16), (17, 17), (15, 1000), (64, 64), None):
         cfg = torch_op.kernels_for(q, seqlens=seqlens).configs["forward"]
         edges[seqlens] = (cfg.block_q, cfg.block_k)
-    assert edges == {(16, 16): (16, 16), (17, 17): (32, 32), (15, 1000): (16, 64), (33, 33): (64, 64),
+    assert edges == {(16, 16): (16, 16), (17, 17): (32, 32), (15, 1000): (16, 64), (64, 64): (64, 64),
                      None: (64, 64)}
     # one compile per size class: the same kernels for every length in it
     assert torch_op.kernels_for(q, seqlens=(3, 9)) is torch_op.kernels_for(q, seqlens=(16, 16))
-    assert torch_op.kernels_for(q, seqlens=(40, 2000)) is torch_op.kernels_for(q)
+    assert torch_op.kernels_for(q, seqlens=(128, 2000)) is torch_op.kernels_for(q)
 
 
 def test_short_sequences_skip_tuning_records_with_long_tiles(monkeypatch):
@@ -64,6 +70,8 @@ SHAPES = [
     dict(batch=1, seqlen_q=33, seqlen_k=31, heads=2, heads_k=2),
     dict(batch=2, seqlen_q=1, seqlen_k=203, heads=4, heads_k=2),
     dict(batch=1, seqlen_q=13, seqlen_k=5, heads=2, heads_k=2),
+    dict(batch=2, seqlen_q=41, seqlen_k=100, heads=2, heads_k=1),  # 16-row tiles past 32 tokens
+    dict(batch=1, seqlen_q=150, seqlen_k=150, heads=2, heads_k=2),  # 32-row ones past 64
 ]
 
 
@@ -97,7 +105,7 @@ def test_inference_calls_take_the_short_tiles(gen):
 
 @pytest.mark.parametrize("lengths_q,lengths_k,edges", [
     ([15, 1, 9], [15, 1, 9], (16, 16)),      # a padded batch of short prompts: 16-row tiles
-    ([31, 17, 5], [20, 33, 5], (32, 64)),    # the longest query and key choose each side
+    ([31, 17, 5], [20, 48, 5], (32, 16)),    # the longest query and key choose each side
 ])
 def test_packed_short_sequences_match_float64(lengths_q, lengths_k, edges, gen, seed):
     """Packed sequences (``flash_attn_varlen_func``, transformers' padded batches) choose tiles by

@@ -58,8 +58,8 @@ def choose_configs(target: tvm.target.Target, spec: AttentionSpec, *, config=Non
     nearest ``seqlen``) if its tiles are those of the hand-written config; else the hand-written
     default for the target's ISA, the spec's dtype (bf16 inputs: native bf16 dot products where
     the target has AVX512-BF16 and, on this CPU, they multiply faster than fp32 FMAs:
-    ``product_rates``) and ``seqlen``: an int, or (queries, keys); sequences of up to
-    16 or 32 tokens get 16- or 32-row tiles (``config.tile_edge``), a tuning record made at
+    ``product_rates``) and ``seqlen``: an int, or (queries, keys); sequences that 64-row tiles would pad by more
+    than an eighth get 16- or 32-row tiles (``config.tile_edge``), a tuning record made at
     long lengths would compute whole 64-row tiles of padding for them. A config whose products
     the target cannot run is an error (explicit) or skipped (tuning record).
     """
@@ -171,7 +171,7 @@ def compile(  # noqa: A001 - the public name the API promises
     chosen by ``choose_configs`` (``tuned=False``: the hand-written defaults, ignoring tuning
     records; the record used is ``kernels.tuning_record``). ``seqlen``: the sequence length the
     kernels are for (an int, or (queries, keys)): tuning records tuned nearest to it, and tiles
-    of 16 or 32 rows for sequences that short (``config.tile_edge``; the kernels still take any
+    of 16 or 32 rows for sequences that 64-row tiles pad much (``config.tile_edge``; the kernels still take any
     length). ``cache=False`` skips every cache
     (memory, prebuilt, disk). ``deterministic``: CUDA backward without atomic adds (bitwise
     reproducible); CPU kernels are deterministic, independent of the thread count, always.

@@ -41,7 +41,7 @@ def kernels_for(q: torch.Tensor, *, causal: bool = False, deterministic: bool = 
     callers that sum partial results (ring attention). CUDA kernels run on torch's current stream
     (tvm-ffi reads it from the tensors). Kernels take the mask per call; ``causal`` is the default.
     ``seqlens``: (queries, keys) of the call's sequences, if known: CPU kernels with tiles for
-    that length (16 or 32 rows for short sequences, ``config.tile_edge``; compiled at the first
+    that length (16 or 32 rows where 64-row tiles pad much, ``config.tile_edge``; compiled at the first
     call of each size class, then cached like the others).
     """
     tiles = None
