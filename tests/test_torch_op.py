@@ -207,7 +207,7 @@ def test_padded_rows_attention_matches_float64_per_row(gen, seed, dtype, variant
     (left padding, right padding, both, none, an empty row) attends within itself, causal, as a
     sequence of its own would; rows outside the runs get output 0 and every gradient row outside
     them is 0. Two calls with other runs: rows the first call wrote do not leak into the second."""
-    from conftest import assert_flash_rule
+    from conftest import assert_flash_rule, reference_magnitudes
     from tvmflash import torch_op
 
     q, k, v = random_inputs(gen, 5, 37, 37, 4, 2, 64, dtype, requires_grad=True)
@@ -228,11 +228,13 @@ def test_padded_rows_attention_matches_float64_per_row(gen, seed, dtype, variant
             results = {}
             for ref_dtype in (torch.float64, q.dtype):
                 leaves = [t.to(ref_dtype).requires_grad_() for t in rows[:3]]
-                ref, _ = reference_attention(*leaves, True, dtype=ref_dtype, **variant)
-                results[ref_dtype] = (ref, *torch.autograd.grad(ref, leaves, rows[3].to(ref_dtype)))
+                ref, lse = reference_attention(*leaves, True, dtype=ref_dtype, **variant)
+                results[ref_dtype] = (ref, *torch.autograd.grad(ref, leaves, rows[3].to(ref_dtype)), lse)
+            magnitude = reference_magnitudes(*rows, lse=results[torch.float64][-1].detach())
             for i, (name, t) in enumerate(zip(("out", "dq", "dk", "dv"), (out, *grads))):
                 assert_flash_rule(f"{name} row {b} of runs {runs}", t[b:b + 1, start:end].detach(),
-                                  results[torch.float64][i].detach(), results[q.dtype][i].detach(), q.dtype, seed)
+                                  results[torch.float64][i].detach(), results[q.dtype][i].detach(), q.dtype, seed,
+                                  magnitude=magnitude[name])
 
 
 def test_padded_rows_attention_refuses_a_second_derivative(gen):

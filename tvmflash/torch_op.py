@@ -18,6 +18,7 @@ The public functions have flash-attn 2's names, positional order and return valu
 from __future__ import annotations
 
 import threading
+from typing import NamedTuple
 
 import torch
 
@@ -293,10 +294,19 @@ def padded_rows_attention(q, k, v, row_runs: tuple, *, softmax_scale, causal: bo
     kernels = kernels_for(q, softcap=options.softcap > 0, seqlens=(longest, longest))
     dims = checks.check_inputs(kernels, q, k, v)
     scale = checks.softmax_scale(options.softmax_scale, kernels.head_dim)
-    call = (kernels, dims, tuple(row_runs), scale, checks.window(options.window, False),
-            _mod_inputs(q, options.softcap, None))
+    call = _RowRunsCall(kernels, dims, tuple(row_runs), scale, checks.window(options.window, False),
+                        _mod_inputs(q, options.softcap, None))
     out, _ = _RowRuns.apply(call, q, k, v)
     return out
+
+
+class _RowRunsCall(NamedTuple):
+    kernels: FlashKernels
+    dims: tuple  # checks.check_inputs' (batch, seqlen, heads, heads_k)
+    runs: tuple  # (start, end) per batch row
+    scale: float
+    window: tuple  # the kernels' (left, right)
+    mods: list  # the mod inputs (softcap)
 
 
 class _RowRuns(torch.autograd.Function):
@@ -332,8 +342,7 @@ class _RowRuns(torch.autograd.Function):
 
 
 def _zero_outside(t: torch.Tensor, runs: tuple) -> torch.Tensor:
-    """``t`` with the rows outside each batch row's run set to 0 (the kernels write the others;
-    a memset of the whole tensor cost more than the kernel on a padded batch of 256 tokens)."""
+    """``t`` with the rows outside each batch row's run set to 0 (the kernels write the others)."""
     length = t.shape[1]
     for row, (start, end) in enumerate(runs):
         if start:
