@@ -128,6 +128,20 @@ def test_padded_batch_loss_and_gradients_match_eager(model, gen, monkeypatch, ho
     assert len(in_place) == (0 if holes else layers) and all(out is not None for out in in_place)
 
 
+@pytest.mark.parametrize("model", ["llama", "gemma2"])
+def test_padded_batch_inference_matches_eager_on_blind_rows(model, gen):
+    """Without gradients, rows that see no key (left padding, a row of padding only) take eager's
+    mean of v directly: their logits match eager's too, as do the real tokens'."""
+    eager, ours = _models(model)
+    ids, mask, _ = _padded_batch(gen)
+    with torch.no_grad():
+        want, got = (m.eval()(input_ids=ids, attention_mask=mask).logits for m in (eager, ours))
+    defined = mask.bool().clone()
+    defined[0, :5] = True  # left padding: blind rows
+    defined[3] = True  # padding only: every row blind
+    assert _rel(got[defined], want[defined]) <= LOSS_RTOL
+
+
 @pytest.mark.parametrize("model", ["mistral", "gemma2"])
 def test_packed_documents_by_position_ids_match_eager(model, gen):
     """Documents packed into rows, told apart by restarting position_ids (eager: no mask, no cache)."""

@@ -404,9 +404,17 @@ def _padded_attention(q, k, v, mask: torch.Tensor, opts: dict, sliding_window: i
         out = q.new_zeros(batch, len_q, heads, out.shape[-1]).index_put(plan.query_index, out)
     if blind is not None:  # eager's uniform softmax over a fully masked row
         rows = blind.nonzero(as_tuple=True)
+        if not (torch.is_grad_enabled() and any(t.requires_grad for t in (q, k_all, v_all))):
+            out[rows] = _mean_of_values(v_all, rows[0], heads, out.dtype)  # (a fresh tensor: no copy of it)
+            return out
         scale = opts["softmax_scale"] if opts["softmax_scale"] is not None else head_dim ** -0.5
         out = out.index_put(rows, _BlindRows.apply(q[rows], k_all, v_all, rows[0], scale, opts["softcap"]))
     return out
+
+
+def _mean_of_values(v: torch.Tensor, batch_index: torch.Tensor, heads: int, dtype: torch.dtype) -> torch.Tensor:
+    """(rows, heads, d): the mean of v over all keys of each row's batch row, per query head."""
+    return v.mean(dim=1).repeat_interleave(heads // v.shape[2], dim=1)[batch_index].to(dtype)
 
 
 class _BlindRows(torch.autograd.Function):
@@ -425,8 +433,7 @@ class _BlindRows(torch.autograd.Function):
         # q (rows, heads, d); k, v (batch, n_keys, heads_kv, d); batch_index (rows,)
         ctx.save_for_backward(q, k, v, batch_index)
         ctx.scale, ctx.softcap = scale, softcap
-        groups = q.shape[1] // v.shape[2]
-        return v.mean(dim=1).repeat_interleave(groups, dim=1)[batch_index].to(q.dtype)
+        return _mean_of_values(v, batch_index, q.shape[1], q.dtype)
 
     @staticmethod
     def backward(ctx, dout):
