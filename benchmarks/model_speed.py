@@ -208,13 +208,18 @@ def worker_train(dtype, length: int, steps: int, implementation: str) -> dict:
     return {"value": statistics.median(times)}
 
 
-def _generate_inputs(prompt: int, new_tokens: int, batch: int):
+def _left_padded(length: int, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids, attention mask) of ``batch`` rows, row b left-padded by b / 2B of ``length``."""
     # Token 0 is the pad token: generate() would mask every 0 inside the prompt (holes in the mask).
-    ids = torch.randint(1, 1024, (batch, prompt), generator=torch.Generator().manual_seed(prompt))
+    ids = torch.randint(1, 1024, (batch, length), generator=torch.Generator().manual_seed(length))
     mask = torch.ones_like(ids)
     for b in range(batch):
-        mask[b, :prompt * b // (2 * batch)] = 0
-    ids = ids.masked_fill(mask == 0, 0)
+        mask[b, :length * b // (2 * batch)] = 0
+    return ids.masked_fill(mask == 0, 0), mask
+
+
+def _generate_inputs(prompt: int, new_tokens: int, batch: int):
+    ids, mask = _left_padded(prompt, batch)
     return ids, dict(attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
                      pad_token_id=0)
 
@@ -265,8 +270,7 @@ def swapped(args: argparse.Namespace) -> None:
         model.train()
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
         for length in args.train_lengths:
-            ids, kwargs = _generate_inputs(length, 0, args.batch)
-            mask = kwargs["attention_mask"]
+            ids, mask = _left_padded(length, args.batch)
             labels = ids.masked_fill(mask == 0, -100)
 
             def step(impl, ids=ids, mask=mask, labels=labels):

@@ -91,9 +91,15 @@ class CPUKernelConfig:
 
 # Tile edges (block_q, block_k) by sequence length: a 64 x 64 tile of a 16-token sequence
 # computes 16 times the real work (padding rows and keys). The forward at B1 N16 H8 D64 took
-# 162 us with 64 x 64 tiles, 28.5 us with 16 x 16; from 48 tokens on 64 is as fast or faster
-# (DEVELOPING.md, "Tiles for short sequences").
+# 162 us with 64 x 64 tiles, 28.5 us with 16 x 16 (Zen 4). Up to ~200 tokens the last tile's
+# padding decides (``tile_edge``; DEVELOPING.md, "Tiles for short sequences" and "Tiles between
+# 32 and 200 tokens").
 TILE_EDGES = (16, 32, 64)
+
+
+# The bf16 backward (AMX) on seven 16-row tiles (100-110 tokens) took 10-25 % longer than on two
+# 64-row ones, though they pad less; up to four of them it is faster.
+SMALLEST_TILE_UP_TO = 64
 
 
 def tile_edge(seqlen: int | None) -> int:
@@ -111,11 +117,6 @@ def tile_edge(seqlen: int | None) -> int:
         if -seqlen % edge * 8 <= seqlen:
             return edge
     return min(edges, key=lambda edge: -seqlen % edge)
-
-
-# The bf16 backward (AMX) on seven 16-row tiles (100-110 tokens) took 10-25 % longer than on two
-# 64-row ones, though they pad less; up to four of them it is faster.
-SMALLEST_TILE_UP_TO = 64
 
 
 def default_cpu_config(kernel: str, avx512: bool, products: str = FP32_FMA, seqlen_q: int | None = None,

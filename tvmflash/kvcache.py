@@ -438,7 +438,7 @@ class _DecodeStep:
         # (the layers of a model call with the same lengths in turn)
         self._scratch = threading.local()
 
-    def _plan(self, ends, starts, threads, heads_k, scratch) -> tuple:
+    def _plan(self, ends, starts, threads, heads_k, scratch) -> _StepTables:
         """The tables for these lengths, this thread's own. A growing cache changes them every token,
         but only the ends unless a sequence's keys reach a new tile: then just the ends column is
         rewritten. Inside ``generate()``, where the model's weights have just evicted everything,

@@ -270,14 +270,12 @@ def _window(sliding_window: int | None, causal: bool, len_k: int) -> tuple[int, 
 class _Unpad:
     """Where the real tokens of a padded batch are, and their sequences' boundaries."""
 
-    __slots__ = ("len_q", "key_index", "cu_k", "max_k", "query_index", "cu_q", "max_q", "_blind", "_key_table")
+    __slots__ = ("key_index", "cu_k", "max_k", "query_index", "cu_q", "max_q", "_key_table")
 
     def __init__(self, key_mask: torch.Tensor, len_q: int):
-        self.len_q = len_q
         self.key_index, self.cu_k, self.max_k = _nonzero_and_cu(key_mask)
         # The queries are the last len_q keys (transformers' flash-attention convention).
         self.query_index, self.cu_q, self.max_q = _nonzero_and_cu(key_mask[:, -len_q:])
-        self._blind = {}
         self._key_table = None
 
     def key_table(self, key_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -289,20 +287,19 @@ class _Unpad:
             self._key_table = (order[:, :self.max_k], (self.cu_k[1:] - self.cu_k[:-1]).to(torch.int32))
         return self._key_table
 
-    def rows_without_keys(self, key_mask: torch.Tensor, causal: bool, sliding_window: int | None
-                          ) -> torch.Tensor | None:
-        """(batch, len_q) bool: query rows for which transformers' mask hides every key, or None.
+def _blind_rows(mask: torch.Tensor, len_q: int, causal: bool, sliding_window: int | None
+                ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(batch index, query index) of the query rows for which transformers' mask hides every key,
+    or None; found once per mask tensor and kind of layer (a model's layers share their masks).
 
-        Such rows (padding queries before a row's first token: left padding) are where
-        transformers' ``eager`` adds its most negative number to every score: the softmax is then
-        uniform over all the layer's keys, and ``eager`` returns the mean of v. Padding queries
-        at these positions predict the first real token, so a causal-LM loss sees them.
-        """
-        w = int(sliding_window) if sliding_window and sliding_window > 0 else None
-        found = self._blind.get((causal, w), False)
-        if found is not False:
-            return found
-        mask, len_q = key_mask, self.len_q
+    Such rows (padding queries before a row's first token: left padding) are where transformers'
+    ``eager`` adds its most negative number to every score: the softmax is then uniform over all
+    the layer's keys, and ``eager`` returns the mean of v. Padding queries at these positions
+    predict the first real token, so a causal-LM loss sees them.
+    """
+    w = int(sliding_window) if sliding_window and sliding_window > 0 else None
+    found = _per_mask(mask, "_tvmflash_blind_rows", None, dict)
+    if (len_q, causal, w) not in found:
         n = mask.shape[1]
         seen = torch.nn.functional.pad(mask.cumsum(1, dtype=torch.int32), (1, 0))  # seen[:, i]: real keys before i
         pos = torch.arange(n - len_q, n, device=mask.device)  # the queries' positions among the keys
@@ -313,8 +310,8 @@ class _Unpad:
         else:
             lo, hi = torch.zeros_like(pos), torch.full_like(pos, n)
         blind = (seen[:, hi] - seen[:, lo]) == 0
-        found = self._blind[(causal, w)] = blind if bool(blind.any()) else None
-        return found
+        found[(len_q, causal, w)] = blind.nonzero(as_tuple=True) if bool(blind.any()) else None
+    return found[(len_q, causal, w)]
 
 
 def _nonzero_and_cu(mask: torch.Tensor):
@@ -380,7 +377,7 @@ def _padded_attention(q, k, v, mask: torch.Tensor, opts: dict, sliding_window: i
     ``flash_attn_varlen_func`` and a scatter.
 
     Padding query rows get 0, except rows for which transformers' mask hides every key: they get
-    what ``eager`` gives them, the mean of v over the layer's keys (see ``rows_without_keys``).
+    what ``eager`` gives them, the mean of v over the layer's keys (see ``_blind_rows``).
     """
     mask = mask.to(device=q.device, dtype=torch.bool)
     batch, len_q, heads, head_dim = q.shape
@@ -391,19 +388,18 @@ def _padded_attention(q, k, v, mask: torch.Tensor, opts: dict, sliding_window: i
         raise ValueError(f"{len_q} queries but the padding mask covers only {n} keys")
     if len_q == 1:
         return decode_attention(q, k, v, mask, **opts)
-    plan = _unpad_plan(mask, len_q)
-    blind = plan.rows_without_keys(mask, opts["causal"], sliding_window)
     k_all, v_all = k, v
     k, v = k[:, :n], v[:, :n]  # keys past the mask: empty static-cache slots
     runs = _per_mask(mask, "_tvmflash_row_runs", None, lambda: _row_runs(mask)) if len_q == n else None
     out = None if runs is None else padded_rows_attention(q, k, v, runs, **opts)
     if out is None:
+        plan = _unpad_plan(mask, len_q)
         out = flash_attn_varlen_func(q[plan.query_index], k[plan.key_index], v[plan.key_index], plan.cu_q,
                                      plan.cu_k, plan.max_q, plan.max_k, **opts)
         # Padded query rows get 0 (an index_put on zeros: differentiable, the gradient is a gather).
         out = q.new_zeros(batch, len_q, heads, out.shape[-1]).index_put(plan.query_index, out)
-    if blind is not None:  # eager's uniform softmax over a fully masked row
-        rows = blind.nonzero(as_tuple=True)
+    rows = _blind_rows(mask, len_q, opts["causal"], sliding_window)
+    if rows is not None:  # eager's uniform softmax over a fully masked row
         if not (torch.is_grad_enabled() and any(t.requires_grad for t in (q, k_all, v_all))):
             out[rows] = _mean_of_values(v_all, rows[0], heads, out.dtype)  # (a fresh tensor: no copy of it)
             return out
