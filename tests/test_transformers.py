@@ -110,22 +110,29 @@ def test_register_gives_a_usable_name():
         tvm_hf.register("my_flash_attention")
 
 
-@pytest.mark.parametrize("model,holes", [(model, False) for model in MODELS] + [("llama", True)])
+@pytest.mark.parametrize("holes", [False, True])
+@pytest.mark.parametrize("model", MODELS)
 def test_padded_batch_loss_and_gradients_match_eager(model, gen, monkeypatch, holes):
     """Rows of one run of real tokens each are read in place (padded_rows_attention); a pad token
-    inside a row (a hole) takes the gather into packed sequences (there, a sliding window counts
-    the packed positions, not eager's: models without windows only)."""
-    in_place = []
-    original = tvm_hf.padded_rows_attention
-    monkeypatch.setattr(tvm_hf, "padded_rows_attention", lambda *a, **kw: in_place.append(original(*a, **kw))
-                        or in_place[-1])
+    inside a row (a hole) takes the gather into packed sequences, or on sliding-window layers
+    flex_attention with the mask (the window counts positions in the row, as eager's does)."""
+    in_place, over_holes = [], []
+    for name, seen in (("padded_rows_attention", in_place), ("_window_over_holes", over_holes)):
+        original = getattr(tvm_hf, name)
+        monkeypatch.setattr(tvm_hf, name, lambda *a, original=original, seen=seen, **kw:
+                            seen.append(original(*a, **kw)) or seen[-1])
     ids, mask, labels = _padded_batch(gen)
     if holes:  # (the hole's own prediction, of token 10, is ignored: transformers leaves padding rows undefined)
         mask[2, 9] = 0
         labels[2, 9:11] = -100
     _assert_matches_eager(model, real=mask.bool(), input_ids=ids, attention_mask=mask, labels=labels)
-    layers = _config(model).num_hidden_layers
+    config = _config(model)
+    layers = config.num_hidden_layers
+    kinds = getattr(config, "layer_types", None) or (
+        ["sliding_attention" if getattr(config, "sliding_window", None) else "full_attention"] * layers)
+    sliding = kinds.count("sliding_attention")
     assert len(in_place) == (0 if holes else layers) and all(out is not None for out in in_place)
+    assert len(over_holes) == (sliding if holes else 0)
 
 
 @pytest.mark.parametrize("model", ["llama", "gemma2"])
@@ -210,6 +217,22 @@ def test_generate_greedy_matches_eager(model, gen, monkeypatch):
         single = ids[1:2]
         assert torch.equal(ours.generate(single, max_new_tokens=12, do_sample=False, pad_token_id=0),
                            eager.generate(single, max_new_tokens=12, do_sample=False, pad_token_id=0))
+
+
+@pytest.mark.parametrize("model", ["mistral", "gemma2"])
+def test_generate_with_holes_in_the_prompt_matches_eager(model, gen):
+    """A pad token inside a prompt (generate() masks it: a hole) and prompts longer than the
+    window: the prefill's sliding layers and the decode steps count the window in positions of
+    the row, holes included, as eager does."""
+    eager, ours = _models(model)
+    ids = torch.randint(1, 128, (2, 14), generator=gen)
+    ids[0, 9], ids[1, 3:5] = 0, 0  # holes: inside the last window of row 0, before it in row 1
+    kwargs = dict(attention_mask=(ids != 0).long(), max_new_tokens=12, do_sample=False, pad_token_id=0,
+                  output_scores=True, return_dict_in_generate=True)
+    with torch.no_grad():
+        want, got = (m.eval().generate(ids, **kwargs) for m in (eager, ours))
+    assert torch.equal(got.sequences, want.sequences)
+    assert max(_rel(a, b) for a, b in zip(got.scores, want.scores)) <= LOSS_RTOL
 
 
 def test_generate_under_inference_mode_matches_no_grad(gen):
@@ -316,7 +339,8 @@ def test_prefill_in_chunks_matches_eager(model, gen):
 def test_decode_attention_on_every_kind_of_cache(gen, dtype):
     """decode_attention against float64 attention over each row's real keys: a full cache, left
     padding (the KV-cache kernel), a mask with holes and a cache that requires grad (the
-    varlen fallback), a sliding window and softcap; GQA, a cache longer than the mask."""
+    varlen fallback), a sliding window and softcap; GQA, a cache longer than the mask. The window
+    counts positions in the row (eager's), also over holes."""
     batch, n_cache, n, heads, heads_k, dim = 3, 150, 131, 4, 2, 32
     q = torch.randn(batch, 1, heads, dim, generator=gen).to(dtype)
     k, v = (torch.randn(batch, n_cache, heads_k, dim, generator=gen).to(dtype) for _ in range(2))
@@ -324,9 +348,12 @@ def test_decode_attention_on_every_kind_of_cache(gen, dtype):
     left[0, :70], left[2, :1] = False, False
     holes = left.clone()
     holes[1, 20:90] = False
+    holes_in_window = holes.clone()
+    holes_in_window[1, 100:110], holes_in_window[2, 125] = False, False
     for mask, window, softcap, grad in ((None, (-1, -1), 0.0, False), (left, (-1, -1), 0.0, False),
                                         (left, (40, 0), 5.0, False), (holes, (-1, -1), 0.0, False),
-                                        (left, (-1, -1), 0.0, True)):
+                                        (left, (-1, -1), 0.0, True), (holes_in_window, (40, 0), 0.0, False),
+                                        (holes_in_window, (40, 0), 5.0, True)):
         keys = torch.ones(batch, n_cache if mask is None else n, dtype=torch.bool) if mask is None else mask
         with torch.set_grad_enabled(grad):
             kk = k.clone().requires_grad_(grad)
@@ -334,8 +361,8 @@ def test_decode_attention_on_every_kind_of_cache(gen, dtype):
                                           softcap=softcap)
         for b in range(batch):
             idx = keys[b].nonzero()[:, 0]
-            if window[0] >= 0:
-                idx = idx[-(window[0] + 1):]
+            if window[0] >= 0:  # the query is at position len(keys) - 1
+                idx = idx[idx >= len(keys[b]) - 1 - window[0]]
             kb, vb = (t[b, idx].double().repeat_interleave(heads // heads_k, 1) for t in (k, v))
             s = torch.einsum("hd,khd->hk", q[b, 0].double(), kb) / dim ** 0.5
             if softcap:

@@ -19,15 +19,17 @@ What the attention function handles, with what transformers passes it:
 
 * causal self-attention with GQA (fewer key/value heads than query heads), bidirectional
   attention where a module or call sets ``is_causal=False``;
-* padding (left or right, rows that are all padding): the key-padding mask becomes
-  ``cu_seqlens``, q/k/v are gathered without their pads, ``flash_attn_varlen_func`` runs on
-  the real tokens only and its output is scattered back. Padding query rows whose every key
+* padding (left or right, rows that are all padding): rows whose real tokens are one run are
+  read in place, the runs as the kernels' sequence table (``padded_rows_attention``). A mask
+  with holes inside a row (0s between 1s) gathers the real tokens into packed sequences for
+  ``flash_attn_varlen_func`` and scatters the output back; on a sliding-window layer the
+  window must count positions in the row, holes included, as ``eager``'s does, so such a layer
+  runs on ``flex_attention`` with the mask instead (``_window_over_holes``; transformers'
+  ``flash_attention_2`` counts the packed positions). Padding query rows whose every key
   transformers masks (left padding) get what ``eager`` gives them, the mean of v, and eager's
   gradient for it (see ``_BlindRows``): a causal-LM loss reads the last of them, which predicts
   a row's first token. Other padding rows (after a row's tokens) get 0 where eager attends to
-  the tokens before them; no real token depends on them, nor a loss with labels -100 there.
-  A mask with holes inside a row (0s between 1s) is read as if the holes were not there, as
-  transformers' ``flash_attention_2`` reads it; eager keeps their distances for the window;
+  the tokens before them; no real token depends on them, nor a loss with labels -100 there;
 * packed sequences (several documents in one row): ``position_ids`` that restart (the same
   rule as transformers' ``eager`` masks: a document starts wherever a position is not the
   previous one plus 1) or the ``cu_seq_lens_q``/``cu_seq_lens_k`` kwargs of
@@ -57,6 +59,7 @@ import logging
 import torch
 
 from .. import version
+from ..flex import create_block_mask, flex_attention
 from ..kvcache import flash_attn_with_kvcache, repeated_decode_step
 from ..torch_op import flash_attn_func, flash_attn_varlen_func, padded_rows_attention
 
@@ -208,7 +211,8 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask
     cached row once per GQA group, keys split over the threads. A mask with holes (pad tokens
     inside a prompt: ``generate()`` masks every ``pad_token_id`` of the input) gives the same
     kernel each row's real keys, gathered (a copy of the cache's real rows per layer and step:
-    ~0.1 ms at a thousand keys, where one query on the varlen kernel's 64-row tiles took ~3 ms).
+    ~0.1 ms at a thousand keys, where one query on the varlen kernel's 64-row tiles took ~3 ms);
+    a window then keeps the keys within it by position in the row (eager's), not by count.
     Otherwise (gradients, CUDA tensors): ``flash_attn_func``, or ``flash_attn_varlen_func`` on the
     gathered real keys.
     """
@@ -226,6 +230,9 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask
         return flash_attn_with_kvcache(q, k, v, cache_seqlens=n, cache_leftpad=left_pad, **opts)
     if key_mask is None:
         return flash_attn_func(q, k, v, **opts)
+    if window_size[0] >= 0:  # holes and a window: the window counts positions in the row (as eager), not real keys
+        key_mask = key_mask & (torch.arange(n, device=key_mask.device) >= n - 1 - window_size[0])
+        opts["window_size"] = (-1, window_size[1])
     plan = _unpad_plan(key_mask, 1)
     if on_kernel and plan.max_k > 0:  # holes (pad tokens inside a prompt): each row's real keys gathered to its front
         table, lengths = plan.key_table(key_mask)
@@ -390,9 +397,11 @@ def _padded_attention(q, k, v, mask: torch.Tensor, opts: dict, sliding_window: i
         return decode_attention(q, k, v, mask, **opts)
     k_all, v_all = k, v
     k, v = k[:, :n], v[:, :n]  # keys past the mask: empty static-cache slots
-    runs = _per_mask(mask, "_tvmflash_row_runs", None, lambda: _row_runs(mask)) if len_q == n else None
-    out = None if runs is None else padded_rows_attention(q, k, v, runs, **opts)
-    if out is None:
+    runs = _per_mask(mask, "_tvmflash_row_runs", None, lambda: _row_runs(mask))
+    out = None if runs is None or len_q != n else padded_rows_attention(q, k, v, runs, **opts)
+    if out is None and runs is None and opts["window_size"] != (-1, -1):
+        out = _window_over_holes(q, k, v, mask, opts, sliding_window)
+    elif out is None:
         plan = _unpad_plan(mask, len_q)
         out = flash_attn_varlen_func(q[plan.query_index], k[plan.key_index], v[plan.key_index], plan.cu_q,
                                      plan.cu_k, plan.max_q, plan.max_k, **opts)
@@ -406,6 +415,31 @@ def _padded_attention(q, k, v, mask: torch.Tensor, opts: dict, sliding_window: i
         scale = opts["softmax_scale"] if opts["softmax_scale"] is not None else head_dim ** -0.5
         out = out.index_put(rows, _BlindRows.apply(q[rows], k_all, v_all, rows[0], scale, opts["softcap"]))
     return out
+
+
+def _window_over_holes(q, k, v, mask: torch.Tensor, opts: dict, sliding_window: int) -> torch.Tensor:
+    """A sliding window over a mask with holes (pad tokens inside a row), as ``eager`` reads it:
+    the window counts positions in the row, holes included. The gather into packed sequences
+    would count packed positions (transformers' ``flash_attention_2`` does), so these layers run
+    on ``flex_attention`` with the mask and the window as its ``mask_mod``, in place (the block
+    mask is built once per mask tensor, its kernels once per model)."""
+    batch, len_q, heads, _ = q.shape
+    n, w, causal, softcap = mask.shape[1], int(sliding_window), opts["causal"], opts["softcap"]
+    offset = n - len_q  # the queries are the last len_q keys
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        distance = q_idx + offset - kv_idx
+        seen = (distance >= 0) & (distance < w) if causal else distance.abs() <= w
+        return mask[b, kv_idx] & seen
+
+    def capped(score, b, h, q_idx, kv_idx):
+        return softcap * torch.tanh(score / softcap)
+
+    blocks = _per_mask(mask, "_tvmflash_window_blocks", (len_q, causal, w),
+                       lambda: create_block_mask(mask_mod, batch, None, len_q, n))
+    out = flex_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), score_mod=capped if softcap else None,
+                         block_mask=blocks, scale=opts["softmax_scale"], enable_gqa=heads != k.shape[2])
+    return out.transpose(1, 2)
 
 
 def _mean_of_values(v: torch.Tensor, batch_index: torch.Tensor, heads: int, dtype: torch.dtype) -> torch.Tensor:
