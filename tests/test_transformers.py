@@ -335,6 +335,59 @@ def test_prefill_in_chunks_matches_eager(model, gen):
     assert _rel(logits["ours"][real], logits["eager"][real]) <= LOSS_RTOL
 
 
+@pytest.mark.parametrize("causal", [True, False])
+def test_window_over_holes_against_float64(gen, causal):
+    """_window_over_holes (a sliding window over a mask with holes, on flex_attention) against
+    dense float64 attention with eager's window by row position: rows with holes, left and right
+    padding, a row of padding only; queries the whole row and, as in a chunked prefill, its last
+    170 keys; lengths no multiple of the 128-key blocks. Its block mask (built from block bounds)
+    keeps every block torch's dense create_block_mask keeps, and calls full only blocks torch
+    calls full."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    from tvmflash.flex import EMPTY, FULL, PARTIAL, _block_states
+
+    batch, n, heads, heads_k, dim, w = 4, 600, 4, 2, 32, 260  # (128-key blocks: some inside the window whole)
+    mask = torch.ones(batch, n, dtype=torch.bool)
+    mask[0, 30:35], mask[0, 60:290] = False, False  # holes, one nearly as long as the window
+    mask[1, :60], mask[1, 200:210] = False, False  # left padding and a hole
+    mask[2, 450:] = False  # right padding
+    mask[3] = False  # padding only
+    kinds = set()
+    for len_q in (n, 170):
+        q = torch.randn(batch, len_q, heads, dim, generator=gen, requires_grad=True)
+        k, v = (torch.randn(batch, n, heads_k, dim, generator=gen, requires_grad=True) for _ in range(2))
+        opts = {"softmax_scale": None, "causal": causal, "window_size": tvm_hf._window(w, causal, n), "softcap": 0.0}
+        out = tvm_hf._window_over_holes(q, k, v, mask, opts, w)
+        dout = torch.randn(out.shape, generator=gen)
+        grads = torch.autograd.grad(out, (q, k, v), dout)
+
+        p = torch.arange(n - len_q, n)[:, None]
+        j = torch.arange(n)[None, :]
+        seen = ((p - j >= 0) & (p - j < w)) if causal else (p - j).abs() <= w
+        allowed = (seen[None] & mask[:, None, :])[:, None]  # (batch, 1, len_q, n)
+        q64, k64, v64 = (t.detach().double().transpose(1, 2).requires_grad_() for t in (q, k, v))
+        kk, vv = (t.repeat_interleave(heads // heads_k, 1) for t in (k64, v64))
+        s = (q64 @ kk.transpose(-1, -2) / dim ** 0.5).masked_fill(~allowed, float("-inf"))
+        want = (s.softmax(-1).nan_to_num() @ vv).transpose(1, 2)  # rows that see no key: 0
+        want_grads = torch.autograd.grad(want, (q64, k64, v64), dout.double())
+        assert (out.double() - want).abs().max() <= 1e-5, (len_q, causal)
+        for name, got, ref in zip("qkv", grads, want_grads):
+            ref = ref.transpose(1, 2)
+            assert (got.double() - ref).abs().max() <= 1e-5 * max(1.0, ref.abs().max().item()), (name, len_q)
+
+        def allowed_pairs(b, h, qi, kj):
+            distance = qi + n - len_q - kj
+            return mask[b, kj] & (((distance >= 0) & (distance < w)) if causal else distance.abs() <= w)
+
+        ours = _block_states(tvm_hf._window_block_mask(mask, len_q, causal, w, allowed_pairs))
+        theirs = _block_states(create_block_mask(allowed_pairs, batch, None, len_q, n, device="cpu"))
+        assert bool(((ours != EMPTY) | (theirs == EMPTY)).all()), "a block with visible keys was left out"
+        assert bool(((ours != FULL) | (theirs == FULL)).all()), "a block called full holds masked pairs"
+        kinds.update(ours.unique().tolist())
+    assert kinds == {EMPTY, PARTIAL, FULL}  # (the test covers each kind of block)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_decode_attention_on_every_kind_of_cache(gen, dtype):
     """decode_attention against float64 attention over each row's real keys: a full cache, left

@@ -59,7 +59,7 @@ import logging
 import torch
 
 from .. import version
-from ..flex import create_block_mask, flex_attention
+from ..flex import flex_attention
 from ..kvcache import flash_attn_with_kvcache, repeated_decode_step
 from ..torch_op import flash_attn_func, flash_attn_varlen_func, padded_rows_attention
 
@@ -423,7 +423,7 @@ def _window_over_holes(q, k, v, mask: torch.Tensor, opts: dict, sliding_window: 
     would count packed positions (transformers' ``flash_attention_2`` does), so these layers run
     on ``flex_attention`` with the mask and the window as its ``mask_mod``, in place (the block
     mask is built once per mask tensor, its kernels once per model)."""
-    batch, len_q, heads, _ = q.shape
+    _, len_q, heads, _ = q.shape
     n, w, causal, softcap = mask.shape[1], int(sliding_window), opts["causal"], opts["softcap"]
     offset = n - len_q  # the queries are the last len_q keys
 
@@ -436,10 +436,45 @@ def _window_over_holes(q, k, v, mask: torch.Tensor, opts: dict, sliding_window: 
         return softcap * torch.tanh(score / softcap)
 
     blocks = _per_mask(mask, "_tvmflash_window_blocks", (len_q, causal, w),
-                       lambda: create_block_mask(mask_mod, batch, None, len_q, n))
+                       lambda: _window_block_mask(mask, len_q, causal, w, mask_mod))
     out = flex_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), score_mod=capped if softcap else None,
                          block_mask=blocks, scale=opts["softmax_scale"], enable_gqa=heads != k.shape[2])
     return out.transpose(1, 2)
+
+
+def _window_block_mask(mask: torch.Tensor, len_q: int, causal: bool, w: int, mask_mod, block: int = 128):
+    """``_window_over_holes``' block mask from block bounds: a (query block, key block) is empty
+    where no pair is inside the window or no key is real, full where every pair is and every key
+    is real (complete blocks only), else partial (the mask_mod decides per score).
+    O(batch x blocks^2): torch's ``create_block_mask`` evaluates the mask_mod on every (query,
+    key) pair, with int64 temporaries of that size (GBs at tens of thousands of tokens)."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    n = mask.shape[1]
+    device = mask.device
+    seen = torch.nn.functional.pad(mask.cumsum(1, dtype=torch.int32), (1, 0))  # seen[:, i]: real keys before i
+    k_first = torch.arange(0, n, block, device=device)
+    k_last = (k_first + block).clamp_max(n) - 1
+    real = seen[:, k_last + 1] - seen[:, k_first]  # (batch, key blocks)
+    q_starts = torch.arange(0, len_q, block, device=device)
+    p_first, p_last = q_starts + (n - len_q), (q_starts + block).clamp_max(len_q) - 1 + (n - len_q)  # positions
+    p_first, p_last = p_first[:, None], p_last[:, None]
+    if causal:  # p - w < j <= p
+        some = (k_first <= p_last) & (k_last > p_first - w)
+        every = (k_last <= p_first) & (k_first > p_last - w)
+    else:  # |p - j| <= w
+        some = (k_first <= p_last + w) & (k_last >= p_first - w)
+        every = (k_last <= p_first + w) & (k_first >= p_last - w)
+    whole = (p_last - p_first + 1 == block) & (k_last - k_first + 1 == block)  # (as torch's: the last blocks partial)
+    full = every & whole & (real == block)[:, None, :]  # (batch, query blocks, key blocks)
+    partial = some & (real > 0)[:, None, :] & ~full
+
+    def listed(blocks: torch.Tensor):  # (counts, indices of the marked key blocks first), with a heads dim
+        order = torch.argsort((~blocks).to(torch.uint8), dim=-1, stable=True)
+        return blocks.sum(-1, dtype=torch.int32)[:, None], order.to(torch.int32)[:, None]
+
+    return BlockMask.from_kv_blocks(*listed(partial), *listed(full), BLOCK_SIZE=block, mask_mod=mask_mod,
+                                    seq_lengths=(len_q, n))
 
 
 def _mean_of_values(v: torch.Tensor, batch_index: torch.Tensor, heads: int, dtype: torch.dtype) -> torch.Tensor:
