@@ -261,12 +261,17 @@ def test_agrees_with_torchs_own_flex_attention_forward(gen):
 
 
 # --- integration ----------------------------------------------------------------------------------
-@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
-def test_torch_compile_fullgraph(gen, backend):
+@pytest.mark.parametrize("backend,transposed", [("aot_eager", False), ("inductor", False), ("inductor", True)])
+def test_torch_compile_fullgraph(gen, backend, transposed):
     """The whole call compiles into one graph: tracing the mods and compiling the kernels happen
     once while dynamo traces; captured tensors are graph inputs read on every call (a trainable
-    bias gets its gradient), the tile maps are tensor code."""
-    q, k, v = (torch.randn(1, 2, 100, 32, generator=gen).requires_grad_() for _ in range(3))
+    bias gets its gradient), the tile maps are tensor code. ``transposed``: q, k, v as models
+    make them, (B, N, H, D) storage seen as (B, H, N, D) (the fake kernels once gave such inputs'
+    strides to the outputs, which the op returns contiguous: compiling failed)."""
+    if transposed:
+        q, k, v = (torch.randn(1, 100, 2, 32, generator=gen).transpose(1, 2).requires_grad_() for _ in range(3))
+    else:
+        q, k, v = (torch.randn(1, 2, 100, 32, generator=gen).requires_grad_() for _ in range(3))
     mask = create_block_mask(causal, None, None, 100, 100)
     bias = torch.randn(2, generator=gen).requires_grad_()
     LIVE["scale"] = torch.rand(2, generator=gen)

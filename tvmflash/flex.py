@@ -192,7 +192,8 @@ def _flex_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, captured: l
 
 @_flex_forward.register_fake
 def _(q, k, v, captured, tile_state, kv_range, scale, spec_key):
-    return torch.empty_like(q), q.new_empty(q.shape[:3], dtype=torch.float32)
+    # contiguous, as the op returns them (empty_like would copy the strides of a transposed q)
+    return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=torch.float32)
 
 
 @torch.library.custom_op("tvmflash::flex_backward", mutates_args=())
@@ -223,7 +224,7 @@ def _backward_block_mask(tile_state: torch.Tensor | None):
 def _(dout, q, k, v, out, lse, captured, tile_state, scale, spec_key):
     spec = _specs[spec_key]
     grads = [q.new_empty(math.prod(i.shape), dtype=torch.float32) for i in spec.grad_inputs]
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), grads
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), grads  # (contiguous, as the op's)
 
 
 def _setup_context(ctx, inputs, output):
