@@ -17,6 +17,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+from conftest import reference_attention  # noqa: E402
 from tvmflash.integrations import transformers as tvm_hf  # noqa: E402
 
 LOSS_RTOL = 1e-4
@@ -380,23 +381,17 @@ def test_window_over_holes_against_float64(gen, causal):
         dout = torch.randn(out.shape, generator=gen)
         grads = torch.autograd.grad(out, (q, k, v), dout)
 
-        p = torch.arange(n - len_q, n)[:, None]
-        j = torch.arange(n)[None, :]
-        seen = ((p - j >= 0) & (p - j < w)) if causal else (p - j).abs() <= w
-        allowed = (seen[None] & mask[:, None, :])[:, None]  # (batch, 1, len_q, n)
-        q64, k64, v64 = (t.detach().double().transpose(1, 2).requires_grad_() for t in (q, k, v))
-        kk, vv = (t.repeat_interleave(heads // heads_k, 1) for t in (k64, v64))
-        s = (q64 @ kk.transpose(-1, -2) / dim ** 0.5).masked_fill(~allowed, float("-inf"))
-        want = (s.softmax(-1).nan_to_num() @ vv).transpose(1, 2)  # rows that see no key: 0
-        want_grads = torch.autograd.grad(want, (q64, k64, v64), dout.double())
-        assert (out.double() - want).abs().max() <= 1e-5, (len_q, causal)
-        for name, got, ref in zip("qkv", grads, want_grads):
-            ref = ref.transpose(1, 2)
-            assert (got.double() - ref).abs().max() <= 1e-5 * max(1.0, ref.abs().max().item()), (name, len_q)
-
-        def allowed_pairs(b, h, qi, kj):
+        def allowed_pairs(b, h, qi, kj):  # (eager's: the window by position in the row, holes included)
             distance = qi + n - len_q - kj
             return mask[b, kj] & (((distance >= 0) & (distance < w)) if causal else distance.abs() <= w)
+
+        indices = torch.arange(batch)[:, None, None, None], None, torch.arange(len_q)[:, None], torch.arange(n)
+        leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
+        want, _ = reference_attention(*leaves, mask=allowed_pairs(*indices))  # (rows that see no key: 0)
+        want_grads = torch.autograd.grad(want, leaves, dout.double())
+        assert (out.double() - want).abs().max() <= 1e-5, (len_q, causal)
+        for name, got, ref in zip("qkv", grads, want_grads):
+            assert (got.double() - ref).abs().max() <= 1e-5 * max(1.0, ref.abs().max().item()), (name, len_q)
 
         ours = _block_states(tvm_hf._window_block_mask(mask, len_q, causal, w, allowed_pairs))
         theirs = _block_states(create_block_mask(allowed_pairs, batch, None, len_q, n, device="cpu"))
