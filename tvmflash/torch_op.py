@@ -22,10 +22,11 @@ from typing import NamedTuple
 
 import torch
 
-from . import checks, compiler, threads, version
+from . import checks, compiler, threads, uniform_rows, version
 from .config import TILE_EDGES, tile_edge
 from .runtime import FlashKernels
 from .spec import SUPPORTED_DTYPES, Alibi, AttentionSpec, Softcap
+from .uniform_rows import UniformRows
 
 version.require("torch", torch.__version__, version.MIN_TORCH)
 
@@ -275,12 +276,14 @@ class _EagerAttention(torch.autograd.Function):
         return None, *_input_grads(ctx, dout, _backward_impl if direct else _backward), *(None,) * 10
 
 
-def padded_rows_attention(q, k, v, row_runs: tuple, *, softmax_scale, causal: bool, window_size, softcap: float
-                          ) -> torch.Tensor | None:
+def padded_rows_attention(q, k, v, row_runs: tuple, *, softmax_scale, causal: bool, window_size, softcap: float,
+                          uniform_rows: UniformRows | None = None) -> torch.Tensor | None:
     """Attention within one run of rows per batch row of (batch, seqlen, heads, head_dim) tensors,
     read in place: sequence b is rows ``start_b .. end_b - 1`` of row b, its queries and keys
     alike (a padded batch: left or right padding). Rows outside the runs get output 0 and no
-    gradient. No gather into packed sequences and scatter back, which cost more than the kernels
+    gradient, except ``uniform_rows`` (outside the runs): a softmax uniform over all keys, as
+    transformers' ``eager`` gives rows whose keys its mask all hides (``uniform_rows.py``).
+    No gather into packed sequences and scatter back, which cost more than the kernels
     (4 left-padded rows, fp32 forward + backward: 256 tokens 17.6 -> 12.1 ms, 1024 140 -> 77).
     None where it does not apply (other than plain CPU tensors in eager mode: torch.compile,
     autocast and modes see the op through the packed path; head dims the kernels pad)."""
@@ -295,7 +298,7 @@ def padded_rows_attention(q, k, v, row_runs: tuple, *, softmax_scale, causal: bo
     dims = checks.check_inputs(kernels, q, k, v)
     scale = checks.softmax_scale(options.softmax_scale, kernels.head_dim)
     call = _RowRunsCall(kernels, dims, tuple(row_runs), scale, checks.window(options.window, False),
-                        _mod_inputs(q, options.softcap, None))
+                        _mod_inputs(q, options.softcap, None), uniform_rows, options.softcap)
     out, _ = _RowRuns.apply(call, q, k, v)
     return out
 
@@ -307,6 +310,8 @@ class _RowRunsCall(NamedTuple):
     scale: float
     window: tuple  # the kernels' (left, right)
     mods: list  # the mod inputs (softcap)
+    uniform: UniformRows | None  # rows outside the runs with a uniform softmax
+    softcap: float
 
 
 class _RowRuns(torch.autograd.Function):
@@ -314,12 +319,14 @@ class _RowRuns(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, call, q, k, v):
-        kernels, dims, runs, scale, window, mods = call
+        kernels, dims, runs, scale, window, mods, uniform, _ = call
         out = _zero_outside(torch.empty(q.shape, dtype=q.dtype), runs)  # (rows outside the runs: 0, lse -inf)
         lse = torch.full(_lse_shape(q, False), float("-inf"), dtype=torch.float32)
         if any(end > start for start, end in runs):
             kernels.launch_forward(dims, q, k, v, out, lse, scale, window, None, None, kernels._mods(q, mods),
                                    row_runs=runs)
+        if uniform is not None:
+            uniform_rows.add_means(out[:, uniform.first:uniform.end], v, uniform)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.call = call
         ctx.mark_non_differentiable(lse)
@@ -330,12 +337,18 @@ class _RowRuns(torch.autograd.Function):
     def backward(ctx, dout, _dlse):
         if dout is None:
             return None, None, None, None
-        kernels, dims, runs, scale, window, mods = ctx.call
+        kernels, dims, runs, scale, window, mods, uniform, softcap = ctx.call
         q, k, v, out, lse = ctx.saved_tensors
         dq, dk, dv = (_zero_outside(torch.empty(t.shape, dtype=t.dtype), runs) for t in (q, k, v))
         if any(end > start for start, end in runs):
             kernels.launch_backward(dims, kernel_layout(dout.detach()), q, k, v, out, lse, dq, dk, dv, scale, window,
                                     None, None, mod_inputs=mods, row_runs=runs)
+        if uniform is not None:  # (their rows of dq are outside the runs: 0 so far; fp32 sums, one rounding)
+            span = slice(uniform.first, uniform.end)
+            dq_span, dk_uniform, dv_uniform = uniform_rows.gradients(q, k, v, dout[:, span], uniform, scale, softcap)
+            dq[:, span].add_(dq_span)
+            dk.add_(dk_uniform)
+            dv.add_(dv_uniform)
         if torch.is_grad_enabled():  # create_graph=True: as the op's backward, refuse to be differentiated
             return None, *_NoSecondDerivative.apply(dq, dk, dv, q, k, v, dout)
         return None, dq, dk, dv

@@ -27,7 +27,7 @@ What the attention function handles, with what transformers passes it:
   runs on ``flex_attention`` with the mask instead (``_window_over_holes``; transformers'
   ``flash_attention_2`` counts the packed positions). Padding query rows whose every key
   transformers masks (left padding) get what ``eager`` gives them, the mean of v, and eager's
-  gradient for it (see ``_BlindRows``): a causal-LM loss reads the last of them, which predicts
+  gradient for it (``uniform_rows.py``): a causal-LM loss reads the last of them, which predicts
   a row's first token. Other padding rows (after a row's tokens) get 0 where eager attends to
   the tokens before them; no real token depends on them, nor a loss with labels -100 there;
 * packed sequences (several documents in one row): ``position_ids`` that restart (the same
@@ -62,6 +62,7 @@ from .. import version
 from ..flex import flex_attention
 from ..kvcache import flash_attn_with_kvcache, repeated_decode_step
 from ..torch_op import flash_attn_func, flash_attn_varlen_func, padded_rows_attention
+from ..uniform_rows import UniformRows, UniformRowsAttention
 
 NAME = "tvm_attention"
 
@@ -294,10 +295,9 @@ class _Unpad:
             self._key_table = (order[:, :self.max_k], (self.cu_k[1:] - self.cu_k[:-1]).to(torch.int32))
         return self._key_table
 
-def _blind_rows(mask: torch.Tensor, len_q: int, causal: bool, sliding_window: int | None
-                ) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """(batch index, query index) of the query rows for which transformers' mask hides every key,
-    or None; found once per mask tensor and kind of layer (a model's layers share their masks).
+def _blind_rows(mask: torch.Tensor, len_q: int, causal: bool, sliding_window: int | None) -> UniformRows | None:
+    """The query rows for which transformers' mask hides every key (as ``UniformRows``), or None;
+    found once per mask tensor and kind of layer (a model's layers share their masks).
 
     Such rows (padding queries before a row's first token: left padding) are where transformers'
     ``eager`` adds its most negative number to every score: the softmax is then uniform over all
@@ -317,7 +317,7 @@ def _blind_rows(mask: torch.Tensor, len_q: int, causal: bool, sliding_window: in
         else:
             lo, hi = torch.zeros_like(pos), torch.full_like(pos, n)
         blind = (seen[:, hi] - seen[:, lo]) == 0
-        found[(len_q, causal, w)] = blind.nonzero(as_tuple=True) if bool(blind.any()) else None
+        found[(len_q, causal, w)] = UniformRows.at(*blind.nonzero(as_tuple=True), mask.shape[0])
     return found[(len_q, causal, w)]
 
 
@@ -398,7 +398,12 @@ def _padded_attention(q, k, v, mask: torch.Tensor, opts: dict, sliding_window: i
     k_all, v_all = k, v
     k, v = k[:, :n], v[:, :n]  # keys past the mask: empty static-cache slots
     runs = _per_mask(mask, "_tvmflash_row_runs", None, lambda: _row_runs(mask))
-    out = None if runs is None or len_q != n else padded_rows_attention(q, k, v, runs, **opts)
+    blind = _blind_rows(mask, len_q, opts["causal"], sliding_window)  # (eager: a softmax uniform over all keys)
+    out = None
+    if runs is not None and len_q == n:
+        out = padded_rows_attention(q, k, v, runs, **opts, uniform_rows=blind if k_all.shape[1] == n else None)
+        if out is not None and k_all.shape[1] == n:
+            return out
     if out is None and runs is None and opts["window_size"] != (-1, -1):
         out = _window_over_holes(q, k, v, mask, opts, sliding_window)
     elif out is None:
@@ -407,13 +412,10 @@ def _padded_attention(q, k, v, mask: torch.Tensor, opts: dict, sliding_window: i
                                      plan.cu_k, plan.max_q, plan.max_k, **opts)
         # Padded query rows get 0 (an index_put on zeros: differentiable, the gradient is a gather).
         out = q.new_zeros(batch, len_q, heads, out.shape[-1]).index_put(plan.query_index, out)
-    rows = _blind_rows(mask, len_q, opts["causal"], sliding_window)
-    if rows is not None:  # eager's uniform softmax over a fully masked row
-        if not (torch.is_grad_enabled() and any(t.requires_grad for t in (q, k_all, v_all))):
-            out[rows] = _mean_of_values(v_all, rows[0], heads, out.dtype)  # (a fresh tensor: no copy of it)
-            return out
+    if blind is not None:  # (their rows of out hold 0: no key seen)
         scale = opts["softmax_scale"] if opts["softmax_scale"] is not None else head_dim ** -0.5
-        out = out.index_put(rows, _BlindRows.apply(q[rows], k_all, v_all, rows[0], scale, opts["softcap"]))
+        uniform = UniformRowsAttention.apply(q, k_all, v_all, blind, scale, opts["softcap"])
+        out = out + torch.nn.functional.pad(uniform, (0, 0, 0, 0, blind.first, len_q - blind.end))
     return out
 
 
@@ -475,100 +477,6 @@ def _window_block_mask(mask: torch.Tensor, len_q: int, causal: bool, w: int, mas
 
     return BlockMask.from_kv_blocks(*listed(partial), *listed(full), BLOCK_SIZE=block, mask_mod=mask_mod,
                                     seq_lengths=(len_q, n))
-
-
-def _mean_of_values(v: torch.Tensor, batch_index: torch.Tensor, heads: int, dtype: torch.dtype) -> torch.Tensor:
-    """(rows, heads, d): the mean of v over all keys of each row's batch row, per query head."""
-    return v.mean(dim=1).repeat_interleave(heads // v.shape[2], dim=1)[batch_index].to(dtype)
-
-
-class _BlindRows(torch.autograd.Function):
-    """What transformers' ``eager`` computes for query rows whose every key is masked.
-
-    eager adds the dtype's most negative number to every score of such a row, which absorbs
-    the scores: the softmax comes out uniform, the output is the mean of v over all the layer's
-    keys. Its backward still runs softmax's Jacobian at that uniform P, so q and k get gradients
-    ``dS_j = (dO . v_j - dO . mean(v)) / n_keys`` (times softcap's derivative ``1 - tanh^2``),
-    as from attention with scores ``s - s.detach()``. Forward: a mean (no scores). Backward:
-    dense over these rows only, per batch row and in chunks of rows; nothing saved but the inputs.
-    """
-
-    @staticmethod
-    def forward(ctx, q, k, v, batch_index, scale: float, softcap: float):
-        # q (rows, heads, d); k, v (batch, n_keys, heads_kv, d); batch_index (rows,)
-        ctx.save_for_backward(q, k, v, batch_index)
-        ctx.scale, ctx.softcap = scale, softcap
-        return _mean_of_values(v, batch_index, q.shape[1], q.dtype)
-
-    @staticmethod
-    def backward(ctx, dout):
-        q, k, v, batch_index = ctx.saved_tensors
-        rows, heads, head_dim = q.shape
-        batch, n_keys, heads_kv, _ = k.shape
-        dv = None
-        if ctx.needs_input_grad[2]:  # d mean(v) / dv: dO summed over the rows (and head groups) of each batch row
-            per_batch = torch.zeros(batch, heads, head_dim, dtype=torch.float32, device=v.device)
-            per_batch.index_add_(0, batch_index, dout.float())
-            per_batch = per_batch.view(batch, heads_kv, heads // heads_kv, head_dim).sum(2) / n_keys
-            dv = per_batch[:, None].expand(batch, n_keys, heads_kv, head_dim).to(v.dtype)
-        dq = dk = None
-        if ctx.needs_input_grad[0] or ctx.needs_input_grad[1]:
-            grads = _blind_rows_dq_dk_softcap if ctx.softcap else _blind_rows_dq_dk
-            dq, dk = grads(q, k, v, batch_index, dout, ctx.scale, ctx.softcap)
-        return (dq.to(q.dtype) if ctx.needs_input_grad[0] else None), \
-            (dk.to(k.dtype) if ctx.needs_input_grad[1] else None), dv, None, None, None
-
-
-def _blind_rows_dq_dk(q, k, v, batch_index, dout, scale: float, softcap: float):
-    """_BlindRows' fp32 dq and dk without softcap, as products of head_dim x head_dim matrices:
-    with dS_rj = (dO_r . v_j - dO_r . mean(v)) / n, dq_r = scale / n (dO_r M - n (dO_r . mean(v))
-    mean(k)) for M = sum_j v_j k_j^T, and dk_j = scale / n (A v_j - w) for A = sum_r q_r dO_r^T,
-    w = sum_r (dO_r . mean(v)) q_r (sums over a batch row's blind rows and head groups). No
-    (rows x keys) scores; one batched product per batch row (4 left-padded rows of 256 tokens,
-    fp32, with the autograd around it: 5.5 -> 3.4 ms)."""
-    rows, heads, head_dim = q.shape
-    batch, n_keys, heads_kv, _ = k.shape
-    groups = heads // heads_kv
-    dq = torch.empty(rows, heads_kv, groups, head_dim, dtype=torch.float32, device=q.device)
-    dk = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
-    segments, counts = torch.unique_consecutive(batch_index, return_counts=True)  # (nonzero's rows: by batch row)
-    start = 0
-    for b, count in zip(segments.tolist(), counts.tolist()):
-        rows_b = slice(start, start + count)
-        start += count
-        kb, vb = (t[b].float().transpose(0, 1) for t in (k, v))  # (heads_kv, n_keys, d)
-        qb, dob = (t[rows_b].float().view(count, heads_kv, groups, head_dim).transpose(0, 1)
-                   .reshape(heads_kv, count * groups, head_dim) for t in (q, dout))
-        c = dob @ vb.mean(1)[:, :, None]  # dO_r . mean(v): (heads_kv, rows x groups, 1)
-        dq_b = dob @ (vb.transpose(1, 2) @ kb) - n_keys * c * kb.mean(1)[:, None, :]
-        dq[rows_b] = dq_b.view(heads_kv, count, groups, head_dim).transpose(0, 1)
-        dk[b] += (vb @ (qb.transpose(1, 2) @ dob).transpose(1, 2) - (c * qb).sum(1)[:, None, :]).transpose(0, 1)
-    return dq.view(rows, heads, head_dim) * (scale / n_keys), dk * (scale / n_keys)
-
-
-def _blind_rows_dq_dk_softcap(q, k, v, batch_index, dout, scale: float, softcap: float):
-    """_BlindRows' fp32 dq and dk with softcap, whose derivative (1 - tanh^2) weighs each score:
-    dense per batch row (its rows share its keys), in chunks of rows: scores (rows, heads, n_keys)."""
-    rows, heads, head_dim = q.shape
-    batch, n_keys, heads_kv, _ = k.shape
-    groups = heads // heads_kv
-    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-    dk = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
-    chunk = max(1, (1 << 22) // max(1, heads * n_keys))
-    for b in torch.unique(batch_index).tolist():
-        mine = (batch_index == b).nonzero().flatten()
-        kb, vb = k[b].float(), v[b].float()  # (n_keys, heads_kv, d)
-        for start in range(0, mine.numel(), chunk):
-            sel = mine[start:start + chunk]
-            qc = q[sel].float().view(-1, heads_kv, groups, head_dim)
-            doc = dout[sel].float().view(-1, heads_kv, groups, head_dim)
-            dp = torch.einsum("rkgd,jkd->rkgj", doc, vb)
-            ds = (dp - dp.mean(-1, keepdim=True)) / n_keys
-            scores = torch.einsum("rkgd,jkd->rkgj", qc, kb) * scale
-            ds = ds * (1 - torch.tanh(scores / softcap) ** 2)
-            dq[sel] = torch.einsum("rkgj,jkd->rkgd", ds, kb).reshape(-1, heads, head_dim) * scale
-            dk[b] += torch.einsum("rkgj,rkgd->jkd", ds, qc) * scale
-    return dq, dk
 
 
 def _packed_attention(q, k, v, cu_q: torch.Tensor, cu_k: torch.Tensor, opts: dict) -> torch.Tensor:

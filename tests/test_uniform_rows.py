@@ -1,0 +1,75 @@
+"""Rows whose keys a padding mask all hides (left padding), against transformers' ``eager`` in
+float64: eager adds the dtype's most negative number to every masked score, so such a row's
+softmax is uniform over all keys, its output the mean of v, and its gradient softmax's Jacobian
+at that uniform P. The reference below is that computation, dense, with autograd (no formula of
+ours in it). Through the integration's ``_padded_attention``: rows read in place (the uniform
+rows inside the row-runs Function), a mask with holes (the gather, then ``UniformRowsAttention``)
+and keys past the mask (a static cache's empty slots)."""
+
+import pytest
+import torch
+
+from conftest import assert_flash_rule
+
+pytest.importorskip("transformers")
+from tvmflash.integrations import transformers as tvm_hf  # noqa: E402
+
+
+def eager_attention(q, k, v, allowed, scale: float, softcap: float):
+    """transformers' eager attention in q's dtype: scores (+ softcap), + the dtype's minimum where
+    ``allowed`` (batch, n_q, n_k) is False, softmax, times v. (batch, n, heads, d) tensors."""
+    groups = q.shape[2] // k.shape[2]
+    qh, kh, vh = q.transpose(1, 2), k.transpose(1, 2).repeat_interleave(groups, 1), v.transpose(1, 2)
+    scores = qh @ kh.mT * scale
+    if softcap:
+        scores = softcap * torch.tanh(scores / softcap)
+    bias = torch.zeros(allowed.shape, dtype=q.dtype).masked_fill(~allowed, torch.finfo(q.dtype).min)
+    p = torch.softmax(scores + bias[:, None], dim=-1)
+    return (p @ vh.repeat_interleave(groups, 1)).transpose(1, 2)
+
+
+CASES = {  # (mask over the keys (batch, n), keys past the mask)
+    "rows in place": (lambda m: m, 0),
+    "holes": (lambda m: m.index_fill(1, torch.tensor([20]), False), 0),
+    "static cache": (lambda m: m, 9),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("softcap", [0.0, 2.5])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dim", [24, 64])  # (without softcap: head_dim-square products at 24, through the scores at 64)
+def test_uniform_rows_match_eager_in_float64(gen, seed, case, softcap, dtype, dim):
+    batch, n, heads, heads_k = 4, 37, 6, 2
+    make_mask, empty_slots = CASES[case]
+    mask = torch.ones(batch, n, dtype=torch.bool)
+    mask[0, :5] = False  # left padding: 5 rows see no key
+    mask[1, :19] = False
+    mask[2, -7:] = False  # right padding (those rows see keys: not uniform; undefined in transformers)
+    mask[3] = False  # padding only: every row uniform
+    mask = make_mask(mask)
+    keys = n + empty_slots
+    q = (torch.randn(batch, n, heads, dim, generator=gen) * 2).to(dtype).requires_grad_()
+    k, v = (torch.randn(batch, keys, heads_k, dim, generator=gen).to(dtype).requires_grad_() for _ in range(2))
+    scale = dim ** -0.5
+    opts = {"softmax_scale": scale, "causal": True, "window_size": (-1, -1), "softcap": softcap}
+    out = tvm_hf._padded_attention(q, k, v, mask, opts, None)
+
+    causal = torch.ones(n, keys, dtype=torch.bool).tril()
+    allowed = causal[None] & torch.nn.functional.pad(mask, (0, empty_slots))[:, None, :]
+    uniform = ~allowed.any(-1)  # (batch, n): rows that see no key
+    defined = (mask | uniform)[:, :, None, None]  # real rows and uniform rows (others: undefined)
+    assert uniform[:2].sum() == 5 + 19 and uniform[3].all()
+    dout = torch.randn(out.shape, generator=gen).to(dtype) * defined
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+
+    leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    want = eager_attention(*leaves, allowed, scale, softcap)
+    want_grads = torch.autograd.grad(want, leaves, dout.double())
+    plain = [t.detach().requires_grad_() for t in (q, k, v)]  # eager in the dtype: the flash rule's yardstick
+    same = eager_attention(*plain, allowed, scale, softcap)
+    same_grads = torch.autograd.grad(same, plain, dout)
+    assert_flash_rule("out", out * defined, want * defined, same * defined, dtype, seed)
+    for name, got, ref, yardstick in zip("qkv", grads, want_grads, same_grads):
+        assert_flash_rule(f"d{name}", got, ref, yardstick, dtype, seed)
+    assert (out[uniform].double() - want[uniform]).abs().max() <= 4 * torch.finfo(dtype).eps  # means of v

@@ -1,0 +1,127 @@
+"""Query rows whose softmax is uniform over all keys: what transformers' ``eager`` computes for a
+row whose every key its mask hides (left padding: the padding queries before a row's first real
+token). eager adds the dtype's most negative number to every score of such a row, which absorbs
+the scores: the output is the mean of v over all the layer's keys, and the backward still runs
+softmax's Jacobian at that uniform P, as for attention with scores ``s - s.detach()``:
+``dS_rj = (dO_r . v_j - dO_r . mean(v)) / n`` (times softcap's derivative ``1 - tanh^2``).
+
+The rows are kept as a span of query positions with a 0/1 weight per (batch row, position):
+views of q and dO, no gather, one set of batched products for the whole batch: dq and dk from
+head_dim x head_dim products (through the scores themselves where those take fewer FLOPs, and
+for softcap, whose derivative weighs each score).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+
+class UniformRows(NamedTuple):
+    """Query positions ``first .. end - 1`` of each batch row, ``weight`` (batch, end - first,
+    1, 1) float32: 1 where the row's softmax is uniform, 0 where it is not (rows the kernels own)."""
+
+    first: int
+    end: int
+    weight: torch.Tensor
+
+    @classmethod
+    def at(cls, batch_index: torch.Tensor, query_index: torch.Tensor, batch: int) -> UniformRows | None:
+        """The span around the rows (batch_index[i], query_index[i]), or None for no rows."""
+        if batch_index.numel() == 0:
+            return None
+        first, end = int(query_index.min()), int(query_index.max()) + 1
+        weight = torch.zeros(batch, end - first, 1, 1, dtype=torch.float32, device=batch_index.device)
+        weight[batch_index, query_index - first] = 1.0
+        return cls(first, end, weight)
+
+
+def add_means(out_span: torch.Tensor, v: torch.Tensor, rows: UniformRows) -> None:
+    """``out_span`` (the output's rows first .. end - 1) += at the uniform rows the mean of v
+    over all keys (per query head: GQA's v head of its group). Those rows must hold 0 (the
+    kernels leave rows outside their runs at 0)."""
+    heads = out_span.shape[2]
+    mean = v.float().mean(dim=1).repeat_interleave(heads // v.shape[2], dim=1)  # (batch, heads, head_dim)
+    out_span.add_(rows.weight * mean[:, None])  # (computed in fp32, rounded once)
+
+
+def gradients(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout_span: torch.Tensor, rows: UniformRows,
+              scale: float, softcap: float = 0.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The uniform rows' float32 gradients: dq of the span (batch, end - first, heads, head_dim),
+    0 at its other rows; dk (batch, n, heads_kv, head_dim); dv as (batch, 1, heads_kv,
+    head_dim), the same for every key. q (batch, seqlen_q, heads, head_dim), dout_span its
+    rows first .. end - 1; k, v (batch, n, heads_kv, head_dim); any strides.
+
+    With the keys' values centred, u_j = v_j - mean(v): dS_rj = dO_r . u_j / n, so (each head
+    of a GQA group a row of its kv head) dq_r = scale/n dO_r U^T K and dk_j = scale/n A u_j
+    with A = sum_r q_r dO_r^T: products of head_dim x head_dim matrices, no scores (or through
+    the scores where they take fewer FLOPs: short rows)."""
+    batch, n, heads_kv, head_dim = k.shape
+    rows_n, groups = rows.end - rows.first, q.shape[2] // heads_kv
+
+    def per_kv_head(t: torch.Tensor) -> torch.Tensor:  # (batch, rows, heads, d) -> (batch, heads_kv, rows x groups, d)
+        t = t.reshape(batch, rows_n, heads_kv, groups, head_dim).transpose(1, 2)
+        return t.reshape(batch, heads_kv, -1, head_dim)
+
+    # dO of the uniform rows, 0 elsewhere: the other rows then add nothing to any sum below
+    do = per_kv_head(dout_span.float() * rows.weight)
+    qs = per_kv_head(q[:, rows.first:rows.end].float())
+    kf = k.float().transpose(1, 2)  # (batch, heads_kv, n, d)
+    vf = v.float().transpose(1, 2)
+    u = vf - vf.mean(2, keepdim=True)
+    dv = do.sum(2) / n  # P_rj = 1/n: dv_j = sum_r dO_r / n
+    span_rows = do.shape[2]
+    if softcap or 3 * span_rows * n < 2 * head_dim * (span_rows + n):  # (fewer FLOPs through the scores)
+        dq, dk = _through_scores(qs, kf, u, do, scale, softcap)
+    else:
+        dq = do @ (u.mT @ kf).mul_(scale / n)
+        dk = u @ (qs.mT @ do).mul_(scale / n).mT
+    dq = dq.view(batch, heads_kv, rows_n, groups, head_dim).transpose(1, 2).reshape(batch, rows_n, -1, head_dim)
+    return dq, dk.transpose(1, 2), dv[:, None]
+
+
+def _through_scores(qs, kf, u, do, scale: float, softcap: float):
+    """dq, dk through dS_rj = dO_r . u_j / n itself (a few rows and keys, or softcap, whose
+    derivative 1 - tanh^2 of each score weighs dS_rj): dense, in chunks of rows (at most ~4M
+    scores (batch, heads_kv, rows, n) at a time)."""
+    batch, heads_kv, span_rows, _ = qs.shape
+    n = kf.shape[2]
+    dq = torch.empty(qs.shape, dtype=torch.float32, device=qs.device)
+    dk = torch.zeros(kf.shape, dtype=torch.float32, device=kf.device)
+    chunk = max(1, (1 << 22) // max(1, batch * heads_kv * n))
+    for start in range(0, span_rows, chunk):
+        part = slice(start, start + chunk)
+        ds = (do[:, :, part] @ u.mT).mul_(scale / n)
+        if softcap:
+            tanh = torch.tanh((qs[:, :, part] @ kf.mT).mul_(scale / softcap))
+            ds.mul_(1 - tanh * tanh)
+        dq[:, :, part] = ds @ kf
+        dk += ds.mT @ qs[:, :, part]
+    return dq, dk
+
+
+class UniformRowsAttention(torch.autograd.Function):
+    """The uniform rows' output (batch, end - first, heads, head_dim): the mean of v at the rows,
+    0 at the span's other positions; gradients to q, k, v as eager's. Nothing saved but the
+    inputs (the backward forms its products from them)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, rows: UniformRows, scale: float, softcap: float):
+        ctx.save_for_backward(q, k, v)
+        ctx.rows, ctx.scale, ctx.softcap = rows, scale, softcap
+        out = torch.zeros(q.shape[0], rows.end - rows.first, *q.shape[2:], dtype=q.dtype, device=q.device)
+        add_means(out, v, rows)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v = ctx.saved_tensors
+        rows = ctx.rows
+        dq_span, dk, dv = gradients(q, k, v, dout, rows, ctx.scale, ctx.softcap)
+        dq = None
+        if ctx.needs_input_grad[0]:
+            dq = torch.zeros(q.shape, dtype=q.dtype, device=q.device)
+            dq[:, rows.first:rows.end] = dq_span
+        return (dq, dk.to(k.dtype) if ctx.needs_input_grad[1] else None,
+                dv.expand(v.shape).to(v.dtype) if ctx.needs_input_grad[2] else None, None, None, None)
