@@ -10,7 +10,10 @@
   D64, random weights), bf16 and fp32, short and long prompts (tokens/s); ``--batch B``: B
   prompts at once, left-padded (row b by b / 2B of the prompt), as batched generation pads them;
 * ``train``: a training step (forward, backward, AdamW step) of the same Llama on one sequence
-  per length (ms per step, median of the steps of a process).
+  per length (ms per step, median of the steps of a process);
+* ``padded``: one layer's attention alone, forward + backward, on ``--batch`` left-padded rows
+  (default 4) of each ``--train-lengths``, through the transformers integration's function
+  against transformers' SDPA function with the 4D mask it would get, interleaved call by call.
 
 ``generate`` and ``train`` run each implementation alone in a process of its own (``--worker``),
 the implementations alternated process by process (``--runs`` processes each), medians over the
@@ -29,6 +32,7 @@ the numbers are preliminary.
     python benchmarks/model_speed.py generate --batch 4 --prompts 40 --new-tokens 32
     python benchmarks/model_speed.py swap --runs 8
     python benchmarks/model_speed.py swap --runs 6 --batch 4 --prompts 40 --train-lengths 40 256
+    python benchmarks/model_speed.py padded --train-lengths 40 256 1024 --rounds 200
 """
 
 from __future__ import annotations
@@ -218,6 +222,44 @@ def _left_padded(length: int, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
     return ids.masked_fill(mask == 0, 0), mask
 
 
+def padded_attention(args: argparse.Namespace) -> None:
+    """One layer's attention, forward + backward, on left-padded rows (``_left_padded``'s), the
+    module's layout (q, k, v as (B, H, N, D) views): the integration's ``attention_forward``
+    with the 2D mask against transformers' ``sdpa_attention_forward`` with the 4D mask
+    (causal and padding) it gets, interleaved. Rows that see no key take eager's uniform softmax
+    on our side; SDPA's are whatever its kernel gives them (they are the same on real rows)."""
+    import types
+
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from tvmflash.integrations import transformers as tvm_hf
+
+    batch = args.batch if args.batch > 1 else 4
+    heads, heads_k, head_dim = 8, 2, 64
+    module = types.SimpleNamespace(is_causal=True, num_key_value_groups=heads // heads_k, training=True)
+    rows = []
+    for dtype_name in args.dtypes:
+        dtype = getattr(torch, dtype_name)
+        for length in args.train_lengths:
+            mask = _left_padded(length, batch)[1].bool()
+            mask_4d = (torch.ones(length, length, dtype=torch.bool).tril()[None] & mask[:, None, :])[:, None]
+            q = torch.randn(batch, length, heads, head_dim, dtype=dtype).transpose(1, 2).requires_grad_()
+            k, v = (torch.randn(batch, length, heads_k, head_dim, dtype=dtype).transpose(1, 2).requires_grad_()
+                    for _ in range(2))
+            dout = torch.randn(batch, length, heads, head_dim, dtype=dtype)
+
+            def ours():
+                tvm_hf.attention_forward(module, q, k, v, mask, scaling=head_dim ** -0.5)[0].backward(dout)
+
+            def sdpa():
+                sdpa_attention_forward(module, q, k, v, mask_4d, scaling=head_dim ** -0.5, is_causal=False
+                                       )[0].backward(dout)
+
+            t = interleaved({"ours": ours, "sdpa": sdpa}, args.rounds)
+            rows.append(_row(f"{dtype_name} {batch} left-padded rows of {length}", t["ours"], t["sdpa"]))
+    _table("One layer's attention, forward + backward, left-padded rows (median per call)", rows)
+
+
 def _generate_inputs(prompt: int, new_tokens: int, batch: int):
     ids, mask = _left_padded(prompt, batch)
     return ids, dict(attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
@@ -341,13 +383,14 @@ def worker(argv: list[str]) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parts = ["fixed", "linear", "generate", "train", "swap"]
-    p.add_argument("parts", nargs="*", help=f"of {', '.join(parts)} (default: all but swap)")
+    parts = ["fixed", "linear", "generate", "train", "padded", "swap"]
+    p.add_argument("parts", nargs="*", help=f"of {', '.join(parts)} (default: all but padded and swap)")
     p.add_argument("--rounds", type=int, default=1000, help="interleaved rounds per case (fixed, linear)")
     p.add_argument("--prompts", type=int, nargs="+", default=[32, 1024])
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--batch", type=int, default=1,
-                   help="generate(): prompts per call; swap: sequences per training step too (left-padded)")
+                   help="generate(): prompts per call; swap: sequences per training step too (left-padded); "
+                        "padded: rows (default 4)")
     p.add_argument("--train-lengths", type=int, nargs="+", default=[16, 512])
     p.add_argument("--train-steps", type=int, default=5)
     p.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"], help="generate() and training dtypes")
@@ -361,7 +404,7 @@ def main() -> None:
     if args.worker:
         worker(args.worker)
         return
-    args.parts = args.parts or parts[:-1]
+    args.parts = args.parts or parts[:4]
     if set(args.parts) - set(parts):
         p.error(f"unknown parts {sorted(set(args.parts) - set(parts))}: choose from {parts}")
     print(f"machine: {machine()}\ntvmflash {tvmflash.__version__}, {torch.get_num_threads()} threads, "
@@ -374,6 +417,8 @@ def main() -> None:
         alternated(args, "generate", [(d, n) for d in args.dtypes for n in args.prompts], "tokens/s", True)
     if "train" in args.parts:
         alternated(args, "train", [(d, n) for d in args.dtypes for n in args.train_lengths], "ms/step", False)
+    if "padded" in args.parts:
+        padded_attention(args)
     if "swap" in args.parts:
         swapped(args)
     print(f"\nload average at the end: {os.getloadavg()}")
