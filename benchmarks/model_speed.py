@@ -255,6 +255,10 @@ def padded_attention(args: argparse.Namespace) -> None:
                 sdpa_attention_forward(module, q, k, v, mask_4d, scaling=head_dim ** -0.5, is_causal=False
                                        )[0].backward(dout)
 
+            with torch.no_grad():  # the same attention on the real rows
+                got = tvm_hf.attention_forward(module, q, k, v, mask, scaling=head_dim ** -0.5)[0]
+                want = sdpa_attention_forward(module, q, k, v, mask_4d, scaling=head_dim ** -0.5, is_causal=False)[0]
+            torch.testing.assert_close(got[mask].float(), want[mask].float(), atol=2e-2, rtol=2e-2)
             t = interleaved({"ours": ours, "sdpa": sdpa}, args.rounds)
             rows.append(_row(f"{dtype_name} {batch} left-padded rows of {length}", t["ours"], t["sdpa"]))
     _table("One layer's attention, forward + backward, left-padded rows (median per call)", rows)

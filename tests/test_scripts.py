@@ -32,6 +32,16 @@ def test_demo_checks_itself():
     assert "GiB, standard" in out
 
 
+def test_model_speed_benchmark_quick():
+    """model_speed.py's in-process parts (fixed cost per call; one layer's attention on
+    left-padded rows): its cases still match SDPA (each asserts so) and print their tables."""
+    pytest.importorskip("transformers")
+    out = _run("benchmarks/model_speed.py", "fixed", "padded", "--rounds", "3", "--train-lengths", "24",
+               "--dtypes", "float32")
+    assert "| forward fp32 B1 N16 H8 D64 causal |" in out and "| decode bf16 H8/2 D64, 128-token cache |" in out
+    assert "| float32 4 left-padded rows of 24 |" in out and "load average at the end" in out
+
+
 def test_bf16_benchmark_quick(tmp_path):
     md = tmp_path / "bf16.md"
     out = _run("benchmarks/bf16.py", "--quick", "--rounds", "1", "--markdown", str(md))
