@@ -22,8 +22,9 @@ processes. Between processes, models differ by a few per cent even with one impl
 same ``generate()`` cases and training steps on one model in one process, switching its
 attention implementation (``set_attn_implementation``) between calls, in ABBA order
 (``--runs`` rounds): the ratio of medians then compares only the attention. (It also shows that
-one implementation's threads do not slow the other's: they run on the same torch threads.) Ratios are tvmflash / SDPA of times (for tokens/s: sdpa / tvm, so that below 1 is
-tvmflash faster everywhere). The load average is printed with the results: on a shared machine
+one implementation's threads do not slow the other's: they run on the same torch threads.)
+Ratios are tvmflash / SDPA of times (for tokens/s: sdpa / tvm, so that below 1 is tvmflash
+faster everywhere). The load average is printed with the results: on a shared machine
 the numbers are preliminary.
 
     python benchmarks/model_speed.py                 # all four
@@ -398,7 +399,8 @@ def main() -> None:
     p.add_argument("--train-lengths", type=int, nargs="+", default=[16, 512])
     p.add_argument("--train-steps", type=int, default=5)
     p.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"], help="generate() and training dtypes")
-    p.add_argument("--runs", type=int, default=3, help="processes per implementation and case (generate, train); rounds (swap)")
+    p.add_argument("--runs", type=int, default=3,
+                   help="processes per implementation and case (generate, train); rounds (swap)")
     p.add_argument("--only", choices=["tvm", "sdpa"], help="generate() / train with one implementation only")
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
     p.add_argument("--worker", nargs=7, help=argparse.SUPPRESS)
