@@ -399,11 +399,12 @@ def _padded_attention(q, k, v, mask: torch.Tensor, opts: dict, sliding_window: i
     k, v = k[:, :n], v[:, :n]  # keys past the mask: empty static-cache slots
     runs = _per_mask(mask, "_tvmflash_row_runs", None, lambda: _row_runs(mask))
     blind = _blind_rows(mask, len_q, opts["causal"], sliding_window)  # (eager: a softmax uniform over all keys)
+    empty_slots = k_all.shape[1] > n  # (a static cache's: the uniform rows average them too)
     out = None
     if runs is not None and len_q == n:
-        out = padded_rows_attention(q, k, v, runs, **opts, uniform_rows=blind if k_all.shape[1] == n else None)
-        if out is not None and k_all.shape[1] == n:
-            return out
+        out = padded_rows_attention(q, k, v, runs, **opts, uniform_rows=None if empty_slots else blind)
+        if out is not None and not empty_slots:
+            return out  # (the uniform rows included)
     if out is None and runs is None and opts["window_size"] != (-1, -1):
         out = _window_over_holes(q, k, v, mask, opts, sliding_window)
     elif out is None:
