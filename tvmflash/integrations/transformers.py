@@ -62,6 +62,7 @@ from .. import version
 from ..flex import flex_attention
 from ..kvcache import flash_attn_with_kvcache, repeated_decode_step
 from ..torch_op import flash_attn_func, flash_attn_varlen_func, padded_rows_attention
+from .. import uniform_rows
 from ..uniform_rows import UniformRows, UniformRowsAttention
 
 NAME = "tvm_attention"
@@ -414,6 +415,9 @@ def _padded_attention(q, k, v, mask: torch.Tensor, opts: dict, sliding_window: i
         # Padded query rows get 0 (an index_put on zeros: differentiable, the gradient is a gather).
         out = q.new_zeros(batch, len_q, heads, out.shape[-1]).index_put(plan.query_index, out)
     if blind is not None:  # (their rows of out hold 0: no key seen)
+        if not (torch.is_grad_enabled() and any(t.requires_grad for t in (q, k_all, v_all))):
+            uniform_rows.add_means(out[:, blind.first:blind.end], v_all, blind)  # (out is fresh: in place)
+            return out
         scale = opts["softmax_scale"] if opts["softmax_scale"] is not None else head_dim ** -0.5
         uniform = UniformRowsAttention.apply(q, k_all, v_all, blind, scale, opts["softcap"])
         out = out + torch.nn.functional.pad(uniform, (0, 0, 0, 0, blind.first, len_q - blind.end))
