@@ -250,17 +250,15 @@ def padded_attention(args: argparse.Namespace) -> None:
             dout = torch.randn(batch, length, heads, head_dim, dtype=dtype)
 
             def ours():
-                tvm_hf.attention_forward(module, q, k, v, mask, scaling=head_dim ** -0.5)[0].backward(dout)
+                return tvm_hf.attention_forward(module, q, k, v, mask, scaling=head_dim ** -0.5)[0]
 
             def sdpa():
-                sdpa_attention_forward(module, q, k, v, mask_4d, scaling=head_dim ** -0.5, is_causal=False
-                                       )[0].backward(dout)
+                return sdpa_attention_forward(module, q, k, v, mask_4d, scaling=head_dim ** -0.5, is_causal=False)[0]
 
             with torch.no_grad():  # the same attention on the real rows
-                got = tvm_hf.attention_forward(module, q, k, v, mask, scaling=head_dim ** -0.5)[0]
-                want = sdpa_attention_forward(module, q, k, v, mask_4d, scaling=head_dim ** -0.5, is_causal=False)[0]
-            torch.testing.assert_close(got[mask].float(), want[mask].float(), atol=2e-2, rtol=2e-2)
-            t = interleaved({"ours": ours, "sdpa": sdpa}, args.rounds)
+                torch.testing.assert_close(ours()[mask].float(), sdpa()[mask].float(), atol=2e-2, rtol=2e-2)
+            t = interleaved({"ours": lambda: ours().backward(dout), "sdpa": lambda: sdpa().backward(dout)},
+                            args.rounds)
             rows.append(_row(f"{dtype_name} {batch} left-padded rows of {length}", t["ours"], t["sdpa"]))
     _table("One layer's attention, forward + backward, left-padded rows (median per call)", rows)
 
