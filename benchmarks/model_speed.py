@@ -389,7 +389,7 @@ def main() -> None:
     parts = ["fixed", "linear", "generate", "train", "padded", "swap"]
     p.add_argument("parts", nargs="*", help=f"of {', '.join(parts)} (default: all but padded and swap)")
     p.add_argument("--rounds", type=int, default=1000, help="interleaved rounds per case (fixed, linear)")
-    p.add_argument("--prompts", type=int, nargs="+", default=[32, 1024])
+    p.add_argument("--prompts", type=int, nargs="*", default=[32, 1024])
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--batch", type=int, default=1,
                    help="generate(): prompts per call; swap: sequences per training step too (left-padded); "
