@@ -346,11 +346,8 @@ class _RowRuns(torch.autograd.Function):
             kernels.launch_backward(dims, kernel_layout(dout.detach()), q, k, v, out, lse, dq, dk, dv, scale, window,
                                     None, None, mod_inputs=mods, row_runs=runs)
         if uniform is not None:  # (their rows of dq are outside the runs: 0 so far; fp32 sums, one rounding)
-            span = slice(uniform.first, uniform.end)
-            dq_span, dk_uniform, dv_uniform = uniform_rows.gradients(q, k, v, dout[:, span], uniform, scale, softcap)
-            dq[:, span].add_(dq_span)
-            dk.add_(dk_uniform)
-            dv.add_(dv_uniform)
+            uniform_rows.add_gradients(dq, dk, dv, q, k, v, dout[:, uniform.first:uniform.end], uniform, scale,
+                                       softcap)
         if torch.is_grad_enabled():  # create_graph=True: as the op's backward, refuse to be differentiated
             return None, *_NoSecondDerivative.apply(dq, dk, dv, q, k, v, dout)
         return None, dq, dk, dv
