@@ -31,7 +31,7 @@ from tvmflash import target as targets
 from tvmflash.config import (AMX, BF16_DOT, FP32_FMA, MAX_TILE_ROWS, MAX_TILE_VECTORS, PRODUCTS, CPUKernelConfig,
                              default_arm_config, default_cpu_config)
 
-from . import llvm_amx, llvm_bf16
+from . import llvm_amx, llvm_bf16, llvm_transpose
 
 
 def has_avx512(target: tvm.target.Target) -> bool:
@@ -156,7 +156,16 @@ def _parallel_slots(sch: s_tir.Schedule, kernel: str, name: str, products: str =
         llvm_bf16.import_helpers(sch, slots, lanes)
     elif products == AMX:
         llvm_amx.import_helpers(sch, slots, PRODUCTS[kernel])
+    elif _calls_transposes(sch):  # (fp32 products only: one pragma_import_llvm per loop)
+        llvm_transpose.import_helpers(sch, slots)
     sch.parallel(slots)
+
+
+def _calls_transposes(sch: s_tir.Schedule) -> bool:
+    """Whether the kernel calls the block transposes (its function attribute says so: read off
+    the IR, not with a schedule primitive, which MetaSchedule's traces would record)."""
+    return any(func.attrs is not None and llvm_transpose.HELPER_ATTR in func.attrs
+               for func in sch.mod.functions.values())
 
 
 # Element-wise stages that differ between the product kinds: the operand packs (kernels/cpu.py).
@@ -179,7 +188,7 @@ def schedule_forward(sch: s_tir.Schedule, cfg: CPUKernelConfig, knobs=None) -> s
     for name in PRODUCTS["forward"] if products != AMX else ():
         register_tile(sch, "forward", name, knobs, lanes, bf16_pairs=products == BF16_DOT)
     for name in (*PACKS["forward", products], "load_q", "init_o", "init_stats", "settle_max", "rescale", "probs",
-                 "store_o"):
+                 "store_o", *(("inverse_l",) if _calls_transposes(sch) else ())):
         _vectorize_elementwise(sch, name, lanes)
     for name in ("row_max", "row_sum"):
         _vectorize_row_reduction(sch, name, lanes)

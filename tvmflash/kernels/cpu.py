@@ -16,6 +16,7 @@ seq_table, q_tile_seq, k_tile_seq, *mod_inputs, [tile_state, kv_range])``::
     for slot in parallel(n_threads):                                          [slot]
       for task (query tile, query head h) = slot, slot + n_threads, ...       (cyclic, tiles from the last)
         [load_q] QT = query tile, transposed         [init_o, init_stats] OT = 0, m = -inf, l = 0
+                 (fp32, whole tiles: [load_q_blocks], 16 x 16 blocks transposed in registers)
         for each key tile the window (and block mask) leaves non-empty:
           [scores]       ST = K_tile . QT                     raw dot products
           [score_mod]    ST = score_mods(ST * scale, ...)     if the spec has any
@@ -30,6 +31,7 @@ seq_table, q_tile_seq, k_tile_seq, *mod_inputs, [tile_state, kv_range])``::
           [row_sum]      l_tile = sum_j PT
           [update_stats] m = m_next, l = l * alpha + l_tile
         [store_o]   out = OT / l (cast once)     [store_lse]  lse = (m + log2 l) ln 2 (float64, once)
+                    (fp32, whole tiles: [inverse_l] 1 / l, [store_o_blocks] transposed as load_q's)
 
 Backward ``flash_bwd(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale, window_left,
 window_right, n_threads, n_rounds, super_tile, seq_table, q_tile_seq, k_tile_seq, k_super_seq,
@@ -122,6 +124,7 @@ from ..config import AMX, AMX_TILE, BF16_DOT, CPUKernelConfig
 from ..pair_words import bf16_bits, bits_value, half, pair_word, rounded_bits, rounded_pair_word
 from ..schedules.llvm_amx import HELPER_ATTR
 from ..schedules.llvm_amx import helper_name as amx_helper_name
+from ..schedules import llvm_transpose
 from ..score_mods import exponent_constant
 from ..spec import AttentionSpec
 from .common import EMPTY, F32, I64, PARTIAL, CPUContext, TileRows, ceildiv, cyclic_count, i64, io_buffer, stage
@@ -154,6 +157,22 @@ class Kernel:
         self.has_mods = bool(spec.score_mods)
         # a key tile's dK, dV sums: (key, head dim), transposed where the format needs (AMX)
         self.kv_tile = (self.D, self.Bc) if self.fmt.transposed else (self.Bc, self.D)
+        # the forward's query load and output store as 16 x 16 blocks transposed in registers
+        # (schedules/llvm_transpose.py): fp32 in and out, fp32 products
+        edge = llvm_transpose.EDGE
+        self.block_transposes = (not backward and self.fmt is Fp32Fma and spec.dtype == F32 and spec.out_dtype == F32
+                                 and self.Br % edge == 0 and self.D % edge == 0)
+
+    def declare_helpers(self, func: tirx.PrimFunc) -> tirx.PrimFunc:
+        """The kernel, with a function attribute for the LLVM IR helpers it calls (the schedule
+        imports them)."""
+        return func.with_attr(llvm_transpose.HELPER_ATTR, 1) if self.block_transposes else func
+
+    def whole_tile(self, q: TileRows):
+        """Where the fast path applies: False (statically) without block transposes, else whether
+        the query tile lies whole inside its sequence (a partial one takes the element loops,
+        which zero or skip its padding rows)."""
+        return q.inside(self.Br - 1) if self.block_transposes else False
 
     def macros(self, *stages):
         def bind(fn):
@@ -422,10 +441,20 @@ def _exponent_scale(spec: AttentionSpec, softmax_scale):
 # --- forward stages (tiles transposed: query index innermost) ------------------------------------
 def fwd_load_q(k, QT, Q, q: TileRows, h):
     with stage("load_q_tile"):
-        for i, d in T.grid(k.Br, k.D // k.fmt.pair):
-            with T.sblock("load_q"):  # fp32, or pair words of elements 2d, 2d + 1 of each query row
-                vi, vd = T.axis.remap("SS", [i, d])
-                QT[vd, vi] = k.fmt.along_row(q, Q, vi, h, vd)
+        if k.whole_tile(q):  # 16 x 16 blocks transposed in registers
+            for i0, d0 in T.grid(k.Br // 16, k.D // 16):
+                with T.sblock("load_q_blocks"):
+                    vi0, vd0 = T.axis.remap("SS", [i0, d0])
+                    T.reads()
+                    T.writes(QT[vd0 * 16:vd0 * 16 + 16, vi0 * 16:vi0 * 16 + 16])
+                    T.evaluate(T.call_extern("void", llvm_transpose.LOAD, T.address_of(QT[vd0 * 16, vi0 * 16]),
+                                             T.int64(k.Br), T.address_of(Q[q.batch, q.row(vi0 * 16), h, vd0 * 16]),
+                                             Q.strides[1]))
+        else:
+            for i, d in T.grid(k.Br, k.D // k.fmt.pair):
+                with T.sblock("load_q"):  # fp32, or pair words of elements 2d, 2d + 1 of each query row
+                    vi, vd = T.axis.remap("SS", [i, d])
+                    QT[vd, vi] = k.fmt.along_row(q, Q, vi, h, vd)
 
 
 def fwd_init(k, OT, m, l):
@@ -563,12 +592,29 @@ def fwd_accumulate(k, PT, m, m_next, l, l_tile, alpha):
                 l[vi] = l[vi] * alpha[vi] + l_tile[vi]
 
 
-def fwd_store(k, O, LSE, OT, m, l, scale_log2, q: TileRows, h):
-    for i, d in T.grid(k.Br, k.D):
-        with T.sblock("store_o"):
-            vi, vd = T.axis.remap("SS", [i, d])
-            if q.inside(vi):
-                O[q.batch, q.start + q.first + vi, h, vd] = T.Cast(k.spec.out_dtype, OT[vd, vi] * normalizer(l[vi]))
+def fwd_store(k, O, LSE, OT, m, l, l_inverse, scale_log2, q: TileRows, h):
+    with stage("store_o_tile"):  # (an opaque parent: TVM 0.27 edits an if outside one in place, DEVELOPING.md)
+        if k.whole_tile(q):  # 16 x 16 blocks transposed in registers, each column times its row's 1 / l
+            for i in T.serial(k.Br):
+                with T.sblock("inverse_l"):
+                    vi = T.axis.remap("S", [i])
+                    l_inverse[vi] = normalizer(l[vi])
+            for i0, d0 in T.grid(k.Br // 16, k.D // 16):
+                with T.sblock("store_o_blocks"):
+                    vi0, vd0 = T.axis.remap("SS", [i0, d0])
+                    T.reads(OT[vd0 * 16:vd0 * 16 + 16, vi0 * 16:vi0 * 16 + 16], l_inverse[vi0 * 16:vi0 * 16 + 16])
+                    T.writes()
+                    T.evaluate(T.call_extern("void", llvm_transpose.STORE_SCALED,
+                                             T.address_of(O[q.batch, q.row(vi0 * 16), h, vd0 * 16]), O.strides[1],
+                                             T.address_of(OT[vd0 * 16, vi0 * 16]), T.int64(k.Br),
+                                             T.address_of(l_inverse[vi0 * 16])))
+        else:
+            for i, d in T.grid(k.Br, k.D):
+                with T.sblock("store_o"):
+                    vi, vd = T.axis.remap("SS", [i, d])
+                    if q.inside(vi):
+                        O[q.batch, q.start + q.first + vi, h, vd] = T.Cast(k.spec.out_dtype,
+                                                                         OT[vd, vi] * normalizer(l[vi]))
     for i in T.serial(k.Br):
         with T.sblock("store_lse"):
             vi = T.axis.remap("S", [i])
@@ -628,6 +674,7 @@ def fused_forward(spec: AttentionSpec, cfg: CPUKernelConfig) -> tirx.PrimFunc:
                 l = T.sblock_alloc_buffer((Br,), F32)  # running denominator
                 l_tile = T.sblock_alloc_buffer((Br,), F32)
                 alpha = T.sblock_alloc_buffer((Br,), F32)  # 2^(m - m_next)
+                l_inverse = T.sblock_alloc_buffer((Br,), F32)  # 1 / l at the store (block transposes)
                 # The task's indices, the key-tile range and the tile's state go through small
                 # buffers, not let bindings: TVM's simplifier carries let values into every region
                 # analysis below, and compiling took minutes (DEVELOPING.md).
@@ -672,9 +719,9 @@ def fused_forward(spec: AttentionSpec, cfg: CPUKernelConfig) -> tirx.PrimFunc:
                                 pv(PVT, Vp, PTw, hk, krow)
                                 update_o(OT, PVT, alpha)
                             accumulate(PT, m, m_next, l, l_tile, alpha)
-                    store(O, LSE, OT, m, l, _exponent_scale(spec, softmax_scale), q, h)
+                    store(O, LSE, OT, m, l, l_inverse, _exponent_scale(spec, softmax_scale), q, h)
 
-    return flash_fwd
+    return k.declare_helpers(flash_fwd)
 
 
 # --- backward stages (tiles by query rows) ---------------------------------------------------------
