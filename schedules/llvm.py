@@ -201,7 +201,8 @@ def schedule_backward(sch: s_tir.Schedule, cfg: CPUKernelConfig, knobs=None) -> 
     lanes, products = cfg.lanes, cfg.products
     for tile_block in ("prepare_q_tile", "prepare_k_tile", "store_dq_tile", "store_dkv_tile"):
         _parallel(sch, tile_block, 2)  # (heads, tiles) in parallel
-    for name in (*PACKS["backward", products], "zero_dq", "zero_dkv", "store_dq", "store_dkv"):
+    packs = [name for name in PACKS["backward", products] if name != "pack_kt" or not _calls_transposes(sch)]
+    for name in (*packs, "zero_dq", "zero_dkv", "store_dq", "store_dkv"):  # (K^T: block transposes, if called)
         _vectorize_elementwise(sch, name, lanes)
     for name in PRODUCTS["backward"] if products != AMX else ():
         register_tile(sch, "backward", name, knobs, lanes, bf16_pairs=products == BF16_DOT)

@@ -45,7 +45,8 @@ window_right, n_threads, n_rounds, super_tile, seq_table, q_tile_seq, k_tile_seq
         for task (kv head, key super tile J) = slot, slot + n_threads, ...:
           I = (J + r) mod M  (M: super tiles of the sequence; a super tile = super_tile tiles)
           for key tile j of J:
-            (K_j, K_j^T, V_j^T packed as product operands once per key tile: [pack_k, pack_kt, pack_vt])
+            (K_j, K_j^T, V_j^T packed as product operands once per key tile: [pack_k, pack_kt, pack_vt];
+             fp32: K^T and whole tiles' V^T as 16 x 16 blocks transposed in registers)
             [init_dkv] the task's dK_j, dV_j sums = 0; [update_dkv] after the loop below adds
             them into dKacc_j, dVacc_j, only if some tile (i, j) of the round was not empty
             for query head h of the kv head's GQA group, query tile i of I, tile (i, j) not empty:
@@ -157,22 +158,24 @@ class Kernel:
         self.has_mods = bool(spec.score_mods)
         # a key tile's dK, dV sums: (key, head dim), transposed where the format needs (AMX)
         self.kv_tile = (self.D, self.Bc) if self.fmt.transposed else (self.Bc, self.D)
-        # the forward's query load and output store as 16 x 16 blocks transposed in registers
-        # (schedules/llvm_transpose.py): fp32 in and out, fp32 products
+        # 16 x 16 blocks transposed in registers (schedules/llvm_transpose.py), fp32 inputs and
+        # products: the forward's query load and output store (fp32 output), the backward's K^T
+        # and V^T packs
         edge = llvm_transpose.EDGE
-        self.block_transposes = (not backward and self.fmt is Fp32Fma and spec.dtype == F32 and spec.out_dtype == F32
-                                 and self.Br % edge == 0 and self.D % edge == 0)
+        self.block_transposes = (self.fmt is Fp32Fma and spec.dtype == F32 and self.D % edge == 0
+                                 and (self.Bc % edge == 0 if backward else
+                                      self.Br % edge == 0 and spec.out_dtype == F32))
 
     def declare_helpers(self, func: tirx.PrimFunc) -> tirx.PrimFunc:
         """The kernel, with a function attribute for the LLVM IR helpers it calls (the schedule
         imports them)."""
         return func.with_attr(llvm_transpose.HELPER_ATTR, 1) if self.block_transposes else func
 
-    def whole_tile(self, q: TileRows):
-        """Where the fast path applies: False (statically) without block transposes, else whether
-        the query tile lies whole inside its sequence (a partial one takes the element loops,
-        which zero or skip its padding rows)."""
-        return q.inside(self.Br - 1) if self.block_transposes else False
+    def whole_tile(self, rows: TileRows, extent: int):
+        """Where the block transposes apply: False (statically) without them, else whether the
+        tile of ``extent`` rows lies whole inside its sequence (a partial one takes the element
+        loops, which zero or skip its padding rows)."""
+        return rows.inside(extent - 1) if self.block_transposes else False
 
     def macros(self, *stages):
         def bind(fn):
@@ -227,14 +230,36 @@ def bf16_pack_q_do(k, Qp, dOp, Qw, dOw, Q, dO, q: TileRows, h, t):
 
 def fp32_pack_k_v(k, Kp, KTp, VTp, K, V, kv: TileRows, hk, t):
     _pack_rows("pack_k", kv, hk, t * k.Bc, k.Bc, k.D, _to_f32, T.float32(0), (Kp, K))
-    for d, j in T.grid(k.D, k.Bc):
-        with T.sblock("pack_kt"):
-            vd, vj = T.axis.remap("SS", [d, j])
-            KTp[hk, t, vd, vj] = Kp[hk, t * k.Bc + vj, vd]
-    for d, j in T.grid(k.D, k.Bc):
-        with T.sblock("pack_vt"):
-            vd, vj = T.axis.remap("SS", [d, j])
-            VTp[hk, t, vd, vj] = kv.load(V, vj, hk, vd, _to_f32, T.float32(0))
+    with stage("pack_kt_tile"):  # (ifs between scheduled blocks: each in an opaque parent, DEVELOPING.md)
+        if k.block_transposes:  # K^T from the zero-padded rows just packed: whole blocks always
+            for j0, d0 in T.grid(k.Bc // 16, k.D // 16):
+                with T.sblock("pack_kt_blocks"):
+                    vj0, vd0 = T.axis.remap("SS", [j0, d0])
+                    T.reads(Kp[hk, t * k.Bc + vj0 * 16:t * k.Bc + vj0 * 16 + 16, vd0 * 16:vd0 * 16 + 16])
+                    T.writes(KTp[hk, t, vd0 * 16:vd0 * 16 + 16, vj0 * 16:vj0 * 16 + 16])
+                    T.evaluate(T.call_extern("void", llvm_transpose.LOAD, T.address_of(KTp[hk, t, vd0 * 16, vj0 * 16]),
+                                             T.int64(k.Bc), T.address_of(Kp[hk, t * k.Bc + vj0 * 16, vd0 * 16]),
+                                             T.int64(k.D)))
+        else:
+            for d, j in T.grid(k.D, k.Bc):
+                with T.sblock("pack_kt"):
+                    vd, vj = T.axis.remap("SS", [d, j])
+                    KTp[hk, t, vd, vj] = Kp[hk, t * k.Bc + vj, vd]
+    with stage("pack_vt_tile"):
+        if k.whole_tile(kv, k.Bc):  # V^T from V's rows in place
+            for j0, d0 in T.grid(k.Bc // 16, k.D // 16):
+                with T.sblock("pack_vt_blocks"):
+                    vj0, vd0 = T.axis.remap("SS", [j0, d0])
+                    T.reads()
+                    T.writes(VTp[hk, t, vd0 * 16:vd0 * 16 + 16, vj0 * 16:vj0 * 16 + 16])
+                    T.evaluate(T.call_extern("void", llvm_transpose.LOAD, T.address_of(VTp[hk, t, vd0 * 16, vj0 * 16]),
+                                             T.int64(k.Bc), T.address_of(V[kv.batch, kv.row(vj0 * 16), hk, vd0 * 16]),
+                                             V.strides[1]))
+        else:
+            for d, j in T.grid(k.D, k.Bc):
+                with T.sblock("pack_vt"):
+                    vd, vj = T.axis.remap("SS", [d, j])
+                    VTp[hk, t, vd, vj] = kv.load(V, vj, hk, vd, _to_f32, T.float32(0))
 
 
 def bf16_pack_k_v(k, Kp, KTp, VTp, K, V, kv: TileRows, hk, t):
@@ -441,7 +466,7 @@ def _exponent_scale(spec: AttentionSpec, softmax_scale):
 # --- forward stages (tiles transposed: query index innermost) ------------------------------------
 def fwd_load_q(k, QT, Q, q: TileRows, h):
     with stage("load_q_tile"):
-        if k.whole_tile(q):  # 16 x 16 blocks transposed in registers
+        if k.whole_tile(q, k.Br):  # 16 x 16 blocks transposed in registers
             for i0, d0 in T.grid(k.Br // 16, k.D // 16):
                 with T.sblock("load_q_blocks"):
                     vi0, vd0 = T.axis.remap("SS", [i0, d0])
@@ -594,7 +619,7 @@ def fwd_accumulate(k, PT, m, m_next, l, l_tile, alpha):
 
 def fwd_store(k, O, LSE, OT, m, l, l_inverse, scale_log2, q: TileRows, h):
     with stage("store_o_tile"):  # (an opaque parent: TVM 0.27 edits an if outside one in place, DEVELOPING.md)
-        if k.whole_tile(q):  # 16 x 16 blocks transposed in registers, each column times its row's 1 / l
+        if k.whole_tile(q, k.Br):  # 16 x 16 blocks transposed in registers, each column times its row's 1 / l
             for i in T.serial(k.Br):
                 with T.sblock("inverse_l"):
                     vi = T.axis.remap("S", [i])
@@ -1090,7 +1115,7 @@ def fused_backward(spec: AttentionSpec, cfg: CPUKernelConfig) -> tirx.PrimFunc:
         if has_grads:
             sum_mod_grads(ctx, partials, n_threads)
 
-    return flash_bwd
+    return k.declare_helpers(flash_bwd)
 
 
 def _grad_elements(spec: AttentionSpec) -> int:
