@@ -12,7 +12,9 @@ import torch
 from conftest import assert_flash_rule, reference_magnitudes
 
 pytest.importorskip("transformers")
+from tvmflash import uniform_rows  # noqa: E402
 from tvmflash.integrations import transformers as tvm_hf  # noqa: E402
+from tvmflash.runtime import FlashKernels  # noqa: E402
 
 
 def eager_attention(q, k, v, allowed, scale: float, softcap: float):
@@ -29,7 +31,8 @@ def eager_attention(q, k, v, allowed, scale: float, softcap: float):
 
 
 CASES = {  # (mask over the keys (batch, n), keys past the mask)
-    "rows in place": (lambda m: m, 0),
+    "rows in place": (lambda m: m, 0),  # (the uniform rows on the kernels' uniform_means / uniform_grads)
+    "rows in place, torch ops": (lambda m: m, 0),  # (their torch formulation, which softcap takes)
     "holes": (lambda m: m.index_fill(1, torch.tensor([20]), False), 0),
     "static cache": (lambda m: m, 9),
 }
@@ -39,7 +42,9 @@ CASES = {  # (mask over the keys (batch, n), keys past the mask)
 @pytest.mark.parametrize("softcap", [0.0, 2.5])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("dim", [24, 64])  # (without softcap: head_dim-square products at 24, through the scores at 64)
-def test_uniform_rows_match_eager_in_float64(gen, seed, case, softcap, dtype, dim):
+def test_uniform_rows_match_eager_in_float64(gen, seed, monkeypatch, case, softcap, dtype, dim):
+    if case.endswith("torch ops"):
+        monkeypatch.setattr(FlashKernels, "_uniform", lambda *args: False)
     batch, n, heads, heads_k = 4, 37, 6, 2
     make_mask, empty_slots = CASES[case]
     mask = torch.ones(batch, n, dtype=torch.bool)
@@ -82,3 +87,28 @@ def test_uniform_rows_match_eager_in_float64(gen, seed, case, softcap, dtype, di
     for name, got, ref, yardstick in zip("qkv", grads, want_grads, same_grads):
         assert_flash_rule(f"d{name}", got, ref, yardstick, dtype, seed, magnitude=magnitude[f"d{name}"])
     assert (out[uniform].double() - want[uniform]).abs().max() <= 4 * torch.finfo(dtype).eps  # means of v
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rows_read_in_place_take_the_kernels(gen, monkeypatch, dtype):
+    """Without softcap, the row-runs path adds the uniform rows' means and gradients in the
+    kernels (one launch each), not through the torch ops (whose results the float64 test above
+    judges both ways); a row whose every key is hidden gets the mean of v."""
+    def refuse(*args, **kwargs):
+        raise AssertionError("the uniform rows took the torch ops")
+
+    monkeypatch.setattr(uniform_rows, "add_means", refuse)
+    monkeypatch.setattr(uniform_rows, "add_gradients", refuse)
+    batch, n, heads, heads_k, dim = 3, 29, 4, 1, 64
+    mask = torch.ones(batch, n, dtype=torch.bool)
+    mask[1, :11] = False
+    mask[2, :28] = False
+    q = torch.randn(batch, n, heads, dim, generator=gen).to(dtype).requires_grad_()
+    k, v = (torch.randn(batch, n, heads_k, dim, generator=gen).to(dtype).requires_grad_() for _ in range(2))
+    opts = {"softmax_scale": dim ** -0.5, "causal": True, "window_size": (-1, -1), "softcap": 0.0}
+    out = tvm_hf._padded_attention(q, k, v, mask, opts, None)
+    grads = torch.autograd.grad(out, (q, k, v), torch.randn(out.shape, generator=gen).to(dtype))
+    assert all(bool(g.isfinite().all()) for g in (out, *grads))
+    mean_v = v.detach().double().mean(1).repeat_interleave(heads // heads_k, 1)  # (batch, heads, dim)
+    torch.testing.assert_close(out[2, :27].double(), mean_v[2].expand(27, heads, dim),
+                               atol=4 * torch.finfo(dtype).eps, rtol=0)

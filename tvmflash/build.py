@@ -17,6 +17,7 @@ from tvm import s_tir
 from . import attention_te
 from .kernels import cpu as cpu_tir
 from .kernels import cuda as cuda_tir
+from .kernels.uniform_rows import uniform_kernels
 from . import target as targets
 from .config import CUDA_BLOCK_Q, CPUKernelConfig, KERNELS
 from .schedules import cuda as cuda_schedules
@@ -34,7 +35,8 @@ def build_module(target: tvm.target.Target, spec: AttentionSpec, configs: dict, 
                  transform=None) -> tvm.runtime.Module:
     """Schedule and compile the kernels into one module (no caching).
 
-    CPU: ``flash_fwd`` and ``flash_bwd``. CUDA: forward, backward pre-pass, backward and dQ
+    CPU: ``flash_fwd`` and ``flash_bwd``, and ``uniform_means`` / ``uniform_grads`` (eager's rows
+    whose keys the mask all hides, ``kernels/uniform_rows.py``). CUDA: forward, backward pre-pass, backward and dQ
     conversion, with ``deterministic`` built in. Masks (causal, windows) are runtime arguments.
     ``transform(kernel, prim_func)``: a rewrite applied to each scheduled CPU kernel (the
     experiment variants in benchmarks/variants.py); None for the real kernels.
@@ -48,8 +50,8 @@ def build_module(target: tvm.target.Target, spec: AttentionSpec, configs: dict, 
     # that its LLVM codegen then re-simplifies for minutes; LLVM eliminates the same
     # subexpressions itself (DEVELOPING.md).
     with tvm.transform.PassContext(config={"tirx.disable_cse_tir": True}):
-        return tvm.compile(tvm.IRModule({"flash_fwd": funcs["forward"], "flash_bwd": funcs["backward"]}),
-                           target=target)
+        return tvm.compile(tvm.IRModule({"flash_fwd": funcs["forward"], "flash_bwd": funcs["backward"],
+                                         **uniform_kernels(spec)}), target=target)
 
 
 # --- CUDA ---------------------------------------------------------------------------------

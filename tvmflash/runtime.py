@@ -25,7 +25,7 @@ import tvm_ffi
 from . import cache, checks, plan, settings, threads
 from .config import AMX, BF16_DOT, config_from_json
 
-CPU_FUNCTIONS = ("flash_fwd", "flash_bwd")
+CPU_FUNCTIONS = ("flash_fwd", "flash_bwd", "uniform_means", "uniform_grads")
 CUDA_FUNCTIONS = ("flash_fwd", "flash_bwd_prep", "flash_bwd", "flash_bwd_dq")
 
 
@@ -295,6 +295,35 @@ class FlashKernels:
         self._functions["flash_bwd"](dout, q, k, v, out, lse, dq, dk, dv, scale, left, right, n_threads,
                                      seqs.rounds, seqs.super_tile, *tables,
                                      *self._mods(q, mod_inputs, mod_grads, block_mask[:1] if block_mask else None))
+
+    # --- rows whose softmax is uniform (transformers' eager where the mask hides every key) -------------
+    def add_uniform_means(self, out_span, v, weight) -> bool:
+        """``out_span += weight * mean(v over its keys)`` per query head (``uniform_rows.add_means``)
+        in one kernel (``kernels/uniform_rows.py``); ``weight`` (batch, rows, ...) float32 0/1.
+        False where these kernels have no such function (CUDA) or refuse the arguments (then
+        nothing was written)."""
+        return self._uniform("uniform_means", v, v, out_span, weight.view(v.shape[0], -1), 1.0 / v.shape[1])
+
+    def add_uniform_grads(self, dq, dk, dv, q, k, v, dout_span, first: int, weight, scale: float) -> bool:
+        """dq, dk, dv += the uniform rows' gradients (``uniform_rows.add_gradients`` without
+        softcap), rows ``first ..`` of q and dq: one kernel, sums in fp32, each gradient rounded
+        once. False as for ``add_uniform_means``."""
+        n = k.shape[1]
+        return self._uniform("uniform_grads", k, q, k, v, dout_span, weight.view(k.shape[0], -1), dq, dk, dv, first,
+                             scale / n, 1.0 / n)
+
+    def _uniform(self, name: str, kv, *args) -> bool:
+        function = self._functions.get(name)
+        if function is None:
+            return False
+        self._check_runs_here()
+        if self._on_torch_threads:  # (one task per (batch row, kv head))
+            threads.limit(min(self.plan_threads(), kv.shape[0] * kv.shape[2]))
+        try:  # (the generated function's argument checks run before it writes anything)
+            function(*args)
+        except (ValueError, TypeError):
+            return False
+        return True
 
     def workspace_bytes(self, kernel: str, batch: int, seqlen_q: int, seqlen_k: int, heads: int, heads_k: int,
                         num_threads: int | None = None) -> int:

@@ -328,7 +328,9 @@ class _RowRuns(torch.autograd.Function):
             kernels.launch_forward(dims, q, k, v, out, lse, scale, window, None, None, kernels._mods(q, mods),
                                    row_runs=runs)
         if uniform is not None:
-            uniform_rows.add_means(out[:, uniform.first:uniform.end], v, uniform)
+            span = out[:, uniform.first:uniform.end]
+            if not kernels.add_uniform_means(span, v, uniform.weight):
+                uniform_rows.add_means(span, v, uniform)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.call = call
         ctx.mark_non_differentiable(lse)
@@ -341,13 +343,16 @@ class _RowRuns(torch.autograd.Function):
             return None, None, None, None
         kernels, dims, runs, scale, window, mods, uniform, softcap = ctx.call
         q, k, v, out, lse = ctx.saved_tensors
+        grad_out = kernel_layout(dout.detach())
         dq, dk, dv = (_zero_outside(torch.empty(t.shape, dtype=t.dtype), runs) for t in (q, k, v))
         if any(end > start for start, end in runs):
-            kernels.launch_backward(dims, kernel_layout(dout.detach()), q, k, v, out, lse, dq, dk, dv, scale, window,
-                                    None, None, mod_inputs=mods, row_runs=runs)
+            kernels.launch_backward(dims, grad_out, q, k, v, out, lse, dq, dk, dv, scale, window, None, None,
+                                    mod_inputs=mods, row_runs=runs)
         if uniform is not None:  # (their rows of dq are outside the runs: 0 so far; fp32 sums, one rounding)
-            uniform_rows.add_gradients(dq, dk, dv, q, k, v, dout[:, uniform.first:uniform.end], uniform, scale,
-                                       softcap)
+            span = grad_out[:, uniform.first:uniform.end]
+            if softcap or not kernels.add_uniform_grads(dq, dk, dv, q, k, v, span, uniform.first, uniform.weight,
+                                                        scale):
+                uniform_rows.add_gradients(dq, dk, dv, q, k, v, span, uniform, scale, softcap)
         if torch.is_grad_enabled():  # create_graph=True: as the op's backward, refuse to be differentiated
             return None, *_NoSecondDerivative.apply(dq, dk, dv, q, k, v, dout)
         return None, dq, dk, dv

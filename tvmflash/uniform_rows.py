@@ -8,7 +8,9 @@ softmax's Jacobian at that uniform P, as for attention with scores ``s - s.detac
 The rows are kept as a span of query positions with a 0/1 weight per (batch row, position):
 views of q and dO, no gather, one set of batched products for the whole batch: dq and dk from
 head_dim x head_dim products (through the scores themselves where those take fewer FLOPs, and
-for softcap, whose derivative weighs each score).
+for softcap, whose derivative weighs each score). Rows the kernels read in place (the row-runs
+path of ``torch_op``) take the same formulas as CPU kernels, one launch each
+(``kernels/uniform_rows.py``); this torch formulation serves softcap and the other paths.
 """
 
 from __future__ import annotations

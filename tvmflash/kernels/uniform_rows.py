@@ -1,0 +1,163 @@
+"""The rows whose softmax is uniform over all keys (``tvmflash/uniform_rows.py``), as two CPU
+kernels in TensorIR: eager's output and gradients of left padding's query rows.
+
+transformers' ``eager`` gives a query row whose every key its mask hides a softmax uniform over
+all n keys of the layer: P_rj = 1 / n, the output the mean of v, and softmax's Jacobian at that
+P for the gradients. With u_j = v_j - mean(v): dS_rj = dO_r . u_j / n. Such rows are a span of
+query positions ``first .. first + R - 1`` of every batch row with a 0/1 weight per (batch row,
+span row): ``W[b, r] = 1`` where the row's softmax is uniform, 0 where the flash kernels own it
+(rows with 0 are skipped).
+Each head of a GQA group is a row of its kv head. Per (batch row b, kv head hk)::
+
+    uniform_means(v, out_span, W, 1/n):
+      for (b, hk) in parallel:
+        mean = sum_j v_j / n                                          (fp32)
+        out_r += mean                  at every row r of the span with W != 0, each head of hk
+
+    uniform_grads(q, k, v, dout_span, W, dq, dk, dv, first, scale/n, 1/n):
+      for (b, hk) in parallel:
+        mean = sum_j v_j / n
+        M[e, d] = sum_j u_j[e] k_j[d]                                 (D x D, fp32)
+        A^T[e, d] = sum_r dO_r[e] q_r[d],  s[d] = sum_r dO_r[d]       (rows with W != 0)
+        for each key j:   dk_j += scale/n  A u_j          dv_j += s / n
+        for each row r:   dq_r += scale/n  M^T dO_r       (rows with W != 0)
+
+No (rows x keys) scores: products of head_dim x head_dim matrices, so long sequences cost
+O((rows + keys) D^2), and the whole thing is one launch instead of ~15 torch ops (whose cost at
+a few tens of tokens is per op, not per FLOP: DEVELOPING.md). Sums in fp32; each gradient is
+read, added to and rounded to its dtype once (rule 3). Softcap's derivative weighs each score:
+it keeps the torch formulation (``uniform_rows.py``).
+"""
+
+from __future__ import annotations
+
+from tvm import tirx
+from tvm.script import tirx as T
+
+from ..spec import AttentionSpec
+from .common import io_buffer
+
+F32 = "float32"
+
+
+def uniform_kernels(spec: AttentionSpec) -> dict[str, tirx.PrimFunc]:
+    """``uniform_means`` and ``uniform_grads`` for the spec's head dim and dtype."""
+    D, dtype = spec.head_dim, spec.dtype
+    E = 4 if D % 4 == 0 else 1  # rows of a product held in registers at a time
+
+    def f32(x):
+        return T.Cast(F32, x)
+
+    def cast(x):
+        return T.Cast(dtype, x)
+
+    @T.prim_func
+    def uniform_means(v_h: T.handle, o_h: T.handle, w_h: T.handle, inv_n: T.float32):
+        T.func_attr({"global_symbol": "uniform_means", "tirx.noalias": True})
+        B = T.int64()
+        N = T.int64()
+        Hk = T.int64()
+        R = T.int64()
+        H = T.int64()
+        V = io_buffer(v_h, (B, N, Hk, D), dtype, "sv")
+        O = io_buffer(o_h, (B, R, H, D), dtype, "so")  # the span's rows of the output
+        W = T.match_buffer(w_h, (B, R), F32)
+        for t in T.parallel(B * Hk):
+            b: T.let[T.int64] = t // Hk
+            hk: T.let[T.int64] = t % Hk
+            mean = T.decl_buffer((D,), F32)
+            for d in T.vectorized(D):
+                mean[d] = T.float32(0)
+            for j in range(N):
+                for d in T.vectorized(D):
+                    mean[d] = mean[d] + f32(V[b, j, hk, d])
+            for r, g in T.grid(R, H // Hk):
+                if W[b, r] != T.float32(0):
+                    for d in T.vectorized(D):
+                        O[b, r, hk * (H // Hk) + g, d] = cast(f32(O[b, r, hk * (H // Hk) + g, d]) + mean[d] * inv_n)
+
+    @T.prim_func
+    def uniform_grads(q_h: T.handle, k_h: T.handle, v_h: T.handle, do_h: T.handle, w_h: T.handle, dq_h: T.handle,
+                      dk_h: T.handle, dv_h: T.handle, first: T.int64, alpha: T.float32, inv_n: T.float32):
+        T.func_attr({"global_symbol": "uniform_grads", "tirx.noalias": True})
+        B = T.int64()
+        Nq = T.int64()
+        N = T.int64()
+        H = T.int64()
+        Hk = T.int64()
+        R = T.int64()
+        Q = io_buffer(q_h, (B, Nq, H, D), dtype, "sq")
+        K = io_buffer(k_h, (B, N, Hk, D), dtype, "sk")
+        V = io_buffer(v_h, (B, N, Hk, D), dtype, "sv")
+        dO = io_buffer(do_h, (B, R, H, D), dtype, "sdo")  # the span's rows of dO
+        W = T.match_buffer(w_h, (B, R), F32)
+        dQ = io_buffer(dq_h, (B, Nq, H, D), dtype, "sdq")
+        dK = io_buffer(dk_h, (B, N, Hk, D), dtype, "sdk")
+        dV = io_buffer(dv_h, (B, N, Hk, D), dtype, "sdv")
+        for t in T.parallel(B * Hk):
+            b: T.let[T.int64] = t // Hk
+            hk: T.let[T.int64] = t % Hk
+            G: T.let[T.int64] = H // Hk
+            mean = T.decl_buffer((D,), F32)
+            s = T.decl_buffer((D,), F32)  # sum of the rows' dO
+            acc = T.decl_buffer((E, D), F32)  # register tile: E rows of a product
+            M = T.decl_buffer((D, D), F32)  # M[e, d] = sum_j u_j[e] k_j[d]
+            At = T.decl_buffer((D, D), F32)  # A^T[e, d] = sum_r dO_r[e] q_r[d]
+            # mean of v; s = sum of the uniform rows' dO
+            for d in T.vectorized(D):
+                mean[d] = T.float32(0)
+                s[d] = T.float32(0)
+            for j in range(N):
+                for d in T.vectorized(D):
+                    mean[d] = mean[d] + f32(V[b, j, hk, d])
+            for d in T.vectorized(D):
+                mean[d] = mean[d] * inv_n
+            for r, g in T.grid(R, G):
+                if W[b, r] != T.float32(0):
+                    for d in T.vectorized(D):
+                        s[d] = s[d] + f32(dO[b, r, hk * G + g, d])
+            # M and A^T, E rows at a time (the rows' accumulators stay in registers)
+            for e0 in range(D // E):
+                for ei in T.unroll(E):
+                    for d in T.vectorized(D):
+                        acc[ei, d] = T.float32(0)
+                for j in range(N):
+                    for ei in T.unroll(E):
+                        for d in T.vectorized(D):
+                            acc[ei, d] = acc[ei, d] + (f32(V[b, j, hk, e0 * E + ei]) - mean[e0 * E + ei]) * f32(
+                                K[b, j, hk, d])
+                for ei in T.unroll(E):
+                    for d in T.vectorized(D):
+                        M[e0 * E + ei, d] = acc[ei, d]
+                        acc[ei, d] = T.float32(0)
+                for r, g in T.grid(R, G):
+                    if W[b, r] != T.float32(0):
+                        for ei in T.unroll(E):
+                            for d in T.vectorized(D):
+                                acc[ei, d] = acc[ei, d] + f32(dO[b, r, hk * G + g, e0 * E + ei]) * f32(
+                                    Q[b, first + r, hk * G + g, d])
+                for ei in T.unroll(E):
+                    for d in T.vectorized(D):
+                        At[e0 * E + ei, d] = acc[ei, d]
+            # dk_j += scale/n A u_j, dv_j += s / n
+            for j in range(N):
+                for d in T.vectorized(D):
+                    acc[0, d] = T.float32(0)
+                for e in range(D):
+                    for d in T.vectorized(D):
+                        acc[0, d] = acc[0, d] + (f32(V[b, j, hk, e]) - mean[e]) * At[e, d]
+                for d in T.vectorized(D):
+                    dK[b, j, hk, d] = cast(f32(dK[b, j, hk, d]) + alpha * acc[0, d])
+                    dV[b, j, hk, d] = cast(f32(dV[b, j, hk, d]) + s[d] * inv_n)
+            # dq_r += scale/n M^T dO_r at the uniform rows
+            for r, g in T.grid(R, G):
+                if W[b, r] != T.float32(0):
+                    for d in T.vectorized(D):
+                        acc[0, d] = T.float32(0)
+                    for e in range(D):
+                        for d in T.vectorized(D):
+                            acc[0, d] = acc[0, d] + f32(dO[b, r, hk * G + g, e]) * M[e, d]
+                    for d in T.vectorized(D):
+                        dQ[b, first + r, hk * G + g, d] = cast(f32(dQ[b, first + r, hk * G + g, d]) + alpha * acc[0, d])
+
+    return {"uniform_means": uniform_means, "uniform_grads": uniform_grads}
