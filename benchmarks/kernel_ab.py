@@ -1,15 +1,17 @@
-"""Forward kernels of two (or more) commits, in one process: an A/B without process drift.
+"""Forward (or backward) kernels of two or more commits, in one process: an A/B without
+process drift.
 
 Timing each version in a process of its own measures the machine as much as the code (on a
 shared 2-vCPU VM two processes differ by 15 % and more). This script loads the CPU kernel
-libraries that earlier commits left in tvmflash's cache directory and calls their
-``flash_fwd`` in turn on the same tensors, round by round. It checks that every version's
-output equals this checkout's, bit for bit, and prints the 10th percentile and the median of
-each. It needs versions whose forward has the same arguments and tables (``plan.py``); one with
-other arguments fails the equality check or raises.
+libraries that earlier commits left in tvmflash's cache directory and calls their ``flash_fwd``
+(``--backward``: ``flash_bwd``) in turn on the same tensors, round by round. It checks that
+every version's outputs equal this checkout's, bit for bit, and prints the 10th percentile and
+the median of each. It needs versions whose forward has the same arguments and tables
+(``plan.py``); one with other arguments fails the equality check or raises.
 
     git checkout OLD && python benchmarks/kernel_ab.py --list   # builds this commit's kernels
     git checkout NEW && python benchmarks/kernel_ab.py --seqlen 128 --threads 2 OLD_ENTRY
+    git checkout NEW && python benchmarks/kernel_ab.py --backward --seqlen 16 OLD_ENTRY
 
 ``--list`` runs the forward once (compiling it if needed) and prints the cache entry it used;
 entries are named by the 24-digit digest of their request.
@@ -33,18 +35,18 @@ from common import machine  # noqa: E402
 from tvmflash import cache, flash_attn_func, threads, torch_op  # noqa: E402
 
 
-def _entry(directory: Path, name: str):
-    """A cache entry's ``flash_fwd``, loaded by ``cache.load`` (its owner, mode and checksum
+def _entry(directory: Path, name: str, function: str):
+    """A cache entry's ``function``, loaded by ``cache.load`` (its owner, mode and checksum
     checks), on torch's threads as tvmflash runs it (``threads.route``)."""
     if not re.fullmatch(r"[0-9a-f]{24}", name):
         raise SystemExit(f"{name!r} is not a cache entry name (24 hex digits)")
     request = json.loads((directory / f"{name}.json").read_text())["request"]
-    loaded = cache.load(name, request, ("flash_fwd",))
+    loaded = cache.load(name, request, (function,))
     if loaded is None:
         raise SystemExit(f"cache entry {name} cannot be loaded (see the warning above)")
     module, _, so = loaded
     threads.route(so)
-    return module["flash_fwd"]
+    return module[function]
 
 
 def main() -> None:
@@ -57,6 +59,7 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=2000)
     p.add_argument("--no-causal", action="store_true")
     p.add_argument("--list", action="store_true", help="print this checkout's cache entry for the problem")
+    p.add_argument("--backward", action="store_true", help="compare flash_bwd (dq, dk, dv of one forward)")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
@@ -72,25 +75,35 @@ def main() -> None:
         print(f"this checkout's forward: {ours}")
         return
     # (this checkout's library is loaded from the cache like the others, all on torch's threads)
-    functions = {f"{name}{' (this checkout)' * (name == ours)}": _entry(directory, name)
+    function = "flash_bwd" if args.backward else "flash_fwd"
+    functions = {f"{name}{' (this checkout)' * (name == ours)}": _entry(directory, name, function)
                  for name in dict.fromkeys([ours, *args.entries])}
-    lse = torch.empty(1, args.heads, args.seqlen)
-    outs = {name: torch.full_like(q, float("nan")) for name in functions}
+    lse = call.new_lse()
+    if args.backward:  # (the backward of this checkout's forward, its tables planned by call.backward)
+        out, dout = call.forward(q, k, v, lse), torch.randn_like(q)
+        expected = call.backward(dout, q, k, v, out, lse)
+    outs = {name: [torch.full_like(q, float("nan")) for _ in range(3 if args.backward else 1)] for name in functions}
 
     def run(name):
-        functions[name](q, k, v, outs[name], lse, call.scale, *call.window, args.threads, *call.tables, *call.mods)
+        if args.backward:
+            functions[name](dout, q, k, v, out, lse, *outs[name], call.scale, *call.window, args.threads,
+                            *call._backward_tables)
+        else:
+            functions[name](q, k, v, outs[name][0], lse, call.scale, *call.window, args.threads, *call.tables,
+                            *call.mods)
 
     for name in functions:
         run(name)
-        if not torch.equal(outs[name], expected):
-            raise SystemExit(f"{name}: output differs from this checkout's (other arguments or other numerics)")
+        if not all(torch.equal(a, b) for a, b in zip(outs[name], expected if args.backward else (expected,))):
+            raise SystemExit(f"{name}: outputs differ from this checkout's (other arguments or numerics)")
     times = {name: [] for name in functions}
     for _ in range(args.rounds):
         for name in functions:
             start = time.perf_counter()
             run(name)
             times[name].append(time.perf_counter() - start)
-    print(f"{machine()}\nforward B1 N{args.seqlen} H{args.heads} D{args.head_dim} fp32{' causal' * causal}, "
+    kind = "backward" if args.backward else "forward"
+    print(f"{machine()}\n{kind} B1 N{args.seqlen} H{args.heads} D{args.head_dim} fp32{' causal' * causal}, "
           f"{args.threads} threads, {args.rounds} rounds interleaved\n")
     print("| kernels | p10 (us) | median (us) |\n|---|---|---|")
     for name, t in times.items():

@@ -135,13 +135,6 @@ def _a_operand_dtype(sch: s_tir.Schedule, block) -> str:
     return "uint16" if "uint16" in dtypes else "uint32"
 
 
-def _parallel(sch: s_tir.Schedule, name: str, n_outer: int, vectorize_inner: int | None = None):
-    loops = sch.get_loops(sch.get_sblock(name))
-    sch.parallel(sch.fuse(*loops[:n_outer]))
-    if vectorize_inner:
-        _vectorize_loop(sch, loops[-1], vectorize_inner)
-
-
 def _parallel_slots(sch: s_tir.Schedule, kernel: str, name: str, products: str = FP32_FMA, lanes: int = 16) -> None:
     """The per-thread slot loop in TVM's thread pool: last, after everything inside it is scheduled.
 
@@ -184,7 +177,7 @@ PACKS = {
 def schedule_forward(sch: s_tir.Schedule, cfg: CPUKernelConfig, knobs=None) -> s_tir.Schedule:
     knobs = knobs or FixedKnobs(cfg)
     lanes, products = cfg.lanes, cfg.products
-    _parallel(sch, "pack_kv_tile", 2)
+    sch.parallel(sch.fuse(*sch.get_loops(sch.get_sblock("pack_kv_tile"))[1:3]))  # (hk, t), in the region
     for name in PRODUCTS["forward"] if products != AMX else ():
         register_tile(sch, "forward", name, knobs, lanes, bf16_pairs=products == BF16_DOT)
     for name in (*PACKS["forward", products], "load_q", "init_o", "init_stats", "settle_max", "rescale", "probs",
@@ -193,14 +186,26 @@ def schedule_forward(sch: s_tir.Schedule, cfg: CPUKernelConfig, knobs=None) -> s
     for name in ("row_max", "row_sum"):
         _vectorize_row_reduction(sch, name, lanes)
     _parallel_slots(sch, "forward", "slot", products, lanes)
+    _one_region(sch, "pack_kv_tile")
     return sch
+
+
+def _one_region(sch: s_tir.Schedule, packs: str) -> None:
+    """The kernel's parallel loops as one region: its outer unit loop (kernels/cpu.py) becomes
+    the launch point, and the loop of the stage ``packs`` (the last of the packs) ends with a
+    barrier. Each region costs a wake-up and a join of the team (1.6-2.3 us on a 2-vCPU VM:
+    DEVELOPING.md, "Threads"); the kernel's stages between barriers are all parallel loops (a
+    serial statement in the region would run once per thread)."""
+    region, stage = sch.get_loops(sch.get_sblock(packs))[:2]
+    sch.annotate(region, "pragma_parallel_launch_point", 1)
+    sch.annotate(stage, "pragma_parallel_barrier_when_finish", 1)
 
 
 def schedule_backward(sch: s_tir.Schedule, cfg: CPUKernelConfig, knobs=None) -> s_tir.Schedule:
     knobs = knobs or FixedKnobs(cfg)
     lanes, products = cfg.lanes, cfg.products
     for tile_block in ("prepare_q_tile", "prepare_k_tile", "store_dq_tile", "store_dkv_tile"):
-        _parallel(sch, tile_block, 2)  # (heads, tiles) in parallel
+        sch.parallel(sch.fuse(*sch.get_loops(sch.get_sblock(tile_block))[1:3]))  # (heads, tiles), in the region
     packs = [name for name in PACKS["backward", products] if name != "pack_kt" or not _calls_transposes(sch)]
     for name in (*packs, "zero_dq", "zero_dkv", "store_dq", "store_dkv"):  # (K^T: block transposes, if called)
         _vectorize_elementwise(sch, name, lanes)
@@ -209,6 +214,8 @@ def schedule_backward(sch: s_tir.Schedule, cfg: CPUKernelConfig, knobs=None) -> 
     for name in ("init_dkv", "load_row_stats", "probs", "dscores"):
         _vectorize_elementwise(sch, name, lanes)
     _parallel_slots(sch, "backward", "round_slot", products, lanes)
+    _one_region(sch, "prepare_k_tile")  # (after both packs: prepare_q_tile's loop precedes it)
+    sch.annotate(sch.get_loops(sch.get_sblock("round_slot"))[-1], "pragma_parallel_barrier_when_finish", 1)
     return sch
 
 

@@ -5,7 +5,8 @@
  * the tasks as one GNU OpenMP parallel region of the libgomp torch uses: the same worker
  * threads as torch's intra-op pool, as many as omp_get_max_threads() (torch.set_num_threads).
  * The libgomp entry points are passed in by threads.py (looked up through libtorch_cpu).
- * Libraries whose kernels call TVMBackendParallelBarrier are not routed here (threads.py).
+ * A kernel whose region has several stages (TVM's parallel launch point) separates them with
+ * TVMBackendParallelBarrier: tvmflash_parallel_barrier, a barrier of the team.
  */
 #define _GNU_SOURCE
 #include <pthread.h>
@@ -21,6 +22,7 @@ typedef struct {
 typedef int (*ParallelLambda)(int task_id, ParallelGroupEnv* penv, void* cdata);
 
 static void (*gomp_parallel)(void (*fn)(void*), void* data, unsigned num_threads, unsigned flags);
+static void (*gomp_barrier)(void);
 static int (*omp_get_thread_num)(void);
 static int (*omp_get_num_threads)(void);
 static int (*omp_get_max_threads)(void);
@@ -84,10 +86,20 @@ int tvmflash_parallel_launch(ParallelLambda lambda, void* cdata, int num_task) {
   return job.failed ? -1 : 0;
 }
 
-void tvmflash_threads_init(void* parallel, void* thread_num, void* num_threads, void* max_threads,
-                           void* in_parallel) {
+/* TVMBackendParallelBarrier: every task of the launch reaches it before any goes on. A launch
+ * run inline (one task: a single team, a forked child, inside another parallel region) has no
+ * one to wait for; with GOMP_barrier there it would wait for the enclosing region's team. */
+int tvmflash_parallel_barrier(int task_id, ParallelGroupEnv* penv) {
+  (void)task_id;
+  if (penv->num_task > 1) gomp_barrier();
+  return 0;
+}
+
+void tvmflash_threads_init(void* parallel, void* barrier, void* thread_num, void* num_threads,
+                           void* max_threads, void* in_parallel) {
   static int registered = 0;
   gomp_parallel = parallel;
+  gomp_barrier = barrier;
   omp_get_thread_num = thread_num;
   omp_get_num_threads = num_threads;
   omp_get_max_threads = max_threads;

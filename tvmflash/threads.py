@@ -96,8 +96,8 @@ def _shim_for(gomp: ctypes.CDLL) -> ctypes.CDLL | None:
             try:
                 shim = _build_shim()
                 address = [ctypes.cast(getattr(gomp, name), ctypes.c_void_p) for name in
-                           ("GOMP_parallel", "omp_get_thread_num", "omp_get_num_threads", "omp_get_max_threads",
-                            "omp_in_parallel")]
+                           ("GOMP_parallel", "GOMP_barrier", "omp_get_thread_num", "omp_get_num_threads",
+                            "omp_get_max_threads", "omp_in_parallel")]
                 shim.tvmflash_threads_init(*address)
                 shim.tvmflash_threads_limit.argtypes = [ctypes.c_int]
                 shim.tvmflash_threads_limit.restype = None
@@ -115,8 +115,8 @@ def route(library: Path | str | None) -> bool:
     ``library``: the name the library was loaded by (``dlopen`` finds it by that name; another
     path to the same file would become a second name of it: see ``cache.store``). Returns whether
     it did: False without torch, without GNU OpenMP, for an in-memory module (``library`` None),
-    for kernels that use TVM's parallel barrier, or where the shim cannot be built (then with one
-    warning).
+    or where the shim cannot be built (then with one warning). TVM's barrier between a region's
+    stages is pointed at the shim's too.
     """
     if library is None:
         return False
@@ -128,14 +128,15 @@ def route(library: Path | str | None) -> bool:
         slot = ctypes.c_void_p.in_dll(handle, _LAUNCH_SLOT)
     except (OSError, ValueError):
         return False
-    try:
-        ctypes.c_void_p.in_dll(handle, _BARRIER_SLOT)
-        return False  # barriers inside a region: not implemented by the shim
+    try:  # (kernels whose region has stages: a barrier between them)
+        barrier = ctypes.c_void_p.in_dll(handle, _BARRIER_SLOT)
     except ValueError:
-        pass
+        barrier = None
     shim = _shim_for(gomp)
     if shim is None:
         return False
+    if barrier is not None:
+        barrier.value = ctypes.cast(shim.tvmflash_parallel_barrier, ctypes.c_void_p).value
     slot.value = ctypes.cast(shim.tvmflash_parallel_launch, ctypes.c_void_p).value
     return True
 

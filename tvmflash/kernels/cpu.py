@@ -12,6 +12,7 @@ right window 0), the thread count.
 Forward ``flash_fwd(q, k, v, out, lse, softmax_scale, window_left, window_right, n_threads,
 seq_table, q_tile_seq, k_tile_seq, *mod_inputs, [tile_state, kv_range])``::
 
+    (one parallel region: [pack_kv] in parallel, a barrier, the slots)
     [pack_kv]   Kp, Vp = K, V as product operands, each sequence zero-padded to whole key tiles
     for slot in parallel(n_threads):                                          [slot]
       for task (query tile, query head h) = slot, slot + n_threads, ...       (cyclic, tiles from the last)
@@ -37,6 +38,7 @@ Backward ``flash_bwd(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale, window_
 window_right, n_threads, n_rounds, super_tile, seq_table, q_tile_seq, k_tile_seq, k_super_seq,
 *mod_inputs, *mod_input_grads, [tile_state])``::
 
+    (one parallel region from the packs to the stores: a barrier after the packs and after each round)
     [pack_q_do]   Qp, dOp (, Qw, dOw) = Q, dO as product operands, zero-padded to whole query tiles
     [delta, lse_log2]  per query row: Delta = rowsum(dO * O); LSE * log2(e) as fp32 hi + lo
     [zero_dq, zero_dkv, zero_mod_grads]   fp32 accumulators = 0
@@ -676,75 +678,79 @@ def fused_forward(spec: AttentionSpec, cfg: CPUKernelConfig) -> tirx.PrimFunc:
         Kp = T.alloc_buffer((Hk, ctx.key_tiles_total() * Bc, D), fmt.rows)
         Vp = T.alloc_buffer((Hk, ctx.key_tiles_total() * D, Bc), fmt.rows) if fmt.transposed else T.alloc_buffer(
             (Hk, ctx.key_tiles_total() * (Bc // fmt.pair), D), fmt.words)
-        for hk, t in T.grid(Hk, ctx.key_tiles_total()):
-            with T.sblock("pack_kv_tile"):
-                vhk, vt = T.axis.remap("SS", [hk, t])
-                T.reads()
-                T.writes()
-                pack_kv(Kp, Vp, K, V, ctx.bind_tile_rows("k", vt), vhk, vt)
-        for slot in T.serial(n_threads):
-            with T.sblock("slot"):
-                vslot = T.axis.remap("S", [slot])
-                T.reads()
-                T.writes()
-                QT = T.sblock_alloc_buffer((D // fmt.pair, Br), fmt.words)  # query tile, transposed
-                ST = T.sblock_alloc_buffer((Bc, Br), F32)  # scores, transposed
-                PT = T.sblock_alloc_buffer((Bc, Br), F32)  # unnormalized probabilities
-                PTw = T.sblock_alloc_buffer((Bc // 2, Br), U32) if fmt.packed else PT  # P as the input of PV
-                OT = T.sblock_alloc_buffer((D, Br), F32)  # output accumulator
-                PVT = OT if fmt.accumulates else T.sblock_alloc_buffer((D, Br), F32)  # this key tile's P V
-                m = T.sblock_alloc_buffer((Br,), F32)  # running row max (log2 units)
-                m_next = T.sblock_alloc_buffer((Br,), F32)
-                m_tile = T.sblock_alloc_buffer((Br,), F32)  # the max including this key tile's scores
-                l = T.sblock_alloc_buffer((Br,), F32)  # running denominator
-                l_tile = T.sblock_alloc_buffer((Br,), F32)
-                alpha = T.sblock_alloc_buffer((Br,), F32)  # 2^(m - m_next)
-                l_inverse = T.sblock_alloc_buffer((Br,), F32)  # 1 / l at the store (block transposes)
-                # The task's indices, the key-tile range and the tile's state go through small
-                # buffers, not let bindings: TVM's simplifier carries let values into every region
-                # analysis below, and compiling took minutes (DEVELOPING.md).
-                state = T.sblock_alloc_buffer((4,), I64)  # tile state, first and end key tile, any max moved
-                at = T.sblock_alloc_buffer((3,), I64)  # query head, query tile, sequence
-                # Task order: query tiles last to first (a sequence's last tiles see the most keys
-                # when causal), the heads of one tile next to each other: dealt out cyclically,
-                # every slot gets as many tiles of each length as it can.
-                for e in T.serial(cyclic_count(vslot, H * ctx.query_tiles_total(), n_threads)):
-                    at[0] = (vslot + e * n_threads) % H
-                    at[1] = ctx.query_tiles_total() - 1 - (vslot + e * n_threads) // H  # the query tile
-                    at[2] = ctx.q_tile_sequence(at[1])
-                    h: T.let[T.int64] = at[0]
-                    hk: T.let[T.int64] = h // (H // Hk)
-                    b: T.let[T.int64] = at[2]
-                    seq = T.meta_var(ctx.sequence(b))
-                    q0: T.let[T.int64] = (at[1] - seq.column(plan.Q_TILE0)) * Br
-                    q_len: T.let[T.int64] = seq.q_len
-                    q = T.meta_var(TileRows(seq.column(plan.Q_BATCH), seq.column(plan.Q_START), q0, q_len))
-                    load_q(QT, Q, q, h)
-                    init_tile(OT, m, l)
-                    state[1] = ctx.key_tiles(seq, h, q0)[0]
-                    state[2] = ctx.key_tiles(seq, h, q0)[1]
-                    for kt in T.serial(state[1], state[2]):
-                        k0: T.let[T.int64] = kt * Bc
-                        krow: T.let[T.int64] = (seq.column(plan.K_TILE0) + kt) * Bc
-                        state[0] = ctx.tile_state(seq, h, q0, k0)
-                        if state[0] != EMPTY:
-                            scores(ST, Kp, QT, hk, krow)
-                            if has_mods:
-                                score_mod(ST, T.Cast(F32, softmax_scale), seq, h, q0, k0)
-                            if state[0] == PARTIAL:
-                                mask(ST, seq, h, q0, k0)
-                            online_softmax(ST, PT, m, m_tile, m_next, alpha, exponent_constant(spec, softmax_scale)[0],
-                                           exponent_constant(spec, softmax_scale)[1])
-                            if fmt.packed:
-                                pack_p(PTw, PT)
-                            if fmt.accumulates:  # O^T *= alpha, then O^T += V^T P^T in the products
-                                rescale_o(OT, alpha, state)
-                                pv(OT, Vp, PTw, hk, krow)
-                            else:  # PVT = V^T P^T, O^T = O^T * alpha + PVT
-                                pv(PVT, Vp, PTw, hk, krow)
-                                update_o(OT, PVT, alpha)
-                            accumulate(PT, m, m_next, l, l_tile, alpha)
-                    store(O, LSE, OT, m, l, l_inverse, _exponent_scale(spec, softmax_scale), q, h)
+        # one parallel region (the schedule makes this loop its launch point): the packs, a
+        # barrier, then the query tiles
+        for _region in T.serial(1):
+            for hk, t in T.grid(Hk, ctx.key_tiles_total()):
+                with T.sblock("pack_kv_tile"):
+                    vhk, vt = T.axis.remap("SS", [hk, t])
+                    T.reads()
+                    T.writes()
+                    pack_kv(Kp, Vp, K, V, ctx.bind_tile_rows("k", vt), vhk, vt)
+            for slot in T.serial(n_threads):
+                with T.sblock("slot"):
+                    vslot = T.axis.remap("S", [slot])
+                    T.reads()
+                    T.writes()
+                    QT = T.sblock_alloc_buffer((D // fmt.pair, Br), fmt.words)  # query tile, transposed
+                    ST = T.sblock_alloc_buffer((Bc, Br), F32)  # scores, transposed
+                    PT = T.sblock_alloc_buffer((Bc, Br), F32)  # unnormalized probabilities
+                    PTw = T.sblock_alloc_buffer((Bc // 2, Br), U32) if fmt.packed else PT  # P as the input of PV
+                    OT = T.sblock_alloc_buffer((D, Br), F32)  # output accumulator
+                    PVT = OT if fmt.accumulates else T.sblock_alloc_buffer((D, Br), F32)  # this key tile's P V
+                    m = T.sblock_alloc_buffer((Br,), F32)  # running row max (log2 units)
+                    m_next = T.sblock_alloc_buffer((Br,), F32)
+                    m_tile = T.sblock_alloc_buffer((Br,), F32)  # the max including this key tile's scores
+                    l = T.sblock_alloc_buffer((Br,), F32)  # running denominator
+                    l_tile = T.sblock_alloc_buffer((Br,), F32)
+                    alpha = T.sblock_alloc_buffer((Br,), F32)  # 2^(m - m_next)
+                    l_inverse = T.sblock_alloc_buffer((Br,), F32)  # 1 / l at the store (block transposes)
+                    # The task's indices, the key-tile range and the tile's state go through small
+                    # buffers, not let bindings: TVM's simplifier carries let values into every region
+                    # analysis below, and compiling took minutes (DEVELOPING.md).
+                    state = T.sblock_alloc_buffer((4,), I64)  # tile state, first and end key tile, any max moved
+                    at = T.sblock_alloc_buffer((3,), I64)  # query head, query tile, sequence
+                    # Task order: query tiles last to first (a sequence's last tiles see the most keys
+                    # when causal), the heads of one tile next to each other: dealt out cyclically,
+                    # every slot gets as many tiles of each length as it can.
+                    for e in T.serial(cyclic_count(vslot, H * ctx.query_tiles_total(), n_threads)):
+                        at[0] = (vslot + e * n_threads) % H
+                        at[1] = ctx.query_tiles_total() - 1 - (vslot + e * n_threads) // H  # the query tile
+                        at[2] = ctx.q_tile_sequence(at[1])
+                        h: T.let[T.int64] = at[0]
+                        hk: T.let[T.int64] = h // (H // Hk)
+                        b: T.let[T.int64] = at[2]
+                        seq = T.meta_var(ctx.sequence(b))
+                        q0: T.let[T.int64] = (at[1] - seq.column(plan.Q_TILE0)) * Br
+                        q_len: T.let[T.int64] = seq.q_len
+                        q = T.meta_var(TileRows(seq.column(plan.Q_BATCH), seq.column(plan.Q_START), q0, q_len))
+                        load_q(QT, Q, q, h)
+                        init_tile(OT, m, l)
+                        state[1] = ctx.key_tiles(seq, h, q0)[0]
+                        state[2] = ctx.key_tiles(seq, h, q0)[1]
+                        for kt in T.serial(state[1], state[2]):
+                            k0: T.let[T.int64] = kt * Bc
+                            krow: T.let[T.int64] = (seq.column(plan.K_TILE0) + kt) * Bc
+                            state[0] = ctx.tile_state(seq, h, q0, k0)
+                            if state[0] != EMPTY:
+                                scores(ST, Kp, QT, hk, krow)
+                                if has_mods:
+                                    score_mod(ST, T.Cast(F32, softmax_scale), seq, h, q0, k0)
+                                if state[0] == PARTIAL:
+                                    mask(ST, seq, h, q0, k0)
+                                online_softmax(ST, PT, m, m_tile, m_next, alpha,
+                                               exponent_constant(spec, softmax_scale)[0],
+                                               exponent_constant(spec, softmax_scale)[1])
+                                if fmt.packed:
+                                    pack_p(PTw, PT)
+                                if fmt.accumulates:  # O^T *= alpha, then O^T += V^T P^T in the products
+                                    rescale_o(OT, alpha, state)
+                                    pv(OT, Vp, PTw, hk, krow)
+                                else:  # PVT = V^T P^T, O^T = O^T * alpha + PVT
+                                    pv(PVT, Vp, PTw, hk, krow)
+                                    update_o(OT, PVT, alpha)
+                                accumulate(PT, m, m_next, l, l_tile, alpha)
+                        store(O, LSE, OT, m, l, l_inverse, _exponent_scale(spec, softmax_scale), q, h)
 
     return k.declare_helpers(flash_fwd)
 
@@ -1006,112 +1012,116 @@ def fused_backward(spec: AttentionSpec, cfg: CPUKernelConfig) -> tirx.PrimFunc:
         dVacc = T.decl_buffer((Hk, ctx.key_tiles_total() * k.kv_tile[0], k.kv_tile[1]), F32)
         # each thread's partial gradients of captured tensors (summed in slot order at the end)
         partials = T.decl_buffer((n_threads, grad_elements), F32)
-        for h, t in T.grid(H, ctx.query_tiles_total()):
-            with T.sblock("prepare_q_tile"):
-                vh, vt = T.axis.remap("SS", [h, t])
-                T.reads()
-                T.writes()
-                q = T.meta_var(ctx.bind_tile_rows("q", vt))
-                pack_q_do(Qp, dOp, Qw, dOw, Q, dO, q, vh, vt)
-                prepare_rows(RowStats, dQacc, dO, O, LSE, q, vh, vt)
-        for hk, t in T.grid(Hk, ctx.key_tiles_total()):
-            with T.sblock("prepare_k_tile"):
-                vhk, vt = T.axis.remap("SS", [hk, t])
-                T.reads()
-                T.writes()
-                pack_k_v(Kp, KTp, VTp, K, V, ctx.bind_tile_rows("k", vt), vhk, vt)
-                zero_dkv(dKacc, dVacc, vhk, vt)
         if has_grads:
             zero_mod_grads(partials, n_threads)
-        for rnd in T.serial(n_rounds):  # rounds run in order
-            vrnd: T.let[T.int64] = rnd
-            for slot in T.serial(n_threads):
-                with T.sblock("round_slot"):
-                    vslot = T.axis.remap("S", [slot])
+        # one parallel region (the schedule makes this loop its launch point): the packs, a
+        # barrier, each round and a barrier after it, the stores
+        for _region in T.serial(1):
+            for h, t in T.grid(H, ctx.query_tiles_total()):
+                with T.sblock("prepare_q_tile"):
+                    vh, vt = T.axis.remap("SS", [h, t])
                     T.reads()
                     T.writes()
-                    S = T.sblock_alloc_buffer((Br, Bc), F32)  # raw dot products
-                    X = T.sblock_alloc_buffer((Br, Bc), F32) if k.has_mods else S  # modded scores
-                    P = T.sblock_alloc_buffer((Br, Bc), F32)
-                    dP = T.sblock_alloc_buffer((Br, Bc), F32)
-                    dS = T.sblock_alloc_buffer((Br, Bc), F32)
-                    # P and dS as product inputs: pairs of rows (dV, dK) and rows (dQ) in bf16
-                    Pw = T.sblock_alloc_buffer((Br // 2, Bc), U32) if fmt.packed else P
-                    dSw = T.sblock_alloc_buffer((Br // 2, Bc), U32) if fmt.packed else dS
-                    dSb = T.sblock_alloc_buffer((Br, Bc), U16) if fmt.packed else dS
-                    dKrun = T.sblock_alloc_buffer(k.kv_tile, F32)  # this task's share
-                    dVrun = T.sblock_alloc_buffer(k.kv_tile, F32)
-                    # one query tile's share (formats that accumulate add into the task's directly)
-                    dKtile = dKrun if fmt.accumulates else T.sblock_alloc_buffer((Bc, D), F32)
-                    dVtile = dVrun if fmt.accumulates else T.sblock_alloc_buffer((Bc, D), F32)
-                    dQtile = T.sblock_alloc_buffer((Br, D), F32)
-                    row_stats = T.sblock_alloc_buffer((3, Br), F32)  # lse hi, lse lo, Delta
-                    # The task's indices and the tile's state go through a small buffer, not let
-                    # bindings: TVM's simplifier carries let values into every region analysis
-                    # below, and compiling took minutes (DEVELOPING.md).
-                    state = T.sblock_alloc_buffer((2,), I64)  # tile state; whether the key tile got work
-                    at = T.sblock_alloc_buffer((4,), I64)  # kv head, sequence, J, I
-                    for e in T.serial(cyclic_count(vslot, Hk * ctx.key_super_tiles_total(), n_threads)):
-                        at[0] = (vslot + e * n_threads) // ctx.key_super_tiles_total()
-                        # super tiles rotate by kv head: under causal masks the busy tasks of a round
-                        # are the low J, which would otherwise land on the same slots for every head
-                        at[1] = i64(ctx.k_super_seq[(vslot + e * n_threads + at[0]) % ctx.key_super_tiles_total()])
-                        at[2] = (vslot + e * n_threads + at[0]) % ctx.key_super_tiles_total() - ctx.column(
-                            at[1], plan.K_SUPER0)
-                        hk: T.let[T.int64] = at[0]
-                        b: T.let[T.int64] = at[1]
-                        J: T.let[T.int64] = at[2]
-                        seq = T.meta_var(ctx.sequence(b))
-                        q_supers: T.let[T.int64] = ceildiv(seq.q_tiles, super_tile)
-                        supers: T.let[T.int64] = T.max(q_supers, ceildiv(seq.k_tiles, super_tile))
-                        at[3] = (J + vrnd) % supers
-                        I: T.let[T.int64] = at[3]
-                        if vrnd < supers and I < q_supers:
-                            for jj in T.serial(super_tile):  # key tile j of J
-                                kt: T.let[T.int64] = J * super_tile + jj
-                                if kt < seq.k_tiles:
-                                    k0: T.let[T.int64] = kt * Bc
-                                    gk: T.let[T.int64] = seq.column(plan.K_TILE0) + kt
-                                    krow: T.let[T.int64] = gk * Bc
-                                    init_dkv(dKrun, dVrun)
-                                    # added into dKacc/dVacc only if the round has work for this key
-                                    # tile (most rounds have none under windows and causal masks)
-                                    state[1] = T.int64(0)
-                                    for g in T.serial(H // Hk):  # query head h of the GQA group
-                                        h: T.let[T.int64] = hk * (H // Hk) + g
-                                        for ii in T.serial(super_tile):  # query tile i of I
-                                            qt: T.let[T.int64] = I * super_tile + ii
-                                            q0: T.let[T.int64] = qt * Br
-                                            qrow: T.let[T.int64] = (seq.column(plan.Q_TILE0) + qt) * Br
-                                            state[0] = T.if_then_else(qt < seq.q_tiles,
-                                                                      ctx.tile_state(seq, h, q0, k0), T.int64(EMPTY))
-                                            if state[0] != EMPTY:
-                                                state[1] = T.int64(1)
-                                                recompute_probs(P, S, X, row_stats, RowStats, Qp, KTp, softmax_scale,
-                                                                seq, h, hk, q0, k0, qrow, gk, state[0])
-                                                if fmt.packed:
-                                                    pack_p(Pw, P)
-                                                grad_v("dv", dVtile, dVrun, Pw, dOw, h, qrow)
-                                                grad_scores_(dS, dP, P, S, VTp, dOp, row_stats, partials, softmax_scale,
-                                                             vslot, seq, h, hk, q0, k0, qrow, gk)
-                                                if fmt.packed:
-                                                    pack_ds(dSw, dSb, dS)
-                                                grad_k("dk", dKtile, dKrun, dSw, Qw, h, qrow)
-                                                accumulate_dq(dQtile, dQacc, dSb, Kp, h, hk, qrow, krow)
-                                    if state[1] == 1:
-                                        update_dkv(dKacc, dVacc, dKrun, dVrun, hk, gk)
-        for h, t in T.grid(H, ctx.query_tiles_total()):
-            with T.sblock("store_dq_tile"):
-                vh, vt = T.axis.remap("SS", [h, t])
-                T.reads()
-                T.writes()
-                store_dq(dQ, dQacc, softmax_scale, ctx.bind_tile_rows("q", vt), vh, vt)
-        for hk, t in T.grid(Hk, ctx.key_tiles_total()):
-            with T.sblock("store_dkv_tile"):
-                vhk, vt = T.axis.remap("SS", [hk, t])
-                T.reads()
-                T.writes()
-                store_dkv(dK, dV, dKacc, dVacc, softmax_scale, ctx.bind_tile_rows("k", vt), vhk, vt)
+                    q = T.meta_var(ctx.bind_tile_rows("q", vt))
+                    pack_q_do(Qp, dOp, Qw, dOw, Q, dO, q, vh, vt)
+                    prepare_rows(RowStats, dQacc, dO, O, LSE, q, vh, vt)
+            for hk, t in T.grid(Hk, ctx.key_tiles_total()):
+                with T.sblock("prepare_k_tile"):
+                    vhk, vt = T.axis.remap("SS", [hk, t])
+                    T.reads()
+                    T.writes()
+                    pack_k_v(Kp, KTp, VTp, K, V, ctx.bind_tile_rows("k", vt), vhk, vt)
+                    zero_dkv(dKacc, dVacc, vhk, vt)
+            for rnd in T.serial(n_rounds):  # rounds run in order
+                vrnd: T.let[T.int64] = rnd
+                for slot in T.serial(n_threads):
+                    with T.sblock("round_slot"):
+                        vslot = T.axis.remap("S", [slot])
+                        T.reads()
+                        T.writes()
+                        S = T.sblock_alloc_buffer((Br, Bc), F32)  # raw dot products
+                        X = T.sblock_alloc_buffer((Br, Bc), F32) if k.has_mods else S  # modded scores
+                        P = T.sblock_alloc_buffer((Br, Bc), F32)
+                        dP = T.sblock_alloc_buffer((Br, Bc), F32)
+                        dS = T.sblock_alloc_buffer((Br, Bc), F32)
+                        # P and dS as product inputs: pairs of rows (dV, dK) and rows (dQ) in bf16
+                        Pw = T.sblock_alloc_buffer((Br // 2, Bc), U32) if fmt.packed else P
+                        dSw = T.sblock_alloc_buffer((Br // 2, Bc), U32) if fmt.packed else dS
+                        dSb = T.sblock_alloc_buffer((Br, Bc), U16) if fmt.packed else dS
+                        dKrun = T.sblock_alloc_buffer(k.kv_tile, F32)  # this task's share
+                        dVrun = T.sblock_alloc_buffer(k.kv_tile, F32)
+                        # one query tile's share (formats that accumulate add into the task's directly)
+                        dKtile = dKrun if fmt.accumulates else T.sblock_alloc_buffer((Bc, D), F32)
+                        dVtile = dVrun if fmt.accumulates else T.sblock_alloc_buffer((Bc, D), F32)
+                        dQtile = T.sblock_alloc_buffer((Br, D), F32)
+                        row_stats = T.sblock_alloc_buffer((3, Br), F32)  # lse hi, lse lo, Delta
+                        # The task's indices and the tile's state go through a small buffer, not let
+                        # bindings: TVM's simplifier carries let values into every region analysis
+                        # below, and compiling took minutes (DEVELOPING.md).
+                        state = T.sblock_alloc_buffer((2,), I64)  # tile state; whether the key tile got work
+                        at = T.sblock_alloc_buffer((4,), I64)  # kv head, sequence, J, I
+                        for e in T.serial(cyclic_count(vslot, Hk * ctx.key_super_tiles_total(), n_threads)):
+                            at[0] = (vslot + e * n_threads) // ctx.key_super_tiles_total()
+                            # super tiles rotate by kv head: under causal masks the busy tasks of a round
+                            # are the low J, which would otherwise land on the same slots for every head
+                            at[1] = i64(ctx.k_super_seq[(vslot + e * n_threads + at[0]) % ctx.key_super_tiles_total()])
+                            at[2] = (vslot + e * n_threads + at[0]) % ctx.key_super_tiles_total() - ctx.column(
+                                at[1], plan.K_SUPER0)
+                            hk: T.let[T.int64] = at[0]
+                            b: T.let[T.int64] = at[1]
+                            J: T.let[T.int64] = at[2]
+                            seq = T.meta_var(ctx.sequence(b))
+                            q_supers: T.let[T.int64] = ceildiv(seq.q_tiles, super_tile)
+                            supers: T.let[T.int64] = T.max(q_supers, ceildiv(seq.k_tiles, super_tile))
+                            at[3] = (J + vrnd) % supers
+                            I: T.let[T.int64] = at[3]
+                            if vrnd < supers and I < q_supers:
+                                for jj in T.serial(super_tile):  # key tile j of J
+                                    kt: T.let[T.int64] = J * super_tile + jj
+                                    if kt < seq.k_tiles:
+                                        k0: T.let[T.int64] = kt * Bc
+                                        gk: T.let[T.int64] = seq.column(plan.K_TILE0) + kt
+                                        krow: T.let[T.int64] = gk * Bc
+                                        init_dkv(dKrun, dVrun)
+                                        # added into dKacc/dVacc only if the round has work for this key
+                                        # tile (most rounds have none under windows and causal masks)
+                                        state[1] = T.int64(0)
+                                        for g in T.serial(H // Hk):  # query head h of the GQA group
+                                            h: T.let[T.int64] = hk * (H // Hk) + g
+                                            for ii in T.serial(super_tile):  # query tile i of I
+                                                qt: T.let[T.int64] = I * super_tile + ii
+                                                q0: T.let[T.int64] = qt * Br
+                                                qrow: T.let[T.int64] = (seq.column(plan.Q_TILE0) + qt) * Br
+                                                state[0] = T.if_then_else(
+                                                    qt < seq.q_tiles, ctx.tile_state(seq, h, q0, k0), T.int64(EMPTY))
+                                                if state[0] != EMPTY:
+                                                    state[1] = T.int64(1)
+                                                    recompute_probs(P, S, X, row_stats, RowStats, Qp, KTp,
+                                                                    softmax_scale, seq, h, hk, q0, k0, qrow, gk,
+                                                                    state[0])
+                                                    if fmt.packed:
+                                                        pack_p(Pw, P)
+                                                    grad_v("dv", dVtile, dVrun, Pw, dOw, h, qrow)
+                                                    grad_scores_(dS, dP, P, S, VTp, dOp, row_stats, partials,
+                                                                 softmax_scale, vslot, seq, h, hk, q0, k0, qrow, gk)
+                                                    if fmt.packed:
+                                                        pack_ds(dSw, dSb, dS)
+                                                    grad_k("dk", dKtile, dKrun, dSw, Qw, h, qrow)
+                                                    accumulate_dq(dQtile, dQacc, dSb, Kp, h, hk, qrow, krow)
+                                        if state[1] == 1:
+                                            update_dkv(dKacc, dVacc, dKrun, dVrun, hk, gk)
+            for h, t in T.grid(H, ctx.query_tiles_total()):
+                with T.sblock("store_dq_tile"):
+                    vh, vt = T.axis.remap("SS", [h, t])
+                    T.reads()
+                    T.writes()
+                    store_dq(dQ, dQacc, softmax_scale, ctx.bind_tile_rows("q", vt), vh, vt)
+            for hk, t in T.grid(Hk, ctx.key_tiles_total()):
+                with T.sblock("store_dkv_tile"):
+                    vhk, vt = T.axis.remap("SS", [hk, t])
+                    T.reads()
+                    T.writes()
+                    store_dkv(dK, dV, dKacc, dVacc, softmax_scale, ctx.bind_tile_rows("k", vt), vhk, vt)
         if has_grads:
             sum_mod_grads(ctx, partials, n_threads)
 
