@@ -135,6 +135,12 @@ def _a_operand_dtype(sch: s_tir.Schedule, block) -> str:
     return "uint16" if "uint16" in dtypes else "uint32"
 
 
+def _parallel_tiles(sch: s_tir.Schedule, name: str) -> None:
+    """A per-tile stage's (heads, tiles) loops, under the kernel's unit region loop, fused and
+    parallel."""
+    sch.parallel(sch.fuse(*sch.get_loops(sch.get_sblock(name))[1:3]))
+
+
 def _parallel_slots(sch: s_tir.Schedule, kernel: str, name: str, products: str = FP32_FMA, lanes: int = 16) -> None:
     """The per-thread slot loop in TVM's thread pool: last, after everything inside it is scheduled.
 
@@ -177,7 +183,7 @@ PACKS = {
 def schedule_forward(sch: s_tir.Schedule, cfg: CPUKernelConfig, knobs=None) -> s_tir.Schedule:
     knobs = knobs or FixedKnobs(cfg)
     lanes, products = cfg.lanes, cfg.products
-    sch.parallel(sch.fuse(*sch.get_loops(sch.get_sblock("pack_kv_tile"))[1:3]))  # (hk, t), in the region
+    _parallel_tiles(sch, "pack_kv_tile")
     for name in PRODUCTS["forward"] if products != AMX else ():
         register_tile(sch, "forward", name, knobs, lanes, bf16_pairs=products == BF16_DOT)
     for name in (*PACKS["forward", products], "load_q", "init_o", "init_stats", "settle_max", "rescale", "probs",
@@ -205,7 +211,7 @@ def schedule_backward(sch: s_tir.Schedule, cfg: CPUKernelConfig, knobs=None) -> 
     knobs = knobs or FixedKnobs(cfg)
     lanes, products = cfg.lanes, cfg.products
     for tile_block in ("prepare_q_tile", "prepare_k_tile", "store_dq_tile", "store_dkv_tile"):
-        sch.parallel(sch.fuse(*sch.get_loops(sch.get_sblock(tile_block))[1:3]))  # (heads, tiles), in the region
+        _parallel_tiles(sch, tile_block)
     packs = [name for name in PACKS["backward", products] if name != "pack_kt" or not _calls_transposes(sch)]
     for name in (*packs, "zero_dq", "zero_dkv", "store_dq", "store_dkv"):  # (K^T: block transposes, if called)
         _vectorize_elementwise(sch, name, lanes)

@@ -51,6 +51,17 @@ def uniform_kernels(spec: AttentionSpec) -> dict[str, tirx.PrimFunc]:
     def cast(x):
         return T.Cast(dtype, x)
 
+    @T.macro
+    def mean_of_v(mean, V, b, hk, N, inv_n):
+        """mean = sum_j v_j / n over the keys of (b, hk), in fp32 (both kernels start with it)."""
+        for d in T.vectorized(D):
+            mean[d] = T.float32(0)
+        for j in range(N):
+            for d in T.vectorized(D):
+                mean[d] = mean[d] + f32(V[b, j, hk, d])
+        for d in T.vectorized(D):
+            mean[d] = mean[d] * inv_n
+
     @T.prim_func
     def uniform_means(v_h: T.handle, o_h: T.handle, w_h: T.handle, inv_n: T.float32):
         T.func_attr({"global_symbol": "uniform_means", "tirx.noalias": True})
@@ -65,16 +76,13 @@ def uniform_kernels(spec: AttentionSpec) -> dict[str, tirx.PrimFunc]:
         for t in T.parallel(B * Hk):
             b: T.let[T.int64] = t // Hk
             hk: T.let[T.int64] = t % Hk
+            G: T.let[T.int64] = H // Hk
             mean = T.decl_buffer((D,), F32)
-            for d in T.vectorized(D):
-                mean[d] = T.float32(0)
-            for j in range(N):
-                for d in T.vectorized(D):
-                    mean[d] = mean[d] + f32(V[b, j, hk, d])
-            for r, g in T.grid(R, H // Hk):
+            mean_of_v(mean, V, b, hk, N, inv_n)
+            for r, g in T.grid(R, G):
                 if W[b, r] != T.float32(0):
                     for d in T.vectorized(D):
-                        O[b, r, hk * (H // Hk) + g, d] = cast(f32(O[b, r, hk * (H // Hk) + g, d]) + mean[d] * inv_n)
+                        O[b, r, hk * G + g, d] = cast(f32(O[b, r, hk * G + g, d]) + mean[d])
 
     @T.prim_func
     def uniform_grads(q_h: T.handle, k_h: T.handle, v_h: T.handle, do_h: T.handle, w_h: T.handle, dq_h: T.handle,
@@ -104,14 +112,9 @@ def uniform_kernels(spec: AttentionSpec) -> dict[str, tirx.PrimFunc]:
             M = T.decl_buffer((D, D), F32)  # M[e, d] = sum_j u_j[e] k_j[d]
             At = T.decl_buffer((D, D), F32)  # A^T[e, d] = sum_r dO_r[e] q_r[d]
             # mean of v; s = sum of the uniform rows' dO
+            mean_of_v(mean, V, b, hk, N, inv_n)
             for d in T.vectorized(D):
-                mean[d] = T.float32(0)
                 s[d] = T.float32(0)
-            for j in range(N):
-                for d in T.vectorized(D):
-                    mean[d] = mean[d] + f32(V[b, j, hk, d])
-            for d in T.vectorized(D):
-                mean[d] = mean[d] * inv_n
             for r, g in T.grid(R, G):
                 if W[b, r] != T.float32(0):
                     for d in T.vectorized(D):
