@@ -263,3 +263,51 @@ def test_forward_repeats_from_two_threads_keep_their_own_results(gen):
 
     _in_two_threads(run)
     assert len(errors) == 60 and max(errors) <= 1e-5
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_padded_rows_repeats_match_the_full_path(gen, monkeypatch, dtype):
+    """A model's layers repeat one left-padded call (the integration's rows read in place: the
+    same shapes, row runs and options): its checks and plan run once (torch_op._calls), and a
+    repeat gives the full path's out and gradients bit for bit, the uniform rows included. Other
+    runs are another call, and runs the full path refuses are still refused after a repeat."""
+    pytest.importorskip("transformers")
+    from tvmflash.integrations import transformers as tvm_hf
+
+    plans = []
+    original = torch_op._checked_row_runs_call
+    monkeypatch.setattr(torch_op, "_checked_row_runs_call", lambda *a, **kw: plans.append(1) or original(*a, **kw))
+    batch, n, heads, heads_k, dim = 3, 37, 4, 2, 64
+    opts = {"softmax_scale": dim ** -0.5, "causal": True, "window_size": (-1, 0), "softcap": 0.0}
+
+    def padded(pads):
+        mask = torch.ones(batch, n, dtype=torch.bool)
+        for b, pad in enumerate(pads):
+            mask[b, :pad] = False
+        return mask
+
+    def leaves():
+        q = torch.randn(batch, n, heads, dim, generator=gen).to(dtype).requires_grad_()
+        return [q, *(torch.randn(batch, n, heads_k, dim, generator=gen).to(dtype).requires_grad_() for _ in range(2))]
+
+    def run(tensors, mask, dout):
+        out = tvm_hf._padded_attention(*tensors, mask, opts, None)
+        return out, torch.autograd.grad(out, tensors, dout)
+
+    for pads in ((0, 5, 19), (3, 0, 36)):
+        mask = padded(pads)
+        tensors = leaves()
+        dout = torch.randn(batch, n, heads, dim, generator=gen).to(dtype)
+        want_out, want_grads = _full_path(run, [t.detach().clone().requires_grad_() for t in tensors], mask, dout)
+        plans.clear()
+        run(leaves(), mask, dout)  # (other inputs, the same call: planned once)
+        out, grads = run(tensors, mask, dout)
+        assert len(plans) == 1 and torch_op._calls
+        assert torch.equal(out, want_out) and all(torch.equal(g, w) for g, w in zip(grads, want_grads))
+        ref = reference_attention(*(t.detach()[0:1, pads[0]:] for t in tensors), causal=True, dtype=torch.float64)[0]
+        torch.testing.assert_close(out[0:1, pads[0]:].double(), ref, atol=2e-2 if dtype != torch.float32 else 1e-5,
+                                   rtol=2e-2 if dtype != torch.float32 else 1e-5)
+
+    q, k, v = leaves()
+    with pytest.raises(ValueError, match="row runs must lie"):
+        torch_op.padded_rows_attention(q, k, v, ((0, n), (0, n), (2, n + 1)), **opts)

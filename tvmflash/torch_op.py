@@ -18,7 +18,6 @@ The public functions have flash-attn 2's names, positional order and return valu
 from __future__ import annotations
 
 import threading
-from typing import NamedTuple
 
 import torch
 
@@ -286,7 +285,24 @@ def padded_rows_attention(q, k, v, row_runs: tuple, *, softmax_scale, causal: bo
     No gather into packed sequences and scatter back, which cost more than the kernels
     (4 left-padded rows, fp32 forward + backward: 256 tokens 17.6 -> 12.1 ms, 1024 140 -> 77).
     None where it does not apply (other than plain CPU tensors in eager mode: torch.compile,
-    autocast and modes see the op through the packed path; head dims the kernels pad)."""
+    autocast and modes see the op through the packed path; head dims the kernels pad).
+    A model's layers repeat one call (shapes, runs, options): its checks run once (``_calls``)."""
+    row_runs = tuple(row_runs)
+    key = _call_key(q, k, v, 0.0, softmax_scale, causal, window_size, softcap, False, False)
+    call = _calls.get(key + (row_runs,)) if key is not None else None
+    if call is None:
+        call = _checked_row_runs_call(q, k, v, row_runs, key, softmax_scale=softmax_scale, causal=causal,
+                                      window_size=window_size, softcap=softcap)
+    elif not _plain_eager("cpu"):  # (the key: plain CPU tensors the kernels read in place)
+        call = None
+    if call is None:
+        return None
+    out, _ = _RowRuns.apply(call, uniform_rows, q, k, v)
+    return out
+
+
+def _checked_row_runs_call(q, k, v, row_runs: tuple, key, *, softmax_scale, causal, window_size, softcap):
+    """``padded_rows_attention``'s checks and plan (remembered under ``key`` + the runs), or None."""
     options = checks.flash_options(q.shape[-1], softmax_scale=softmax_scale, causal=causal, window_size=window_size,
                                    softcap=softcap)
     tensors = (q, k, v)
@@ -296,43 +312,29 @@ def padded_rows_attention(q, k, v, row_runs: tuple, *, softmax_scale, causal: bo
     longest = max((end - start for start, end in row_runs), default=0)
     kernels = kernels_for(q, softcap=options.softcap > 0, seqlens=(longest, longest))
     dims = checks.check_inputs(kernels, q, k, v)
-    scale = checks.softmax_scale(options.softmax_scale, kernels.head_dim)
-    call = _RowRunsCall(kernels, dims, tuple(row_runs), scale, checks.window(options.window, False),
-                        _mod_inputs(q, options.softcap, None), uniform_rows, options.softcap)
-    out, _ = _RowRuns.apply(call, q, k, v)
-    return out
-
-
-class _RowRunsCall(NamedTuple):
-    kernels: FlashKernels
-    dims: tuple  # checks.check_inputs' (batch, seqlen, heads, heads_k)
-    runs: tuple  # (start, end) per batch row
-    scale: float
-    window: tuple  # the kernels' (left, right)
-    mods: list  # the mod inputs (softcap)
-    uniform: UniformRows | None  # rows outside the runs with a uniform softmax
-    softcap: float
+    kernels._check_runs_here()
+    call = _ForwardCall(kernels, dims, k.shape[1], checks.softmax_scale(options.softmax_scale, kernels.head_dim),
+                        checks.window(options.window, False), _mod_inputs(q, options.softcap, None),
+                        row_runs=row_runs, softcap=options.softcap)
+    if key is not None:
+        _remember(key + (row_runs,), call)
+    return call
 
 
 class _RowRuns(torch.autograd.Function):
-    """``padded_rows_attention``'s forward and backward on the kernels, the runs as their table."""
+    """``padded_rows_attention``'s forward and backward on the kernels (``call``: a
+    ``_ForwardCall`` with row runs), and the uniform rows' (``uniform``) on theirs."""
 
     @staticmethod
-    def forward(ctx, call, q, k, v):
-        kernels, dims, runs, scale, window, mods, uniform, _ = call
-        out = _zero_outside(torch.empty(q.shape, dtype=q.dtype), runs)  # (rows outside the runs: 0)
-        # lse stays inside: 0 outside the runs (no kernel reads it there), so that the backward's
-        # LSE check takes its fast path (all finite: two reductions; over -inf rows ~40 us more)
-        lse = torch.zeros(_lse_shape(q, False), dtype=torch.float32)
-        if any(end > start for start, end in runs):
-            kernels.launch_forward(dims, q, k, v, out, lse, scale, window, None, None, kernels._mods(q, mods),
-                                   row_runs=runs)
+    def forward(ctx, call, uniform, q, k, v):
+        lse = call.new_lse()
+        out = call.forward(q, k, v, lse)
         if uniform is not None:
             span = out[:, uniform.first:uniform.end]
-            if not kernels.add_uniform_means(span, v, uniform.weight):
+            if not call.kernels.add_uniform_means(span, v, uniform.weight):
                 uniform_rows.add_means(span, v, uniform)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.call = call
+        ctx.call, ctx.uniform = call, uniform
         ctx.mark_non_differentiable(lse)
         ctx.set_materialize_grads(False)
         return out, lse
@@ -340,33 +342,25 @@ class _RowRuns(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout, _dlse):
         if dout is None:
-            return None, None, None, None
-        kernels, dims, runs, scale, window, mods, uniform, softcap = ctx.call
+            return None, None, None, None, None
+        call, uniform = ctx.call, ctx.uniform
+        kernels = call.kernels
         q, k, v, out, lse = ctx.saved_tensors
         grad_out = kernel_layout(dout.detach())
-        dq, dk, dv = (_zero_outside(torch.empty(t.shape, dtype=t.dtype), runs) for t in (q, k, v))
-        if any(end > start for start, end in runs):
-            kernels.launch_backward(dims, grad_out, q, k, v, out, lse, dq, dk, dv, scale, window, None, None,
-                                    mod_inputs=mods, row_runs=runs)
+        grads = call.backward(grad_out, q, k, v, out, lse)
+        if grads is None:  # what the kernel refused: the checked launch names it
+            grads = tuple(call.new_output(t.shape, t.dtype) for t in (q, k, v))
+            kernels.launch_backward(call.dims, grad_out, q, k, v, out, lse, *grads, call.scale, call.window, None,
+                                    None, mod_inputs=call.mods, row_runs=call.row_runs)
+        dq, dk, dv = grads
         if uniform is not None:  # (their rows of dq are outside the runs: 0 so far; fp32 sums, one rounding)
             span = grad_out[:, uniform.first:uniform.end]
-            if softcap or not kernels.add_uniform_grads(dq, dk, dv, q, k, v, span, uniform.first, uniform.weight,
-                                                        scale):
-                uniform_rows.add_gradients(dq, dk, dv, q, k, v, span, uniform, scale, softcap)
+            if call.softcap or not kernels.add_uniform_grads(dq, dk, dv, q, k, v, span, uniform.first,
+                                                             uniform.weight, call.scale):
+                uniform_rows.add_gradients(dq, dk, dv, q, k, v, span, uniform, call.scale, call.softcap)
         if torch.is_grad_enabled():  # create_graph=True: as the op's backward, refuse to be differentiated
-            return None, *_NoSecondDerivative.apply(dq, dk, dv, q, k, v, dout)
-        return None, dq, dk, dv
-
-
-def _zero_outside(t: torch.Tensor, runs: tuple) -> torch.Tensor:
-    """``t`` with the rows outside each batch row's run set to 0 (the kernels write the others)."""
-    length = t.shape[1]
-    for row, (start, end) in enumerate(runs):
-        if start:
-            t[row, :start] = 0
-        if end < length:
-            t[row, end:] = 0
-    return t
+            return None, None, *_NoSecondDerivative.apply(dq, dk, dv, q, k, v, dout)
+        return None, None, dq, dk, dv
 
 
 class _NoSecondDerivative(torch.autograd.Function):
@@ -520,7 +514,8 @@ def _attention(q, k, v, cu_seqlens_q, cu_seqlens_k, dropout_p, softmax_scale, ca
 # key, not for the checks) equal those of a checked dispatcher-free call runs as it did. What
 # can still differ is checked per call (_plain_eager: autocast, compile, modes; gradients, which
 # decide between the forward alone and _RepeatedTraining's forward and backward). Calls with
-# packed sequences, ALiBi or padded head dims take the full path.
+# packed sequences, ALiBi or padded head dims take the full path. padded_rows_attention's calls
+# (a left-padded batch read in place) are kept here too, under the key with their row runs added.
 _calls: dict[tuple, _ForwardCall] = {}
 _MAX_CALLS = 256
 _OPTION_TYPES = (float, int, type(None))
@@ -548,28 +543,39 @@ def _remember_call(key, dims, q, k, options, return_attn_probs, op_scalars) -> N
         return
     kernels = kernels_for(q, deterministic=options.deterministic, softcap=options.softcap > 0,
                           seqlens=_call_seqlens(q, k, None, None))
-    batch, seqlen_q, heads, heads_k = dims
-    seqs, tables = kernels._sequences("forward", batch, seqlen_q, k.shape[1], heads_k, None, None)
-    tasks = max(seqs.query_tiles * heads, seqs.key_tiles * heads_k)
+    _remember(key, _ForwardCall(kernels, dims, k.shape[1], checks.softmax_scale(options.softmax_scale, kernels.head_dim),
+                                checks.window((options.window[0], options.window[1]), False),
+                                _mod_inputs(q, options.softcap, None), return_attn_probs=return_attn_probs,
+                                op_scalars=op_scalars))
+
+
+def _remember(key, call: _ForwardCall) -> None:
     if len(_calls) >= _MAX_CALLS:
         _calls.clear()
-    _calls[key] = _ForwardCall(kernels, q.shape, (batch, heads, seqlen_q), checks.softmax_scale(options.softmax_scale,
-                               kernels.head_dim), checks.window((options.window[0], options.window[1]), False),
-                               tables[:3], _mod_inputs(q, options.softcap, None), tasks, return_attn_probs,
-                               (batch, seqlen_q, k.shape[1], heads_k), op_scalars)
+    _calls[key] = call
 
 
 class _ForwardCall:
     """A checked forward call's kernels and tables, for calls with the same ``_call_key``, and
-    its backward's (planned at the first backward)."""
+    its backward's (planned at the first backward). ``row_runs``: ``padded_rows_attention``'s
+    (then the rows outside the runs of out, lse and the gradients are 0: no kernel writes them)."""
 
-    def __init__(self, kernels, out_shape, lse_shape, scale, window, tables, mods, tasks, return_attn_probs,
-                 sizes, op_scalars):
+    def __init__(self, kernels, dims, seqlen_k: int, scale: float, window: tuple, mods: list, *,
+                 return_attn_probs=False, op_scalars=(), row_runs: tuple | None = None, softcap: float = 0.0):
+        batch, seqlen_q, heads, heads_k = dims
+        seqs, tables = kernels._sequences("forward", batch, seqlen_q, seqlen_k, heads_k, None, None, row_runs=row_runs)
         # plain tuples: torch.empty(*shape) parses ~2x faster than a torch.Size (~2-3 us a call)
-        self.kernels, self.out_shape, self.lse_shape = kernels, tuple(out_shape), tuple(lse_shape)
-        self.scale, self.window = scale, window
-        self.tables, self.mods, self.tasks, self.return_attn_probs = tables, mods, tasks, return_attn_probs
-        self.sizes, self.op_scalars = sizes, op_scalars
+        self.kernels, self.dims = kernels, tuple(dims)
+        self.out_shape, self.lse_shape = (batch, seqlen_q, heads, kernels.head_dim), (batch, heads, seqlen_q)
+        self.scale, self.window, self.softcap = scale, window, softcap
+        self.tables, self.mods, self.return_attn_probs = tables[:3], mods, return_attn_probs
+        self.tasks = max(seqs.query_tiles * heads, seqs.key_tiles * heads_k)
+        self.sizes, self.op_scalars, self.row_runs = (batch, seqlen_q, seqlen_k, heads_k), op_scalars, row_runs
+        # rows outside the runs: 0 (a memset of the whole tensor costs less than writing those
+        # rows slice by slice: 2 against 11 us at 4 x 16 tokens, 30 against 18 at 4 x 512); lse
+        # too, so that the backward's LSE check takes its fast path (all finite: two reductions)
+        self._allocate = torch.empty if row_runs is None else torch.zeros
+        self._launches = row_runs is None or any(end > start for start, end in row_runs)
         self.function = kernels._functions["flash_fwd"]
         self.device = torch.device("cpu")
         self._scratch = threading.local()  # each thread's lse when the caller does not want it
@@ -585,12 +591,17 @@ class _ForwardCall:
         return self.forward(q, k, v, lse)
 
     def new_lse(self) -> torch.Tensor:
-        return torch.empty(*self.lse_shape, dtype=torch.float32, device=self.device)
+        return self._allocate(*self.lse_shape, dtype=torch.float32, device=self.device)
+
+    def new_output(self, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
+        return self._allocate(*shape, dtype=dtype, device=self.device)
 
     def forward(self, q, k, v, lse: torch.Tensor) -> torch.Tensor:
         """out, with the row statistics written into ``lse``."""
         kernels = self.kernels
-        out = torch.empty(*self.out_shape, dtype=q.dtype, device=self.device)
+        out = self.new_output(self.out_shape, q.dtype)
+        if not self._launches:  # (row runs all empty)
+            return out
         n_threads = kernels.plan_threads()
         if kernels._on_torch_threads:
             threads.limit(min(n_threads, self.tasks))
@@ -602,11 +613,14 @@ class _ForwardCall:
         kernels = self.kernels
         if self._backward_tables is None:
             batch, seqlen_q, seqlen_k, heads_k = self.sizes
-            seqs, tables = kernels._sequences("backward", batch, seqlen_q, seqlen_k, heads_k, None, None)
+            seqs, tables = kernels._sequences("backward", batch, seqlen_q, seqlen_k, heads_k, None, None,
+                                              row_runs=self.row_runs)
             self._backward_tables = (seqs.rounds, seqs.super_tile, *tables, *kernels._mods(q, self.mods, ()))
         checks.check_lse_recomputable(lse)
         dout = kernel_layout(dout)
-        dq, dk, dv = (torch.empty(t.shape, dtype=t.dtype, device=self.device) for t in (q, k, v))
+        dq, dk, dv = (self.new_output(t.shape, t.dtype) for t in (q, k, v))
+        if not self._launches:
+            return dq, dk, dv
         n_threads = kernels.plan_threads()
         if kernels._on_torch_threads:
             threads.limit(n_threads)

@@ -62,6 +62,13 @@ def uniform_kernels(spec: AttentionSpec) -> dict[str, tirx.PrimFunc]:
         for d in T.vectorized(D):
             mean[d] = mean[d] * inv_n
 
+    @T.macro
+    def count_uniform_rows(count, W, b, R):
+        """count[0] = the rows of batch row b's span with W != 0 (0: nothing to add there)."""
+        count[0] = T.float32(0)
+        for r in range(R):
+            count[0] = count[0] + W[b, r]
+
     @T.prim_func
     def uniform_means(v_h: T.handle, o_h: T.handle, w_h: T.handle, inv_n: T.float32):
         T.func_attr({"global_symbol": "uniform_means", "tirx.noalias": True})
@@ -77,12 +84,15 @@ def uniform_kernels(spec: AttentionSpec) -> dict[str, tirx.PrimFunc]:
             b: T.let[T.int64] = t // Hk
             hk: T.let[T.int64] = t % Hk
             G: T.let[T.int64] = H // Hk
-            mean = T.decl_buffer((D,), F32)
-            mean_of_v(mean, V, b, hk, N, inv_n)
-            for r, g in T.grid(R, G):
-                if W[b, r] != T.float32(0):
-                    for d in T.vectorized(D):
-                        O[b, r, hk * G + g, d] = cast(f32(O[b, r, hk * G + g, d]) + mean[d])
+            count = T.decl_buffer((1,), F32)
+            count_uniform_rows(count, W, b, R)
+            if count[0] != T.float32(0):
+                mean = T.decl_buffer((D,), F32)
+                mean_of_v(mean, V, b, hk, N, inv_n)
+                for r, g in T.grid(R, G):
+                    if W[b, r] != T.float32(0):
+                        for d in T.vectorized(D):
+                            O[b, r, hk * G + g, d] = cast(f32(O[b, r, hk * G + g, d]) + mean[d])
 
     @T.prim_func
     def uniform_grads(q_h: T.handle, k_h: T.handle, v_h: T.handle, do_h: T.handle, w_h: T.handle, dq_h: T.handle,
@@ -106,61 +116,64 @@ def uniform_kernels(spec: AttentionSpec) -> dict[str, tirx.PrimFunc]:
             b: T.let[T.int64] = t // Hk
             hk: T.let[T.int64] = t % Hk
             G: T.let[T.int64] = H // Hk
-            mean = T.decl_buffer((D,), F32)
-            s = T.decl_buffer((D,), F32)  # sum of the rows' dO
-            acc = T.decl_buffer((E, D), F32)  # register tile: E rows of a product
-            M = T.decl_buffer((D, D), F32)  # M[e, d] = sum_j u_j[e] k_j[d]
-            At = T.decl_buffer((D, D), F32)  # A^T[e, d] = sum_r dO_r[e] q_r[d]
-            # mean of v; s = sum of the uniform rows' dO
-            mean_of_v(mean, V, b, hk, N, inv_n)
-            for d in T.vectorized(D):
-                s[d] = T.float32(0)
-            for r, g in T.grid(R, G):
-                if W[b, r] != T.float32(0):
-                    for d in T.vectorized(D):
-                        s[d] = s[d] + f32(dO[b, r, hk * G + g, d])
-            # M and A^T, E rows at a time (the rows' accumulators stay in registers)
-            for e0 in range(D // E):
-                for ei in T.unroll(E):
-                    for d in T.vectorized(D):
-                        acc[ei, d] = T.float32(0)
-                for j in range(N):
-                    for ei in T.unroll(E):
-                        for d in T.vectorized(D):
-                            acc[ei, d] = acc[ei, d] + (f32(V[b, j, hk, e0 * E + ei]) - mean[e0 * E + ei]) * f32(
-                                K[b, j, hk, d])
-                for ei in T.unroll(E):
-                    for d in T.vectorized(D):
-                        M[e0 * E + ei, d] = acc[ei, d]
-                        acc[ei, d] = T.float32(0)
+            count = T.decl_buffer((1,), F32)
+            count_uniform_rows(count, W, b, R)
+            if count[0] != T.float32(0):
+                mean = T.decl_buffer((D,), F32)
+                s = T.decl_buffer((D,), F32)  # sum of the rows' dO
+                acc = T.decl_buffer((E, D), F32)  # register tile: E rows of a product
+                M = T.decl_buffer((D, D), F32)  # M[e, d] = sum_j u_j[e] k_j[d]
+                At = T.decl_buffer((D, D), F32)  # A^T[e, d] = sum_r dO_r[e] q_r[d]
+                # mean of v; s = sum of the uniform rows' dO
+                mean_of_v(mean, V, b, hk, N, inv_n)
+                for d in T.vectorized(D):
+                    s[d] = T.float32(0)
                 for r, g in T.grid(R, G):
                     if W[b, r] != T.float32(0):
+                        for d in T.vectorized(D):
+                            s[d] = s[d] + f32(dO[b, r, hk * G + g, d])
+                # M and A^T, E rows at a time (the rows' accumulators stay in registers)
+                for e0 in range(D // E):
+                    for ei in T.unroll(E):
+                        for d in T.vectorized(D):
+                            acc[ei, d] = T.float32(0)
+                    for j in range(N):
                         for ei in T.unroll(E):
                             for d in T.vectorized(D):
-                                acc[ei, d] = acc[ei, d] + f32(dO[b, r, hk * G + g, e0 * E + ei]) * f32(
-                                    Q[b, first + r, hk * G + g, d])
-                for ei in T.unroll(E):
-                    for d in T.vectorized(D):
-                        At[e0 * E + ei, d] = acc[ei, d]
-            # dk_j += scale/n A u_j, dv_j += s / n
-            for j in range(N):
-                for d in T.vectorized(D):
-                    acc[0, d] = T.float32(0)
-                for e in range(D):
-                    for d in T.vectorized(D):
-                        acc[0, d] = acc[0, d] + (f32(V[b, j, hk, e]) - mean[e]) * At[e, d]
-                for d in T.vectorized(D):
-                    dK[b, j, hk, d] = cast(f32(dK[b, j, hk, d]) + alpha * acc[0, d])
-                    dV[b, j, hk, d] = cast(f32(dV[b, j, hk, d]) + s[d] * inv_n)
-            # dq_r += scale/n M^T dO_r at the uniform rows
-            for r, g in T.grid(R, G):
-                if W[b, r] != T.float32(0):
+                                acc[ei, d] = acc[ei, d] + (f32(V[b, j, hk, e0 * E + ei]) - mean[e0 * E + ei]) * f32(
+                                    K[b, j, hk, d])
+                    for ei in T.unroll(E):
+                        for d in T.vectorized(D):
+                            M[e0 * E + ei, d] = acc[ei, d]
+                            acc[ei, d] = T.float32(0)
+                    for r, g in T.grid(R, G):
+                        if W[b, r] != T.float32(0):
+                            for ei in T.unroll(E):
+                                for d in T.vectorized(D):
+                                    acc[ei, d] = acc[ei, d] + f32(dO[b, r, hk * G + g, e0 * E + ei]) * f32(
+                                        Q[b, first + r, hk * G + g, d])
+                    for ei in T.unroll(E):
+                        for d in T.vectorized(D):
+                            At[e0 * E + ei, d] = acc[ei, d]
+                # dk_j += scale/n A u_j, dv_j += s / n
+                for j in range(N):
                     for d in T.vectorized(D):
                         acc[0, d] = T.float32(0)
                     for e in range(D):
                         for d in T.vectorized(D):
-                            acc[0, d] = acc[0, d] + f32(dO[b, r, hk * G + g, e]) * M[e, d]
+                            acc[0, d] = acc[0, d] + (f32(V[b, j, hk, e]) - mean[e]) * At[e, d]
                     for d in T.vectorized(D):
-                        dQ[b, first + r, hk * G + g, d] = cast(f32(dQ[b, first + r, hk * G + g, d]) + alpha * acc[0, d])
+                        dK[b, j, hk, d] = cast(f32(dK[b, j, hk, d]) + alpha * acc[0, d])
+                        dV[b, j, hk, d] = cast(f32(dV[b, j, hk, d]) + s[d] * inv_n)
+                # dq_r += scale/n M^T dO_r at the uniform rows
+                for r, g in T.grid(R, G):
+                    if W[b, r] != T.float32(0):
+                        for d in T.vectorized(D):
+                            acc[0, d] = T.float32(0)
+                        for e in range(D):
+                            for d in T.vectorized(D):
+                                acc[0, d] = acc[0, d] + f32(dO[b, r, hk * G + g, e]) * M[e, d]
+                        for d in T.vectorized(D):
+                            dQ[b, first + r, hk * G + g, d] = cast(f32(dQ[b, first + r, hk * G + g, d]) + alpha * acc[0, d])
 
     return {"uniform_means": uniform_means, "uniform_grads": uniform_grads}
