@@ -397,7 +397,8 @@ def _padded_attention(q, k, v, mask: torch.Tensor, opts: dict, sliding_window: i
     if len_q == 1:
         return decode_attention(q, k, v, mask, **opts)
     k_all, v_all = k, v
-    k, v = k[:, :n], v[:, :n]  # keys past the mask: empty static-cache slots
+    if n < k.shape[1]:  # keys past the mask: empty static-cache slots (else no view: two autograd nodes fewer)
+        k, v = k[:, :n], v[:, :n]
     runs = _per_mask(mask, "_tvmflash_row_runs", None, lambda: _row_runs(mask))
     blind = _blind_rows(mask, len_q, opts["causal"], sliding_window)  # (eager: a softmax uniform over all keys)
     empty_slots = k_all.shape[1] > n  # (a static cache's: the uniform rows average them too)
