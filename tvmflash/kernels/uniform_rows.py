@@ -80,9 +80,9 @@ def uniform_kernels(spec: AttentionSpec) -> dict[str, tirx.PrimFunc]:
         V = io_buffer(v_h, (B, N, Hk, D), dtype, "sv")
         O = io_buffer(o_h, (B, R, H, D), dtype, "so")  # the span's rows of the output
         W = T.match_buffer(w_h, (B, R), F32)
-        for t in T.parallel(B * Hk):
-            b: T.let[T.int64] = t // Hk
-            hk: T.let[T.int64] = t % Hk
+        for t in T.parallel(B * Hk):  # (kv head outer: the threads' contiguous chunks then mix short and long spans)
+            b: T.let[T.int64] = t % B
+            hk: T.let[T.int64] = t // B
             G: T.let[T.int64] = H // Hk
             count = T.decl_buffer((1,), F32)
             count_uniform_rows(count, W, b, R)
@@ -112,9 +112,9 @@ def uniform_kernels(spec: AttentionSpec) -> dict[str, tirx.PrimFunc]:
         dQ = io_buffer(dq_h, (B, Nq, H, D), dtype, "sdq")
         dK = io_buffer(dk_h, (B, N, Hk, D), dtype, "sdk")
         dV = io_buffer(dv_h, (B, N, Hk, D), dtype, "sdv")
-        for t in T.parallel(B * Hk):
-            b: T.let[T.int64] = t // Hk
-            hk: T.let[T.int64] = t % Hk
+        for t in T.parallel(B * Hk):  # (kv head outer: the threads' contiguous chunks then mix short and long spans)
+            b: T.let[T.int64] = t % B
+            hk: T.let[T.int64] = t // B
             G: T.let[T.int64] = H // Hk
             count = T.decl_buffer((1,), F32)
             count_uniform_rows(count, W, b, R)
