@@ -459,26 +459,29 @@ def check_cu_seqlens(name: str, cu, total_rows: int, batch: int | None = None, d
 # rounding (half an ulp) is the error of every recomputed exponent. Beyond this magnitude that is
 # more than 0.4 % of P: far outside fp32 attention's accuracy, so it is an error, not a result.
 MAX_RECOMPUTABLE_LSE = 2.0**16
+SERIAL_REDUCTION = 2**15  # torch reduces fewer elements on the calling thread (at::internal::GRAIN_SIZE)
 
 
 def check_lse_recomputable(lse) -> None:
     """Raise if the forward's LSE is too large for an accurate backward (``softmax_scale`` x
     q . k in the tens of thousands or more; the forward itself is exact at any scale)."""
-    if hasattr(lse, "detach"):  # torch
-        values = lse.detach()
-        if values.is_cpu and values.numel():
-            # torch's own reductions, not numpy's: inside a model numpy's code is cold (the model
-            # never runs it) and this check took 77-88 us a call there against 46 (Zen 4, B1 N16);
-            # a small LSE's reduction runs on the calling thread, a large one on the kernels' threads
-            low, high = values.reshape(-1).aminmax()
+    if hasattr(lse, "detach") and lse.device.type != "cpu":  # torch, on its device
+        magnitudes = lse.detach().abs().nan_to_num(nan=0.0, posinf=0.0)
+        largest = float(magnitudes.max()) if magnitudes.numel() else 0.0
+    else:
+        if hasattr(lse, "detach") and 0 < lse.numel() < SERIAL_REDUCTION:
+            # a short call's LSE: torch reduces it on the calling thread. Not numpy: inside a
+            # model its code is cold (the model never runs it), and this took 77-88 us a call
+            # there against 44-50 (Zen 4, a training step at B1 N16)
+            low, high = lse.detach().reshape(-1).aminmax()
             if -MAX_RECOMPUTABLE_LSE < float(low) and float(high) < MAX_RECOMPUTABLE_LSE:
                 return  # (all finite and small)
-        magnitudes = values.abs().nan_to_num(nan=0.0, posinf=0.0)
-        largest = float(magnitudes.max()) if magnitudes.numel() else 0.0
-    else:  # (the compile API's arrays)
+        # numpy, not torch, over a larger LSE: a parallel torch op would wake torch's OpenMP
+        # workers, whose spinning can take cores from the kernel that follows (DEVELOPING.md)
         import numpy as np
 
-        values = lse if isinstance(lse, np.ndarray) else np.from_dlpack(lse)
+        values = lse.detach().numpy() if hasattr(lse, "detach") else (
+            lse if isinstance(lse, np.ndarray) else np.from_dlpack(lse))
         if values.size and -MAX_RECOMPUTABLE_LSE < values.min() and values.max() < MAX_RECOMPUTABLE_LSE:
             return  # (all finite and small: two reductions)
         finite = values[np.isfinite(values)]

@@ -6,7 +6,7 @@ all n keys of the layer: P_rj = 1 / n, the output the mean of v, and softmax's J
 P for the gradients. With u_j = v_j - mean(v): dS_rj = dO_r . u_j / n. Such rows are a span of
 query positions ``first .. first + R - 1`` of every batch row with a 0/1 weight per (batch row,
 span row): ``W[b, r] = 1`` where the row's softmax is uniform, 0 where the flash kernels own it
-(rows with 0 are skipped).
+(rows with 0 are skipped, and batch rows without a 1 altogether).
 Each head of a GQA group is a row of its kv head. Per (batch row b, kv head hk)::
 
     uniform_means(v, out_span, W, 1/n):
