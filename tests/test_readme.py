@@ -80,7 +80,9 @@ def test_python_block_runs_as_pasted(heading, tmp_path):
     script = tmp_path / "block.py"
     script.write_text(_smaller(heading, PYTHON[heading]))
     if heading in TORCHRUN:  # 2 ranks on CPU (gloo); the first comment line says how to run it
-        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(script)]
+        # (--log-dir: else torchrun leaves a torchelastic_* directory of logs in /tmp every run)
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                   "--log-dir", str(tmp_path / "torchrun-logs"), str(script)]
     else:
         command = [sys.executable, str(script)]
     proc = subprocess.run(command, cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=900)
