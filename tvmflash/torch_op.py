@@ -570,7 +570,7 @@ class _ForwardCall:
         self.scale, self.window, self.softcap = scale, window, softcap
         self.tables, self.mods, self.return_attn_probs = tables[:3], mods, return_attn_probs
         self.tasks = max(seqs.query_tiles * heads, seqs.key_tiles * heads_k)
-        self.sizes, self.op_scalars, self.row_runs = (batch, seqlen_q, seqlen_k, heads_k), op_scalars, row_runs
+        self.seqlen_k, self.op_scalars, self.row_runs = seqlen_k, op_scalars, row_runs
         # rows outside the runs: 0 (a memset of the whole tensor costs less than writing those
         # rows slice by slice: 2 against 11 us at 4 x 16 tokens, 30 against 18 at 4 x 512); lse
         # too, so that the backward's LSE check takes its fast path (all finite: two reductions)
@@ -612,8 +612,8 @@ class _ForwardCall:
         """dq, dk, dv of this call's forward (out, lse), or None where the full backward must run."""
         kernels = self.kernels
         if self._backward_tables is None:
-            batch, seqlen_q, seqlen_k, heads_k = self.sizes
-            seqs, tables = kernels._sequences("backward", batch, seqlen_q, seqlen_k, heads_k, None, None,
+            batch, seqlen_q, _, heads_k = self.dims
+            seqs, tables = kernels._sequences("backward", batch, seqlen_q, self.seqlen_k, heads_k, None, None,
                                               row_runs=self.row_runs)
             self._backward_tables = (seqs.rounds, seqs.super_tile, *tables, *kernels._mods(q, self.mods, ()))
         checks.check_lse_recomputable(lse)
