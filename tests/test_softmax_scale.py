@@ -81,6 +81,7 @@ def test_any_finite_positive_scale_works_or_says_why_not(kernels_d32, gen, seed,
     if lse.abs().max() >= checks.MAX_RECOMPUTABLE_LSE:
         with pytest.raises(ValueError, match="log-sum-exp reached .* supports [|]lse[|] < 65536"):
             kernels_d32.backward(dout, q, k, v, out, lse, *grads, scale, causal=True)
+        assert all(bool((g == 7.0).all()) for g in grads)  # refused before it wrote anything
         return
     kernels_d32.backward(dout, q, k, v, out, lse, *grads, scale, causal=True)
     if lse.abs().max() <= 80:
@@ -97,6 +98,29 @@ def test_any_finite_positive_scale_works_or_says_why_not(kernels_d32, gen, seed,
         ulps = 2 * torch.finfo(torch.float32).eps * r.abs().max()  # 4 units of roundoff
         excess = ((ours.double() - r).abs() / (bound + ulps)).max().item()
         assert excess <= 1, (name, scale, excess, seed)
+
+
+def test_one_unrecomputable_row_is_refused_before_any_write(kernels_d32, gen):
+    """The CPU backward checks the LSE itself: every row of every (batch, head), not a sample. One
+    row past 2^16 (the last batch's last head's last query) is refused; -inf (a query that sees no
+    key) and NaN rows are not the check's to refuse. Nothing is written before the refusal."""
+    q, k, v = random_inputs(gen, 3, 37, 37, 3, 3, 32, "float32")
+    dout = torch.randn(q.shape, generator=gen)
+    out, lse = torch.empty_like(q), torch.empty(3, 3, 37)
+    kernels_d32.forward(q, k, v, out, lse, 0.1, causal=True)
+    lse[0, 1, 5], lse[1, 2, 0] = float("-inf"), float("nan")
+    grads = [torch.full_like(t, 7.0) for t in (q, k, v)]
+    kernels_d32.backward(dout, q, k, v, out, lse, *grads, 0.1, causal=True)  # accepted
+    for value in (2.0**16, -(2.0**16), 1e30):
+        grads = [torch.full_like(t, 7.0) for t in (q, k, v)]
+        past = lse.clone()
+        past[2, 2, 36] = value
+        with pytest.raises(ValueError, match="log-sum-exp reached .* supports [|]lse[|] < 65536"):
+            kernels_d32.backward(dout, q, k, v, out, past, *grads, 0.1, causal=True)
+        assert all(bool((g == 7.0).all()) for g in grads)
+    past = lse.clone()
+    past[2, 2, 36] = 65535.0  # just inside
+    kernels_d32.backward(dout, q, k, v, out, past, *grads, 0.1, causal=True)
 
 
 @pytest.mark.parametrize("scale,error,match", [

@@ -18,7 +18,7 @@ from typing import NamedTuple
 import tvm_ffi
 
 from .config import VECTOR_BYTES
-from .spec import MAX_HEAD_DIM, SUPPORTED_DTYPES, UNLIMITED_WINDOW
+from .spec import MAX_HEAD_DIM, MAX_RECOMPUTABLE_LSE, SUPPORTED_DTYPES, UNLIMITED_WINDOW, unrecomputable_lse_message
 
 
 class CapacityError(ValueError, RuntimeError):
@@ -455,40 +455,16 @@ def check_cu_seqlens(name: str, cu, total_rows: int, batch: int | None = None, d
     return values
 
 
-# The backward recomputes P = exp(S * scale - LSE) from the fp32 LSE the forward stored: its
-# rounding (half an ulp) is the error of every recomputed exponent. Beyond this magnitude that is
-# more than 0.4 % of P: far outside fp32 attention's accuracy, so it is an error, not a result.
-MAX_RECOMPUTABLE_LSE = 2.0**16
-SERIAL_REDUCTION = 2**15  # torch reduces fewer elements on the calling thread (at::internal::GRAIN_SIZE)
-
-
 def check_lse_recomputable(lse) -> None:
-    """Raise if the forward's LSE is too large for an accurate backward (``softmax_scale`` x
-    q . k in the tens of thousands or more; the forward itself is exact at any scale)."""
-    if hasattr(lse, "detach") and lse.device.type != "cpu":  # torch, on its device
-        magnitudes = lse.detach().abs().nan_to_num(nan=0.0, posinf=0.0)
-        largest = float(magnitudes.max()) if magnitudes.numel() else 0.0
-    else:
-        if hasattr(lse, "detach") and 0 < lse.numel() < SERIAL_REDUCTION:
-            # a short call's LSE: torch reduces it on the calling thread. Not numpy: inside a
-            # model its code is cold (the model never runs it), and this took 77-88 us a call
-            # there against 44-50 (Zen 4, a training step at B1 N16)
-            low, high = lse.detach().reshape(-1).aminmax()
-            if -MAX_RECOMPUTABLE_LSE < float(low) and float(high) < MAX_RECOMPUTABLE_LSE:
-                return  # (all finite and small)
-        # numpy, not torch, over a larger LSE: a parallel torch op would wake torch's OpenMP
-        # workers, whose spinning can take cores from the kernel that follows (DEVELOPING.md)
-        import numpy as np
+    """Raise if a CUDA forward's LSE is too large for an accurate backward (``softmax_scale`` x
+    q . k in the tens of thousands or more; the forward itself is exact at any scale). The CPU
+    backward kernels check their LSE themselves, before they write anything (``kernels/cpu.py``):
+    no torch or numpy reduction runs around them."""
+    if not hasattr(lse, "detach"):  # a runtime tensor of the compile API
+        import torch
 
-        values = lse.detach().numpy() if hasattr(lse, "detach") else (
-            lse if isinstance(lse, np.ndarray) else np.from_dlpack(lse))
-        if values.size and -MAX_RECOMPUTABLE_LSE < values.min() and values.max() < MAX_RECOMPUTABLE_LSE:
-            return  # (all finite and small: two reductions)
-        finite = values[np.isfinite(values)]
-        largest = float(np.abs(finite).max()) if finite.size else 0.0
+        lse = torch.from_dlpack(lse)
+    magnitudes = lse.detach().abs().nan_to_num(nan=0.0, posinf=0.0)
+    largest = float(magnitudes.max()) if magnitudes.numel() else 0.0
     if largest >= MAX_RECOMPUTABLE_LSE:
-        raise ValueError(
-            f"the forward's log-sum-exp reached {largest:.3g}: the backward recomputes the probabilities from "
-            f"this float32 value, whose rounding at that size exceeds 0.4 % of them (the backward supports "
-            f"|lse| < {MAX_RECOMPUTABLE_LSE:.0f}, i.e. softmax_scale * |q . k| below that); use a smaller "
-            "softmax_scale or normalize q and k")
+        raise ValueError(unrecomputable_lse_message(f"{largest:.3g}"))

@@ -279,12 +279,12 @@ class FlashKernels:
         where the caller allocated dq, dk, dv itself, ``checks.check_backward_inputs(...)``.
         ``row_runs``: see ``_sequences`` (gradient rows outside the runs are not written)."""
         batch, seqlen_q, heads, heads_k = dims
-        checks.check_lse_recomputable(lse)
         self._check_runs_here()
         left, right = window
         seqs, tables = self._sequences("backward", batch, seqlen_q, _len(k), heads_k, cu_seqlens_q, cu_seqlens_k,
                                        diagonal, like=q, row_runs=row_runs)
-        if self.is_cuda:
+        if self.is_cuda:  # (the CPU kernels check the LSE themselves)
+            checks.check_lse_recomputable(lse)
             self._cuda_backward(dout, q, k, v, out, lse, dq, dk, dv, scale, (left, right), seqs, tables[0],
                                 self._mods(q, mod_inputs, mod_grads, block_mask), heads_k,
                                 packed=cu_seqlens_q is not None)

@@ -32,6 +32,19 @@ MAX_HEAD_DIM = 256
 # beyond any sequence (and far from int64 overflow in the kernels' index arithmetic).
 UNLIMITED_WINDOW = 1 << 40
 
+# The backward recomputes P = exp(S * scale - LSE) from the fp32 LSE the forward stored: its
+# rounding (half an ulp) is the error of every recomputed exponent. Beyond this magnitude that is
+# more than 0.4 % of P: far outside fp32 attention's accuracy, so it is an error, not a result.
+MAX_RECOMPUTABLE_LSE = 2.0**16
+
+
+def unrecomputable_lse_message(reached: str) -> str:
+    """The error for an LSE at or past ``MAX_RECOMPUTABLE_LSE`` (``reached``: how large it was)."""
+    return (f"the forward's log-sum-exp reached {reached}: the backward recomputes the probabilities from this "
+            f"float32 value, whose rounding at that size exceeds 0.4 % of them (the backward supports |lse| < "
+            f"{MAX_RECOMPUTABLE_LSE:.0f}, i.e. softmax_scale * |q . k| below that); use a smaller softmax_scale "
+            "or normalize q and k")
+
 
 @dataclass(frozen=True)
 class ModInput:

@@ -129,7 +129,7 @@ from ..schedules.llvm_amx import HELPER_ATTR
 from ..schedules.llvm_amx import helper_name as amx_helper_name
 from ..schedules import llvm_transpose
 from ..score_mods import exponent_constant
-from ..spec import AttentionSpec
+from ..spec import MAX_RECOMPUTABLE_LSE, AttentionSpec, unrecomputable_lse_message
 from .common import EMPTY, F32, I64, PARTIAL, CPUContext, TileRows, ceildiv, cyclic_count, i64, io_buffer, stage
 
 BF16 = "bfloat16"
@@ -790,6 +790,24 @@ def bwd_zero_dkv(k, dKacc, dVacc, hk, t):
             dVacc[hk, t * k.kv_tile[0] + vr, vc] = T.float32(0)
 
 
+def bwd_refuse_unrecomputable_lse(k, LSE):
+    """ValueError, before the kernel writes anything, if a finite |LSE| reaches
+    ``MAX_RECOMPUTABLE_LSE``: P recomputed from that fp32 value would be off by its rounding
+    (spec.py). One pass over the LSE (O(N) against the backward's O(N^2)), here rather than in
+    Python around the call: no torch or numpy reduction, whose code a model never runs warm."""
+    largest = T.decl_buffer((1,), F32)
+    for b, h, i in T.grid(*LSE.shape):
+        with T.sblock("largest_lse"):
+            vb, vh, vi = T.axis.remap("RRR", [b, h, i])
+            with T.init():
+                largest[0] = T.float32(0)
+            # (-inf: a query that sees no key; NaN: NaN inputs, whose gradients are NaN anyway)
+            largest[0] = T.max(largest[0], T.if_then_else(
+                T.abs(LSE[vb, vh, vi]) < T.float32(-NEG_INF), T.abs(LSE[vb, vh, vi]), T.float32(0)))
+    assert largest[0] < T.float32(MAX_RECOMPUTABLE_LSE), (
+        "ValueError", [unrecomputable_lse_message(f"{MAX_RECOMPUTABLE_LSE:.0f} or more in magnitude")])
+
+
 def bwd_zero_mod_grads(k, partials, n_threads):
     for s, x in T.grid(n_threads, partials.shape[1]):
         with T.sblock("zero_mod_grads"):
@@ -964,11 +982,11 @@ def fused_backward(spec: AttentionSpec, cfg: CPUKernelConfig) -> tirx.PrimFunc:
     grad_elements = _grad_elements(spec)
     # (dV's and dK's sums: one stage function, two macros: TVM renames the blocks of a macro's
     # second expansion, and the schedule finds blocks by name)
-    (pack_q_do, pack_k_v, prepare_rows, zero_dkv, zero_mod_grads, recompute_probs, pack_p, grad_v, grad_scores_,
-     pack_ds, grad_k, accumulate_dq, init_dkv, update_dkv, store_dq, store_dkv) = k.macros(
-        fmt.pack_q_do, fmt.pack_k_v, bwd_row_stats, bwd_zero_dkv, bwd_zero_mod_grads, bwd_recompute_probs, bwd_pack_p,
-        bwd_key_grad, bwd_grad_scores, bwd_pack_ds, bwd_key_grad, bwd_accumulate_dq, bwd_init_dkv, bwd_update_dkv,
-        bwd_store_dq, bwd_store_dkv)
+    (refuse_unrecomputable_lse, pack_q_do, pack_k_v, prepare_rows, zero_dkv, zero_mod_grads, recompute_probs,
+     pack_p, grad_v, grad_scores_, pack_ds, grad_k, accumulate_dq, init_dkv, update_dkv, store_dq, store_dkv) = k.macros(
+        bwd_refuse_unrecomputable_lse, fmt.pack_q_do, fmt.pack_k_v, bwd_row_stats, bwd_zero_dkv, bwd_zero_mod_grads,
+        bwd_recompute_probs, bwd_pack_p, bwd_key_grad, bwd_grad_scores, bwd_pack_ds, bwd_key_grad, bwd_accumulate_dq,
+        bwd_init_dkv, bwd_update_dkv, bwd_store_dq, bwd_store_dkv)
 
     @T.prim_func(s_tir=True)
     def flash_bwd(do_h: T.handle, q_h: T.handle, k_h: T.handle, v_h: T.handle, o_h: T.handle, lse_h: T.handle,
@@ -1012,6 +1030,7 @@ def fused_backward(spec: AttentionSpec, cfg: CPUKernelConfig) -> tirx.PrimFunc:
         dVacc = T.decl_buffer((Hk, ctx.key_tiles_total() * k.kv_tile[0], k.kv_tile[1]), F32)
         # each thread's partial gradients of captured tensors (summed in slot order at the end)
         partials = T.decl_buffer((n_threads, grad_elements), F32)
+        refuse_unrecomputable_lse(LSE)
         if has_grads:
             zero_mod_grads(partials, n_threads)
         # one parallel region (the schedule makes this loop its launch point): the packs, a
