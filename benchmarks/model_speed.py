@@ -11,6 +11,8 @@
   prompts at once, left-padded (row b by b / 2B of the prompt), as batched generation pads them;
 * ``train``: a training step (forward, backward, AdamW step) of the same Llama on one sequence
   per length (ms per step, median of the steps of a process);
+* ``--dtypes``: bfloat16 and float32 models, and ``autocast``: an fp32 model whose forward runs
+  under bf16 CPU autocast (mixed-precision training; ``generate()`` under it too);
 * ``padded``: one layer's attention alone, forward + backward, on ``--batch`` left-padded rows
   (default 4) of each ``--train-lengths``, through the transformers integration's function
   against transformers' SDPA function with the 4D mask it would get, interleaved call by call.
@@ -166,6 +168,16 @@ def after_linear(rounds: int) -> None:
     print("\n".join(rows), flush=True)
 
 
+def _precision(name: str) -> tuple[torch.dtype, torch.dtype | None]:
+    """The model's dtype and the autocast region's ("autocast": fp32 weights, bf16 CPU autocast
+    around the forward, as mixed-precision training runs)."""
+    return (torch.float32, torch.bfloat16) if name == "autocast" else (getattr(torch, name), None)
+
+
+def _autocast(dtype: torch.dtype | None):
+    return torch.autocast("cpu", dtype=dtype or torch.bfloat16, enabled=dtype is not None)
+
+
 def _llama(dtype, implementation: str):
     import transformers
 
@@ -184,27 +196,30 @@ def _implementation(short: str) -> str:
     return tvm_hf.register()
 
 
-def worker_generate(dtype, prompt: int, new_tokens: int, implementation: str, batch: int = 1) -> dict:
+def worker_generate(precision: str, prompt: int, new_tokens: int, implementation: str, batch: int = 1) -> dict:
     """tokens/s (all rows') of one timed generate() after a warm-up (compiles, caches) in this
     process; rows after the first left-padded by b / 2B of the prompt."""
+    dtype, autocast = _precision(precision)
     model = _llama(dtype, _implementation(implementation)).eval()
     ids, kwargs = _generate_inputs(prompt, new_tokens, batch)
-    with torch.no_grad():  # (inference_mode: the integration reads position_ids._version)
+    with torch.no_grad(), _autocast(autocast):  # (inference_mode: the integration reads position_ids._version)
         model.generate(ids, **{**kwargs, "max_new_tokens": 2, "min_new_tokens": 2})
         start = time.perf_counter()
         model.generate(ids, **kwargs)
     return {"value": batch * new_tokens / (time.perf_counter() - start)}
 
 
-def worker_train(dtype, length: int, steps: int, implementation: str) -> dict:
+def worker_train(precision: str, length: int, steps: int, implementation: str) -> dict:
     """Median seconds of a training step (forward, backward, AdamW) after two warm-up steps."""
+    dtype, autocast = _precision(precision)
     model = _llama(dtype, _implementation(implementation)).train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     ids = torch.randint(0, 1024, (1, length), generator=torch.Generator().manual_seed(length))
     times = []
     for step in range(steps + 2):
         start = time.perf_counter()
-        loss = model(input_ids=ids, labels=ids).loss
+        with _autocast(autocast):
+            loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -240,20 +255,23 @@ def padded_attention(args: argparse.Namespace) -> None:
     module = types.SimpleNamespace(is_causal=True, num_key_value_groups=heads // heads_k, training=True)
     rows = []
     for dtype_name in args.dtypes:
-        dtype = getattr(torch, dtype_name)
+        dtype, autocast = _precision(dtype_name)
         for length in args.train_lengths:
             mask = _left_padded(length, batch)[1].bool()
             mask_4d = (torch.ones(length, length, dtype=torch.bool).tril()[None] & mask[:, None, :])[:, None]
             q = torch.randn(batch, length, heads, head_dim, dtype=dtype).transpose(1, 2).requires_grad_()
             k, v = (torch.randn(batch, length, heads_k, head_dim, dtype=dtype).transpose(1, 2).requires_grad_()
                     for _ in range(2))
-            dout = torch.randn(batch, length, heads, head_dim, dtype=dtype)
+            dout = torch.randn(batch, length, heads, head_dim, dtype=autocast or dtype)
 
             def ours():
-                return tvm_hf.attention_forward(module, q, k, v, mask, scaling=head_dim ** -0.5)[0]
+                with _autocast(autocast):
+                    return tvm_hf.attention_forward(module, q, k, v, mask, scaling=head_dim ** -0.5)[0]
 
             def sdpa():
-                return sdpa_attention_forward(module, q, k, v, mask_4d, scaling=head_dim ** -0.5, is_causal=False)[0]
+                with _autocast(autocast):
+                    return sdpa_attention_forward(module, q, k, v, mask_4d, scaling=head_dim ** -0.5,
+                                                  is_causal=False)[0]
 
             with torch.no_grad():  # the same attention on the real rows
                 torch.testing.assert_close(ours()[mask].float(), sdpa()[mask].float(), atol=2e-2, rtol=2e-2)
@@ -295,19 +313,19 @@ def swapped(args: argparse.Namespace) -> None:
         print(f"  swap: {rows[-1]}", file=sys.stderr, flush=True)
 
     for dtype_name in args.dtypes:
-        dtype = getattr(torch, dtype_name)
+        dtype, autocast = _precision(dtype_name)
         model = _llama(dtype, "sdpa").eval()
         for prompt in args.prompts:
             ids, kwargs = _generate_inputs(prompt, args.new_tokens, args.batch)
 
             def generate(impl, kwargs=kwargs, ids=ids):
                 model.set_attn_implementation(names[impl])
-                with torch.no_grad():
+                with torch.no_grad(), _autocast(autocast):
                     model.generate(ids, **kwargs)
 
             for impl in names:  # warm-up: compiles, caches
                 model.set_attn_implementation(names[impl])
-                with torch.no_grad():
+                with torch.no_grad(), _autocast(autocast):
                     model.generate(ids, **{**kwargs, "max_new_tokens": 2, "min_new_tokens": 2})
             what = "prompt" if args.batch == 1 else f"{args.batch} left-padded prompts"
             row(f"{dtype_name} generate(), {what} {prompt}", _abba_seconds(generate, list(names), args.runs), 1e3,
@@ -320,7 +338,9 @@ def swapped(args: argparse.Namespace) -> None:
 
             def step(impl, ids=ids, mask=mask, labels=labels):
                 model.set_attn_implementation(names[impl])
-                model(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()
+                with _autocast(autocast):
+                    loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+                loss.backward()
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
 
@@ -376,7 +396,6 @@ def alternated(args: argparse.Namespace, part: str, cases: list, unit: str, high
 
 def worker(argv: list[str]) -> None:
     part, dtype, size, implementation, new_tokens, steps, batch = argv
-    dtype = getattr(torch, dtype)
     if part == "generate":
         result = worker_generate(dtype, int(size), int(new_tokens), implementation, int(batch))
     else:
@@ -396,7 +415,8 @@ def main() -> None:
                         "padded: rows (default 4)")
     p.add_argument("--train-lengths", type=int, nargs="+", default=[16, 512])
     p.add_argument("--train-steps", type=int, default=5)
-    p.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"], help="generate() and training dtypes")
+    p.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32", "autocast"],
+                   help="generate() and training dtypes; autocast: an fp32 model under bf16 CPU autocast")
     p.add_argument("--runs", type=int, default=3,
                    help="processes per implementation and case (generate, train); rounds (swap)")
     p.add_argument("--only", choices=["tvm", "sdpa"], help="generate() / train with one implementation only")

@@ -5,8 +5,9 @@ Two ops, ``tvmflash::flash_attn_forward`` -> (out, lse) and ``tvmflash::flash_at
 autograd through ``register_autograd``, ``torch.compile(fullgraph=True)`` through the fakes,
 and ``torch.library.opcheck`` passes. Eager calls on plain tensors skip the ops' Python layers
 (~30-100 us a call): inference calls run the forward's body, training calls an autograd
-Function over the same bodies (``_EagerAttention``); compile, autocast, modes and transforms
-see the ops. Tensors reach the kernels through DLPack without a copy; outputs are allocated by
+Function over the same bodies (``_EagerAttention``); compile, modes and transforms see the
+ops. In a CPU autocast region an eager call applies the forward op's autocast rule itself
+(``_cpu_autocast_applies``) and then takes the same paths. Tensors reach the kernels through DLPack without a copy; outputs are allocated by
 PyTorch and written in place by the kernels.
 
 The public functions have flash-attn 2's names, positional order and return values:
@@ -163,7 +164,7 @@ def _eager_path(*tensors) -> str | None:
     """How a call may skip torch's dispatcher (its Python custom-op layers cost ~30-100 us a
     call): "body", the op's implementation, where autograd records nothing; "autograd",
     ``_EagerAttention``, where it does; None (the op) for other than plain tensors, in an
-    autocast region, under torch.compile tracing, vmap or a dispatch/function mode that must see
+    autocast region (the caller applied a CPU region's rule already), under torch.compile tracing, vmap or a dispatch/function mode that must see
     the op."""
     present = [t for t in tensors if t is not None]
     if any(type(t) is not torch.Tensor for t in present) or not _plain_eager(present[0].device.type):
@@ -178,8 +179,30 @@ def _records_grad(tensors) -> bool:
 def _plain_eager(device_type: str) -> bool:
     if torch.is_autocast_enabled(device_type):  # the op's autocast rule must see the call
         return False
+    return _no_modes()
+
+
+def _no_modes() -> bool:
+    """Nothing that must see the op: no torch.compile tracing, dispatch or function mode, or
+    functorch transform. (Backward bodies need no more: the backward op has no autocast rule.)"""
     return (not torch.compiler.is_compiling() and torch._C._len_torch_dispatch_stack() == 0
             and torch._C._len_torch_function_stack() == 0 and torch._C._functorch.maybe_current_level() is None)
+
+
+def _cpu_autocast_applies(q, k, v) -> bool:
+    """A CPU autocast region around an eager call on plain CPU tensors: the caller applies the
+    op's autocast rule itself (``_autocast_inputs``) and goes on with the region off, so that the
+    call can take the paths that skip torch's dispatcher, which holds the rule (a training call
+    through the op and its checks costs ~100 us more at 16 tokens)."""
+    return (torch.is_autocast_enabled("cpu") and type(q) is torch.Tensor and type(k) is torch.Tensor
+            and type(v) is torch.Tensor and q.is_cpu and _no_modes())
+
+
+def _autocast_inputs(device_type: str, q, k, v) -> tuple:
+    """The op's autocast rule: q, k, v on ``device_type`` cast to the region's dtype (float64 stays
+    float64, as autocast leaves it)."""
+    dtype = torch.get_autocast_dtype(device_type)
+    return tuple(t.to(dtype) if t.device.type == device_type and t.dtype != torch.float64 else t for t in (q, k, v))
 
 
 @_forward.register_fake
@@ -256,8 +279,8 @@ _forward.register_autograd(_autograd_backward, setup_context=_setup_context)
 class _EagerAttention(torch.autograd.Function):
     """The forward op with its autograd, without torch's custom-op layers, for eager calls on
     plain tensors that autograd records (``_eager_path``): the op's own bodies, saved
-    tensors and backward, ~100 us less per training call at 16 tokens (torch.compile, autocast,
-    modes and transforms still see the op)."""
+    tensors and backward, ~100 us less per training call at 16 tokens (torch.compile, modes and
+    transforms still see the op)."""
 
     @staticmethod
     def forward(ctx, dims, *args):
@@ -271,7 +294,7 @@ class _EagerAttention(torch.autograd.Function):
             return (None,) * 14
         # the op where a mode must see it, and with create_graph=True, where autograd then refuses
         # to differentiate it (it has no formula) instead of taking dq, dk, dv for constants
-        direct = not torch.is_grad_enabled() and _plain_eager(dout.device.type)
+        direct = not torch.is_grad_enabled() and _no_modes()
         return None, *_input_grads(ctx, dout, _backward_impl if direct else _backward), *(None,) * 10
 
 
@@ -284,9 +307,15 @@ def padded_rows_attention(q, k, v, row_runs: tuple, *, softmax_scale, causal: bo
     transformers' ``eager`` gives rows whose keys its mask all hides (``uniform_rows.py``).
     No gather into packed sequences and scatter back, which cost more than the kernels
     (4 left-padded rows, fp32 forward + backward: 256 tokens 17.6 -> 12.1 ms, 1024 140 -> 77).
-    None where it does not apply (other than plain CPU tensors in eager mode: torch.compile,
-    autocast and modes see the op through the packed path; head dims the kernels pad).
+    None where it does not apply (other than plain CPU tensors in eager mode: torch.compile and
+    modes see the op through the packed path; head dims the kernels pad). A CPU autocast region:
+    q, k, v cast by the op's rule, as in ``_attention``.
     A model's layers repeat one call (shapes, runs, options): its checks run once (``_calls``)."""
+    if _cpu_autocast_applies(q, k, v):  # (as in _attention)
+        q, k, v = _autocast_inputs("cpu", q, k, v)
+        with torch._C._ExcludeDispatchKeyGuard(_AUTOCAST_OFF["cpu"]):
+            return padded_rows_attention(q, k, v, row_runs, softmax_scale=softmax_scale, causal=causal,
+                                         window_size=window_size, softcap=softcap, uniform_rows=uniform_rows)
     row_runs = tuple(row_runs)
     key = _call_key(q, k, v, 0.0, softmax_scale, causal, window_size, softcap, False, False)
     call = _calls.get(key + (row_runs,)) if key is not None else None
@@ -386,11 +415,10 @@ def _follow_autocast(device_type: str) -> None:
     (the fp32 ALiBi slopes too); here only q, k, v follow the region's dtype. The casts are
     autograd ops, so gradients reach the fp32 leaves; the backward has no autocast rule."""
     key = "Autocast" + torch._C._dispatch_key_for_device(device_type)
-    excluded = torch._C.DispatchKeySet(getattr(torch._C.DispatchKey, key))
+    excluded = _AUTOCAST_OFF[device_type] = torch._C.DispatchKeySet(getattr(torch._C.DispatchKey, key))
 
     def forward_under_autocast(q, k, v, *rest):
-        dtype = torch.get_autocast_dtype(device_type)
-        cast = (t.to(dtype) if t.device.type == device_type and t.dtype != torch.float64 else t for t in (q, k, v))
+        cast = _autocast_inputs(device_type, q, k, v)
         with torch._C._ExcludeDispatchKeyGuard(excluded):
             return _forward(*cast, *rest)
 
@@ -398,6 +426,7 @@ def _follow_autocast(device_type: str) -> None:
 
 
 _AUTOCAST_LIBRARY = torch.library.Library("tvmflash", "IMPL")
+_AUTOCAST_OFF: dict[str, torch._C.DispatchKeySet] = {}  # excluded: the region is off (is_autocast_enabled reads it)
 for _device_type in ("cpu", "cuda"):
     _follow_autocast(_device_type)
 
@@ -446,6 +475,12 @@ def _check_alibi(alibi_slopes, q: torch.Tensor, heads: int, batch: int | None) -
 
 def _attention(q, k, v, cu_seqlens_q, cu_seqlens_k, dropout_p, softmax_scale, causal, window_size, softcap,
                alibi_slopes, deterministic, return_attn_probs, *, fp32_results=False, diagonal=None):
+    if _cpu_autocast_applies(q, k, v):  # (the op's rule, here: the call can then skip the dispatcher)
+        q, k, v = _autocast_inputs("cpu", q, k, v)
+        with torch._C._ExcludeDispatchKeyGuard(_AUTOCAST_OFF["cpu"]):
+            return _attention(q, k, v, cu_seqlens_q, cu_seqlens_k, dropout_p, softmax_scale, causal, window_size,
+                              softcap, alibi_slopes, deterministic, return_attn_probs, fp32_results=fp32_results,
+                              diagonal=diagonal)
     fast = (cu_seqlens_q is None and cu_seqlens_k is None and alibi_slopes is None and not fp32_results
             and diagonal is None)
     if fast:
@@ -655,7 +690,7 @@ class _RepeatedTraining(torch.autograd.Function):
             return None, None, None, None
         q, k, v, out, lse = ctx.saved_tensors
         grads = None
-        if not torch.is_grad_enabled() and _plain_eager(dout.device.type):
+        if not torch.is_grad_enabled() and _no_modes():
             grads = ctx.call.backward(dout, q, k, v, out, lse)
         if grads is None:  # create_graph, a mode, or what the kernel refused: the op (see _EagerAttention)
             grads = _backward(kernel_layout(dout), q, k, v, out, lse, None, None, None, *ctx.call.op_scalars)

@@ -162,8 +162,9 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
 
     # The kernels' layout: (batch, seqlen, heads, head_dim) views, no copy.
     q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
-    if k.dtype != q.dtype or v.dtype != q.dtype:
-        k, v = k.to(q.dtype), v.to(q.dtype)
+    dtype = _attention_dtype(q)
+    if q.dtype != dtype or k.dtype != dtype or v.dtype != dtype:
+        q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
     head_dim, v_head_dim = q.shape[-1], v.shape[-1]
     if v_head_dim != head_dim:  # e.g. MLA: pad v to q's head dim, crop the output
         if v_head_dim > head_dim:
@@ -195,6 +196,16 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     if v_head_dim != head_dim:
         out = out[..., :v_head_dim]
     return out, None
+
+
+def _attention_dtype(q: torch.Tensor) -> torch.dtype:
+    """The dtype the attention runs in: a CPU autocast region's for CPU tensors, as SDPA's (it is
+    on autocast's lower-precision list; under autocast a Llama hands it RoPE'd fp32 q and k, the
+    projections' bf16 v), the decode steps' too, which do not follow autocast themselves; else
+    q's (k and v follow it). float64 stays, as autocast leaves it."""
+    if q.is_cpu and q.dtype != torch.float64 and torch.is_autocast_enabled("cpu"):
+        return torch.get_autocast_dtype("cpu")
+    return q.dtype
 
 
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor | None, *,
