@@ -413,7 +413,7 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=1,
                    help="generate(): prompts per call; swap: sequences per training step too (left-padded); "
                         "padded: rows (default 4)")
-    p.add_argument("--train-lengths", type=int, nargs="+", default=[16, 512])
+    p.add_argument("--train-lengths", type=int, nargs="*", default=[16, 512])
     p.add_argument("--train-steps", type=int, default=5)
     p.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32", "autocast"],
                    help="generate() and training dtypes; autocast: an fp32 model under bf16 CPU autocast")
