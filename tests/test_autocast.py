@@ -133,10 +133,9 @@ def test_autocast_varlen_and_compiled(gen):
     assert torch.equal(batched, expected)
 
 
-def test_transformers_model_under_autocast_gets_attention_in_bf16_like_sdpa(gen, monkeypatch):
-    """A Llama under CPU bf16 autocast: the attention runs in bf16 on sdpa and on tvmflash (RoPE
-    hands both fp32 q and k), and loss and gradients agree to bf16 accuracy; so do the decode
-    steps of a cached forward (the KV-cache kernel, which does not follow autocast itself)."""
+def _tiny_llamas(reference: str):
+    """Two 2-layer Llamas with the same random weights: on transformers' ``reference``
+    attention and on tvmflash's."""
     transformers = pytest.importorskip("transformers")
     from tvmflash.integrations import transformers as tvm_hf
 
@@ -144,9 +143,19 @@ def test_transformers_model_under_autocast_gets_attention_in_bf16_like_sdpa(gen,
                                       num_attention_heads=4, num_key_value_heads=2, attention_dropout=0.0,
                                       initializer_range=0.1)
     torch.manual_seed(0)
-    sdpa = transformers.AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation="sdpa")
+    other = transformers.AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation=reference)
     ours = transformers.AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation=tvm_hf.register())
-    ours.load_state_dict(sdpa.state_dict())
+    ours.load_state_dict(other.state_dict())
+    return other, ours
+
+
+def test_transformers_model_under_autocast_gets_attention_in_bf16_like_sdpa(gen, monkeypatch):
+    """A Llama under CPU bf16 autocast: the attention runs in bf16 on sdpa and on tvmflash (RoPE
+    hands both fp32 q and k), and loss and gradients agree to bf16 accuracy; so do the decode
+    steps of a cached forward (the KV-cache kernel, which does not follow autocast itself)."""
+    from tvmflash.integrations import transformers as tvm_hf
+
+    sdpa, ours = _tiny_llamas("sdpa")
 
     seen = []
 
@@ -205,16 +214,7 @@ def test_transformers_padded_batch_trains_under_autocast(gen, holes):
     with eager's (the last padding position predicts the first real token, and rows that see no
     key take eager's uniform softmax; with holes the padding rows get 0, as flash-attn's unpadding
     gives them, where eager attends from them)."""
-    transformers = pytest.importorskip("transformers")
-    from tvmflash.integrations import transformers as tvm_hf
-
-    config = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, attention_dropout=0.0,
-                                      initializer_range=0.1)
-    torch.manual_seed(0)
-    eager = transformers.AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation="eager")
-    ours = transformers.AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation=tvm_hf.register())
-    ours.load_state_dict(eager.state_dict())
+    eager, ours = _tiny_llamas("eager")
     ids = torch.randint(1, 128, (3, 33), generator=gen)
     mask = torch.ones(3, 33, dtype=torch.long)
     mask[1, :7] = 0  # left padding
