@@ -60,7 +60,8 @@ def test_autocast_training_repeats_skip_the_dispatcher(gen, monkeypatch):
     dout = torch.randn(shapes[0], generator=gen).to(torch.bfloat16)
     results = []
     for see_the_op in (False, False, True):
-        leaves = [torch.randn(s, generator=torch.Generator().manual_seed(i)).requires_grad_() for i, s in enumerate(shapes)]
+        seeded = (torch.Generator().manual_seed(i) for i in range(3))  # the same inputs each time
+        leaves = [torch.randn(s, generator=g).requires_grad_() for s, g in zip(shapes, seeded)]
         with torch.autocast("cpu", dtype=torch.bfloat16), (_SeeTheOp() if see_the_op else torch.enable_grad()):
             out, lse = flash_attn_func(*leaves, causal=True, return_lse=True)
         grads = torch.autograd.grad(out, leaves, dout)

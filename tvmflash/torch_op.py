@@ -7,8 +7,8 @@ and ``torch.library.opcheck`` passes. Eager calls on plain tensors skip the ops'
 (~30-100 us a call): inference calls run the forward's body, training calls an autograd
 Function over the same bodies (``_EagerAttention``); compile, modes and transforms see the
 ops. In a CPU autocast region an eager call applies the forward op's autocast rule itself
-(``_cpu_autocast_applies``) and then takes the same paths. Tensors reach the kernels through DLPack without a copy; outputs are allocated by
-PyTorch and written in place by the kernels.
+(``_cpu_autocast_applies``) and then takes the same paths. Tensors reach the kernels through
+DLPack without a copy; outputs are allocated by PyTorch and written in place by the kernels.
 
 The public functions have flash-attn 2's names, positional order and return values:
 ``flash_attn_func``, ``flash_attn_qkvpacked_func``, ``flash_attn_kvpacked_func`` on
@@ -164,8 +164,8 @@ def _eager_path(*tensors) -> str | None:
     """How a call may skip torch's dispatcher (its Python custom-op layers cost ~30-100 us a
     call): "body", the op's implementation, where autograd records nothing; "autograd",
     ``_EagerAttention``, where it does; None (the op) for other than plain tensors, in an
-    autocast region (the caller applied a CPU region's rule already), under torch.compile tracing, vmap or a dispatch/function mode that must see
-    the op."""
+    autocast region (``_attention`` turns a CPU region off after applying its rule), under
+    torch.compile tracing, vmap or a dispatch/function mode that must see the op."""
     present = [t for t in tensors if t is not None]
     if any(type(t) is not torch.Tensor for t in present) or not _plain_eager(present[0].device.type):
         return None
@@ -607,9 +607,8 @@ class _ForwardCall:
         self.tables, self.mods, self.return_attn_probs = tables[:3], mods, return_attn_probs
         self.tasks = max(seqs.query_tiles * heads, seqs.key_tiles * heads_k)
         self.seqlen_k, self.op_scalars, self.row_runs = seqlen_k, op_scalars, row_runs
-        # rows outside the runs: 0 (a memset of the whole tensor costs less than writing those
-        # rows slice by slice: 2 against 11 us at 4 x 16 tokens, 30 against 18 at 4 x 512); lse
-        # too
+        # rows outside the runs: 0, lse too (a memset of the whole tensor costs less than writing
+        # those rows slice by slice: 2 against 11 us at 4 x 16 tokens, 30 against 18 at 4 x 512)
         self._allocate = torch.empty if row_runs is None else torch.zeros
         self._launches = row_runs is None or any(end > start for start, end in row_runs)
         self.function = kernels._functions["flash_fwd"]

@@ -982,8 +982,8 @@ def fused_backward(spec: AttentionSpec, cfg: CPUKernelConfig) -> tirx.PrimFunc:
     grad_elements = _grad_elements(spec)
     # (dV's and dK's sums: one stage function, two macros: TVM renames the blocks of a macro's
     # second expansion, and the schedule finds blocks by name)
-    (refuse_unrecomputable_lse, pack_q_do, pack_k_v, prepare_rows, zero_dkv, zero_mod_grads, recompute_probs,
-     pack_p, grad_v, grad_scores_, pack_ds, grad_k, accumulate_dq, init_dkv, update_dkv, store_dq, store_dkv) = k.macros(
+    (refuse_unrecomputable_lse, pack_q_do, pack_k_v, prepare_rows, zero_dkv, zero_mod_grads, recompute_probs, pack_p,
+     grad_v, grad_scores_, pack_ds, grad_k, accumulate_dq, init_dkv, update_dkv, store_dq, store_dkv) = k.macros(
         bwd_refuse_unrecomputable_lse, fmt.pack_q_do, fmt.pack_k_v, bwd_row_stats, bwd_zero_dkv, bwd_zero_mod_grads,
         bwd_recompute_probs, bwd_pack_p, bwd_key_grad, bwd_grad_scores, bwd_pack_ds, bwd_key_grad, bwd_accumulate_dq,
         bwd_init_dkv, bwd_update_dkv, bwd_store_dq, bwd_store_dkv)
