@@ -460,11 +460,14 @@ def check_lse_recomputable(lse) -> None:
     q . k in the tens of thousands or more; the forward itself is exact at any scale). The CPU
     backward kernels check their LSE themselves, before they write anything (``kernels/cpu.py``):
     no torch or numpy reduction runs around them."""
-    if not hasattr(lse, "detach"):  # a runtime tensor of the compile API
-        import torch
+    if hasattr(lse, "detach"):  # torch, on its device
+        magnitudes = lse.detach().abs().nan_to_num(nan=0.0, posinf=0.0)
+        largest = float(magnitudes.max()) if magnitudes.numel() else 0.0
+    else:  # a runtime tensor of the compile API (this module stays torch-free)
+        import numpy as np
 
-        lse = torch.from_dlpack(lse)
-    magnitudes = lse.detach().abs().nan_to_num(nan=0.0, posinf=0.0)
-    largest = float(magnitudes.max()) if magnitudes.numel() else 0.0
+        values = np.from_dlpack(lse)
+        finite = np.abs(values[np.isfinite(values)])
+        largest = float(finite.max()) if finite.size else 0.0
     if largest >= MAX_RECOMPUTABLE_LSE:
         raise ValueError(unrecomputable_lse_message(f"{largest:.3g}"))

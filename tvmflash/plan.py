@@ -155,7 +155,7 @@ def backward_workspace_bytes(seqs: Sequences, *, heads: int, heads_k: int, head_
     rows_q = heads * seqs.query_tiles * block_q
     rows_k = heads_k * seqs.key_tiles * block_k
     operand = 2 if bf16_products else F32
-    shared = (rows_q * head_dim + 3 * rows_q + 2 * rows_k * head_dim) * F32
+    shared = (rows_q * head_dim + 3 * rows_q + 2 * rows_k * head_dim + 1) * F32  # (+1: the LSE check's max)
     shared += (4 if bf16_products else 2) * rows_q * head_dim * operand + 3 * rows_k * head_dim * operand
     tiles = ((4 + score_mods) * block_q * block_k + (2 if amx else 4) * block_k * head_dim + block_q * head_dim
              + 3 * block_q)
