@@ -198,7 +198,7 @@ def test_transformers_model_under_autocast_gets_attention_in_bf16_like_sdpa(gen,
     for model in (sdpa, ours):
         with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
             prefix = model(input_ids=ids[:, :30], use_cache=True)
-            step = model(input_ids=ids[:, 30:31], past_key_values=prefix.past_key_values, use_cache=True)
+            step = model(input_ids=ids[:, 30:31], cache=prefix.cache, use_cache=True)  # (transformers 5's names)
         logits.append(step.logits.float())
     decode = [(inp, out) for name, inp, out in seen if name == "flash_attn_with_kvcache"]
     assert decode and all(inp == out == torch.bfloat16 for inp, out in decode), seen
