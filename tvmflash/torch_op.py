@@ -191,9 +191,9 @@ def _no_modes() -> bool:
 
 def _cpu_autocast_applies(q, k, v) -> bool:
     """A CPU autocast region around an eager call on plain CPU tensors: the caller applies the
-    op's autocast rule itself (``_autocast_inputs``) and goes on with the region off, so that the
-    call can take the paths that skip torch's dispatcher, which holds the rule (a training call
-    through the op and its checks costs ~100 us more at 16 tokens)."""
+    op's autocast rule itself and goes on with the region off (``_with_autocast_applied``), so
+    that the call can take the paths that skip torch's dispatcher, which holds the rule (a
+    training call through the op and its checks costs ~100 us more at 16 tokens)."""
     return (torch.is_autocast_enabled("cpu") and type(q) is torch.Tensor and type(k) is torch.Tensor
             and type(v) is torch.Tensor and q.is_cpu and _no_modes())
 
@@ -203,6 +203,14 @@ def _autocast_inputs(device_type: str, q, k, v) -> tuple:
     float64, as autocast leaves it)."""
     dtype = torch.get_autocast_dtype(device_type)
     return tuple(t.to(dtype) if t.device.type == device_type and t.dtype != torch.float64 else t for t in (q, k, v))
+
+
+def _with_autocast_applied(device_type: str, function, q, k, v, *args, **kwargs):
+    """``function(q, k, v, ...)`` under the op's autocast rule: q, k, v cast (``_autocast_inputs``),
+    then the call with the region off (its key excluded: what ``is_autocast_enabled`` reads)."""
+    q, k, v = _autocast_inputs(device_type, q, k, v)
+    with torch._C._ExcludeDispatchKeyGuard(_AUTOCAST_OFF[device_type]):
+        return function(q, k, v, *args, **kwargs)
 
 
 @_forward.register_fake
@@ -312,10 +320,9 @@ def padded_rows_attention(q, k, v, row_runs: tuple, *, softmax_scale, causal: bo
     q, k, v cast by the op's rule, as in ``_attention``.
     A model's layers repeat one call (shapes, runs, options): its checks run once (``_calls``)."""
     if _cpu_autocast_applies(q, k, v):  # (as in _attention)
-        q, k, v = _autocast_inputs("cpu", q, k, v)
-        with torch._C._ExcludeDispatchKeyGuard(_AUTOCAST_OFF["cpu"]):
-            return padded_rows_attention(q, k, v, row_runs, softmax_scale=softmax_scale, causal=causal,
-                                         window_size=window_size, softcap=softcap, uniform_rows=uniform_rows)
+        return _with_autocast_applied("cpu", padded_rows_attention, q, k, v, row_runs, softmax_scale=softmax_scale,
+                                      causal=causal, window_size=window_size, softcap=softcap,
+                                      uniform_rows=uniform_rows)
     row_runs = tuple(row_runs)
     key = _call_key(q, k, v, 0.0, softmax_scale, causal, window_size, softcap, False, False)
     call = _calls.get(key + (row_runs,)) if key is not None else None
@@ -415,12 +422,10 @@ def _follow_autocast(device_type: str) -> None:
     (the fp32 ALiBi slopes too); here only q, k, v follow the region's dtype. The casts are
     autograd ops, so gradients reach the fp32 leaves; the backward has no autocast rule."""
     key = "Autocast" + torch._C._dispatch_key_for_device(device_type)
-    excluded = _AUTOCAST_OFF[device_type] = torch._C.DispatchKeySet(getattr(torch._C.DispatchKey, key))
+    _AUTOCAST_OFF[device_type] = torch._C.DispatchKeySet(getattr(torch._C.DispatchKey, key))
 
     def forward_under_autocast(q, k, v, *rest):
-        cast = _autocast_inputs(device_type, q, k, v)
-        with torch._C._ExcludeDispatchKeyGuard(excluded):
-            return _forward(*cast, *rest)
+        return _with_autocast_applied(device_type, _forward, q, k, v, *rest)
 
     _AUTOCAST_LIBRARY.impl("flash_attn_forward", forward_under_autocast, key)
 
@@ -476,11 +481,9 @@ def _check_alibi(alibi_slopes, q: torch.Tensor, heads: int, batch: int | None) -
 def _attention(q, k, v, cu_seqlens_q, cu_seqlens_k, dropout_p, softmax_scale, causal, window_size, softcap,
                alibi_slopes, deterministic, return_attn_probs, *, fp32_results=False, diagonal=None):
     if _cpu_autocast_applies(q, k, v):  # (the op's rule, here: the call can then skip the dispatcher)
-        q, k, v = _autocast_inputs("cpu", q, k, v)
-        with torch._C._ExcludeDispatchKeyGuard(_AUTOCAST_OFF["cpu"]):
-            return _attention(q, k, v, cu_seqlens_q, cu_seqlens_k, dropout_p, softmax_scale, causal, window_size,
-                              softcap, alibi_slopes, deterministic, return_attn_probs, fp32_results=fp32_results,
-                              diagonal=diagonal)
+        return _with_autocast_applied("cpu", _attention, q, k, v, cu_seqlens_q, cu_seqlens_k, dropout_p,
+                                      softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
+                                      return_attn_probs, fp32_results=fp32_results, diagonal=diagonal)
     fast = (cu_seqlens_q is None and cu_seqlens_k is None and alibi_slopes is None and not fp32_results
             and diagonal is None)
     if fast:
