@@ -123,6 +123,24 @@ def test_one_unrecomputable_row_is_refused_before_any_write(kernels_d32, gen):
     kernels_d32.backward(dout, q, k, v, out, past, *grads, 0.1, causal=True)
 
 
+@pytest.mark.parametrize("kind", ["torch", "numpy", "tvm"])
+def test_the_cuda_backwards_host_check_reads_every_tensor_kind(kind):
+    """The CUDA backward's LSE check runs on the host before its launch, on what the caller
+    passed: torch (on its device) or a compile-API tensor, read through TVM's host copy (numpy's
+    DLPack import cannot read GPU memory). -inf and NaN rows pass; one row past 2^16 does not."""
+    import tvm
+
+    wrap = {"torch": torch.from_numpy, "numpy": lambda a: a, "tvm": tvm.runtime.tensor}[kind]
+    lse = np.zeros((2, 3, 17), np.float32)
+    lse[0, 1, 5], lse[1, 2, 0] = -np.inf, np.nan
+    lse[1, 2, 16] = 65535.0
+    checks.check_lse_recomputable(wrap(lse.copy()))
+    for value in (2.0**16, -(2.0**16), 1e30):
+        lse[1, 2, 16] = value
+        with pytest.raises(ValueError, match="log-sum-exp reached .* supports [|]lse[|] < 65536"):
+            checks.check_lse_recomputable(wrap(lse.copy()))
+
+
 @pytest.mark.parametrize("scale,error,match", [
     (float("nan"), ValueError, "finite number > 0"), (float("inf"), ValueError, "finite number > 0"),
     (0.0, ValueError, "finite number > 0"), (-0.5, ValueError, "finite number > 0"),

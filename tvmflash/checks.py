@@ -463,10 +463,10 @@ def check_lse_recomputable(lse) -> None:
     if hasattr(lse, "detach"):  # torch, on its device
         magnitudes = lse.detach().abs().nan_to_num(nan=0.0, posinf=0.0)
         largest = float(magnitudes.max()) if magnitudes.numel() else 0.0
-    else:  # a runtime tensor of the compile API (this module stays torch-free)
+    else:  # a compile-API tensor: TVM's, numpy's or another DLPack one, on the GPU (this module stays torch-free)
         import numpy as np
 
-        values = np.from_dlpack(lse)
+        values = (lse if isinstance(lse, tvm_ffi.Tensor) else tvm_ffi.from_dlpack(lse)).numpy()  # (a host copy)
         finite = np.abs(values[np.isfinite(values)])
         largest = float(finite.max()) if finite.size else 0.0
     if largest >= MAX_RECOMPUTABLE_LSE:
