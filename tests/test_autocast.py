@@ -134,6 +134,41 @@ def test_autocast_varlen_and_compiled(gen):
     assert torch.equal(batched, expected)
 
 
+def test_flex_attention_follows_autocast_as_torchs_does(gen):
+    """torch's flex_attention under autocast casts query, key and value to the region's dtype and
+    nothing else (captured tensors stay fp32): ours too, eager and compiled, with gradients back
+    to each leaf in its own dtype."""
+    from torch.nn.attention.flex_attention import flex_attention as torch_flex_attention
+
+    from tvmflash import flex_attention
+
+    q, v = _leaves(gen, (2, 4, 37, 16), (2, 4, 45, 16))
+    k = torch.randn(2, 4, 45, 16, generator=gen).bfloat16().requires_grad_()  # already bf16: left as it is
+    bias = torch.randn(4, generator=gen).requires_grad_()
+
+    def score_mod(score, b, h, q_idx, kv_idx):
+        return score + bias[h] * (q_idx - kv_idx) / 8
+
+    dout = torch.randn(2, 4, 37, 16, generator=gen).bfloat16()
+    compiled = torch.compile(flex_attention, fullgraph=True)
+    low = [t.detach().bfloat16().requires_grad_() for t in (q, k, v)]
+    low_bias = bias.detach().requires_grad_()
+    expected = flex_attention(*low, score_mod=lambda s, b, h, i, j: s + low_bias[h] * (i - j) / 8)
+    expected.backward(dout)
+    for attention in (flex_attention, compiled):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = attention(q, k, v, score_mod=score_mod)
+            with torch.no_grad():
+                torchs = torch_flex_attention(q.detach(), k.detach(), v.detach(), score_mod=score_mod)
+        assert out.dtype == torchs.dtype == torch.bfloat16
+        grads = torch.autograd.grad(out, (q, k, v, bias), dout)
+        assert [g.dtype for g in grads] == [torch.float32, torch.bfloat16, torch.float32, torch.float32]
+        assert torch.equal(out, expected)
+        for g, e in zip(grads, (*low, low_bias)):
+            assert torch.equal(g, e.grad.to(g.dtype))
+    assert flex_attention(q, k.float(), v, score_mod=score_mod).dtype == torch.float32  # outside the region
+
+
 def _tiny_llamas(reference: str):
     """Two 2-layer Llamas with the same random weights: on transformers' ``reference``
     attention and on tvmflash's."""

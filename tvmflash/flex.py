@@ -459,6 +459,13 @@ def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=Non
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
         if t.dim() != 4:
             raise ValueError(f"{name} must have 4 dimensions (batch, heads, seqlen, head_dim), got {tuple(t.shape)}")
+    if torch.is_autocast_enabled(query.device.type):
+        # torch's flex_attention under autocast: query, key and value in the region's dtype, the
+        # rest (the mods, their traces, captured tensors) with the region off
+        query, key, value = torch_op._autocast_inputs(query.device.type, query, key, value)
+        with torch.autocast(query.device.type, enabled=False):
+            return flex_attention(query, key, value, score_mod, block_mask, scale, enable_gqa, return_lse,
+                                  kernel_options, return_aux=return_aux)
     mask_mod = None if block_mask is None else block_mask.mask_mod
     _check_inputs(query, key, value, block_mask, enable_gqa, return_lse)
     static = (score_mod, mask_mod, block_mask is not None, _constant_head_dim(query), query.dtype, query.device.type,
