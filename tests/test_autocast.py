@@ -204,7 +204,7 @@ def test_transformers_model_under_autocast_gets_attention_in_bf16_like_sdpa(gen,
 
     monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention",
                         recording(torch.nn.functional.scaled_dot_product_attention))
-    monkeypatch.setattr(tvm_hf, "flash_attn_func", recording(tvm_hf.flash_attn_func))
+    monkeypatch.setattr(torch_op, "flash_attn_func", recording(torch_op.flash_attn_func))  # (documents.attention's)
 
     ids = torch.randint(0, 128, (2, 45), generator=gen)
     results = []

@@ -18,6 +18,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from conftest import reference_attention  # noqa: E402
+from tvmflash import documents  # noqa: E402
 from tvmflash.integrations import transformers as tvm_hf  # noqa: E402
 
 LOSS_RTOL = 1e-4
@@ -154,6 +155,26 @@ def test_compiled_model_matches_eager(gen):
     assert worst <= GRAD_RTOL
 
 
+def test_compiled_training_is_one_graph_for_documents_and_plain_rows(gen):
+    """Without a padding mask the attention is one op per layer under torch.compile (the
+    documents that position_ids mark are found when it runs): fullgraph=True compiles, and one
+    graph serves rows of one sequence and rows packed with documents (sliding windows within
+    them), loss and gradients as eager's."""
+    eager, ours = _models("mistral")
+    compiled = torch.compile(ours, backend="aot_eager", fullgraph=True)
+    plain = torch.arange(24).repeat(3, 1)
+    packed = torch.stack([torch.cat([torch.arange(n) for n in row]) for row in ([7, 10, 7], [3, 21], [24])])
+    ids = torch.randint(0, 128, (3, 24), generator=gen)
+    for step, position_ids in enumerate((plain, packed)):
+        loss_e, _, grads_e = _loss_and_grads(eager, input_ids=ids, position_ids=position_ids, labels=ids)
+        ours.zero_grad(set_to_none=True)
+        with torch._dynamo.config.patch(error_on_recompile=step > 0):
+            loss_o = compiled(input_ids=ids, position_ids=position_ids, labels=ids, use_cache=False).loss
+            loss_o.backward()
+        assert abs(loss_o.item() - loss_e.item()) <= LOSS_RTOL * abs(loss_e.item()), step
+        assert max(_rel(p.grad, grads_e[n]) for n, p in ours.named_parameters()) <= GRAD_RTOL, step
+
+
 @pytest.mark.parametrize("model", ["llama", "gemma2"])
 def test_padded_batch_inference_matches_eager_on_blind_rows(model, gen):
     """Without gradients, rows that see no key (left padding, a row of padding only) take eager's
@@ -187,7 +208,7 @@ def test_packed_documents_by_cu_seq_lens_match_eager(model, gen, monkeypatch):
     ids = torch.randint(0, 128, position_ids.shape, generator=gen)
     eager, ours = _models(model)
     loss_e, _, grads_e = _loss_and_grads(eager, input_ids=ids, position_ids=position_ids, labels=ids)
-    monkeypatch.setattr(tvm_hf, "_documents_from_positions", lambda *args: None)
+    monkeypatch.setattr(documents, "documents_from_positions", lambda *args: None)
     loss_o, _, grads_o = _loss_and_grads(ours, input_ids=ids, position_ids=position_ids, labels=ids,
                                          cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=max(lengths),
                                          max_length_k=max(lengths))

@@ -47,7 +47,6 @@ class TensorInfo(NamedTuple):  # (a named tuple: built on every call, ~4x cheape
         return any(s == 0 and n > 1 for n, s in zip(self.shape, self.strides))
 
 
-_TORCH_DTYPES: dict = {}  # torch.dtype -> its name, filled as met
 _ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8, "int32": 4, "int64": 8, "int8": 1, "bool": 1}
 
 
@@ -57,10 +56,8 @@ def info(x, name: str = "tensor") -> TensorInfo:
         if x.layout is not torch.strided:
             raise TypeError(f"{name} is a {x.layout} tensor: tvmflash reads dense (strided) tensors, "
                             f"pass {name}.to_dense()")
-        dtype = _TORCH_DTYPES.get(x.dtype)
-        if dtype is None:
-            dtype = _TORCH_DTYPES[x.dtype] = str(x.dtype)[len("torch."):]
-        return TensorInfo(tuple(x.shape), dtype, "cpu" if x.is_cpu else str(x.device), x.stride(), x.data_ptr(),
+        # (no memo of the names: torch.compile guards on a dict that tracing fills, and recompiles)
+        return TensorInfo(tuple(x.shape), str(x.dtype)[len("torch."):], "cpu" if x.is_cpu else str(x.device), x.stride(), x.data_ptr(),
                           x.element_size())
     torch_dtype = getattr(x, "dtype", None)
     if hasattr(x, "stride") and hasattr(x, "device") and str(torch_dtype).startswith("torch."):

@@ -62,7 +62,7 @@ from .. import version
 from ..flex import flex_attention
 from ..kvcache import flash_attn_with_kvcache, repeated_decode_step
 from ..torch_op import flash_attn_func, flash_attn_varlen_func, padded_rows_attention
-from .. import uniform_rows
+from .. import documents, uniform_rows
 from ..uniform_rows import UniformRows, UniformRowsAttention
 
 NAME = "tvm_attention"
@@ -180,17 +180,14 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
                                softcap=softcap)
         return (out if v_head_dim == head_dim else out[..., :v_head_dim]), None
     opts = {"softmax_scale": scaling, "causal": causal, "window_size": window, "softcap": softcap}
-    docs = None  # documents packed into rows, told apart by position_ids (q and k the same tokens)
-    if attention_mask is None and (cu_q is None or cu_k is None) and len_q == k.shape[1]:
-        docs = _documents_from_positions(kwargs.get("position_ids"), batch, len_q)
     if attention_mask is not None:
         out = _padded_attention(q, k, v, attention_mask, opts, sliding_window)
     elif cu_q is not None and cu_k is not None:
         out = _packed_attention(q, k, v, cu_q, cu_k, opts)
-    elif docs is not None:
-        out = _packed_attention(q, k, v, docs, docs, opts)
     elif len_q == 1:
         out = decode_attention(q, k, v, None, **opts)
+    elif len_q == k.shape[1]:  # documents packed into rows, told apart by position_ids (one op under torch.compile)
+        out = documents.attention(q, k, v, kwargs.get("position_ids"), **opts)
     else:
         out = flash_attn_func(q, k, v, **opts)
     if v_head_dim != head_dim:
@@ -498,45 +495,11 @@ def _window_block_mask(mask: torch.Tensor, len_q: int, causal: bool, w: int, mas
 
 def _packed_attention(q, k, v, cu_q: torch.Tensor, cu_k: torch.Tensor, opts: dict) -> torch.Tensor:
     """Documents packed into the rows of a batch: all rows flattened into one token stream."""
-    batch, len_q, heads, head_dim = q.shape
+    batch, len_q = q.shape[:2]
     len_k = k.shape[1]
     cu_q = cu_q.to(device=q.device, dtype=torch.int32)
     cu_k = cu_k.to(device=q.device, dtype=torch.int32)
     if int(cu_q[-1]) != batch * len_q or int(cu_k[-1]) != batch * len_k:
         raise ValueError(f"cu_seq_lens end at {int(cu_q[-1])} (q) and {int(cu_k[-1])} (k), but the batch holds "
                          f"{batch} x {len_q} queries and {batch} x {len_k} keys")
-    max_q, max_k = int(cu_q.diff().max()), int(cu_k.diff().max())
-    out = flash_attn_varlen_func(q.reshape(batch * len_q, heads, head_dim),
-                                 k.reshape(batch * len_k, *k.shape[2:]), v.reshape(batch * len_k, *v.shape[2:]),
-                                 cu_q, cu_k, max_q, max_k, **opts)
-    return out.view(batch, len_q, heads, out.shape[-1])
-
-
-def _documents_from_positions(position_ids: torch.Tensor | None, batch: int, length: int) -> torch.Tensor | None:
-    """cu_seqlens of the documents packed in the rows, or None if every row is one sequence.
-
-    transformers' rule (``find_packed_sequence_indices``): a document starts at the start of a
-    row and wherever a position is not the previous one plus 1.
-    """
-    if position_ids is None or position_ids.dim() != 2 or position_ids.shape[-1] != length or length < 2:
-        return None
-    if position_ids.shape[0] not in (1, batch):
-        return None
-    # inference tensors have no version counter to tell an in-place change: computed per call
-    stamp = None if position_ids.is_inference() else (position_ids._version, batch)
-    cached = getattr(position_ids, "_tvmflash_documents", None)
-    if stamp is not None and cached is not None and cached[0] == stamp:
-        return cached[1]
-    positions = position_ids.expand(batch, -1)
-    starts = torch.ones(batch, length, dtype=torch.bool, device=position_ids.device)
-    starts[:, 1:] = positions[:, 1:] != positions[:, :-1] + 1
-    cu = None
-    if bool(starts[:, 1:].any()):
-        first = starts.flatten().nonzero().flatten().to(torch.int32)
-        cu = torch.cat([first, first.new_tensor([batch * length])])
-    if stamp is not None:
-        try:
-            position_ids._tvmflash_documents = (stamp, cu)
-        except (AttributeError, RuntimeError):
-            pass
-    return cu
+    return documents.rows_as_documents(q, k, v, cu_q, cu_k, **opts)

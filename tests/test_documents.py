@@ -1,0 +1,85 @@
+"""Rows holding several documents, told apart by position_ids (``tvmflash.documents``): eager
+and under torch.compile, where the call is one op that finds the documents when it runs,
+against float64 math with each document masked to itself."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import assert_flash_rule, random_inputs
+from tvmflash import documents
+from tvmflash.reference import reference_attention
+
+ROWS = ([7, 10, 20], [37], [3, 30, 4])  # documents per row: 37 tokens, no length a multiple of a tile
+
+
+def _positions(rows) -> torch.Tensor:
+    return torch.stack([torch.cat([torch.arange(n) for n in row]) for row in rows])
+
+
+def _same_document(rows) -> torch.Tensor:
+    """(batch, 1, N, N) True where query and key are in the same document."""
+    ids = torch.stack([torch.cat([torch.full((n,), d) for d, n in enumerate(row)]) for row in rows])
+    return (ids[:, :, None] == ids[:, None, :])[:, None]
+
+
+def _assert_matches_per_document(tag, q, k, v, dout, rows, results, window, seed):
+    """out, lse, dq, dk, dv against float64 and same-dtype math by the flash-attn rule."""
+    refs = {}
+    for name, dt in (("f64", torch.float64), ("same", q.dtype)):
+        leaves = [t.detach().to(dt).requires_grad_() for t in (q, k, v)]
+        o, lse = reference_attention(*leaves, True, window_size=window, mask=_same_document(rows), dtype=dt)
+        refs[name] = (o, lse, *torch.autograd.grad(o, leaves, dout.to(dt)))
+    for i, (name, ours) in enumerate(zip(("out", "lse", "dq", "dk", "dv"), results)):
+        dtype = torch.float32 if name == "lse" else q.dtype
+        assert ours.shape == refs["f64"][i].shape and ours.dtype == dtype, name
+        assert_flash_rule(f"{tag} {name}", ours, refs["f64"][i].detach(), refs["same"][i].detach(), dtype, seed)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("rows", [ROWS, ([37], [37], [37])], ids=["documents", "one per row"])
+def test_the_op_matches_float64_per_document(gen, seed, dtype, rows):
+    """The op torch.compile sees: documents (or none) found from position_ids when it runs, GQA,
+    a sliding window counted within each document; out, lse and the gradients."""
+    q, k, v = random_inputs(gen, 3, 37, 37, 4, 2, 32, dtype, requires_grad=True)
+    dout = torch.randn(q.shape, generator=gen).to(q.dtype)
+    window = (9, 0)
+    out, lse = documents._documents_forward(q, k, v, _positions(rows), 32 ** -0.5, *window, 0.0)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    _assert_matches_per_document(f"op {dtype}", q, k, v, dout, rows, (out, lse, *grads), window, seed)
+
+
+def test_compiled_and_eager_calls_agree(gen, seed):
+    """``documents.attention`` under torch.compile(fullgraph=True) (the op) and eagerly (the
+    flash-attn functions on rows or packed documents): the same results, documents or not,
+    from transposed (batch, heads, N, D) views as a model passes them."""
+    compiled = torch.compile(documents.attention, fullgraph=True, backend="aot_eager")
+    for rows in (ROWS, ([37],) * 3):
+        q, k, v = (t.transpose(1, 2).detach().requires_grad_() for t in
+                   (torch.randn(3, 4, 37, 24, generator=gen), *(torch.randn(3, 2, 37, 24, generator=gen)
+                                                                for _ in range(2))))
+        dout = torch.randn(3, 37, 4, 24, generator=gen)
+        results = []
+        for attention in (documents.attention, compiled):
+            out = attention(q, k, v, _positions(rows), causal=True)
+            results.append((out, *torch.autograd.grad(out, (q, k, v), dout)))
+        for name, eager, traced in zip(("out", "dq", "dk", "dv"), *results):
+            torch.testing.assert_close(traced, eager, rtol=1e-5, atol=1e-5, msg=name)
+        _, lse = documents._documents_forward(q, k, v, _positions(rows), 24 ** -0.5, -1, 0, 0.0)
+        _assert_matches_per_document("compiled", q, k, v, dout, rows, (results[1][0], lse, *results[1][1:]),
+                                     (-1, 0), seed)
+
+
+def test_opcheck(gen):
+    q, k, v = random_inputs(gen, 2, 29, 29, 4, 2, 16, "float32", requires_grad=True)
+    for rows in (([9, 20], [29]), ([29], [29])):
+        torch.library.opcheck(documents._documents_forward, (q, k, v, _positions(rows), 0.25, -1, 0, 0.0))
+
+
+def test_positions_that_do_not_fit_the_rows_are_one_document_per_row():
+    """position_ids of another length or batch are not documents (transformers' rule needs one per token)."""
+    assert documents.documents_from_positions(torch.arange(5)[None], 2, 6) is None
+    assert documents.documents_from_positions(torch.zeros(3, 6, dtype=torch.long), 2, 6) is None
+    cu = documents.documents_from_positions(_positions(([2, 4], [6])), 2, 6)
+    assert cu.tolist() == [0, 2, 6, 12]
