@@ -21,10 +21,11 @@ def _randint(gen, lo, hi):
 
 
 def _check(gen, seed, *, dtype="float32", head_dim=64, heads=4, heads_k=2, seqlen_q=None, seqlen_k=None,
-           score_mod=None, mask_mod=None, captured=(), tag=""):
+           score_mod=None, mask_mod=None, captured=(), lse_grad=False, tag=""):
     """flex_attention(q, k, v) and its gradients (q, k, v and captured tensors requiring grad) vs
     float64 by the flash-attn rule. ``captured``: (name, tensor) the functions close over; they
-    are recreated in float64 for the reference through ``rebuild(**tensors)``."""
+    are recreated in float64 for the reference through ``rebuild(**tensors)``. ``lse_grad``:
+    the gradients of a loss of out and lse (torch's lse is differentiable)."""
     batch = _randint(gen, 1, 2)
     seqlen_q = seqlen_q or _randint(gen, 70, 260)
     seqlen_k = seqlen_k or _randint(gen, 70, 260)
@@ -33,11 +34,13 @@ def _check(gen, seed, *, dtype="float32", head_dim=64, heads=4, heads_k=2, seqle
     k, v = (torch.randn(batch, heads_k, seqlen_k, head_dim, generator=gen).to(torch_dtype).requires_grad_()
             for _ in range(2))
     dout = torch.randn(q.shape, generator=gen).to(torch_dtype)
+    dlse = torch.randn(q.shape[:3], generator=gen) * 4 if lse_grad else None
     block_mask = None if mask_mod is None else create_block_mask(mask_mod, None, None, seqlen_q, seqlen_k)
     out, lse = flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask, enable_gqa=heads != heads_k,
                               return_lse=True)
     trainable = [t for _, t in captured if t.requires_grad]
-    grads = torch.autograd.grad(out, (q, k, v, *trainable), dout)
+    grads = torch.autograd.grad((out, lse) if lse_grad else out, (q, k, v, *trainable),
+                                (dout, dlse) if lse_grad else dout)
     assert out.shape == q.shape and out.dtype == torch_dtype and lse.shape == (batch, heads, seqlen_q)
 
     mask = None if mask_mod is None else flex_trace.dense_mask(mask_mod, batch, heads, seqlen_q, seqlen_k)
@@ -48,7 +51,10 @@ def _check(gen, seed, *, dtype="float32", head_dim=64, heads=4, heads_k=2, seqle
         ref_out, ref_lse = reference_attention(*(t.transpose(1, 2) for t in leaves), score_mod=_with(score_mod, captured, extra),
                                                mask=mask, dtype=ref_dtype)
         ref_out = ref_out.transpose(1, 2)
-        ref_grads = torch.autograd.grad(ref_out, leaves + extra, dout.to(ref_dtype), allow_unused=True)
+        finite_lse = ref_lse.masked_fill(~torch.isfinite(ref_lse), 0)  # (rows that see no key: no gradient)
+        ref_grads = torch.autograd.grad((ref_out, finite_lse) if lse_grad else ref_out, leaves + extra,
+                                        (dout.to(ref_dtype), dlse.to(finite_lse.dtype)) if lse_grad else
+                                        dout.to(ref_dtype), allow_unused=True)
         results[ref_dtype] = [ref_out, ref_lse, *ref_grads]
     names = ["out", "lse", "dq", "dk", "dv", *(f"d{n}" for n, t in captured if t.requires_grad)]
     sees_a_key = torch.isfinite(results[torch.float64][1])
@@ -174,6 +180,37 @@ def test_dtypes_and_head_dims(gen, seed, dtype, head_dim):
 
     _check(gen, seed, dtype=dtype, head_dim=head_dim, score_mod=tanh_mod, mask_mod=causal,
            tag=f"{dtype} d={head_dim}")
+
+
+@pytest.mark.parametrize("dtype,head_dim", [("float32", 32), ("bfloat16", 64), ("float32", 248)])
+def test_lse_is_differentiable(gen, seed, dtype, head_dim):
+    """As in torch's flex_attention: a loss of out and lse (a learnable bias, GQA, rows that see
+    no key, up to the largest head dim whose kernels have two spare columns), and lse alone."""
+    table = (torch.randn(4, 600, generator=gen) * 0.5).requires_grad_()
+    LIVE["table"] = table
+
+    def relative_bias(score, b, h, q_idx, kv_idx):
+        return score + LIVE["table"][h, q_idx - kv_idx + 300]
+
+    def late_keys(b, h, q_idx, kv_idx):
+        return kv_idx <= q_idx - 40
+
+    _check(gen, seed, dtype=dtype, head_dim=head_dim, score_mod=relative_bias, captured=[("table", table)],
+           mask_mod=late_keys, seqlen_q=150, seqlen_k=150, lse_grad=True, tag=f"lse gradient {dtype} d={head_dim}")
+    q, k, v = (torch.randn(1, 2, 37, 32, generator=gen).requires_grad_() for _ in range(3))
+    leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    want = torch.autograd.grad(reference_attention(*(t.transpose(1, 2) for t in leaves))[1].sum(), leaves,
+                               allow_unused=True)
+    got = torch.autograd.grad(flex_attention(q, k, v, return_lse=True)[1].sum(), (q, k, v))
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g.double(), torch.zeros_like(g.double()) if w is None else w, atol=1e-5, rtol=1e-5)
+
+
+def test_lse_gradient_past_the_largest_head_dim_is_refused():
+    q = torch.randn(1, 1, 16, 256, requires_grad=True)
+    out, lse = flex_attention(q, q, q, return_lse=True)
+    with pytest.raises(NotImplementedError, match="head_dim [+] 2 <= 256"):
+        lse.sum().backward()
 
 
 def test_mqa(gen, seed):

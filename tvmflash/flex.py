@@ -25,6 +25,7 @@ What the functions read is read on every call; dynamo's guards say when to trace
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 import math
@@ -33,7 +34,7 @@ import torch
 
 from . import checks, compiler, flex_trace, plan, torch_op
 from .runtime import FlashKernels
-from .spec import AttentionSpec
+from .spec import MAX_HEAD_DIM, AttentionSpec
 
 _PRIMITIVES = (bool, int, float, str, type(None))
 
@@ -232,17 +233,23 @@ def _setup_context(ctx, inputs, output):
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, tile_state, *captured)
     ctx.scale, ctx.spec_key, ctx.n_captured = scale, spec_key, len(captured)
-    ctx.mark_non_differentiable(lse)
-    ctx.set_materialize_grads(False)  # no zero-filled lse gradient (torch_op._setup_context says why)
+    ctx.set_materialize_grads(False)  # no zero-filled gradients (torch_op._setup_context says why)
 
 
-def _autograd_backward(ctx, dout, _dlse):
-    if dout is None:  # nothing downstream used out
+def _autograd_backward(ctx, dout, dlse):
+    if dout is None and dlse is None:  # nothing downstream used out or lse
         return None, None, None, [None] * ctx.n_captured, None, None, None, None
     q, k, v, out, lse, tile_state, *captured = ctx.saved_tensors
-    spec = _specs[ctx.spec_key]
-    dq, dk, dv, grads = _flex_backward(dout.contiguous(), q, k, v, out, lse, captured, tile_state, ctx.scale,
-                                       ctx.spec_key)
+    spec_key, head_dim = ctx.spec_key, q.shape[-1]
+    if dlse is None:
+        dout = dout.contiguous()
+    else:  # lse is differentiable in torch's flex_attention too
+        spec_key = _register_spec(dataclasses.replace(_specs[spec_key], head_dim=_lse_grad_head_dim(q)))
+        dout, q, k, v, out = _with_lse_grad(dout, q, k, v, out, dlse, _specs[spec_key].head_dim)
+    dq, dk, dv, grads = _flex_backward(dout, q, k, v, out, lse, captured, tile_state, ctx.scale, spec_key)
+    if dlse is not None:
+        dq, dk, dv = (g[..., :head_dim] for g in (dq, dk, dv))
+    spec = _specs[spec_key]
     by_name = dict(zip((i.name for i in spec.grad_inputs), grads))
     captured_grads = []
     for info, tensor in zip(spec.mod_inputs, captured):
@@ -252,6 +259,34 @@ def _autograd_backward(ctx, dout, _dlse):
 
 
 _flex_forward.register_autograd(_autograd_backward, setup_context=_setup_context)
+
+
+def _lse_grad_head_dim(q: torch.Tensor) -> int:
+    """The head dim of ``_with_lse_grad``'s inputs: two columns more, in the kernels' unit."""
+    unit, largest = (16, 128) if q.device.type == "cuda" else (8, MAX_HEAD_DIM)
+    wider = -(-(q.shape[-1] + 2) // unit) * unit
+    if wider > largest:
+        raise NotImplementedError(f"a gradient through flex_attention's lse needs head_dim + 2 <= {largest} "
+                                  f"on {q.device.type} tensors (two more columns), got head_dim {q.shape[-1]}")
+    return wider
+
+
+def _with_lse_grad(dout, q, k, v, out, dlse, head_dim: int) -> tuple:
+    """(dout, q, k, v, out) whose plain backward also takes lse's gradient. d lse_i / d s_ij = P_ij,
+    so the scores' gradient is P (dP - Delta) with Delta = rowsum(dO * O) - dlse instead of
+    rowsum(dO * O): the backward's own row statistic, on inputs with more head-dim columns:
+    zeros in q, k and v (scores, P, dP and the mods' gradients unchanged), ones in dO where O
+    holds -dlse (as hi + lo parts in two columns: one bf16 column alone would round it)."""
+    pad = head_dim - q.shape[-1]
+    widen = [torch.nn.functional.pad(t, (0, pad)) for t in (q, k, v)]
+    dlse = -dlse.to(torch.float32)
+    hi = dlse.to(out.dtype)
+    parts = torch.stack([hi, (dlse - hi.float()).to(out.dtype)], -1)
+    out = torch.cat([out, parts, out.new_zeros(*out.shape[:-1], pad - 2)], -1)
+    upstream = torch.zeros_like(q) if dout is None else dout
+    ones = upstream.new_ones(*upstream.shape[:-1], 2)
+    dout = torch.cat([upstream, ones, upstream.new_zeros(*upstream.shape[:-1], pad - 2)], -1)
+    return dout, *widen, out
 
 
 def _captured_tensors(mods) -> dict[str, torch.Tensor]:
@@ -450,7 +485,7 @@ def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=Non
     partial tiles, which scores to keep (its ``mask_mod``). Captured tensors that require grad
     get their gradients. Returns ``out`` (B, H, Nq, D), or ``(out, lse)`` with lse (B, H, Nq)
     in natural-log units, or with ``return_aux=AuxRequest(lse=True)`` ``(out, AuxOutput(lse=lse))``
-    (``max_scores`` is not computed). ``kernel_options`` is accepted for compatibility and ignored.
+    (``max_scores`` is not computed); lse is differentiable, as torch's is. ``kernel_options`` is accepted for compatibility and ignored.
     Works under ``torch.compile(fullgraph=True)``: the tracing and compiling happen once, when
     dynamo traces the call.
     """
