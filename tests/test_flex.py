@@ -369,6 +369,14 @@ def test_error_for_gqa_without_enable_gqa_and_mismatched_block_mask():
     mask = create_block_mask(causal, None, None, 32, 32)
     with pytest.raises(ValueError, match="made for lengths"):
         flex_attention(q, k, k, block_mask=mask, enable_gqa=True)
+    for wrong in ("causal", torch.ones(16, 16, dtype=torch.bool)):
+        with pytest.raises(TypeError, match="block_mask must be a BlockMask"):
+            flex_attention(q, k, k, block_mask=wrong, enable_gqa=True)
+    for batch, heads, match in ((2, None, "batch size 2, the query has 3"), (None, 2, "heads 2, the query has 4")):
+        mask = create_block_mask(causal, batch, heads, 16, 16)
+        with pytest.raises(ValueError, match=match):
+            flex_attention(torch.randn(3, 4, 16, 32), k.expand(3, -1, -1, -1), k.expand(3, -1, -1, -1),
+                           block_mask=mask, enable_gqa=True)
 
 
 # --- what the mods read is read on every call ----------------------------------------------------

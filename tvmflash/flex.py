@@ -264,7 +264,7 @@ _flex_forward.register_autograd(_autograd_backward, setup_context=_setup_context
 def _lse_grad_head_dim(q: torch.Tensor) -> int:
     """The head dim of ``_with_lse_grad``'s inputs: two columns more, in the kernels' unit."""
     unit, largest = (16, 128) if q.device.type == "cuda" else (8, MAX_HEAD_DIM)
-    wider = -(-(q.shape[-1] + 2) // unit) * unit
+    wider = -(-(int(q.shape[-1]) + 2) // unit) * unit  # (int: a SymInt under torch.compile's dynamic shapes)
     if wider > largest:
         raise NotImplementedError(f"a gradient through flex_attention's lse needs head_dim + 2 <= {largest} "
                                   f"on {q.device.type} tensors (two more columns), got head_dim {q.shape[-1]}")
@@ -410,6 +410,11 @@ def _check_inputs(query, key, value, block_mask, enable_gqa, return_lse) -> None
         if lengths != (query.shape[2], key.shape[2]):
             raise ValueError(f"block_mask was made for lengths {lengths}, the inputs have "
                              f"({query.shape[2]}, {key.shape[2]})")
+        # (a mask for other sizes would have its last batch or head stand in for the others)
+        for name, made, size in zip(("batch size", "heads"), block_mask.kv_num_blocks.shape[:2], query.shape[:2]):
+            if made not in (1, size):
+                raise ValueError(f"block_mask was made for {name} {made}, the query has {size}: make it for "
+                                 f"{size}, or for 1 (B or H None in create_block_mask) if it does not depend on it")
 
 
 def _constant_head_dim(query) -> int:
@@ -501,6 +506,11 @@ def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=Non
         with torch.autocast(query.device.type, enabled=False):
             return flex_attention(query, key, value, score_mod, block_mask, scale, enable_gqa, return_lse,
                                   kernel_options, return_aux=return_aux)
+    if block_mask is not None:
+        from torch.nn.attention.flex_attention import BlockMask
+
+        if not isinstance(block_mask, BlockMask):
+            raise TypeError(f"block_mask must be a BlockMask (from create_block_mask), got {type(block_mask).__name__}")
     mask_mod = None if block_mask is None else block_mask.mask_mod
     _check_inputs(query, key, value, block_mask, enable_gqa, return_lse)
     static = (score_mod, mask_mod, block_mask is not None, _constant_head_dim(query), query.dtype, query.device.type,
