@@ -51,3 +51,23 @@ def test_outputs_that_alias_inputs_or_themselves_are_rejected(kernels_d32):
     packed = torch.randn(1, 8, 2, 1, 32)
     with pytest.raises(ValueError, match="dq overlaps"):
         kernels_d32.backward(q, q, k, v, q.clone(), lse, packed[:, :, 0], packed[:, :, 1], torch.empty_like(v))
+
+
+def test_compile_arguments_are_checked(kernels_d32):
+    """What the compile API would otherwise ignore, misread or fail on deep inside."""
+    with pytest.raises(ValueError, match="LLVM knows no CPU 'notacpu'"):  # (LLVM would compile for a generic CPU)
+        tvmflash.compile({"kind": "llvm", "mcpu": "notacpu"}, head_dim=32)
+    for seqlen, error in (("x", TypeError), (1.5, TypeError), ((10,), ValueError), (-5, ValueError)):
+        with pytest.raises(error, match="seqlen"):
+            tvmflash.compile(head_dim=32, seqlen=seqlen)
+    forward = kernels_d32.configs["forward"]
+    with pytest.raises(ValueError, match="config names a kernel 'fwd'"):  # (a typo lost the config silently)
+        tvmflash.compile(head_dim=32, config={"fwd": forward})
+    with pytest.raises(TypeError, match="config.'backward'. must be"):
+        tvmflash.compile(head_dim=32, config={"backward": forward})
+    for args, match in ((("sideways", 1, 10, 10, 2, 2), "'forward' or 'backward'"),
+                        (("forward", 1, -10, 10, 2, 2), "seqlen_q must be >= 0"),
+                        (("backward", 1, 10, 10, 3, 2), "multiple of heads_k"),
+                        (("backward", 1, 10, 10, 2, 0), "heads_k must be >= 1")):
+        with pytest.raises(ValueError, match=match):
+            kernels_d32.workspace_bytes(*args)

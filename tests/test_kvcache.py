@@ -400,6 +400,16 @@ def test_errors(gen):
         new = torch.randn(1, 1, 2, D)
         flash_attn_with_kvcache(q, k_cache, k_cache.clone(), new, new, cache_seqlens=3, alibi_slopes=torch.ones(3))
     assert torch.equal(k_cache, before)
+    new = torch.randn(1, 1, 2, D)
+    for table in (torch.ones(100, D // 2, dtype=torch.int64), torch.ones(100, D // 2, dtype=torch.float64)):
+        with pytest.raises(TypeError, match="rotary_cos and rotary_sin must have q's dtype"):
+            flash_attn_with_kvcache(q, k_cache, k_cache.clone(), new, new, cache_seqlens=3, rotary_cos=table,
+                                    rotary_sin=table)
+    assert torch.equal(k_cache, before)
+    # a block table of no blocks: nothing to attend to (zeros and lse -inf, as a cache of length 0)
+    out, lse = flash_attn_with_kvcache(q, k_cache, k_cache.clone(), cache_seqlens=0,
+                                       block_table=torch.zeros(1, 0, dtype=torch.int32), return_softmax_lse=True)
+    assert torch.equal(out, torch.zeros_like(q)) and bool((lse == float("-inf")).all())
     with pytest.raises(RuntimeError, match="forward only"):
         flash_attn_with_kvcache(q.requires_grad_(), k_cache, k_cache.clone())
 

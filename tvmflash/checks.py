@@ -91,6 +91,30 @@ def head_dim_value(head_dim) -> int:
         raise TypeError(f"head_dim must be an integer, got {head_dim!r}") from None
 
 
+def count(name: str, value, minimum: int = 0) -> int:
+    """An integer argument (Python's or numpy's, no bool) of at least ``minimum``."""
+    if isinstance(value, bool):
+        raise TypeError(f"{name} must be an integer, got {value!r}")
+    try:
+        value = operator.index(value)
+    except TypeError:
+        raise TypeError(f"{name} must be an integer, got {value!r}") from None
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    return value
+
+
+def sequence_lengths(seqlen) -> int | tuple[int, int] | None:
+    """``compile``'s ``seqlen``: None, a length, or (queries, keys)."""
+    if seqlen is None:
+        return None
+    if isinstance(seqlen, tuple):
+        if len(seqlen) != 2:
+            raise ValueError(f"seqlen must be an int or a (queries, keys) pair, got {seqlen!r}")
+        return count("seqlen", seqlen[0], 1), count("seqlen", seqlen[1], 1)
+    return count("seqlen", seqlen, 1)
+
+
 def check_kernel_params(head_dim, dtype) -> None:
     head_dim = head_dim_value(head_dim)
     if head_dim % 8 or not 8 <= head_dim <= MAX_HEAD_DIM:
@@ -352,7 +376,8 @@ def _check_kernel_fit(kernels, q: TensorInfo, tensors: dict) -> None:
         if any(n == 0 for n in t.shape):
             raise ValueError(f"{name} is empty (shape {t.shape}): every size must be at least 1")
         if t.strides and t.strides[-1] != 1 and t.shape[-1] != 1:
-            raise ValueError(f"the last (head_dim) dimension of {name} must be contiguous, got strides {t.strides}")
+            what = "(sequence)" if len(t.shape) == 3 else "(head_dim)"  # (lse: (batch, heads, seqlen))
+            raise ValueError(f"the last {what} dimension of {name} must be contiguous, got strides {t.strides}")
 
 
 def check_inputs(kernels, q, k, v) -> tuple[int, int, int, int]:

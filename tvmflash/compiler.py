@@ -118,6 +118,12 @@ def _explicit_configs(config) -> dict:
     if isinstance(config, (CPUKernelConfig, CUDAKernelConfig)):
         return {config.kernel: config}
     if isinstance(config, dict):
+        for kernel, cfg in config.items():
+            if kernel not in KERNELS:
+                raise ValueError(f"config names a kernel {kernel!r}; the kernels are {', '.join(KERNELS)}")
+            if not isinstance(cfg, (CPUKernelConfig, CUDAKernelConfig)) or cfg.kernel != kernel:
+                raise TypeError(f"config[{kernel!r}] must be a CPUKernelConfig/CUDAKernelConfig for the {kernel!r} "
+                                f"kernel, got {cfg!r}")
         return dict(config)
     raise TypeError(f"config must be a CPUKernelConfig/CUDAKernelConfig or a dict of them by kernel, got {config!r}")
 
@@ -180,7 +186,7 @@ def compile(  # noqa: A001 - the public name the API promises
     checks.check_kernel_params(head_dim, dtype)
     spec = AttentionSpec(checks.head_dim_value(head_dim), str(dtype))
     return compile_spec(target, spec, causal=causal, config=config, tuned=checks.require_bool("tuned", tuned),
-                        seqlen=seqlen, cache=checks.require_bool("cache", cache),
+                        seqlen=checks.sequence_lengths(seqlen), cache=checks.require_bool("cache", cache),
                         deterministic=checks.require_bool("deterministic", deterministic))
 
 

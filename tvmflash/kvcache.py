@@ -181,7 +181,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         if page % block_k:
             raise ValueError(f"paged cache: page_block_size {page} must be a multiple of {block_k}")
         capacity = block_table.shape[1] * page
-        pages = block_table.contiguous()
+        # (a table of no blocks addresses nothing: a (batch, 0) one has strides TVM refuses)
+        pages = block_table.contiguous() if block_table.shape[1] else torch.zeros(batch, 1, dtype=torch.int32)
         cache_rows = None
     else:
         capacity = k_cache.shape[1]
@@ -252,6 +253,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         if k is None:
             raise ValueError("rotary embedding needs the new keys k and v (as in flash-attn)")
         cos, sin = _tensor("rotary_cos", rotary_cos, 2), _tensor("rotary_sin", rotary_sin, 2)
+        if cos.dtype != dtype or sin.dtype != dtype:  # (flash-attn's rule)
+            raise TypeError(f"rotary_cos and rotary_sin must have q's dtype {dtype}, got {cos.dtype} and {sin.dtype}")
         if cos.shape != sin.shape or cos.shape[1] * 2 > head_dim or cos.shape[1] < 1:
             raise ValueError(f"rotary_cos and rotary_sin must both be (seqlen_ro, rotary_dim / 2) with rotary_dim "
                              f"<= headdim {head_dim}, got {tuple(cos.shape)} and {tuple(sin.shape)}")

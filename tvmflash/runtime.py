@@ -333,6 +333,13 @@ class FlashKernels:
         the thread count) plus each thread's tile buffers. CUDA: the fp32 row statistics and dQ
         accumulator(s) of the backward.
         """
+        if kernel not in ("forward", "backward"):
+            raise ValueError(f"kernel must be 'forward' or 'backward', got {kernel!r}")
+        batch, seqlen_q, seqlen_k = (checks.count(n, x) for n, x in (("batch", batch), ("seqlen_q", seqlen_q),
+                                                                    ("seqlen_k", seqlen_k)))
+        heads, heads_k = checks.count("heads", heads, 1), checks.count("heads_k", heads_k, 1)
+        if heads % heads_k:
+            raise ValueError(f"heads ({heads}) must be a multiple of heads_k ({heads_k})")
         threads = _threads(num_threads)
         if self.is_cuda:
             if kernel == "forward":

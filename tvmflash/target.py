@@ -32,6 +32,7 @@ import platform
 
 import tvm
 import tvm_ffi
+from tvm.target import codegen
 
 from .settings import usable_cpus
 
@@ -146,6 +147,11 @@ def resolve(target) -> tvm.target.Target:
         raise TypeError(f"target must be a str, dict or tvm.target.Target, not {type(target).__name__}")
     kind = config.get("kind")
     if kind == "llvm":
+        mcpu, triple = config.get("mcpu"), str(config.get("mtriple") or codegen.llvm_get_system_triple())
+        if mcpu is not None and not codegen.llvm_is_valid_cpu(str(mcpu), triple):
+            # (LLVM would only print an error and compile for a generic CPU)
+            raise ValueError(f"LLVM knows no CPU {mcpu!r} for {triple}: name one LLVM models "
+                             f"(tvm.target.codegen.llvm_get_cpu_archlist), or leave mcpu out for this machine's")
         if config.get("mcpu", host_cpu()) == host_cpu() and "mattr" not in config:
             # this CPU: its model for scheduling, its own extensions for the code
             config.update(cpu_target(host_cpu(), _host_flags()))
