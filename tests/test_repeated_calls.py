@@ -226,6 +226,41 @@ def test_training_repeats_match_the_full_path(gen, seed, monkeypatch, dtype):
         (dq.pow(2).sum() + leaves[0].sum()).backward()
 
 
+def test_op_bodies_repeat_checked_calls(gen, monkeypatch):
+    """The ops' bodies, which torch.compile's graphs call every layer and step: a repeat of a
+    checked call skips the checks and gives the full path's results bit for bit; another scale
+    is another call; the backward still refuses an LSE too large to recompute from."""
+    full = []
+    original = torch_op._run_forward
+    monkeypatch.setattr(torch_op, "_run_forward", lambda *a: full.append(1) or original(*a))
+    q, k, v = random_inputs(gen, 2, 37, 37, 4, 2, 32, "float32")
+    dout = torch.randn(q.shape, generator=gen)
+    forward, backward = torch.ops.tvmflash.flash_attn_forward, torch.ops.tvmflash.flash_attn_backward
+
+    def op_call(q, k, v, dout, scale=0.2):
+        args = (None, None, None, scale, 9, 0, 5.0, False, False, None)
+        out, lse = forward(q, k, v, *args)
+        return out, lse, *backward(dout, q, k, v, out, lse, *args)
+
+    want = _full_path(op_call, q, k, v, dout)
+    op_call(q, k, v, dout)
+    full.clear()
+    q2, k2, v2 = (t + 1 for t in (q, k, v))
+    got = op_call(q2, k2, v2, dout)
+    assert not full  # the repeat skipped the checks
+    want2 = _full_path(op_call, q2, k2, v2, dout)
+    assert all(torch.equal(a, b) for a, b in zip(got, want2))
+    assert not all(torch.equal(a, b) for a, b in zip(got, want))
+    full.clear()
+    assert all(torch.equal(a, b) for a, b in zip(op_call(q, k, v, dout, 0.3), _full_path(op_call, q, k, v, dout, 0.3)))
+    assert full
+    out, lse, *_ = op_call(q, k, v, dout)
+    lse = lse.clone()
+    lse[1, 3, 36] = 2.0**16
+    with pytest.raises(ValueError, match="log-sum-exp reached"):
+        backward(dout, q, k, v, out, lse, None, None, None, 0.2, 9, 0, 5.0, False, False, None)
+
+
 def test_steering_variables_are_read_fresh_on_every_call(monkeypatch):
     """The fast paths' memo keys read the steering environment variables through
     settings.EnvironmentValues: a change made through os.environ (set, changed, removed) shows

@@ -127,8 +127,35 @@ def _forward_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_
                   cu_seqlens_k: torch.Tensor | None, alibi_slopes: torch.Tensor | None, softmax_scale: float,
                   window_left: int, window_right: int, softcap: float, deterministic: bool, fp32_results: bool,
                   diagonal: int | None) -> tuple[torch.Tensor, torch.Tensor]:
-    return _run_forward(None, q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, softmax_scale, window_left,
-                        window_right, softcap, deterministic, fp32_results, diagonal)
+    args = (q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, softmax_scale, window_left, window_right, softcap,
+            deterministic, fp32_results, diagonal)
+    key = _op_call_key(*args)
+    call = _calls.get(key) if key is not None else None
+    if call is not None:  # (the op's body, as torch.compile's graphs run it: a call checked before)
+        lse = call.new_lse()
+        return call.forward(q, k, v, lse), lse
+    out, lse = _run_forward(None, *args)
+    if key is not None and not _empty_problem(q, k, False):
+        kernels = kernels_for(q, deterministic=deterministic, softcap=softcap > 0, seqlens=(q.shape[1], k.shape[1]))
+        _remember(key, _ForwardCall(kernels, (*q.shape[:3], k.shape[2]), k.shape[1],
+                                    checks.softmax_scale(softmax_scale, kernels.head_dim),
+                                    checks.window((window_left, window_right), False), _mod_inputs(q, softcap, None),
+                                    op_scalars=args[6:]))
+    return out, lse
+
+
+def _op_call_key(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, softmax_scale, window_left, window_right,
+                 softcap, deterministic, fp32_results, diagonal) -> tuple | None:
+    """The ``_calls`` key of an op call (the ops' bodies: torch.compile's graphs call them every
+    layer and step) whose checks depend on nothing but these: plain CPU tensors of a batched
+    call, read in place; else None."""
+    if (cu_seqlens_q is not None or cu_seqlens_k is not None or alibi_slopes is not None or fp32_results
+            or diagonal is not None or type(q) is not torch.Tensor or type(k) is not torch.Tensor
+            or type(v) is not torch.Tensor or not q.is_cpu):
+        return None
+    return ("op", q.shape, q.stride(), q.dtype, k.shape, k.stride(), k.dtype, k.is_cpu, v.shape, v.stride(), v.dtype,
+            v.is_cpu, type(softmax_scale), softmax_scale, window_left, window_right, type(softcap), softcap,
+            deterministic, compiler.request_state())
 
 
 def _run_forward(dims, q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, softmax_scale, window_left, window_right,
@@ -225,6 +252,13 @@ def _backward_impl(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
                    alibi_slopes: torch.Tensor | None, softmax_scale: float, window_left: int, window_right: int,
                    softcap: float, deterministic: bool, fp32_results: bool, diagonal: int | None
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    key = _op_call_key(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, softmax_scale, window_left, window_right,
+                       softcap, deterministic, fp32_results, diagonal)
+    call = _calls.get(key) if key is not None else None
+    if call is not None:  # (as in _forward_impl; None: what the kernel refused, which this path names)
+        grads = call.backward(dout, q, k, v, out, lse)
+        if grads is not None:
+            return grads
     varlen = cu_seqlens_q is not None
     grad_dtype = torch.float32 if fp32_results else q.dtype
     dq, dk, dv = (torch.empty(t.shape, dtype=grad_dtype, device=t.device) for t in (q, k, v))
