@@ -13,6 +13,9 @@
   per length (ms per step, median of the steps of a process);
 * ``--dtypes``: bfloat16 and float32 models, and ``autocast``: an fp32 model whose forward runs
   under bf16 CPU autocast (mixed-precision training; ``generate()`` under it too);
+* ``compiled``: training steps of ``torch.compile``d models (inductor; the integration's
+  attention one custom op per layer, no graph break), ours and SDPA's in a random order each
+  round, forward, backward and AdamW timed apart;
 * ``padded``: one layer's attention alone, forward + backward, on ``--batch`` left-padded rows
   (default 4) of each ``--train-lengths``, through the transformers integration's function
   against transformers' SDPA function with the 4D mask it would get, interleaved call by call.
@@ -36,6 +39,7 @@ the numbers are preliminary.
     python benchmarks/model_speed.py swap --runs 8
     python benchmarks/model_speed.py swap --runs 6 --batch 4 --prompts 40 --train-lengths 40 256
     python benchmarks/model_speed.py padded --train-lengths 40 256 1024 --rounds 200
+    python benchmarks/model_speed.py compiled --runs 20 --train-lengths 16 512
 """
 
 from __future__ import annotations
@@ -355,6 +359,61 @@ def swapped(args: argparse.Namespace) -> None:
     print("\n".join(rows), flush=True)
 
 
+def compiled_steps(args: argparse.Namespace) -> None:
+    """Training steps of ``torch.compile``d models (inductor), the Llama on tvmflash and on SDPA
+    with the same weights, in a random order each round; forward, backward and AdamW timed apart.
+    (A compiled model cannot switch its attention between calls without compiling again.)"""
+    import copy
+    import random
+
+    rows = []
+    for dtype_name in args.dtypes:
+        dtype, autocast = _precision(dtype_name)
+        base = _llama(dtype, "sdpa")
+        models = {}
+        for impl in ("tvm", "sdpa"):
+            model = copy.deepcopy(base)
+            model.set_attn_implementation(_implementation(impl))
+            models[impl] = torch.compile(model.train()), torch.optim.AdamW(model.parameters(), lr=1e-6)
+        for length in args.train_lengths:
+            ids = _left_padded(length, 1)[0]
+            times = {impl: [] for impl in models}
+
+            def step(impl, record=True):
+                model, optimizer = models[impl]
+                start = time.perf_counter()
+                with _autocast(autocast):
+                    loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+                forward = time.perf_counter()
+                loss.backward()
+                backward = time.perf_counter()
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+                end = time.perf_counter()
+                if record:
+                    times[impl].append((forward - start, backward - forward, end - backward, end - start))
+
+            for impl in (*models, *models, *models):  # compiles (a new length: again), warm-up
+                step(impl, record=False)
+            order = list(models)
+            for _ in range(args.runs):
+                random.shuffle(order)
+                for impl in order:
+                    step(impl)
+            cells = []
+            for part in range(4):
+                ours, theirs = ([t[part] for t in times[impl]] for impl in ("tvm", "sdpa"))
+                paired = statistics.median(a / b for a, b in zip(ours, theirs))
+                cells.append(f"{statistics.median(ours) * 1e3:.1f} / {statistics.median(theirs) * 1e3:.1f} "
+                             f"({paired:.3f})")
+            rows.append(f"| {dtype_name} training step, sequence {length} | " + " | ".join(cells) + " |")
+            print(f"  compiled: {rows[-1]}", file=sys.stderr, flush=True)
+    print(f"\ntorch.compile'd models, ours and SDPA's in a random order each round ({args.runs} rounds): 8-layer "
+          "Llama (GQA 8/2, D64); ms tvmflash / SDPA (median of the paired ratios)\n\n| case | forward | backward | "
+          "AdamW | step |\n|---|---|---|---|---|")
+    print("\n".join(rows), flush=True)
+
+
 def _in_own_process(args: argparse.Namespace, worker: list[str]) -> float:
     command = [sys.executable, str(Path(__file__).resolve()), "--worker", *worker]
     if args.threads:
@@ -405,8 +464,8 @@ def worker(argv: list[str]) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parts = ["fixed", "linear", "generate", "train", "padded", "swap"]
-    p.add_argument("parts", nargs="*", help=f"of {', '.join(parts)} (default: all but padded and swap)")
+    parts = ["fixed", "linear", "generate", "train", "padded", "swap", "compiled"]
+    p.add_argument("parts", nargs="*", help=f"of {', '.join(parts)} (default: the first four)")
     p.add_argument("--rounds", type=int, default=1000, help="interleaved rounds per case (fixed, linear)")
     p.add_argument("--prompts", type=int, nargs="*", default=[32, 1024])
     p.add_argument("--new-tokens", type=int, default=64)
@@ -418,7 +477,7 @@ def main() -> None:
     p.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32", "autocast"],
                    help="generate() and training dtypes; autocast: an fp32 model under bf16 CPU autocast")
     p.add_argument("--runs", type=int, default=3,
-                   help="processes per implementation and case (generate, train); rounds (swap)")
+                   help="processes per implementation and case (generate, train); rounds (swap, compiled)")
     p.add_argument("--only", choices=["tvm", "sdpa"], help="generate() / train with one implementation only")
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
     p.add_argument("--worker", nargs=7, help=argparse.SUPPRESS)
@@ -445,6 +504,8 @@ def main() -> None:
         padded_attention(args)
     if "swap" in args.parts:
         swapped(args)
+    if "compiled" in args.parts:
+        compiled_steps(args)
     print(f"\nload average at the end: {os.getloadavg()}")
 
 

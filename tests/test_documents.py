@@ -45,7 +45,7 @@ def test_the_op_matches_float64_per_document(gen, seed, dtype, rows):
     q, k, v = random_inputs(gen, 3, 37, 37, 4, 2, 32, dtype, requires_grad=True)
     dout = torch.randn(q.shape, generator=gen).to(q.dtype)
     window = (9, 0)
-    out, lse = documents._documents_forward(q, k, v, _positions(rows), 32 ** -0.5, *window, 0.0)
+    out, lse, _ = documents._documents_forward(q, k, v, _positions(rows), 32 ** -0.5, *window, 0.0)
     grads = torch.autograd.grad(out, (q, k, v), dout)
     _assert_matches_per_document(f"op {dtype}", q, k, v, dout, rows, (out, lse, *grads), window, seed)
 
@@ -66,7 +66,7 @@ def test_compiled_and_eager_calls_agree(gen, seed):
             results.append((out, *torch.autograd.grad(out, (q, k, v), dout)))
         for name, eager, traced in zip(("out", "dq", "dk", "dv"), *results):
             torch.testing.assert_close(traced, eager, rtol=1e-5, atol=1e-5, msg=name)
-        _, lse = documents._documents_forward(q, k, v, _positions(rows), 24 ** -0.5, -1, 0, 0.0)
+        _, lse, _ = documents._documents_forward(q, k, v, _positions(rows), 24 ** -0.5, -1, 0, 0.0)
         _assert_matches_per_document("compiled", q, k, v, dout, rows, (results[1][0], lse, *results[1][1:]),
                                      (-1, 0), seed)
 

@@ -80,7 +80,7 @@ def attention(q, k, v, position_ids: torch.Tensor | None, *, softmax_scale=None,
         raise ValueError(f"documents by position_ids need queries and keys of the same tokens, got {q.shape[1]} "
                          f"queries and {k.shape[1]} keys")
     q, k, v = (torch_op.kernel_layout(t) for t in torch_op._padded_head_dims(q, k, v))
-    out, _ = _documents_forward(q, k, v, position_ids, flash.softmax_scale, *flash.window, flash.softcap)
+    out, _, _ = _documents_forward(q, k, v, position_ids, flash.softmax_scale, *flash.window, flash.softcap)
     return out[..., :head_dim]
 
 
@@ -92,33 +92,53 @@ def _packed(*tensors):
 @torch.library.custom_op("tvmflash::flash_attn_documents_forward", mutates_args=())
 def _documents_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position_ids: torch.Tensor,
                        softmax_scale: float, window_left: int, window_right: int, softcap: float
-                       ) -> tuple[torch.Tensor, torch.Tensor]:
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The forward op's body on the rows, or on the documents packed: out like q, lse (batch,
-    heads, seqlen) either way."""
+    heads, seqlen) either way, and the documents found (``_documents_table``) for the backward
+    (inductor's graphs recompute position_ids there rather than save them: a new tensor, whose
+    documents would be found again)."""
     batch, length, heads, _ = q.shape
     options = (None, softmax_scale, window_left, window_right, softcap, False, False, None)
     cu = documents_from_positions(position_ids, batch, length)
+    table = _documents_table(cu, batch * length)
     if cu is None:
-        return torch_op._forward_impl(q, k, v, None, None, *options)
+        return *torch_op._forward_impl(q, k, v, None, None, *options), table
     out, lse = torch_op._forward_impl(*_packed(q, k, v), cu, cu, *options)
-    return out.view(q.shape), lse.view(heads, batch, length).transpose(0, 1).contiguous()
+    return out.view(q.shape), lse.view(heads, batch, length).transpose(0, 1).contiguous(), table
+
+
+def _documents_table(cu: torch.Tensor | None, tokens: int) -> torch.Tensor:
+    """The documents as a tensor of a fixed shape (tokens + 2,): their count, then their cu_seqlens,
+    then zeros."""
+    table = torch.zeros(tokens + 2, dtype=torch.int32)
+    if cu is not None:
+        table[0] = cu.numel() - 1
+        table[1:cu.numel() + 1] = cu
+    return table
+
+
+def _cu_seqlens(table: torch.Tensor) -> torch.Tensor | None:
+    count = int(table[0])
+    return None if count == 0 else table[1:count + 2]
 
 
 @_documents_forward.register_fake
 def _(q, k, v, position_ids, softmax_scale, window_left, window_right, softcap):
     batch, length, heads, _ = q.shape
-    return torch.empty(q.shape, dtype=q.dtype, device=q.device), q.new_empty((batch, heads, length),
-                                                                             dtype=torch.float32)
+    return (torch.empty(q.shape, dtype=q.dtype, device=q.device),
+            q.new_empty((batch, heads, length), dtype=torch.float32),
+            torch.empty(batch * length + 2, dtype=torch.int32))
 
 
 @torch.library.custom_op("tvmflash::flash_attn_documents_backward", mutates_args=())
 def _documents_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                        lse: torch.Tensor, position_ids: torch.Tensor, softmax_scale: float, window_left: int,
+                        lse: torch.Tensor, documents: torch.Tensor, softmax_scale: float, window_left: int,
                         window_right: int, softcap: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """dq, dk, dv of ``_documents_forward``: the backward op's body on the rows or the documents."""
+    """dq, dk, dv of ``_documents_forward``: the backward op's body on the rows or the documents
+    (``documents``: the forward's table)."""
     batch, length, heads, _ = q.shape
     options = (None, softmax_scale, window_left, window_right, softcap, False, False, None)
-    cu = documents_from_positions(position_ids, batch, length)
+    cu = _cu_seqlens(documents)
     if cu is None:
         return torch_op._backward_impl(dout, q, k, v, out, lse, None, None, *options)
     packed_lse = lse.transpose(0, 1).reshape(heads, batch * length)
@@ -127,24 +147,24 @@ def _documents_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v:
 
 
 @_documents_backward.register_fake
-def _(dout, q, k, v, out, lse, position_ids, softmax_scale, window_left, window_right, softcap):
+def _(dout, q, k, v, out, lse, documents, softmax_scale, window_left, window_right, softcap):
     return tuple(torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, position_ids, *scalars = inputs
-    out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, position_ids)
+    q, k, v, _, *scalars = inputs
+    out, lse, documents = output
+    ctx.save_for_backward(q, k, v, out, lse, documents)
     ctx.scalars = scalars
-    ctx.mark_non_differentiable(lse)
+    ctx.mark_non_differentiable(lse, documents)
     ctx.set_materialize_grads(False)  # (torch_op._setup_context says why)
 
 
-def _autograd_backward(ctx, dout, _dlse):
+def _autograd_backward(ctx, dout, _dlse, _ddocuments):
     if dout is None:
         return (None,) * 8
-    q, k, v, out, lse, position_ids = ctx.saved_tensors
-    grads = _documents_backward(torch_op.kernel_layout(dout), q, k, v, out, lse, position_ids, *ctx.scalars)
+    q, k, v, out, lse, documents = ctx.saved_tensors
+    grads = _documents_backward(torch_op.kernel_layout(dout), q, k, v, out, lse, documents, *ctx.scalars)
     return *grads, None, None, None, None, None
 
 
