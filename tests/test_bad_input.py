@@ -71,3 +71,22 @@ def test_compile_arguments_are_checked(kernels_d32):
                         (("backward", 1, 10, 10, 2, 0), "heads_k must be >= 1")):
         with pytest.raises(ValueError, match=match):
             kernels_d32.workspace_bytes(*args)
+
+
+def test_forward_mode_ad_is_refused_not_dropped():
+    """The ops have no jvp: a dual tensor's tangent would be dropped (a zero JVP, silently)."""
+    import torch.autograd.forward_ad as fwAD
+
+    q = torch.randn(1, 12, 2, 16)
+    for requires_grad in (False, True):
+        with fwAD.dual_level(), pytest.raises(NotImplementedError, match="forward-mode AD"):
+            tvmflash.flash_attn_func(fwAD.make_dual(q.clone().requires_grad_(requires_grad), torch.randn_like(q)), q,
+                                     q, causal=True)
+    with fwAD.dual_level():  # a dual level alone, no tangent: runs
+        assert tvmflash.flash_attn_func(q, q, q, causal=True).shape == q.shape
+
+
+def test_meta_tensors_get_meta_outputs():
+    q = torch.randn(2, 12, 4, 16, device="meta")
+    out, lse = tvmflash.flash_attn_func(q, q[:, :, :2], q[:, :, :2], causal=True, return_lse=True)
+    assert out.device.type == lse.device.type == "meta" and out.shape == q.shape and lse.shape == (2, 4, 12)

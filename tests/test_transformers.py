@@ -198,6 +198,19 @@ def test_packed_documents_by_position_ids_match_eager(model, gen):
     _assert_matches_eager(model, input_ids=ids, position_ids=position_ids, labels=ids)
 
 
+def test_positions_that_restart_with_a_kv_cache_are_one_sequence_as_in_eager(gen):
+    """transformers tells documents apart by position_ids only without a cache (its masks): with
+    one (use_cache, the default of a model in eval), a row is one sequence to eager and to us."""
+    eager, ours = _models("llama")
+    ids = torch.randint(0, 128, (1, 20), generator=gen)
+    position_ids = torch.cat([torch.arange(8), torch.arange(12)])[None]
+    with torch.no_grad():
+        for use_cache in (True, False):
+            want, got = (m.eval()(input_ids=ids, position_ids=position_ids, use_cache=use_cache).logits
+                         for m in (eager, ours))
+            assert _rel(got, want) <= LOSS_RTOL, use_cache
+
+
 @pytest.mark.parametrize("model", ["llama", "qwen2"])
 def test_packed_documents_by_cu_seq_lens_match_eager(model, gen, monkeypatch):
     """DataCollatorWithFlattening's kwargs: one row, cu_seq_lens_q/k; only they separate the

@@ -21,6 +21,7 @@ from __future__ import annotations
 import threading
 
 import torch
+from torch.autograd import forward_ad
 
 from . import checks, compiler, threads, uniform_rows, version
 from .config import TILE_EDGES, tile_edge
@@ -194,7 +195,8 @@ def _eager_path(*tensors) -> str | None:
     autocast region (``_attention`` turns a CPU region off after applying its rule), under
     torch.compile tracing, vmap or a dispatch/function mode that must see the op."""
     present = [t for t in tensors if t is not None]
-    if any(type(t) is not torch.Tensor for t in present) or not _plain_eager(present[0].device.type):
+    if (any(type(t) is not torch.Tensor for t in present) or present[0].device.type not in ("cpu", "cuda")
+            or not _plain_eager(present[0].device.type)):  # (meta tensors: the op's fake kernel)
         return None
     return "autograd" if _records_grad(present) else "body"
 
@@ -502,6 +504,12 @@ def _check_tensors(tensors: dict) -> list:
     return [checks.info(t, name) for name, t in tensors.items()]  # sparse and other layouts
 
 
+def _refuse_tangents(*tensors) -> None:
+    if any(isinstance(t, torch.Tensor) and forward_ad.unpack_dual(t).tangent is not None for t in tensors):
+        raise NotImplementedError("tvmflash has no forward-mode AD (jvp): its attention would drop the tangents; "
+                                  "use reverse mode (backward, torch.autograd.grad)")
+
+
 def _check_alibi(alibi_slopes, q: torch.Tensor, heads: int, batch: int | None) -> None:
     if alibi_slopes is None:
         return
@@ -514,6 +522,8 @@ def _check_alibi(alibi_slopes, q: torch.Tensor, heads: int, batch: int | None) -
 
 def _attention(q, k, v, cu_seqlens_q, cu_seqlens_k, dropout_p, softmax_scale, causal, window_size, softcap,
                alibi_slopes, deterministic, return_attn_probs, *, fp32_results=False, diagonal=None):
+    if forward_ad._current_level >= 0:  # (a dual level is open: the op has no jvp, and would drop tangents)
+        _refuse_tangents(q, k, v)
     if _cpu_autocast_applies(q, k, v):  # (the op's rule, here: the call can then skip the dispatcher)
         return _with_autocast_applied("cpu", _attention, q, k, v, cu_seqlens_q, cu_seqlens_k, dropout_p,
                                       softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,

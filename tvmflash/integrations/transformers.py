@@ -186,8 +186,10 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
         out = _packed_attention(q, k, v, cu_q, cu_k, opts)
     elif len_q == 1:
         out = decode_attention(q, k, v, None, **opts)
-    elif len_q == k.shape[1]:  # documents packed into rows, told apart by position_ids (one op under torch.compile)
-        out = documents.attention(q, k, v, kwargs.get("position_ids"), **opts)
+    elif len_q == k.shape[1]:
+        # documents packed into rows, told apart by position_ids (one op under torch.compile),
+        # where transformers' own masks tell them apart: without a KV cache
+        out = documents.attention(q, k, v, None if kwargs.get("use_cache") else kwargs.get("position_ids"), **opts)
     else:
         out = flash_attn_func(q, k, v, **opts)
     if v_head_dim != head_dim:
