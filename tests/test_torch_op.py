@@ -48,6 +48,29 @@ def test_torch_compile_fullgraph_matches_eager(gen, variant):
         torch.testing.assert_close(a, b)
 
 
+def test_dynamic_shapes_vmap_and_export_see_the_op(gen):
+    """torch.compile(dynamic=True, fullgraph=True) (floats become SymFloats: the checks compare
+    them, nothing else), torch.func.vmap and torch.export (tensors without storage) take the op."""
+    q, k, v = random_inputs(gen, 2, 17, 17, 4, 2, 32, "float32")
+
+    def attention(q, k, v, scale):
+        return flash_attn_func(q, k, v, causal=True, softcap=9.0, softmax_scale=scale)
+
+    compiled = torch.compile(attention, dynamic=True, fullgraph=True, backend="aot_eager")
+    for n, scale in ((17, 0.2), (23, 0.3)):
+        q2, k2, v2 = random_inputs(gen, 2, n, n, 4, 2, 32, "float32")
+        torch.testing.assert_close(compiled(q2, k2, v2, scale), attention(q2, k2, v2, scale))
+    batched = torch.func.vmap(lambda q: attention(q, k, v, 0.2))(torch.stack([q, q * 2]))
+    assert torch.equal(batched[1], attention(q * 2, k, v, 0.2))
+
+    class Layer(torch.nn.Module):
+        def forward(self, q, k, v):
+            return attention(q, k, v, 0.2)
+
+    exported = torch.export.export(Layer(), (q, k, v))
+    torch.testing.assert_close(exported.module()(q, k, v), attention(q, k, v, 0.2))
+
+
 def test_torch_compile_inductor(gen):
     q, k, v = random_inputs(gen, 1, 30, 30, 2, 2, 64, "float32")
     compiled = torch.compile(lambda q, k, v: flash_attn_func(q * 2, k, v), fullgraph=True)

@@ -50,6 +50,15 @@ class TensorInfo(NamedTuple):  # (a named tuple: built on every call, ~4x cheape
 _ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8, "int32": 4, "int64": 8, "int8": 1, "bool": 1}
 
 
+def _address(x) -> int:
+    """A torch tensor's data pointer; 0 for tensors without storage (torch.func's wrappers, fake
+    tensors of torch.export), which go on to the op, whose fake kernel or transform handles them."""
+    try:
+        return x.data_ptr()
+    except RuntimeError:
+        return 0
+
+
 def info(x, name: str = "tensor") -> TensorInfo:
     torch = sys.modules.get("torch")
     if torch is not None and type(x) is torch.Tensor:  # the common case, read directly (a few us a call)
@@ -57,7 +66,7 @@ def info(x, name: str = "tensor") -> TensorInfo:
             raise TypeError(f"{name} is a {x.layout} tensor: tvmflash reads dense (strided) tensors, "
                             f"pass {name}.to_dense()")
         # (no memo of the names: torch.compile guards on a dict that tracing fills, and recompiles)
-        return TensorInfo(tuple(x.shape), str(x.dtype)[len("torch."):], "cpu" if x.is_cpu else str(x.device), x.stride(), x.data_ptr(),
+        return TensorInfo(tuple(x.shape), str(x.dtype)[len("torch."):], "cpu" if x.is_cpu else str(x.device), x.stride(), _address(x),
                           x.element_size())
     torch_dtype = getattr(x, "dtype", None)
     if hasattr(x, "stride") and hasattr(x, "device") and str(torch_dtype).startswith("torch."):
@@ -65,7 +74,7 @@ def info(x, name: str = "tensor") -> TensorInfo:
             raise TypeError(f"{name} is a {x.layout} tensor: tvmflash reads dense (strided) tensors, "
                             f"pass {name}.to_dense()")
         dtype = str(torch_dtype)[len("torch."):]
-        return TensorInfo(tuple(x.shape), dtype, str(x.device), tuple(x.stride()), x.data_ptr(),
+        return TensorInfo(tuple(x.shape), dtype, str(x.device), tuple(x.stride()), _address(x),
                           x.element_size())
     flags = getattr(x, "flags", None)  # numpy
     if flags is not None and not flags.writeable:
@@ -147,6 +156,11 @@ def _is_bool(value) -> bool:
 def real_number(name: str, value) -> float:
     """A real scalar as a float: Python and numpy numbers, 0-d numpy arrays and torch tensors of a
     real dtype (``np.float32(30.)``, ``torch.tensor(0.125)``); not bools, strings or complex."""
+    if type(value) is float or type(value) is int:  # (also what torch.compile(dynamic=True) makes of floats)
+        return float(value)
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(value, (torch.SymFloat, torch.SymInt)):
+        return float(value)
     if not _is_bool(value) and "complex" not in str(getattr(value, "dtype", "")):
         if isinstance(value, numbers.Real):
             return float(value)
@@ -164,7 +178,7 @@ def softmax_scale(value, head_dim: int) -> float:
     if value is None:
         return 1.0 / math.sqrt(head_dim)
     value = real_number("softmax_scale", value)
-    if not math.isfinite(value) or value <= 0:
+    if not 0 < value < float("inf"):  # (comparisons: torch.compile traces them on its SymFloats; NaN fails too)
         raise ValueError(f"softmax_scale must be a finite number > 0, got {value}")
     return value
 
