@@ -245,6 +245,9 @@ def _autograd_backward(ctx, dout, dlse):
         dout = dout.contiguous()
     else:  # lse is differentiable in torch's flex_attention too
         spec_key = _register_spec(dataclasses.replace(_specs[spec_key], head_dim=_lse_grad_head_dim(q)))
+        if tile_state is not None and _backward_tiles(q, spec_key) != _backward_tiles(q, ctx.spec_key):
+            raise NotImplementedError("a gradient through flex_attention's lse with a block mask needs the wider "
+                                      "head dim's backward kernel on the forward's tiles")
         dout, q, k, v, out = _with_lse_grad(dout, q, k, v, out, dlse, _specs[spec_key].head_dim)
     dq, dk, dv, grads = _flex_backward(dout, q, k, v, out, lse, captured, tile_state, ctx.scale, spec_key)
     if dlse is not None:
@@ -259,6 +262,11 @@ def _autograd_backward(ctx, dout, dlse):
 
 
 _flex_forward.register_autograd(_autograd_backward, setup_context=_setup_context)
+
+
+def _backward_tiles(q: torch.Tensor, spec_key: str) -> tuple[int, int]:
+    config = _kernels(q, spec_key).configs["backward"]
+    return config.block_q, config.block_k
 
 
 def _lse_grad_head_dim(q: torch.Tensor) -> int:
