@@ -90,24 +90,23 @@ def info(x, name: str = "tensor") -> TensorInfo:
                       t.data_ptr(), _ITEMSIZE.get(dtype, 1))
 
 
-def head_dim_value(head_dim) -> int:
-    """head_dim as an int: Python and numpy integers are fine, floats and bools are not."""
-    if isinstance(head_dim, bool):
-        raise TypeError(f"head_dim must be an integer, got {head_dim!r}")
-    try:
-        return operator.index(head_dim)
-    except TypeError:
-        raise TypeError(f"head_dim must be an integer, got {head_dim!r}") from None
-
-
-def count(name: str, value, minimum: int = 0) -> int:
-    """An integer argument (Python's or numpy's, no bool) of at least ``minimum``."""
+def integer(name: str, value) -> int:
+    """An integer argument as an int: Python and numpy integers are fine, floats and bools are not."""
     if isinstance(value, bool):
         raise TypeError(f"{name} must be an integer, got {value!r}")
     try:
-        value = operator.index(value)
+        return operator.index(value)
     except TypeError:
         raise TypeError(f"{name} must be an integer, got {value!r}") from None
+
+
+def head_dim_value(head_dim) -> int:
+    return integer("head_dim", head_dim)
+
+
+def count(name: str, value, minimum: int = 0) -> int:
+    """An integer argument of at least ``minimum``."""
+    value = integer(name, value)
     if value < minimum:
         raise ValueError(f"{name} must be >= {minimum}, got {value}")
     return value
@@ -157,9 +156,6 @@ def real_number(name: str, value) -> float:
     """A real scalar as a float: Python and numpy numbers, 0-d numpy arrays and torch tensors of a
     real dtype (``np.float32(30.)``, ``torch.tensor(0.125)``); not bools, strings or complex."""
     if type(value) is float or type(value) is int:  # (also what torch.compile(dynamic=True) makes of floats)
-        return float(value)
-    torch = sys.modules.get("torch")
-    if torch is not None and isinstance(value, (torch.SymFloat, torch.SymInt)):
         return float(value)
     if not _is_bool(value) and "complex" not in str(getattr(value, "dtype", "")):
         if isinstance(value, numbers.Real):

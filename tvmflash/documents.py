@@ -100,17 +100,18 @@ def _documents_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positi
     batch, length, heads, _ = q.shape
     options = (None, softmax_scale, window_left, window_right, softcap, False, False, None)
     cu = documents_from_positions(position_ids, batch, length)
-    table = _documents_table(cu, batch * length)
+    table = _documents_table(cu, batch * length, position_ids.device)
     if cu is None:
         return *torch_op._forward_impl(q, k, v, None, None, *options), table
     out, lse = torch_op._forward_impl(*_packed(q, k, v), cu, cu, *options)
     return out.view(q.shape), lse.view(heads, batch, length).transpose(0, 1).contiguous(), table
 
 
-def _documents_table(cu: torch.Tensor | None, tokens: int) -> torch.Tensor:
-    """The documents as a tensor of a fixed shape (tokens + 2,): their count, then their cu_seqlens,
-    then zeros."""
-    table = torch.zeros(tokens + 2, dtype=torch.int32)
+def _documents_table(cu: torch.Tensor | None, tokens: int, device: torch.device) -> torch.Tensor:
+    """The documents as a tensor of a fixed shape (tokens + 2,) on ``device`` (the backward's
+    cu_seqlens are a view of it, on the device the forward's were): their count, then their
+    cu_seqlens, then zeros."""
+    table = torch.zeros(tokens + 2, dtype=torch.int32, device=device)
     if cu is not None:
         table[0] = cu.numel() - 1
         table[1:cu.numel() + 1] = cu
@@ -127,7 +128,7 @@ def _(q, k, v, position_ids, softmax_scale, window_left, window_right, softcap):
     batch, length, heads, _ = q.shape
     return (torch.empty(q.shape, dtype=q.dtype, device=q.device),
             q.new_empty((batch, heads, length), dtype=torch.float32),
-            torch.empty(batch * length + 2, dtype=torch.int32))
+            torch.empty(batch * length + 2, dtype=torch.int32, device=position_ids.device))
 
 
 @torch.library.custom_op("tvmflash::flash_attn_documents_backward", mutates_args=())

@@ -137,11 +137,8 @@ def _forward_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_
         return call.forward(q, k, v, lse), lse
     out, lse = _run_forward(None, *args)
     if key is not None and not _empty_problem(q, k, False):
-        kernels = kernels_for(q, deterministic=deterministic, softcap=softcap > 0, seqlens=(q.shape[1], k.shape[1]))
-        _remember(key, _ForwardCall(kernels, (*q.shape[:3], k.shape[2]), k.shape[1],
-                                    checks.softmax_scale(softmax_scale, kernels.head_dim),
-                                    checks.window((window_left, window_right), False), _mod_inputs(q, softcap, None),
-                                    op_scalars=args[6:]))
+        options = checks.FlashOptions(softmax_scale, False, (window_left, window_right), softcap, deterministic)
+        _remember_call(key, (*q.shape[:3], k.shape[2]), q, k, options, False, args[6:])
     return out, lse
 
 
