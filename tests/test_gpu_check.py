@@ -21,6 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 try:
     import gpu_bundle
+    import gpu_profile
     from gpucheck import cases, cli, correctness, long, orchestrate, report, speed, stage
 finally:
     sys.path.pop(0)
@@ -364,6 +365,18 @@ def test_the_bundle_has_the_kernels_of_its_runs():
                          for c in cases.correctness_cases("cuda", False) if c.softcap or c.alibi}
     assert "exec python3 benchmarks/gpu_check.py \"$@\"" in gpu_bundle.RUN_SH
     assert (ROOT / "benchmarks" / "gpu_check.py").is_file()
+
+
+def test_the_session_script_runs_only_bundled_kernels():
+    """gpu_session.sh (one device call) parses, and the profilers' calls need only bundled kernels."""
+    subprocess.run(["bash", "-n", str(ROOT / "benchmarks" / "gpu_session.sh")], check=True)
+    bundled = {(dtype, head_dim) for dtype, head_dim, _causal, deterministic in gpu_bundle.bundled_variants()
+               if not deterministic}
+    for case in [gpu_profile.NCU_CASE, *gpu_profile.SANITIZE_CASES]:
+        assert (str(case[6]).removeprefix("torch."), case[5]) in bundled, case
+    session = (ROOT / "benchmarks" / "gpu_session.sh").read_text()
+    assert "--deterministic --stages speed" in session and "--cases N=8192,D=128,dtype=bf16,causal=0" in session
+    assert ("bfloat16", 128, False, True) in gpu_bundle.bundled_variants()
 
 
 def test_run_cases_reports_errors_and_skips_past_the_budget(tmp_path):

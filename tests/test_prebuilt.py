@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 import tvmflash
+from tvmflash import cuda_binaries
 
 RUNTIME_ONLY_CHECK = r"""
 import sys, torch, tvm
@@ -53,15 +57,80 @@ def test_prebuilt_cpu_kernels_run_with_the_tvm_runtime_alone(tmp_path, seed):
 
 
 def test_cuda_kernels_export_for_a_gpu_machine(tmp_path):
-    """Without a GPU TVM keeps the CUDA source in the module; it exports (and compiles at load)."""
+    """Without a GPU TVM keeps the CUDA source in the module; it exports, and with nvcc here
+    prebuild compiles each library's binary beside it (TVM's runtime alone cannot compile)."""
     written = tvmflash.prebuild(tmp_path, {"kind": "cuda", "arch": "sm_90"}, head_dims=(64,), dtypes=("float16",),
                                 deterministic=(False, True))
-    assert [p.name for p in written] == ["cuda-sm_90-d64-float16.so", "cuda-sm_90-d64-float16-deterministic.so"]
-    for path in written:
+    libraries = [p for p in written if p.suffix == ".so"]
+    assert [p.name for p in libraries] == ["cuda-sm_90-d64-float16.so", "cuda-sm_90-d64-float16-deterministic.so"]
+    for path in libraries:
         meta = json.loads(Path(str(path) + ".json").read_text())
         assert meta["target"]["kind"] == "cuda" and meta["target"]["arch"] == "sm_90" and meta["spec"]["head_dim"] == 64
         assert path.stat().st_size > 10_000
-    assert json.loads(Path(str(written[1]) + ".json").read_text())["deterministic"] is True
+    assert json.loads(Path(str(libraries[1]) + ".json").read_text())["deterministic"] is True
+    binaries = [p for p in written if p.suffix == cuda_binaries.SUFFIX]
+    assert len(binaries) == (2 if shutil.which("nvcc") else 0)
+
+
+RUNTIME_ONLY_CUDA_CALLBACK = r"""
+import struct, sys, tvm, tvm_ffi
+from pathlib import Path
+assert tvm.base._RUNTIME_ONLY
+from tvmflash import cuda_binaries
+directory = Path(sys.argv[1])
+compile_source = tvm_ffi.get_global_func("tvm_callback_cuda_compile")
+try:  # TVM's own callback needs its compiler library: the reason cuda_binaries exists
+    compile_source('extern "C" __global__ void f() {}')
+    print("TVM's callback compiled")
+except Exception as err:
+    print("TVM's callback failed:", type(err).__name__)
+cuda_binaries.serve(directory, "sm_90")  # what runtime.load does before loading a CUDA library
+compile_source = tvm_ffi.get_global_func("tvm_callback_cuda_compile")
+for library in sorted(directory.glob("*.so")):
+    data = library.read_bytes()
+    # the module holds its source as a length-prefixed string: what TVM's runtime passes the callback
+    start = data.index(b"\n#ifdef __CUDACC_RTC__")
+    source = data[start:start + struct.unpack("<Q", data[start - 8:start])[0]].decode()
+    binary = bytes(compile_source(source))
+    print(library.name, (directory / cuda_binaries.binary_name(source, "sm_90")).read_bytes() == binary)
+try:
+    compile_source('extern "C" __global__ void g() {}')
+except Exception as err:
+    print("unknown source:", err)
+"""
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc compiles the binaries prebuild bundles")
+def test_prebuilt_cuda_binaries_serve_the_runtime_alone(tmp_path):
+    """A GPU machine with TVM's runtime only (the GPU bundle's) gets each library's binary from
+    the prebuilt directory when the library's source asks to be compiled."""
+    tvmflash.prebuild(tmp_path, {"kind": "cuda", "arch": "sm_90"}, head_dims=(64,), dtypes=("bfloat16",),
+                      score_mods=("none", "softcap"))
+    run = subprocess.run([sys.executable, "-c", RUNTIME_ONLY_CUDA_CALLBACK, str(tmp_path)], capture_output=True,
+                         text=True, timeout=300, env=dict(os.environ, TVM_USE_RUNTIME_LIB="1"))
+    lines = run.stdout.splitlines()
+    assert run.returncode == 0, run.stdout + run.stderr[-3000:]
+    assert lines[0].startswith("TVM's callback failed")
+    assert lines[1:3] == ["cuda-sm_90-d64-bfloat16-softcap.so True", "cuda-sm_90-d64-bfloat16.so True"]
+    assert lines[3].startswith("unknown source:") and "run tvmflash.prebuild on a machine with" in lines[3]
+
+
+def test_cuda_binaries_are_loaded_only_when_safe_and_unmodified(tmp_path):
+    source, binary = "extern \"C\" __global__ void f() {}", b"\x7fELF fake fatbin"
+    path = cuda_binaries.write(tmp_path, source, "sm_90", binary)
+    assert path.name == cuda_binaries.binary_name(source, "sm_90") and path.suffix == ".fatbin"
+    assert cuda_binaries.find(tmp_path, source, "sm_90") == binary
+    with pytest.raises(RuntimeError, match="has no binary of these kernels for sm_80"):
+        cuda_binaries.find(tmp_path, source, "sm_80")  # named by arch too
+    with pytest.raises(RuntimeError, match="has no binary"):
+        cuda_binaries.find(tmp_path, source + " ", "sm_90")  # and by the exact source
+    path.write_bytes(binary + b"!")
+    with pytest.raises(RuntimeError, match="does not match the checksum"):
+        cuda_binaries.find(tmp_path, source, "sm_90")
+    cuda_binaries.write(tmp_path, source, "sm_90", binary)
+    os.chmod(path, 0o664)
+    with pytest.raises(RuntimeError, match="writable by group"):
+        cuda_binaries.find(tmp_path, source, "sm_90")
 
 
 RUNTIME_ONLY_MISSING = r"""

@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import threading
 import time
 from pathlib import Path
@@ -22,7 +23,7 @@ from pathlib import Path
 import tvm
 import tvm_ffi
 
-from . import cache, checks, import_closure, product_rates, records, runtime, settings
+from . import cache, checks, cuda_binaries, import_closure, product_rates, records, runtime, settings
 from . import target as targets
 from .config import (AMX, AMX_TILE, BF16_DOT, KERNELS, TILE_EDGES, CPUKernelConfig, CUDAKernelConfig, default_arm_config,
                      default_cpu_config)
@@ -320,7 +321,9 @@ def prebuild(directory, target="cuda", head_dims=(64, 128), dtypes=("float16", "
     of flash-attn's built-in mods, keys of ``PREBUILD_MODS`` ("none", "softcap", "alibi",
     "softcap+alibi"). Not covered: flex_attention's traced mods and block masks, the decode
     kernel of flash_attn_with_kvcache, ring attention's fp32-result kernels. CUDA kernels built
-    on a machine without a GPU hold their CUDA source; TVM compiles it (NVRTC or nvcc) when they load.
+    on a machine without a GPU hold their CUDA source, which TVM with its compiler compiles when
+    they load; for TVM's runtime alone, which cannot, each is also compiled here with nvcc into a
+    binary beside it (``cuda_binaries``; returned with the libraries).
     """
     unknown = [m for m in score_mods if m not in PREBUILD_MODS]
     if unknown:
@@ -341,7 +344,21 @@ def prebuild(directory, target="cuda", head_dims=(64, 128), dtypes=("float16", "
                             + ("-deterministic" if kern.deterministic else "") + ".so")
                     kern.export_library(directory / name)
                     written.append(directory / name)
+                    if is_cuda and not _can_load(targets.resolve(target)):
+                        written += _prebuild_cuda_binary(directory, kern)
     return written
+
+
+def _prebuild_cuda_binary(directory: Path, kern: FlashKernels) -> list[Path]:
+    """The binary of CUDA kernels exported as source (no GPU here), for a GPU machine with TVM's
+    runtime alone, which cannot compile it (``cuda_binaries``); none without nvcc, with a warning."""
+    if shutil.which("nvcc") is None:
+        settings.warn("nvcc is not on PATH: the CUDA kernels are exported as source, which a GPU machine with "
+                      "TVM's compiler compiles when it loads them, but TVM's runtime alone cannot")
+        return []
+    arch = kern.meta["target"]["arch"]
+    source = kern.source()
+    return [cuda_binaries.write(directory, source, arch, cuda_binaries.compile_with_nvcc(source, arch))]
 
 
 def _nothing_prebuilt(target, spec: AttentionSpec, deterministic: bool) -> str:

@@ -22,7 +22,7 @@ from pathlib import Path
 import tvm
 import tvm_ffi
 
-from . import cache, checks, plan, settings, threads
+from . import cache, checks, cuda_binaries, plan, settings, threads
 from .config import AMX, BF16_DOT, config_from_json
 
 CPU_FUNCTIONS = ("flash_fwd", "flash_bwd", "uniform_means", "uniform_grads")
@@ -499,12 +499,16 @@ def read_meta(path: Path) -> dict:
 def load(path: str | os.PathLike) -> FlashKernels:
     """Load kernels written by ``FlashKernels.export_library``.
 
-    CPU kernels built for an instruction set this CPU lacks are refused (they would crash).
+    CPU kernels built for an instruction set this CPU lacks are refused (they would crash). CUDA
+    kernels exported without a GPU hold CUDA source: with TVM's runtime alone, their binaries
+    must lie beside them (``cuda_binaries``, written by ``prebuild``).
     """
     path = Path(path)
     meta = read_meta(path)
     if meta["target"]["kind"] == "cuda":
         _load_cuda_runtime()
+        if tvm.base._RUNTIME_ONLY:
+            cuda_binaries.serve(path.parent, meta["target"].get("arch", "sm_90"))
     else:
         from .target import missing_isa_features
 

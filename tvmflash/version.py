@@ -1,6 +1,9 @@
 """The package version and the oldest torch and transformers it supports (a leaf module:
 everything may import it; it imports neither library)."""
 
+import os
+import warnings
+
 __version__ = "0.2.0"
 
 # The oldest releases tvmflash is tested with (README, pyproject). Older ones are refused with a
@@ -12,6 +15,9 @@ __version__ = "0.2.0"
 # torch._dynamo._trace_wrapped_higher_order_op, torch._guards.tracing, make_fx's decompositions).
 MIN_TORCH = (2, 13)
 MIN_TRANSFORMERS = (5, 23)
+# Set to 1 to run with an older release anyway (a warning instead of the ImportError): for machines
+# whose torch cannot be replaced, such as the GPU machines the CUDA check runs on (torch 2.11 there).
+ALLOW_UNTESTED_ENV = "TVMFLASH_ALLOW_UNTESTED"
 
 
 def release(version: str) -> tuple[int, int]:
@@ -27,5 +33,9 @@ def require(library: str, version: str, minimum: tuple[int, int]) -> None:
     """ImportError naming the installed and the required release when ``version`` is older."""
     if release(version) < minimum:
         need = ".".join(map(str, minimum))
+        if os.environ.get(ALLOW_UNTESTED_ENV) == "1":
+            warnings.warn(f"tvmflash runs with {library} {version}, older than {need}, the oldest release it is "
+                          f"tested with (${ALLOW_UNTESTED_ENV}=1)", stacklevel=3)
+            return
         raise ImportError(f"tvmflash needs {library} >= {need} (the oldest release it is tested with), found "
                           f"{library} {version}: upgrade it, e.g. pip install '{library}>={need}'")
