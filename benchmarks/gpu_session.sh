@@ -13,6 +13,9 @@ extra=/tmp/gpu_session_extra
 rm -rf "$extra" && mkdir -p "$out" "$extra"
 exec > >(tee "$out/session.log") 2>&1
 source .gpu_bundle/setup.sh || exit 1
+# the profilers, where the image keeps them off PATH
+PATH="$PATH:/usr/local/cuda/bin:$(ls -d /opt/nvidia/nsight-compute/*/ 2>/dev/null | tail -n 1)"
+command -v ncu compute-sanitizer || echo "ncu or compute-sanitizer not found"
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv,noheader
 step() {  # step NAME SECONDS COMMAND...: run with a limit, say how it ended
     local name=$1 limit=$2 start=$SECONDS rc
