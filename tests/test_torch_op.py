@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from conftest import random_inputs, reference_attention
-from tvmflash import flash_attn_func
+from tvmflash import flash_attn_func, torch_op
 
 fwd_op = torch.ops.tvmflash.flash_attn_forward.default
 bwd_op = torch.ops.tvmflash.flash_attn_backward.default
@@ -17,13 +17,15 @@ bwd_op = torch.ops.tvmflash.flash_attn_backward.default
 @pytest.mark.parametrize("window,softcap,alibi", [((-1, 0), 0.0, False), ((5, 3), 12.0, True)],
                          ids=["causal", "window-softcap-alibi"])
 def test_opcheck_forward_and_backward(gen, window, softcap, alibi):
-    q, k, v = random_inputs(gen, 1, 20, 33, 4, 2, 64, "float32", requires_grad=True)
+    """The ops as torch.library sees them; they have no autograd formula (``_OpAttention``, which
+    calls them, has), so their inputs need no gradient here."""
+    q, k, v = random_inputs(gen, 1, 20, 33, 4, 2, 64, "float32")
     slopes = torch.rand(4, generator=gen) if alibi else None
     args = (None, None, slopes, 0.125, *window, softcap, False, False, None)
     torch.library.opcheck(fwd_op, (q, k, v, *args))
     out, lse = fwd_op(q, k, v, *args)
     dout = torch.randn(out.shape, generator=gen)
-    torch.library.opcheck(bwd_op, (dout, q.detach(), k.detach(), v.detach(), out.detach(), lse, *args))
+    torch.library.opcheck(bwd_op, (dout, q, k, v, out, lse, *args))
 
 
 @pytest.mark.parametrize("variant", [{}, {"window_size": (7, 3), "softcap": 9.0}, {"alibi": True}],
@@ -69,6 +71,22 @@ def test_dynamic_shapes_vmap_and_export_see_the_op(gen):
 
     exported = torch.export.export(Layer(), (q, k, v))
     torch.testing.assert_close(exported.module()(q, k, v), attention(q, k, v, 0.2))
+
+
+def test_torch_func_grad_and_vjp_match_autograd(gen):
+    """torch.func's transforms differentiate through the op path (``_OpAttention`` has the
+    setup_context form functorch needs; custom_op's generated Function had not)."""
+    q, k, v = random_inputs(gen, 2, 19, 23, 4, 2, 32, "float32", requires_grad=True)
+    w = torch.randn(2, 19, 4, 32, generator=gen)
+
+    def loss(q, k, v):
+        return (flash_attn_func(q, k, v, causal=True, softcap=5.0) * w).sum()
+
+    expected = torch.autograd.grad(loss(q, k, v), (q, k, v))
+    for ours, want in zip(torch.func.grad(loss, argnums=(0, 1, 2))(q, k, v), expected):
+        torch.testing.assert_close(ours, want, rtol=0, atol=1e-6)
+    _, vjp = torch.func.vjp(lambda q: flash_attn_func(q, k, v, causal=True, softcap=5.0), q)
+    torch.testing.assert_close(vjp(w)[0], expected[0], rtol=0, atol=1e-6)
 
 
 def test_torch_compile_inductor(gen):
@@ -168,7 +186,7 @@ def test_training_calls_skip_the_op_layers_with_the_ops_results(gen):
     direct = flash_attn_func(q, k, v, causal=True)
     assert "tvmflash" not in type(direct.grad_fn.next_functions[0][0]).__name__  # not the op's node
     direct_grads = torch.autograd.grad(direct, (q, k, v), dout)
-    via_op, _ = fwd_op(q, k, v, None, None, None, 0.125, -1, 0, 0.0, False, False, None)
+    via_op, _ = torch_op._OpAttention.apply(q, k, v, None, None, None, 0.125, -1, 0, 0.0, False, False, None)
     assert torch.equal(direct, via_op)
     for ours, op in zip(direct_grads, torch.autograd.grad(via_op, (q, k, v), dout)):
         assert torch.equal(ours, op)

@@ -80,7 +80,7 @@ def attention(q, k, v, position_ids: torch.Tensor | None, *, softmax_scale=None,
         raise ValueError(f"documents by position_ids need queries and keys of the same tokens, got {q.shape[1]} "
                          f"queries and {k.shape[1]} keys")
     q, k, v = (torch_op.kernel_layout(t) for t in torch_op._padded_head_dims(q, k, v))
-    out, _, _ = _documents_forward(q, k, v, position_ids, flash.softmax_scale, *flash.window, flash.softcap)
+    out, _, _ = _DocumentsAttention.apply(q, k, v, position_ids, flash.softmax_scale, *flash.window, flash.softcap)
     return out[..., :head_dim]
 
 
@@ -89,8 +89,7 @@ def _packed(*tensors):
     return tuple(t.reshape(t.shape[0] * t.shape[1], *t.shape[2:]) for t in tensors)
 
 
-@torch.library.custom_op("tvmflash::flash_attn_documents_forward", mutates_args=())
-def _documents_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position_ids: torch.Tensor,
+def _documents_forward_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position_ids: torch.Tensor,
                        softmax_scale: float, window_left: int, window_right: int, softcap: float
                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The forward op's body on the rows, or on the documents packed: out like q, lse (batch,
@@ -123,16 +122,18 @@ def _cu_seqlens(table: torch.Tensor) -> torch.Tensor | None:
     return None if count == 0 else table[1:count + 2]
 
 
-@_documents_forward.register_fake
-def _(q, k, v, position_ids, softmax_scale, window_left, window_right, softcap):
+def _documents_forward_fake(q, k, v, position_ids, softmax_scale, window_left, window_right, softcap):
     batch, length, heads, _ = q.shape
     return (torch.empty(q.shape, dtype=q.dtype, device=q.device),
             q.new_empty((batch, heads, length), dtype=torch.float32),
             torch.empty(batch * length + 2, dtype=torch.int32, device=position_ids.device))
 
 
-@torch.library.custom_op("tvmflash::flash_attn_documents_backward", mutates_args=())
-def _documents_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+_documents_forward = torch_op.define_op("flash_attn_documents_forward", _documents_forward_impl,
+                                        _documents_forward_fake)
+
+
+def _documents_backward_impl(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                         lse: torch.Tensor, documents: torch.Tensor, softmax_scale: float, window_left: int,
                         window_right: int, softcap: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """dq, dk, dv of ``_documents_forward``: the backward op's body on the rows or the documents
@@ -147,26 +148,37 @@ def _documents_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v:
     return tuple(g.view(t.shape) for g, t in zip(grads, (q, k, v)))
 
 
-@_documents_backward.register_fake
-def _(dout, q, k, v, out, lse, documents, softmax_scale, window_left, window_right, softcap):
+def _documents_backward_fake(dout, q, k, v, out, lse, documents, softmax_scale, window_left, window_right, softcap):
     return tuple(torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
 
 
-def _setup_context(ctx, inputs, output):
-    q, k, v, _, *scalars = inputs
-    out, lse, documents = output
-    ctx.save_for_backward(q, k, v, out, lse, documents)
-    ctx.scalars = scalars
-    ctx.mark_non_differentiable(lse, documents)
-    ctx.set_materialize_grads(False)  # (torch_op._setup_context says why)
+_documents_backward = torch_op.define_op("flash_attn_documents_backward", _documents_backward_impl,
+                                         _documents_backward_fake)
 
 
-def _autograd_backward(ctx, dout, _dlse, _ddocuments):
-    if dout is None:
-        return (None,) * 8
-    q, k, v, out, lse, documents = ctx.saved_tensors
-    grads = _documents_backward(torch_op.kernel_layout(dout), q, k, v, out, lse, documents, *ctx.scalars)
-    return *grads, None, None, None, None, None
+class _DocumentsAttention(torch.autograd.Function):
+    """The documents' forward op, differentiated by their backward op (see torch_op's
+    ``_OpAttention``: no Python autograd kernel on the ops)."""
 
+    @staticmethod
+    def forward(q, k, v, position_ids, softmax_scale, window_left, window_right, softcap):
+        return _documents_forward(q, k, v, position_ids, softmax_scale, window_left, window_right, softcap)
 
-_documents_forward.register_autograd(_autograd_backward, setup_context=_setup_context)
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        q, k, v, _, *scalars = inputs
+        out, lse, documents = output
+        ctx.save_for_backward(q, k, v, out, lse, documents)
+        ctx.scalars = scalars
+        ctx.mark_non_differentiable(lse, documents)
+        ctx.set_materialize_grads(False)  # (torch_op._setup_context says why)
+
+    @staticmethod
+    def backward(ctx, dout, _dlse, _ddocuments):
+        if dout is None:
+            return (None,) * 8
+        q, k, v, out, lse, documents = ctx.saved_tensors
+        grads = _documents_backward(torch_op.kernel_layout(dout), q, k, v, out, lse, documents, *ctx.scalars)
+        if torch.is_grad_enabled():  # create_graph=True (torch_op._backward_op says why)
+            grads = torch_op._NoSecondDerivative.apply(*grads, q, k, v, dout)
+        return *grads, None, None, None, None, None

@@ -1,9 +1,10 @@
-"""PyTorch binding: flash-attn 2's Python functions, as ``torch.library`` custom ops.
+"""PyTorch binding: flash-attn 2's Python functions, as ``torch.library`` ops.
 
 Two ops, ``tvmflash::flash_attn_forward`` -> (out, lse) and ``tvmflash::flash_attn_backward``
 -> (dq, dk, dv), each with a fake (meta) implementation, tie the compiled kernels into PyTorch:
-autograd through ``register_autograd``, ``torch.compile(fullgraph=True)`` through the fakes,
-and ``torch.library.opcheck`` passes. Eager calls on plain tensors skip the ops' Python layers
+autograd through an autograd.Function over them (``_OpAttention``: no Python autograd kernel on
+the ops, whose calls inductor's graphs pay every layer), ``torch.compile(fullgraph=True)``
+through the fakes, and ``torch.library.opcheck`` passes. Eager calls on plain tensors skip the ops' Python layers
 (~30-100 us a call): inference calls run the forward's body, training calls an autograd
 Function over the same bodies (``_EagerAttention``); compile, modes and transforms see the
 ops. In a CPU autocast region an eager call applies the forward op's autocast rule itself
@@ -182,7 +183,25 @@ def _run_forward(dims, q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, softma
     return out, lse
 
 
-_forward = torch.library.custom_op("tvmflash::flash_attn_forward", mutates_args=())(_forward_impl)
+# --- the ops -------------------------------------------------------------------------------------
+# Defined with torch.library directly rather than torch.library.custom_op, which adds a Python
+# Autograd kernel and a Python wrapper to every call: ~115 us a call with cold caches, which
+# inductor's graphs pay at every layer and step (they call the ops even without autograd).
+# Their autograd formula is an autograd.Function that calls them (``_OpAttention``), which
+# dynamo traces into compiled graphs and torch.func can transform.
+_OPS = torch.library.Library("tvmflash", "FRAGMENT")
+
+
+def define_op(name: str, impl, fake) -> torch._ops.OpOverload:
+    """``tvmflash::<name>``, a functional op with ``impl`` (its schema from the annotations) as
+    its CPU and CUDA kernel, ``fake`` for meta tensors and tracing, and no autograd formula."""
+    _OPS.define(name + torch.library.infer_schema(impl, mutates_args=()), tags=(torch.Tag.pt2_compliant_tag,))
+    for device in ("CPU", "CUDA"):
+        _OPS.impl(name, impl, device)
+    torch.library.register_fake(f"tvmflash::{name}", fake, lib=_OPS)
+    return getattr(torch.ops.tvmflash, name).default
+
+
 
 
 def _eager_path(*tensors) -> str | None:
@@ -239,11 +258,13 @@ def _with_autocast_applied(device_type: str, function, q, k, v, *args, **kwargs)
         return function(q, k, v, *args, **kwargs)
 
 
-@_forward.register_fake
-def _(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, softmax_scale, window_left, window_right, softcap,
-      deterministic, fp32_results, diagonal):
+def _forward_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, softmax_scale, window_left, window_right, softcap,
+                  deterministic, fp32_results, diagonal):
     out = torch.empty(q.shape, dtype=torch.float32 if fp32_results else q.dtype, device=q.device)
     return out, q.new_empty(_lse_shape(q, cu_seqlens_q is not None), dtype=torch.float32)
+
+
+_forward = define_op("flash_attn_forward", _forward_impl, _forward_fake)
 
 
 def _backward_impl(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
@@ -277,14 +298,13 @@ def _backward_impl(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
     return dq, dk, dv
 
 
-_backward = torch.library.custom_op("tvmflash::flash_attn_backward", mutates_args=())(_backward_impl)
-
-
-@_backward.register_fake
-def _(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes, softmax_scale, window_left, window_right,
-      softcap, deterministic, fp32_results, diagonal):
+def _backward_fake(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes, softmax_scale, window_left,
+                   window_right, softcap, deterministic, fp32_results, diagonal):
     dtype = torch.float32 if fp32_results else q.dtype
     return tuple(torch.empty(t.shape, dtype=dtype, device=t.device) for t in (q, k, v))
+
+
+_backward = define_op("flash_attn_backward", _backward_impl, _backward_fake)
 
 
 _SAVED_ARGS = ("cu_seqlens_q", "cu_seqlens_k", "alibi_slopes", "softmax_scale", "window_left", "window_right",
@@ -308,13 +328,44 @@ def _input_grads(ctx, dout, backward) -> tuple:
     return backward(kernel_layout(dout), q, k, v, out, lse, cu_q, cu_k, alibi, *ctx.scalars)
 
 
-def _autograd_backward(ctx, dout, _dlse):
-    if dout is None:  # nothing downstream used out
-        return (None,) * 13
-    return *_input_grads(ctx, dout, _backward), None, None, None, None, None, None, None, None, None, None
+class _OpAttention(torch.autograd.Function):
+    """The forward op, differentiated by the backward op: the path of calls that must be seen as
+    ops (torch.compile, modes, transforms, meta tensors)."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, softmax_scale, window_left, window_right, softcap,
+                deterministic, fp32_results, diagonal):  # (named: dynamo would pass ctx into *args)
+        return _forward(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, softmax_scale, window_left, window_right,
+                        softcap, deterministic, fp32_results, diagonal)
+
+    setup_context = staticmethod(_setup_context)
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):
+        if dout is None:  # nothing downstream used out
+            return (None,) * 13
+        return *_input_grads(ctx, dout, _backward_op), None, None, None, None, None, None, None, None, None, None
 
 
-_forward.register_autograd(_autograd_backward, setup_context=_setup_context)
+def _backward_op(dout, q, k, v, *rest):
+    """The backward op. Under create_graph=True its gradients stay connected to what they depend
+    on (``_NoSecondDerivative``): the op has no autograd formula, and differentiating them again
+    must raise rather than take them for constants."""
+    grads = _backward(dout, q, k, v, *rest)
+    return _NoSecondDerivative.apply(*grads, q, k, v, dout) if torch.is_grad_enabled() else grads
+
+
+def _op_attention(*args):
+    """``_OpAttention`` under the forward's autocast rule (``_follow_autocast``), applied here:
+    autograd must record the casts before the Function (its inputs are what it saves)."""
+    device_type = args[0].device.type
+    if device_type in _AUTOCAST_OFF and torch.is_autocast_enabled(device_type):
+        q, k, v = _autocast_inputs(device_type, *args[:3])
+        with torch.autocast(device_type, enabled=False):
+            return _OpAttention.apply(q, k, v, *args[3:])
+    return _OpAttention.apply(*args)
 
 
 class _EagerAttention(torch.autograd.Function):
@@ -333,10 +384,9 @@ class _EagerAttention(torch.autograd.Function):
     def backward(ctx, dout, _dlse):
         if dout is None:
             return (None,) * 14
-        # the op where a mode must see it, and with create_graph=True, where autograd then refuses
-        # to differentiate it (it has no formula) instead of taking dq, dk, dv for constants
+        # the op where a mode must see it, and with create_graph=True (_backward_op)
         direct = not torch.is_grad_enabled() and _no_modes()
-        return None, *_input_grads(ctx, dout, _backward_impl if direct else _backward), *(None,) * 10
+        return None, *_input_grads(ctx, dout, _backward_impl if direct else _backward_op), *(None,) * 10
 
 
 def padded_rows_attention(q, k, v, row_runs: tuple, *, softmax_scale, causal: bool, window_size, softcap: float,
@@ -434,12 +484,16 @@ class _RowRuns(torch.autograd.Function):
 
 class _NoSecondDerivative(torch.autograd.Function):
     """Gradients (dq, dk, dv) that stay connected to what they depend on, so that differentiating
-    them again raises, as the backward op does (it has no autograd formula), instead of taking
-    them for constants and dropping the second-order terms."""
+    them again raises (the backward has no autograd formula) instead of taking them for
+    constants and dropping the second-order terms."""
 
     @staticmethod
-    def forward(ctx, dq, dk, dv, *depends_on):
+    def forward(dq, dk, dv, q, k, v, dout):
         return dq, dk, dv
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):  # (the form torch.func's transforms need)
+        pass
 
     @staticmethod
     def backward(ctx, *grads):
@@ -578,7 +632,7 @@ def _attention(q, k, v, cu_seqlens_q, cu_seqlens_k, dropout_p, softmax_scale, ca
     elif path == "autograd":
         out, lse = _EagerAttention.apply(dims, *args)
     else:
-        out, lse = _forward(*args)
+        out, lse = _op_attention(*args)
     in_place = all(a is b for a, b in zip((q, k, v), given))  # no padding, no copy
     if path is not None and fast and key is not None and in_place and not _empty_problem(q, k, False):
         _remember_call(key, dims, q, k, options, return_attn_probs, args[6:])
@@ -736,7 +790,7 @@ class _RepeatedTraining(torch.autograd.Function):
         if not torch.is_grad_enabled() and _no_modes():
             grads = ctx.call.backward(dout, q, k, v, out, lse)
         if grads is None:  # create_graph, a mode, or what the kernel refused: the op (see _EagerAttention)
-            grads = _backward(kernel_layout(dout), q, k, v, out, lse, None, None, None, *ctx.call.op_scalars)
+            grads = _backward_op(kernel_layout(dout), q, k, v, out, lse, None, None, None, *ctx.call.op_scalars)
         return None, *grads
 
 
