@@ -13,9 +13,10 @@
   per length (ms per step, median of the steps of a process);
 * ``--dtypes``: bfloat16 and float32 models, and ``autocast``: an fp32 model whose forward runs
   under bf16 CPU autocast (mixed-precision training; ``generate()`` under it too);
-* ``compiled``: training steps of ``torch.compile``d models (inductor; the integration's
-  attention one custom op per layer, no graph break), ours and SDPA's in a random order each
-  round, forward, backward and AdamW timed apart;
+* ``compiled``: one attention call inside an inductor graph (warm, and with the caches
+  flushed), then training steps of ``torch.compile``d models (inductor; the integration's
+  attention one op per layer, no graph break), ours and SDPA's in a random order each round,
+  forward, backward and AdamW timed apart;
 * ``padded``: one layer's attention alone, forward + backward, on ``--batch`` left-padded rows
   (default 4) of each ``--train-lengths``, through the transformers integration's function
   against transformers' SDPA function with the 4D mask it would get, interleaved call by call.
@@ -359,6 +360,45 @@ def swapped(args: argparse.Namespace) -> None:
     print("\n".join(rows), flush=True)
 
 
+def compiled_calls(rounds: int) -> None:
+    """One attention call inside an inductor graph: a compiled function of 8 chained calls at
+    B1 N16 H8/2 D64 fp32 (no autograd), per call, warm and with the caches flushed (a 64 MB
+    copy before each graph call, as a model's other layers leave them); the two compiled
+    functions called in turn."""
+    q, k, v = torch.randn(1, 16, 8, 64), torch.randn(1, 16, 2, 64), torch.randn(1, 16, 2, 64)
+
+    def ours(q, k, v):
+        for _ in range(8):
+            q = tvmflash.flash_attn_func(q, k, v, causal=True) * 1.01
+        return q
+
+    def sdpa(q, k, v):
+        k, v = (_bhsd(t).repeat_interleave(4, 1) for t in (k, v))
+        for _ in range(8):
+            q = _bhsd(F.scaled_dot_product_attention(_bhsd(q), k, v, is_causal=True)) * 1.01
+        return q
+
+    graphs = {name: torch.compile(fn, fullgraph=True) for name, fn in (("ours", ours), ("sdpa", sdpa))}
+    source, sink = torch.empty(16 << 20), torch.empty(16 << 20)
+    rows = []
+    with torch.no_grad():
+        for graph in (*graphs.values(), *graphs.values()):  # compile, warm up
+            graph(q, k, v)
+        for flushed in (False, True):
+            times = {name: [] for name in graphs}
+            for _ in range(rounds):
+                for name, graph in graphs.items():
+                    if flushed:
+                        sink.copy_(source)
+                    start = time.perf_counter()
+                    graph(q, k, v)
+                    times[name].append(time.perf_counter() - start)
+            ours, theirs = (statistics.median(times[name]) / 8 for name in graphs)
+            rows.append(_row(f"op call in an inductor graph, {'caches flushed' if flushed else 'warm'} (N16 fp32)",
+                             ours, theirs))
+    _table("torch.compile: one attention call inside a compiled graph (median per call)", rows)
+
+
 def compiled_steps(args: argparse.Namespace) -> None:
     """Training steps of ``torch.compile``d models (inductor), the Llama on tvmflash and on SDPA
     with the same weights, in a random order each round; forward, backward and AdamW timed apart.
@@ -505,6 +545,7 @@ def main() -> None:
     if "swap" in args.parts:
         swapped(args)
     if "compiled" in args.parts:
+        compiled_calls(args.rounds)
         compiled_steps(args)
     print(f"\nload average at the end: {os.getloadavg()}")
 

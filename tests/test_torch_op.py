@@ -73,6 +73,20 @@ def test_dynamic_shapes_vmap_and_export_see_the_op(gen):
     torch.testing.assert_close(exported.module()(q, k, v), attention(q, k, v, 0.2))
 
 
+@pytest.mark.parametrize("op", ["flash_attn_forward", "flash_attn_backward", "flash_attn_documents_forward",
+                                "flash_attn_documents_backward"])
+def test_the_ops_have_no_python_autograd_layer(op):
+    """The ops inductor's graphs call every layer carry no Python Autograd kernel (custom_op's
+    costs ~20-40 us a call warm): their autograd is the Function that calls them."""
+    import tvmflash.documents  # noqa: F401  (defines the documents ops)
+
+    name = f"tvmflash::{op}"
+    assert torch._C._dispatch_has_kernel_for_dispatch_key(name, "CPU")
+    assert torch._C._dispatch_has_kernel_for_dispatch_key(name, "CUDA")
+    assert not torch._C._dispatch_has_kernel_for_dispatch_key(name, "Autograd")
+    assert not torch._C._dispatch_has_kernel_for_dispatch_key(name, "AutogradCPU")
+
+
 def test_torch_func_grad_and_vjp_match_autograd(gen):
     """torch.func's transforms differentiate through the op path (``_OpAttention`` has the
     setup_context form functorch needs; custom_op's generated Function had not)."""
