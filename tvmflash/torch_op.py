@@ -4,8 +4,8 @@ Two ops, ``tvmflash::flash_attn_forward`` -> (out, lse) and ``tvmflash::flash_at
 -> (dq, dk, dv), each with a fake (meta) implementation, tie the compiled kernels into PyTorch:
 autograd through an autograd.Function over them (``_OpAttention``: no Python autograd kernel on
 the ops, whose calls inductor's graphs pay every layer), ``torch.compile(fullgraph=True)``
-through the fakes, and ``torch.library.opcheck`` passes. Eager calls on plain tensors skip the ops' Python layers
-(~30-100 us a call): inference calls run the forward's body, training calls an autograd
+through the fakes, and ``torch.library.opcheck`` passes. Eager calls on plain tensors skip the
+dispatcher (~30-100 us a call): inference calls run the forward's body, training calls an autograd
 Function over the same bodies (``_EagerAttention``); compile, modes and transforms see the
 ops. In a CPU autocast region an eager call applies the forward op's autocast rule itself
 (``_cpu_autocast_applies``) and then takes the same paths. Tensors reach the kernels through
@@ -200,8 +200,6 @@ def define_op(name: str, impl, fake) -> torch._ops.OpOverload:
         _OPS.impl(name, impl, device)
     torch.library.register_fake(f"tvmflash::{name}", fake, lib=_OPS)
     return getattr(torch.ops.tvmflash, name).default
-
-
 
 
 def _eager_path(*tensors) -> str | None:
