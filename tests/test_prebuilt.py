@@ -127,6 +127,9 @@ def test_cuda_binaries_are_loaded_only_when_safe_and_unmodified(tmp_path):
     path.write_bytes(binary + b"!")
     with pytest.raises(RuntimeError, match="does not match the checksum"):
         cuda_binaries.find(tmp_path, source, "sm_90")
+    Path(str(path) + ".json").write_text("{")
+    with pytest.raises(RuntimeError, match="is no binary's metadata"):
+        cuda_binaries.find(tmp_path, source, "sm_90")
     cuda_binaries.write(tmp_path, source, "sm_90", binary)
     os.chmod(path, 0o664)
     with pytest.raises(RuntimeError, match="writable by group"):

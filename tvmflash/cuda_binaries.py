@@ -71,7 +71,11 @@ def find(directory: Path, source: str, arch: str) -> bytes:
         if not stat.S_ISREG(st.st_mode) or reason:
             raise RuntimeError(f"tvmflash will not load {p}: {reason or 'not a regular file'}")
     binary = path.read_bytes()
-    if hashlib.sha256(binary).hexdigest() != json.loads(meta_path.read_text())["sha256"]:
+    try:
+        digest = json.loads(meta_path.read_text())["sha256"]
+    except (ValueError, KeyError, TypeError) as err:
+        raise RuntimeError(f"tvmflash will not load {path}: {meta_path.name} is no binary's metadata ({err!r})") from None
+    if hashlib.sha256(binary).hexdigest() != digest:
         raise RuntimeError(f"tvmflash will not load {path}: it does not match the checksum in {meta_path.name}")
     return binary
 
