@@ -203,6 +203,16 @@ def store(key: str, request: dict, module, source: str | None, reload: bool = Fa
 
 
 # --- prebuilt kernels ($TVMFLASH_PREBUILT): the same rules, for a directory someone filled -------------
+def prebuilt_file_problem(path: Path) -> str | None:
+    """Why a file of a prebuilt directory may not be loaded (not a regular file, or writable by
+    another user than you or root), or None; OSError if it cannot be read (a missing file)."""
+    st = os.stat(path)
+    if not stat.S_ISREG(st.st_mode):
+        return f"{path.name} is not a regular file"
+    reason = _unsafe_reason(path, st, root_too=True)
+    return f"{path.name} could have been written by another user: {reason}" if reason else None
+
+
 def prebuilt_libraries(directory: Path):
     """(library, metadata) of each library in a ``$TVMFLASH_PREBUILT`` directory that may be
     loaded, in name order. The directory must be owned by this user or root and writable by
@@ -219,12 +229,9 @@ def prebuilt_libraries(directory: Path):
         library = meta_path.with_suffix("")
         try:
             for path in (meta_path, library):
-                st = os.stat(path)
-                if not stat.S_ISREG(st.st_mode):
-                    raise _BrokenEntry(f"{path.name} is not a regular file")
-                reason = _unsafe_reason(path, st, root_too=True)
-                if reason:
-                    raise _BrokenEntry(f"{path.name} could have been written by another user: {reason}")
+                problem = prebuilt_file_problem(path)
+                if problem:
+                    raise _BrokenEntry(problem)
             try:
                 meta = json.loads(meta_path.read_text(encoding="utf-8"))
                 digest = meta["sha256"]

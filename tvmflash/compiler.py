@@ -332,6 +332,7 @@ def prebuild(directory, target="cuda", head_dims=(64, 128), dtypes=("float16", "
     directory.mkdir(mode=0o755, parents=True, exist_ok=True)  # a directory only its owner writes
     written = []
     is_cuda = targets.resolve(target).kind.name == "cuda"
+    cuda_source = is_cuda and not _can_load(targets.resolve(target))  # (no GPU here: the libraries hold source)
     for head_dim in head_dims:
         for dtype in dtypes:
             for mods in score_mods:
@@ -344,7 +345,7 @@ def prebuild(directory, target="cuda", head_dims=(64, 128), dtypes=("float16", "
                             + ("-deterministic" if kern.deterministic else "") + ".so")
                     kern.export_library(directory / name)
                     written.append(directory / name)
-                    if is_cuda and not _can_load(targets.resolve(target)):
+                    if cuda_source:
                         written += _prebuild_cuda_binary(directory, kern)
     return written
 

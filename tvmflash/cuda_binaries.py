@@ -10,7 +10,7 @@ so with the runtime alone (``TVM_USE_RUNTIME_LIB=1``, or the package without
 options, when nvcc was there), so the GPU machine compiles nothing.
 
 A binary is the name of the source and arch it was compiled from (SHA-256), is loaded only
-under the prebuilt directory's rules (``cache.prebuilt_libraries``: owned by this user or root,
+under the prebuilt directory's rules (``cache.prebuilt_file_problem``: owned by this user or root,
 writable by nobody else, a regular file) and must hash to the digest in its ``.json``.
 """
 
@@ -19,11 +19,10 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import stat
 import threading
 from pathlib import Path
 
-from .cache import _unsafe_reason, file_digest
+from .cache import prebuilt_file_problem
 
 SUFFIX = ".fatbin"
 
@@ -50,7 +49,8 @@ def write(directory: Path, source: str, arch: str, binary: bytes) -> Path:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_bytes(binary)
     os.replace(tmp, path)
-    meta = {"arch": arch, "source_sha256": hashlib.sha256(source.encode()).hexdigest(), "sha256": file_digest(path)}
+    meta = {"arch": arch, "source_sha256": hashlib.sha256(source.encode()).hexdigest(),
+            "sha256": hashlib.sha256(binary).hexdigest()}
     Path(str(path) + ".json").write_text(json.dumps(meta, indent=1))
     return path
 
@@ -62,14 +62,13 @@ def find(directory: Path, source: str, arch: str) -> bytes:
     meta_path = Path(str(path) + ".json")
     for p in (path, meta_path):
         try:
-            st = os.stat(p)
+            problem = prebuilt_file_problem(p)
         except FileNotFoundError:
             raise RuntimeError(
                 f"TVM's runtime alone cannot compile CUDA source, and {directory} has no binary of these kernels "
                 f"for {arch} ({path.name}): run tvmflash.prebuild on a machine with TVM's compiler and nvcc") from None
-        reason = _unsafe_reason(p, st, root_too=True)
-        if not stat.S_ISREG(st.st_mode) or reason:
-            raise RuntimeError(f"tvmflash will not load {p}: {reason or 'not a regular file'}")
+        if problem:
+            raise RuntimeError(f"tvmflash will not load {p}: {problem}")
     binary = path.read_bytes()
     try:
         digest = json.loads(meta_path.read_text())["sha256"]

@@ -179,6 +179,4 @@ class _DocumentsAttention(torch.autograd.Function):
             return (None,) * 8
         q, k, v, out, lse, documents = ctx.saved_tensors
         grads = _documents_backward(torch_op.kernel_layout(dout), q, k, v, out, lse, documents, *ctx.scalars)
-        if torch.is_grad_enabled():  # create_graph=True (torch_op._backward_op says why)
-            grads = torch_op._NoSecondDerivative.apply(*grads, q, k, v, dout)
-        return *grads, None, None, None, None, None
+        return *torch_op.refusing_second_derivatives(grads, q, k, v, dout), None, None, None, None, None

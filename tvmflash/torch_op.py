@@ -348,10 +348,14 @@ class _OpAttention(torch.autograd.Function):
 
 
 def _backward_op(dout, q, k, v, *rest):
-    """The backward op. Under create_graph=True its gradients stay connected to what they depend
-    on (``_NoSecondDerivative``): the op has no autograd formula, and differentiating them again
-    must raise rather than take them for constants."""
-    grads = _backward(dout, q, k, v, *rest)
+    """The backward op (``refusing_second_derivatives``: it has no autograd formula)."""
+    return refusing_second_derivatives(_backward(dout, q, k, v, *rest), q, k, v, dout)
+
+
+def refusing_second_derivatives(grads: tuple, q, k, v, dout) -> tuple:
+    """dq, dk, dv of a backward without an autograd formula. Under create_graph=True they stay
+    connected to what they depend on (``_NoSecondDerivative``), so that differentiating them
+    again raises rather than takes them for constants."""
     return _NoSecondDerivative.apply(*grads, q, k, v, dout) if torch.is_grad_enabled() else grads
 
 
@@ -475,9 +479,7 @@ class _RowRuns(torch.autograd.Function):
             if call.softcap or not kernels.add_uniform_grads(dq, dk, dv, q, k, v, span, uniform.first,
                                                              uniform.weight, call.scale):
                 uniform_rows.add_gradients(dq, dk, dv, q, k, v, span, uniform, call.scale, call.softcap)
-        if torch.is_grad_enabled():  # create_graph=True: as the op's backward, refuse to be differentiated
-            return None, None, *_NoSecondDerivative.apply(dq, dk, dv, q, k, v, dout)
-        return None, None, dq, dk, dv
+        return None, None, *refusing_second_derivatives((dq, dk, dv), q, k, v, dout)
 
 
 class _NoSecondDerivative(torch.autograd.Function):
