@@ -175,6 +175,28 @@ def test_compiled_training_is_one_graph_for_documents_and_plain_rows(gen):
         assert max(_rel(p.grad, grads_e[n]) for n, p in ours.named_parameters()) <= GRAD_RTOL, step
 
 
+def test_compiled_padded_training_is_one_graph(gen):
+    """With a padding mask the attention is one op per layer under torch.compile too (the mask's
+    runs, holes and rows that see no key are read when it runs): fullgraph=True compiles, and one
+    graph serves left and right padding, a hole inside a row and a mask of ones, loss and every
+    gradient as eager's (the rows that see no key predict the first tokens: eager's mean of v)."""
+    eager, ours = _models("llama")
+    compiled = torch.compile(ours, backend="aot_eager", fullgraph=True)
+    ids, mask, labels = _padded_batch(gen)
+    holes, hole_labels = mask.clone(), labels.clone()
+    holes[2, 9] = 0
+    hole_labels[2, 9:11] = -100  # (the hole's own prediction: padding rows are undefined)
+    ones = torch.ones_like(mask)
+    for step, (m, lab) in enumerate(((mask, labels), (holes, hole_labels), (ones, ids.clone()))):
+        loss_e, _, grads_e = _loss_and_grads(eager, input_ids=ids, attention_mask=m, labels=lab)
+        ours.zero_grad(set_to_none=True)
+        with torch._dynamo.config.patch(error_on_recompile=step > 0):
+            loss_o = compiled(input_ids=ids, attention_mask=m, labels=lab, use_cache=False).loss
+            loss_o.backward()
+        assert abs(loss_o.item() - loss_e.item()) <= LOSS_RTOL * abs(loss_e.item()), step
+        assert max(_rel(p.grad, grads_e[n]) for n, p in ours.named_parameters()) <= GRAD_RTOL, step
+
+
 @pytest.mark.parametrize("model", ["llama", "gemma2"])
 def test_padded_batch_inference_matches_eager_on_blind_rows(model, gen):
     """Without gradients, rows that see no key (left padding, a row of padding only) take eager's

@@ -4,7 +4,8 @@ softmax is uniform over all keys, its output the mean of v, and its gradient sof
 at that uniform P. The reference below is that computation, dense, with autograd (no formula of
 ours in it). Through the integration's ``_padded_attention``: rows read in place (the uniform
 rows inside the row-runs Function), a mask with holes (the gather, then ``UniformRowsAttention``)
-and keys past the mask (a static cache's empty slots)."""
+and keys past the mask (a static cache's empty slots); and through ``padded.attention``, the one
+op torch.compile sees, on both of its paths."""
 
 import pytest
 import torch
@@ -12,7 +13,7 @@ import torch
 from conftest import assert_flash_rule, reference_magnitudes
 
 pytest.importorskip("transformers")
-from tvmflash import uniform_rows  # noqa: E402
+from tvmflash import padded, uniform_rows  # noqa: E402
 from tvmflash.integrations import transformers as tvm_hf  # noqa: E402
 from tvmflash.runtime import FlashKernels  # noqa: E402
 
@@ -30,11 +31,25 @@ def eager_attention(q, k, v, allowed, scale: float, softcap: float):
     return (p @ vh.repeat_interleave(groups, 1)).transpose(1, 2)
 
 
-CASES = {  # (mask over the keys (batch, n), keys past the mask)
-    "rows in place": (lambda m: m, 0),  # (the uniform rows on the kernels' uniform_means / uniform_grads)
-    "rows in place, torch ops": (lambda m: m, 0),  # (their torch formulation, which softcap takes)
-    "holes": (lambda m: m.index_fill(1, torch.tensor([20]), False), 0),
-    "static cache": (lambda m: m, 9),
+def _with_holes(mask):
+    return mask.index_fill(1, torch.tensor([20]), False)
+
+
+def _eager_path(q, k, v, mask, opts):
+    return tvm_hf._padded_attention(q, k, v, mask, opts, None)
+
+
+def _one_op(q, k, v, mask, opts):  # (what the integration calls under torch.compile)
+    return padded.attention(q, k, v, mask, **opts)
+
+
+CASES = {  # (mask over the keys (batch, n), keys past the mask, the call)
+    "rows in place": (lambda m: m, 0, _eager_path),  # (the uniform rows on the kernels' uniform_means / _grads)
+    "rows in place, torch ops": (lambda m: m, 0, _eager_path),  # (their torch formulation, which softcap takes)
+    "holes": (_with_holes, 0, _eager_path),
+    "static cache": (lambda m: m, 9, _eager_path),
+    "one op, rows in place": (lambda m: m, 0, _one_op),
+    "one op, holes": (_with_holes, 0, _one_op),
 }
 
 
@@ -46,7 +61,7 @@ def test_uniform_rows_match_eager_in_float64(gen, seed, monkeypatch, case, softc
     if case.endswith("torch ops"):
         monkeypatch.setattr(FlashKernels, "_uniform", lambda *args: False)
     batch, n, heads, heads_k = 4, 37, 6, 2
-    make_mask, empty_slots = CASES[case]
+    make_mask, empty_slots, attend = CASES[case]
     mask = torch.ones(batch, n, dtype=torch.bool)
     mask[0, :5] = False  # left padding: 5 rows see no key
     mask[1, :19] = False
@@ -58,9 +73,9 @@ def test_uniform_rows_match_eager_in_float64(gen, seed, monkeypatch, case, softc
     k, v = (torch.randn(batch, keys, heads_k, dim, generator=gen).to(dtype).requires_grad_() for _ in range(2))
     scale = dim ** -0.5
     opts = {"softmax_scale": scale, "causal": True, "window_size": (-1, -1), "softcap": softcap}
-    out = tvm_hf._padded_attention(q, k, v, mask, opts, None)
+    out = attend(q, k, v, mask, opts)
     with torch.no_grad():  # (the uniform rows' means written in place): the same output
-        assert torch.equal(tvm_hf._padded_attention(q, k, v, mask, opts, None), out)
+        assert torch.equal(attend(q, k, v, mask, opts), out)
 
     causal = torch.ones(n, keys, dtype=torch.bool).tril()
     allowed = causal[None] & torch.nn.functional.pad(mask, (0, empty_slots))[:, None, :]

@@ -75,11 +75,12 @@ def attention(q, k, v, position_ids: torch.Tensor | None, *, softmax_scale=None,
     # torch.compile: the checks read shapes only; the op finds the documents when it runs
     head_dim = q.shape[-1]
     flash = checks.flash_options(head_dim, **options)
+    q, k, v = torch_op._padded_head_dims(q, k, v)  # (before the checks, which take the kernels' head dims)
     checks.check_qkv(*(checks.info(t, name) for name, t in zip("qkv", (q, k, v))))
     if k.shape[1] != q.shape[1]:
         raise ValueError(f"documents by position_ids need queries and keys of the same tokens, got {q.shape[1]} "
                          f"queries and {k.shape[1]} keys")
-    q, k, v = (torch_op.kernel_layout(t) for t in torch_op._padded_head_dims(q, k, v))
+    q, k, v = (torch_op.kernel_layout(t) for t in (q, k, v))
     out, _, _ = _DocumentsAttention.apply(q, k, v, position_ids, flash.softmax_scale, *flash.window, flash.softcap)
     return out[..., :head_dim]
 

@@ -408,27 +408,37 @@ def padded_rows_attention(q, k, v, row_runs: tuple, *, softmax_scale, causal: bo
         return _with_autocast_applied("cpu", padded_rows_attention, q, k, v, row_runs, softmax_scale=softmax_scale,
                                       causal=causal, window_size=window_size, softcap=softcap,
                                       uniform_rows=uniform_rows)
-    row_runs = tuple(row_runs)
-    key = _call_key(q, k, v, 0.0, softmax_scale, causal, window_size, softcap, False, False)
-    call = _calls.get(key + (row_runs,)) if key is not None else None
-    if call is None:
-        call = _checked_row_runs_call(q, k, v, row_runs, key, softmax_scale=softmax_scale, causal=causal,
-                                      window_size=window_size, softcap=softcap)
-    elif not _plain_eager("cpu"):  # (the key: plain CPU tensors the kernels read in place)
-        call = None
+    if not _plain_eager("cpu"):
+        return None
+    call = row_runs_call(q, k, v, row_runs, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
+                         softcap=softcap)
     if call is None:
         return None
     out, _ = _RowRuns.apply(call, uniform_rows, q, k, v)
     return out
 
 
+def row_runs_call(q, k, v, row_runs: tuple, *, softmax_scale, causal: bool, window_size, softcap: float
+                  ) -> _ForwardCall | None:
+    """The kernels' checked call for attention within ``row_runs`` (see ``padded_rows_attention``)
+    of plain CPU tensors read in place, remembered per shapes, options and runs; None where it
+    does not apply (other tensors, head dims the kernels pad)."""
+    row_runs = tuple(row_runs)
+    key = _call_key(q, k, v, 0.0, softmax_scale, causal, window_size, softcap, False, False)
+    call = _calls.get(key + (row_runs,)) if key is not None else None
+    if call is None:
+        call = _checked_row_runs_call(q, k, v, row_runs, key, softmax_scale=softmax_scale, causal=causal,
+                                      window_size=window_size, softcap=softcap)
+    return call
+
+
 def _checked_row_runs_call(q, k, v, row_runs: tuple, key, *, softmax_scale, causal, window_size, softcap):
-    """``padded_rows_attention``'s checks and plan (remembered under ``key`` + the runs), or None."""
+    """``row_runs_call``'s checks and plan (remembered under ``key`` + the runs), or None."""
     options = checks.flash_options(q.shape[-1], softmax_scale=softmax_scale, causal=causal, window_size=window_size,
                                    softcap=softcap)
     tensors = (q, k, v)
     if (any(type(t) is not torch.Tensor or not t.is_cpu or t.dtype != q.dtype or t.stride(-1) != 1 for t in tensors)
-            or not _plain_eager("cpu") or checks.head_dim_padding([q.shape[-1]]) or q.shape[1] != k.shape[1]):
+            or checks.head_dim_padding([q.shape[-1]]) or q.shape[1] != k.shape[1]):
         return None
     longest = max((end - start for start, end in row_runs), default=0)
     kernels = kernels_for(q, softcap=options.softcap > 0, seqlens=(longest, longest))
@@ -442,18 +452,41 @@ def _checked_row_runs_call(q, k, v, row_runs: tuple, key, *, softmax_scale, caus
     return call
 
 
+def row_runs_forward(call: _ForwardCall, uniform: UniformRows | None, q, k, v) -> tuple[torch.Tensor, torch.Tensor]:
+    """out and lse of ``call`` (a ``row_runs_call``), the ``uniform`` rows' means added to out."""
+    lse = call.new_lse()
+    out = call.forward(q, k, v, lse)
+    if uniform is not None:
+        span = out[:, uniform.first:uniform.end]
+        if not call.kernels.add_uniform_means(span, v, uniform.weight):
+            uniform_rows.add_means(span, v, uniform)
+    return out, lse
+
+
+def row_runs_backward(call: _ForwardCall, uniform: UniformRows | None, dout, q, k, v, out, lse) -> tuple:
+    """dq, dk, dv of ``row_runs_forward``."""
+    kernels = call.kernels
+    grad_out = kernel_layout(dout)
+    grads = call.backward(grad_out, q, k, v, out, lse)
+    if grads is None:  # what the kernel refused: the checked launch names it
+        grads = tuple(call.new_output(t.shape, t.dtype) for t in (q, k, v))
+        kernels.launch_backward(call.dims, grad_out, q, k, v, out, lse, *grads, call.scale, call.window, None,
+                                None, mod_inputs=call.mods, row_runs=call.row_runs)
+    dq, dk, dv = grads
+    if uniform is not None:  # (their rows of dq are outside the runs: 0 so far; fp32 sums, one rounding)
+        span = grad_out[:, uniform.first:uniform.end]
+        if call.softcap or not kernels.add_uniform_grads(dq, dk, dv, q, k, v, span, uniform.first,
+                                                         uniform.weight, call.scale):
+            uniform_rows.add_gradients(dq, dk, dv, q, k, v, span, uniform, call.scale, call.softcap)
+    return dq, dk, dv
+
+
 class _RowRuns(torch.autograd.Function):
-    """``padded_rows_attention``'s forward and backward on the kernels (``call``: a
-    ``_ForwardCall`` with row runs), and the uniform rows' (``uniform``) on theirs."""
+    """``padded_rows_attention``'s forward and backward (``row_runs_forward``, ``_backward``)."""
 
     @staticmethod
     def forward(ctx, call, uniform, q, k, v):
-        lse = call.new_lse()
-        out = call.forward(q, k, v, lse)
-        if uniform is not None:
-            span = out[:, uniform.first:uniform.end]
-            if not call.kernels.add_uniform_means(span, v, uniform.weight):
-                uniform_rows.add_means(span, v, uniform)
+        out, lse = row_runs_forward(call, uniform, q, k, v)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.call, ctx.uniform = call, uniform
         ctx.mark_non_differentiable(lse)
@@ -464,22 +497,9 @@ class _RowRuns(torch.autograd.Function):
     def backward(ctx, dout, _dlse):
         if dout is None:
             return None, None, None, None, None
-        call, uniform = ctx.call, ctx.uniform
-        kernels = call.kernels
         q, k, v, out, lse = ctx.saved_tensors
-        grad_out = kernel_layout(dout.detach())
-        grads = call.backward(grad_out, q, k, v, out, lse)
-        if grads is None:  # what the kernel refused: the checked launch names it
-            grads = tuple(call.new_output(t.shape, t.dtype) for t in (q, k, v))
-            kernels.launch_backward(call.dims, grad_out, q, k, v, out, lse, *grads, call.scale, call.window, None,
-                                    None, mod_inputs=call.mods, row_runs=call.row_runs)
-        dq, dk, dv = grads
-        if uniform is not None:  # (their rows of dq are outside the runs: 0 so far; fp32 sums, one rounding)
-            span = grad_out[:, uniform.first:uniform.end]
-            if call.softcap or not kernels.add_uniform_grads(dq, dk, dv, q, k, v, span, uniform.first,
-                                                             uniform.weight, call.scale):
-                uniform_rows.add_gradients(dq, dk, dv, q, k, v, span, uniform, call.scale, call.softcap)
-        return None, None, *refusing_second_derivatives((dq, dk, dv), q, k, v, dout)
+        grads = row_runs_backward(ctx.call, ctx.uniform, dout.detach(), q, k, v, out, lse)
+        return None, None, *refusing_second_derivatives(grads, q, k, v, dout)
 
 
 class _NoSecondDerivative(torch.autograd.Function):

@@ -44,6 +44,11 @@ What the attention function handles, with what transformers passes it:
   alignment (the new token sees every cached key of its own sequence, or the last w of them);
   static caches (slots after the last token still empty) are cut to the tokens written.
 
+Under ``torch.compile`` each layer's attention is one op that reads what the mask or
+``position_ids`` say when the graph runs (``padded.attention``, ``documents.attention``): one
+graph, also for padded batches, except on layers whose sliding window is shorter than the
+sequence, given a padding mask (``_window_over_holes`` reads the mask first), and decode steps.
+
 Not supported (a clear error rather than a wrong result): attention dropout > 0 (tvmflash has
 no dropout; ``model.eval()`` or ``attention_dropout=0``), 4D or BlockMask attention masks,
 masks with extra patterns (``or_mask_function``/``and_mask_function``, e.g. bidirectional
@@ -62,7 +67,8 @@ from .. import version
 from ..flex import flex_attention
 from ..kvcache import flash_attn_with_kvcache, repeated_decode_step
 from ..torch_op import flash_attn_func, flash_attn_varlen_func, padded_rows_attention
-from .. import documents, uniform_rows
+from .. import documents, padded, uniform_rows
+from ..padded import blind_rows, per_mask, row_runs, unpad_plan
 from ..uniform_rows import UniformRows, UniformRowsAttention
 
 NAME = "tvm_attention"
@@ -128,6 +134,8 @@ def key_padding_mask(batch_size: int, q_length: int | None = None, kv_length: in
     if attention_mask.dim() != 2:
         raise ValueError(f"expected a 2D (batch, length) padding mask, got shape {tuple(attention_mask.shape)}")
     mask = attention_mask[:, -kv_length:].to(torch.bool)  # a sliding layer's cache keeps the last kv_length keys
+    if torch.compiler.is_compiling() and q_length == kv_length == mask.shape[1] and kwargs.get("local_size") is None:
+        return mask  # (reading the mask would break the graph; the padded op reads it when it runs)
     if mask.shape[1] == kv_length and bool(mask.all()):
         return None
     return mask
@@ -180,7 +188,9 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
                                softcap=softcap)
         return (out if v_head_dim == head_dim else out[..., :v_head_dim]), None
     opts = {"softmax_scale": scaling, "causal": causal, "window_size": window, "softcap": softcap}
-    if attention_mask is not None:
+    if attention_mask is not None and torch.compiler.is_compiling() and _one_op_applies(q, k, attention_mask, window):
+        out = padded.attention(q, k, v, attention_mask, **opts)
+    elif attention_mask is not None:
         out = _padded_attention(q, k, v, attention_mask, opts, sliding_window)
     elif cu_q is not None and cu_k is not None:
         out = _packed_attention(q, k, v, cu_q, cu_k, opts)
@@ -195,6 +205,14 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     if v_head_dim != head_dim:
         out = out[..., :v_head_dim]
     return out, None
+
+
+def _one_op_applies(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor, window: tuple[int, int]) -> bool:
+    """Whether ``padded.attention``, one op over the mask, takes a padded call under
+    torch.compile (no graph break): the queries and keys are the mask's tokens (no KV cache, no
+    static cache's empty slots), and no window (which, over holes, counts positions in the row:
+    ``_window_over_holes``). Shapes only: the mask's values are read when the op runs."""
+    return q.shape[1] == k.shape[1] == mask.shape[1] and window == (-1, -1)
 
 
 def _attention_dtype(q: torch.Tensor) -> torch.dtype:
@@ -229,7 +247,7 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask
     gathered real keys.
     """
     n = k.shape[1] if key_mask is None else key_mask.shape[1]
-    left_pad = None if key_mask is None else _per_mask(key_mask, "_tvmflash_left_pad", None,
+    left_pad = None if key_mask is None else per_mask(key_mask, "_tvmflash_left_pad", None,
                                                          lambda: _left_pad(key_mask))
     if ((key_mask is None or left_pad is not None)
             and not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad))):
@@ -245,7 +263,7 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask
     if window_size[0] >= 0:  # holes and a window: the window counts positions in the row (as eager), not real keys
         key_mask = key_mask & (torch.arange(n, device=key_mask.device) >= n - 1 - window_size[0])
         opts["window_size"] = (-1, window_size[1])
-    plan = _unpad_plan(key_mask, 1)
+    plan = unpad_plan(key_mask, 1)
     if on_kernel and plan.max_k > 0:  # holes (pad tokens inside a prompt): each row's real keys gathered to its front
         table, lengths = plan.key_table(key_mask)
         if q.shape[0] == 1:  # index_select: ~2.5x faster than advanced indexing here
@@ -286,59 +304,6 @@ def _window(sliding_window: int | None, causal: bool, len_k: int) -> tuple[int, 
     return (w, w)
 
 
-class _Unpad:
-    """Where the real tokens of a padded batch are, and their sequences' boundaries."""
-
-    __slots__ = ("key_index", "cu_k", "max_k", "query_index", "cu_q", "max_q", "_key_table")
-
-    def __init__(self, key_mask: torch.Tensor, len_q: int):
-        self.key_index, self.cu_k, self.max_k = _nonzero_and_cu(key_mask)
-        # The queries are the last len_q keys (transformers' flash-attention convention).
-        self.query_index, self.cu_q, self.max_q = _nonzero_and_cu(key_mask[:, -len_q:])
-        self._key_table = None
-
-    def key_table(self, key_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """((batch, max_k) positions of each row's real keys in order, padded with later
-        positions; (batch,) int32 counts): a decode step's gather of the real keys, which the
-        KV-cache kernel then reads as a cache of ``counts`` tokens per row."""
-        if self._key_table is None:
-            order = torch.argsort((~key_mask.bool()).to(torch.uint8), dim=1, stable=True)  # real keys first
-            self._key_table = (order[:, :self.max_k], (self.cu_k[1:] - self.cu_k[:-1]).to(torch.int32))
-        return self._key_table
-
-def _blind_rows(mask: torch.Tensor, len_q: int, causal: bool, sliding_window: int | None) -> UniformRows | None:
-    """The query rows for which transformers' mask hides every key (as ``UniformRows``), or None;
-    found once per mask tensor and kind of layer (a model's layers share their masks).
-
-    Such rows (padding queries before a row's first token: left padding) are where transformers'
-    ``eager`` adds its most negative number to every score: the softmax is then uniform over all
-    the layer's keys, and ``eager`` returns the mean of v. Padding queries at these positions
-    predict the first real token, so a causal-LM loss sees them.
-    """
-    w = int(sliding_window) if sliding_window and sliding_window > 0 else None
-    found = _per_mask(mask, "_tvmflash_blind_rows", None, dict)
-    if (len_q, causal, w) not in found:
-        n = mask.shape[1]
-        seen = torch.nn.functional.pad(mask.cumsum(1, dtype=torch.int32), (1, 0))  # seen[:, i]: real keys before i
-        pos = torch.arange(n - len_q, n, device=mask.device)  # the queries' positions among the keys
-        if causal:  # keys pos - w < j <= pos
-            lo, hi = ((pos + 1 - w).clamp_min(0) if w else torch.zeros_like(pos)), pos + 1
-        elif w:  # |pos - j| <= w
-            lo, hi = (pos - w).clamp_min(0), (pos + w + 1).clamp_max(n)
-        else:
-            lo, hi = torch.zeros_like(pos), torch.full_like(pos, n)
-        blind = (seen[:, hi] - seen[:, lo]) == 0
-        found[(len_q, causal, w)] = UniformRows.at(*blind.nonzero(as_tuple=True), mask.shape[0])
-    return found[(len_q, causal, w)]
-
-
-def _nonzero_and_cu(mask: torch.Tensor):
-    lengths = mask.sum(dim=1, dtype=torch.int32)
-    cu = torch.nn.functional.pad(torch.cumsum(lengths, 0, dtype=torch.int32), (1, 0))
-    index = mask.nonzero(as_tuple=True)  # (batch index, position), row-major: sequences in order
-    return index, cu, int(lengths.max()) if lengths.numel() else 0
-
-
 def _left_pad(mask: torch.Tensor) -> torch.Tensor | None:
     """(batch,) int32 first real key where every row's real keys are one run ending at the last
     key (left padding, or none: what decode's KV-cache kernel reads), else None."""
@@ -348,46 +313,6 @@ def _left_pad(mask: torch.Tensor) -> torch.Tensor | None:
     return first.to(torch.int32) if torch.equal(run, mask.bool()) else None
 
 
-def _row_runs(mask: torch.Tensor) -> tuple | None:
-    """Each row's (first, end) real key where every row's real keys are one run (left or right
-    padding: what tokenizers make), else None (holes: pad tokens inside a sequence)."""
-    n = mask.shape[1]
-    lengths = mask.sum(dim=1)
-    first = mask.to(torch.uint8).argmax(dim=1) * (lengths > 0)
-    positions = torch.arange(n, device=mask.device)[None, :]
-    run = (positions >= first[:, None]) & (positions < (first + lengths)[:, None])
-    if not torch.equal(run, mask.bool()):
-        return None
-    return tuple((start, start + length) for start, length in zip(first.tolist(), lengths.tolist()))
-
-
-def _unpad_plan(mask: torch.Tensor, len_q: int) -> _Unpad:
-    """The gather indices and cu_seqlens for ``mask``, computed once per mask tensor."""
-    return _per_mask(mask, "_tvmflash_unpad", len_q, lambda: _Unpad(mask, len_q))
-
-
-def _per_mask(mask: torch.Tensor, name: str, key, build):
-    """``build()``, computed once per mask tensor and ``key`` (kept on the tensor as ``name``).
-
-    A model builds its masks once per forward and hands the same tensor to every layer of a
-    kind, so the indices (and the device sync for the lengths) are found once, not per layer.
-    A decode step gets a new mask every token and needs only its left padding (``_left_pad``:
-    ~12 us, against ~38 for the full plan).
-    """
-    if mask.is_inference():  # no version counter to tell an in-place change: computed per call
-        return build()
-    stamp = (mask._version, key)
-    cached = getattr(mask, name, None)
-    if cached is not None and cached[0] == stamp:
-        return cached[1]
-    found = build()
-    try:
-        setattr(mask, name, (stamp, found))
-    except (AttributeError, RuntimeError):  # tensor subclasses that refuse attributes
-        pass
-    return found
-
-
 def _padded_attention(q, k, v, mask: torch.Tensor, opts: dict, sliding_window: int | None) -> torch.Tensor:
     """Attention over the real tokens of a padded batch. Rows whose real tokens are one run (left
     or right padding) are read in place (``padded_rows_attention``, the runs as the kernels'
@@ -395,7 +320,7 @@ def _padded_attention(q, k, v, mask: torch.Tensor, opts: dict, sliding_window: i
     ``flash_attn_varlen_func`` and a scatter.
 
     Padding query rows get 0, except rows for which transformers' mask hides every key: they get
-    what ``eager`` gives them, the mean of v over the layer's keys (see ``_blind_rows``).
+    what ``eager`` gives them, the mean of v over the layer's keys (see ``padded.blind_rows``).
     """
     mask = mask.to(device=q.device, dtype=torch.bool)
     batch, len_q, heads, head_dim = q.shape
@@ -409,8 +334,8 @@ def _padded_attention(q, k, v, mask: torch.Tensor, opts: dict, sliding_window: i
     k_all, v_all = k, v
     if n < k.shape[1]:  # keys past the mask: empty static-cache slots (else no view: two autograd nodes fewer)
         k, v = k[:, :n], v[:, :n]
-    runs = _per_mask(mask, "_tvmflash_row_runs", None, lambda: _row_runs(mask))
-    blind = _blind_rows(mask, len_q, opts["causal"], sliding_window)  # (eager: a softmax uniform over all keys)
+    runs = per_mask(mask, "_tvmflash_row_runs", None, lambda: row_runs(mask))
+    blind = blind_rows(mask, len_q, opts["causal"], sliding_window)  # (eager: a softmax uniform over all keys)
     empty_slots = k_all.shape[1] > n  # (a static cache's: the uniform rows average them too)
     out = None
     if runs is not None and len_q == n:
@@ -420,7 +345,7 @@ def _padded_attention(q, k, v, mask: torch.Tensor, opts: dict, sliding_window: i
     if out is None and runs is None and opts["window_size"] != (-1, -1):
         out = _window_over_holes(q, k, v, mask, opts, sliding_window)
     elif out is None:
-        plan = _unpad_plan(mask, len_q)
+        plan = unpad_plan(mask, len_q)
         out = flash_attn_varlen_func(q[plan.query_index], k[plan.key_index], v[plan.key_index], plan.cu_q,
                                      plan.cu_k, plan.max_q, plan.max_k, **opts)
         # Padded query rows get 0 (an index_put on zeros: differentiable, the gradient is a gather).
@@ -453,7 +378,7 @@ def _window_over_holes(q, k, v, mask: torch.Tensor, opts: dict, sliding_window: 
     def capped(score, b, h, q_idx, kv_idx):
         return softcap * torch.tanh(score / softcap)
 
-    blocks = _per_mask(mask, "_tvmflash_window_blocks", (len_q, causal, w),
+    blocks = per_mask(mask, "_tvmflash_window_blocks", (len_q, causal, w),
                        lambda: _window_block_mask(mask, len_q, causal, w, mask_mod))
     out = flex_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), score_mod=capped if softcap else None,
                          block_mask=blocks, scale=opts["softmax_scale"], enable_gqa=heads != k.shape[2])
