@@ -17,6 +17,8 @@
   flushed), then training steps of ``torch.compile``d models (inductor; the integration's
   attention one op per layer, no graph break), ours and SDPA's in a random order each round,
   forward, backward and AdamW timed apart;
+* ``compiled-generate``: ``generate()`` with a static cache and compiled forwards (transformers'
+  recipe for fast generation), ours and SDPA's in a random order each round;
 * ``padded``: one layer's attention alone, forward + backward, on ``--batch`` left-padded rows
   (default 4) of each ``--train-lengths``, through the transformers integration's function
   against transformers' SDPA function with the 4D mask it would get, interleaved call by call.
@@ -42,6 +44,7 @@ the numbers are preliminary.
     python benchmarks/model_speed.py padded --train-lengths 40 256 1024 --rounds 200
     python benchmarks/model_speed.py compiled --runs 20 --train-lengths 16 512
     python benchmarks/model_speed.py compiled --runs 12 --batch 4 --train-lengths 40 256 --dtypes float32
+    python benchmarks/model_speed.py compiled-generate --runs 8 --batch 4 --prompts 40 256 --new-tokens 32
 """
 
 from __future__ import annotations
@@ -459,6 +462,56 @@ def compiled_steps(args: argparse.Namespace) -> None:
     print("\n".join(rows), flush=True)
 
 
+def compiled_generate(args: argparse.Namespace) -> None:
+    """``generate()`` as transformers recommends it for speed: a static KV cache and the model's
+    forward compiled (inductor), prefill and decode steps alike; the Llama on tvmflash and on
+    SDPA with the same weights, in a random order each round (tokens/s; greedy, so the tokens
+    must agree: counted)."""
+    import copy
+    import random
+
+    rows = []
+    for dtype_name in args.dtypes:
+        dtype, autocast = _precision(dtype_name)
+        base = _llama(dtype, "sdpa").eval()
+        models = {}
+        for impl in ("tvm", "sdpa"):
+            model = copy.deepcopy(base)
+            model.set_attn_implementation(_implementation(impl))
+            model.forward = torch.compile(model.forward)
+            models[impl] = model
+        for prompt in args.prompts:
+            ids, kwargs = _generate_inputs(prompt, args.new_tokens, args.batch)
+            times, tokens = {impl: [] for impl in models}, {}
+
+            def run(impl, record=True):
+                start = time.perf_counter()
+                with torch.no_grad(), _autocast(autocast):
+                    tokens[impl] = models[impl].generate(ids, **kwargs, cache_implementation="static")
+                if record:
+                    times[impl].append(time.perf_counter() - start)
+
+            for impl in (*models, *models):  # compiles (a new prompt length: again), warm-up
+                run(impl, record=False)
+            order, agree = list(models), 0
+            for _ in range(args.runs):
+                random.shuffle(order)
+                for impl in order:
+                    run(impl)
+                agree += torch.equal(tokens["tvm"], tokens["sdpa"])
+            new = args.batch * args.new_tokens
+            ours, theirs = (new / statistics.median(times[impl]) for impl in ("tvm", "sdpa"))
+            paired = statistics.median(b / a for a, b in zip(times["tvm"], times["sdpa"]))
+            what = "prompt" if args.batch == 1 else f"{args.batch} left-padded prompts"
+            rows.append(f"| {dtype_name} {what} of {prompt}, {args.new_tokens} new tokens | {ours:,.0f} | "
+                        f"{theirs:,.0f} | {paired:.3f} | {agree} / {args.runs} |")
+            print(f"  compiled generate: {rows[-1]}", file=sys.stderr, flush=True)
+    print(f"\ngenerate() with a static cache and torch.compile'd forwards, ours and SDPA's in a random order each "
+          f"round ({args.runs} rounds): 8-layer Llama (GQA 8/2, D64); tokens/s\n\n| case | tvmflash | SDPA | "
+          "speed ratio (paired median) | same tokens |\n|---|---|---|---|---|")
+    print("\n".join(rows), flush=True)
+
+
 def _in_own_process(args: argparse.Namespace, worker: list[str]) -> float:
     command = [sys.executable, str(Path(__file__).resolve()), "--worker", *worker]
     if args.threads:
@@ -509,7 +562,7 @@ def worker(argv: list[str]) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parts = ["fixed", "linear", "generate", "train", "padded", "swap", "compiled"]
+    parts = ["fixed", "linear", "generate", "train", "padded", "swap", "compiled", "compiled-generate"]
     p.add_argument("parts", nargs="*", help=f"of {', '.join(parts)} (default: the first four)")
     p.add_argument("--rounds", type=int, default=1000, help="interleaved rounds per case (fixed, linear)")
     p.add_argument("--prompts", type=int, nargs="*", default=[32, 1024])
@@ -552,6 +605,8 @@ def main() -> None:
     if "compiled" in args.parts:
         compiled_calls(args.rounds)
         compiled_steps(args)
+    if "compiled-generate" in args.parts:
+        compiled_generate(args)
     print(f"\nload average at the end: {os.getloadavg()}")
 
 

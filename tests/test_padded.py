@@ -29,12 +29,13 @@ def _masks() -> dict[str, torch.Tensor]:
     return {"left": left, "right": right, "holes": holes, "none": torch.ones(BATCH, N, dtype=torch.bool)}
 
 
-def _real_rows_reference(q, k, v, dout, mask, window, dtype):
-    """out, dq, dk, dv in ``dtype`` of attention among each row's real tokens, the padding rows'
-    dout zeroed (what they get is ``test_uniform_rows.py``'s; here they add no gradient)."""
+def _real_rows_reference(q, k, v, dout, mask, window, dtype, len_q=None):
+    """out, dq, dk, dv in ``dtype`` of attention among each row's real tokens (the queries the
+    last ``len_q`` of the mask's positions), the padding rows' dout zeroed (what they get is
+    ``test_uniform_rows.py``'s; here they add no gradient)."""
     leaves = [t.detach().to(dtype).requires_grad_() for t in (q, k, v)]
     out, _ = reference_attention(*leaves, True, window_size=window, mask=mask[:, None, None, :], dtype=dtype)
-    real = mask[:, :, None, None]
+    real = mask[:, -(len_q or mask.shape[1]):, None, None]
     return out * real, *torch.autograd.grad(out, leaves, (dout * real).to(dtype))
 
 
@@ -111,11 +112,34 @@ def test_opcheck(gen):
 
 def test_what_the_op_refuses(gen):
     """A window over holes (the packed sequences would count packed positions, not positions in
-    the row) when the op runs, and a mask of the wrong shape when it is called: clear errors."""
+    the row) when the op runs, and a mask whose shape does not fit q and k when it is called:
+    clear errors."""
     q, k, v = random_inputs(gen, BATCH, N, N, 4, 2, 16, "float32")
     with pytest.raises(NotImplementedError, match="sliding window over a padding mask with holes"):
         padded.attention(q, k, v, _masks()["holes"], causal=True, window_size=(5, 0))
-    with pytest.raises(ValueError, match="padding mask must be a"):
-        padded.attention(q, k, v, _masks()["left"][:, 1:], causal=True)
-    with pytest.raises(ValueError, match="same tokens"):
-        padded.attention(q, k[:, 1:], v[:, 1:], _masks()["left"], causal=True)
+    for short_mask, keys in ((_masks()["left"][:, 1:], (k, v)), (_masks()["left"], (k[:, 1:], v[:, 1:])),
+                             (_masks()["left"][:2], (k, v))):  # (fewer positions than queries, keys; batch)
+        with pytest.raises(ValueError, match="padding mask must be a"):
+            padded.attention(q, *keys, short_mask, causal=True)
+
+
+@pytest.mark.parametrize("mask_name", ["left", "holes"])
+def test_queries_after_a_cache_and_empty_slots(gen, seed, mask_name):
+    """Queries that are the last len_q < n of the mask's positions (a prompt continuing a cache:
+    the varlen path, bottom-right aligned per row), keys past the mask (a static cache's empty
+    slots), and a mask of the cache's fixed length whose trailing columns hold no real key (cut
+    when the op runs): the real rows against float64, the fixed-length mask exactly as the cut one."""
+    mask, len_q, slots = _masks()[mask_name][:3], 12, 9
+    q, k, v = random_inputs(gen, 3, len_q, N + slots, 4, 2, 32, "float32", requires_grad=True)
+    dout = torch.randn(q.shape, generator=gen) * mask[:, -len_q:, None, None]
+    out = padded.attention(q, k, v, mask, causal=True)
+    ours = (out * mask[:, -len_q:, None, None], *torch.autograd.grad(out, (q, k, v), dout))
+    assert bool((ours[2][:, N:] == 0).all() and (ours[3][:, N:] == 0).all())  # (no real key there)
+    written = tuple(t[:, :N] for t in (k, v))  # (the reference aligns the queries to the end of its keys)
+    for name, got, ref, same in zip(("out", "dq", "dk", "dv"), ours,
+                                    *(_real_rows_reference(q, *written, dout, mask, (-1, -1), dt, len_q)
+                                      for dt in (torch.float64, torch.float32))):
+        got = got[:, :N] if name in ("dk", "dv") else got
+        assert_flash_rule(f"{mask_name} {name}", got, ref.detach(), same.detach(), q.dtype, seed)
+    fixed_length = padded.attention(q, k, v, torch.nn.functional.pad(mask, (0, slots)), causal=True)
+    assert torch.equal(fixed_length, out)

@@ -165,11 +165,18 @@ def test_compiled_training_is_one_graph_for_documents_and_plain_rows(gen):
     plain = torch.arange(24).repeat(3, 1)
     packed = torch.stack([torch.cat([torch.arange(n) for n in row]) for row in ([7, 10, 7], [3, 21], [24])])
     ids = torch.randint(0, 128, (3, 24), generator=gen)
-    for step, position_ids in enumerate((plain, packed)):
-        loss_e, _, grads_e = _loss_and_grads(eager, input_ids=ids, position_ids=position_ids, labels=ids)
+    _assert_one_graph_matches_eager(eager, ours, compiled, [dict(input_ids=ids, position_ids=position_ids, labels=ids)
+                                                           for position_ids in (plain, packed)])
+
+
+def _assert_one_graph_matches_eager(eager, ours, compiled, batches: list[dict]) -> None:
+    """Training steps of ``compiled`` (``ours`` compiled) on each batch: no recompile after the
+    first, loss and every parameter gradient as ``eager``'s."""
+    for step, inputs in enumerate(batches):
+        loss_e, _, grads_e = _loss_and_grads(eager, **inputs)
         ours.zero_grad(set_to_none=True)
         with torch._dynamo.config.patch(error_on_recompile=step > 0):
-            loss_o = compiled(input_ids=ids, position_ids=position_ids, labels=ids, use_cache=False).loss
+            loss_o = compiled(**inputs, use_cache=False).loss
             loss_o.backward()
         assert abs(loss_o.item() - loss_e.item()) <= LOSS_RTOL * abs(loss_e.item()), step
         assert max(_rel(p.grad, grads_e[n]) for n, p in ours.named_parameters()) <= GRAD_RTOL, step
@@ -187,14 +194,9 @@ def test_compiled_padded_training_is_one_graph(gen):
     holes[2, 9] = 0
     hole_labels[2, 9:11] = -100  # (the hole's own prediction: padding rows are undefined)
     ones = torch.ones_like(mask)
-    for step, (m, lab) in enumerate(((mask, labels), (holes, hole_labels), (ones, ids.clone()))):
-        loss_e, _, grads_e = _loss_and_grads(eager, input_ids=ids, attention_mask=m, labels=lab)
-        ours.zero_grad(set_to_none=True)
-        with torch._dynamo.config.patch(error_on_recompile=step > 0):
-            loss_o = compiled(input_ids=ids, attention_mask=m, labels=lab, use_cache=False).loss
-            loss_o.backward()
-        assert abs(loss_o.item() - loss_e.item()) <= LOSS_RTOL * abs(loss_e.item()), step
-        assert max(_rel(p.grad, grads_e[n]) for n, p in ours.named_parameters()) <= GRAD_RTOL, step
+    _assert_one_graph_matches_eager(eager, ours, compiled, [dict(input_ids=ids, attention_mask=m, labels=lab)
+                                                           for m, lab in ((mask, labels), (holes, hole_labels),
+                                                                          (ones, ids.clone()))])
 
 
 @pytest.mark.parametrize("model", ["llama", "gemma2"])
@@ -342,6 +344,32 @@ def test_generate_with_static_cache_matches_eager(gen):
                       cache_implementation="static")
         with torch.no_grad():
             assert torch.equal(ours.generate(ids * mask, **kwargs), eager.generate(ids * mask, **kwargs))
+
+
+def test_compiled_generate_with_static_cache_matches_eager(gen, monkeypatch):
+    """transformers' recipe for fast generation: a static cache and the forward compiled
+    (fullgraph=True: no graph break). The prefill is the padded op over the mask (the cache's
+    empty slots after it), each new token the decode op, which reads the mask when it runs: a
+    mask of the cache's fixed length where generate() drops an all-ones one. Tokens and scores
+    as eager's."""
+    torch._dynamo.reset()  # (the other tests' compiles of these code objects count towards dynamo's recompile limit)
+    eager, ours = _models("llama")
+    eager.eval()
+    compiled = copy.deepcopy(ours).eval()
+    compiled.forward = torch.compile(compiled.forward, backend="aot_eager", fullgraph=True)
+    decode_calls = []
+    decode = tvm_hf.decode_attention
+    monkeypatch.setattr(tvm_hf, "decode_attention", lambda *a, **kw: decode_calls.append(1) or decode(*a, **kw))
+    ids = torch.randint(1, 128, (2, 9), generator=gen)
+    for mask in (torch.ones_like(ids), torch.tensor([[0, 0, 0] + [1] * 6, [1] * 9])):
+        kwargs = dict(attention_mask=mask, max_new_tokens=10, do_sample=False, pad_token_id=0,
+                      cache_implementation="static", output_scores=True, return_dict_in_generate=True)
+        decode_calls.clear()
+        with torch.no_grad():
+            got, want = compiled.generate(ids * mask, **kwargs), eager.generate(ids * mask, **kwargs)
+        assert torch.equal(got.sequences, want.sequences)
+        assert max(_rel(a, b) for a, b in zip(got.scores, want.scores)) <= LOSS_RTOL
+        assert len(decode_calls) == 9 * ours.config.num_hidden_layers  # (the op's body: when the graph runs)
 
 
 def test_set_attn_implementation_switches_a_built_model(gen):

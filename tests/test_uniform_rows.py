@@ -50,6 +50,7 @@ CASES = {  # (mask over the keys (batch, n), keys past the mask, the call)
     "static cache": (lambda m: m, 9, _eager_path),
     "one op, rows in place": (lambda m: m, 0, _one_op),
     "one op, holes": (_with_holes, 0, _one_op),
+    "one op, static cache": (lambda m: m, 9, _one_op),
 }
 
 

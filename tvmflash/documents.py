@@ -157,27 +157,5 @@ _documents_backward = torch_op.define_op("flash_attn_documents_backward", _docum
                                          _documents_backward_fake)
 
 
-class _DocumentsAttention(torch.autograd.Function):
-    """The documents' forward op, differentiated by their backward op (see torch_op's
-    ``_OpAttention``: no Python autograd kernel on the ops)."""
-
-    @staticmethod
-    def forward(q, k, v, position_ids, softmax_scale, window_left, window_right, softcap):
-        return _documents_forward(q, k, v, position_ids, softmax_scale, window_left, window_right, softcap)
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        q, k, v, _, *scalars = inputs
-        out, lse, documents = output
-        ctx.save_for_backward(q, k, v, out, lse, documents)
-        ctx.scalars = scalars
-        ctx.mark_non_differentiable(lse, documents)
-        ctx.set_materialize_grads(False)  # (torch_op._setup_context says why)
-
-    @staticmethod
-    def backward(ctx, dout, _dlse, _ddocuments):
-        if dout is None:
-            return (None,) * 8
-        q, k, v, out, lse, documents = ctx.saved_tensors
-        grads = _documents_backward(torch_op.kernel_layout(dout), q, k, v, out, lse, documents, *ctx.scalars)
-        return *torch_op.refusing_second_derivatives(grads, q, k, v, dout), None, None, None, None, None
+# (the documents' forward op, differentiated by their backward op from the documents it found)
+_DocumentsAttention = torch_op.differentiable_pair(_documents_forward, _documents_backward, "_DocumentsAttention")

@@ -123,56 +123,79 @@ def blind_rows(mask: torch.Tensor, len_q: int, causal: bool, window: int | None)
 # --- one op over the mask (torch.compile) ----------------------------------------------------------
 def attention(q, k, v, mask: torch.Tensor, *, softmax_scale=None, causal=False, window_size=(-1, -1),
               softcap=0.0) -> torch.Tensor:
-    """Attention within the real tokens of each row of (batch, n, heads, head_dim) q, k, v (the
-    same n tokens), ``mask`` (batch, n) True at real tokens: a token sees the real tokens of its
-    row (causal: those not after it; a window counts positions in the row). Padding query rows
-    get 0, except those that see no real key, which get ``eager``'s mean of v (``blind_rows``).
+    """Attention over the real tokens of a padded batch: (batch, len_q, heads, head_dim) q, k and
+    v (batch, n_k, heads_kv, head_dim), ``mask`` (batch, n) True at real keys, len_q <= n <= n_k.
+    The queries are the last len_q of the mask's n positions (transformers' flash-attention
+    convention); keys after n are a static cache's empty slots, and so are the mask's trailing
+    columns that no row holds a real key in, where len_q < n (a compiled decode step's mask of
+    the cache's fixed length). A query sees the real keys of its row (causal: those not after
+    it; a window counts positions in the row). Padding query rows get 0, except those that see
+    no real key, which get ``eager``'s mean of v over all n_k keys (``blind_rows``).
 
     One op, whatever the mask (its values are read when the op runs): what ``torch.compile``
-    traces in one graph. Rows whose real tokens are one run are read in place on CPU tensors,
-    others gathered for the varlen kernels. A window over a mask with holes would count packed
-    positions there, not positions in the row: the op refuses it when it runs
-    (``integrations/transformers.py`` sends windowed layers elsewhere).
+    traces in one graph. Rows whose real tokens are one run, queries and keys alike, are read in
+    place on CPU tensors; others are gathered for the varlen kernels. A window over a mask with
+    holes would count packed positions there, not positions in the row: the op refuses it when
+    it runs (``integrations/transformers.py`` sends windowed layers elsewhere).
     """
     head_dim = q.shape[-1]
     flash = checks.flash_options(head_dim, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
                                  softcap=softcap)
     q, k, v = torch_op._padded_head_dims(q, k, v)  # (before the checks, which take the kernels' head dims)
     checks.check_qkv(*(checks.info(t, name) for name, t in zip("qkv", (q, k, v))))
-    if not isinstance(mask, torch.Tensor) or mask.dim() != 2 or tuple(mask.shape) != (q.shape[0], q.shape[1]):
+    if (not isinstance(mask, torch.Tensor) or mask.dim() != 2 or mask.shape[0] != q.shape[0]
+            or not q.shape[1] <= mask.shape[1] <= k.shape[1]):
         shape = tuple(mask.shape) if isinstance(mask, torch.Tensor) else type(mask).__name__
-        raise ValueError(f"the padding mask must be a (batch, seqlen) = {(q.shape[0], q.shape[1])} tensor, got {shape}")
-    if k.shape[1] != q.shape[1]:
-        raise ValueError(f"a padded batch's attention needs queries and keys of the same tokens, got {q.shape[1]} "
-                         f"queries and {k.shape[1]} keys")
+        raise ValueError(f"the padding mask must be a (batch, n) tensor with batch {q.shape[0]} and {q.shape[1]} "
+                         f"queries <= n <= {k.shape[1]} keys, got {shape}")
     mask = mask.to(device=q.device, dtype=torch.bool)
     q, k, v = (torch_op.kernel_layout(t) for t in (q, k, v))
     out, _ = _PaddedAttention.apply(q, k, v, mask, flash.softmax_scale, *flash.window, flash.softcap)
     return out[..., :head_dim]
 
 
-class _Layout:
-    """What the op's forward and backward bodies read from the mask: the row runs (or None), the
-    blind rows, the kernels' checked call on the runs (or None: the varlen path)."""
+def written_keys(mask: torch.Tensor, len_q: int) -> torch.Tensor:
+    """``mask`` without its trailing columns that hold no real key in any row, where it is
+    longer than the ``len_q`` queries (a static cache's empty slots; at least len_q columns
+    stay); the same view for each call on one mask tensor (what it says is cached on it)."""
+    if len_q >= mask.shape[1]:
+        return mask
 
-    __slots__ = ("runs", "blind", "call", "plan")
+    def cut():
+        used = mask.any(0).nonzero()
+        return mask[:, :max(int(used.max()) + 1 if used.numel() else 0, len_q)]
+
+    return per_mask(mask, "_tvmflash_written", len_q, cut)
+
+
+class _Layout:
+    """What the op's forward and backward bodies read from the mask (``written_keys``): the row
+    runs (or None), the blind rows, the kernels' checked call on the runs (or None: the varlen
+    path, ``plan``); k and v cut to the mask's keys (views), and whether the kernels add the
+    blind rows' terms (no empty slots) or the torch ops over all keys (``uniform_rows``)."""
+
+    __slots__ = ("runs", "blind", "call", "plan", "k", "v", "kernels_add_blind")
 
     def __init__(self, q, k, v, mask, softmax_scale: float, window_left: int, window_right: int, softcap: float):
+        len_q = q.shape[1]
+        mask = written_keys(mask, len_q)
         n = mask.shape[1]
         causal = window_right == 0
         window = (window_left + 1 if causal else window_left) if window_left >= 0 else None
+        self.k, self.v = (k, v) if k.shape[1] == n else (k[:, :n], v[:, :n])
         self.runs = per_mask(mask, "_tvmflash_row_runs", None, lambda: row_runs(mask))
-        self.blind = blind_rows(mask, n, causal, window)
-        self.call = None if self.runs is None else torch_op.row_runs_call(
-            q, k, v, self.runs, softmax_scale=softmax_scale, causal=False, window_size=(window_left, window_right),
-            softcap=softcap)
-        self.plan = None
+        if self.runs is None and window is not None:
+            raise NotImplementedError(
+                "a sliding window over a padding mask with holes (pad tokens inside a row) counts positions in the "
+                "row, which the packed sequences of tvmflash's padded op would not")
+        self.blind = blind_rows(mask, len_q, causal, window)
+        self.call = self.plan = None
+        if self.runs is not None and len_q == n:
+            self.call = torch_op.row_runs_call(q, self.k, self.v, self.runs, softmax_scale=softmax_scale, causal=False,
+                                               window_size=(window_left, window_right), softcap=softcap)
         if self.call is None:
-            if self.runs is None and window is not None:
-                raise NotImplementedError(
-                    "a sliding window over a padding mask with holes (pad tokens inside a row) counts positions in "
-                    "the row, which the packed sequences of tvmflash's padded op would not")
-            self.plan = unpad_plan(mask, n)
+            self.plan = unpad_plan(mask, len_q)
+        self.kernels_add_blind = self.call is not None and k.shape[1] == n
 
 
 def _packed_lse(lse: torch.Tensor, plan: Unpad) -> torch.Tensor:
@@ -185,16 +208,21 @@ def _padded_forward_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask
     """The forward op's body: out like q, lse (batch, heads, n), 0 at padding rows (but the
     blind rows' out: the mean of v)."""
     layout = _Layout(q, k, v, mask, softmax_scale, window_left, window_right, softcap)
+    blind = layout.blind
     if layout.call is not None:
-        return torch_op.row_runs_forward(layout.call, layout.blind, q, k, v)
-    plan, (batch, n, heads, _) = layout.plan, q.shape
-    out_real, lse_real = torch_op._forward_impl(q[plan.query_index], k[plan.key_index], v[plan.key_index], plan.cu_q,
-                                                plan.cu_k, None, softmax_scale, window_left, window_right, softcap,
-                                                False, False, None)
-    out = q.new_zeros(q.shape).index_put_(plan.query_index, out_real)
-    lse = lse_real.new_zeros(batch, n, heads).index_put_(plan.query_index, lse_real.T).transpose(1, 2).contiguous()
-    if layout.blind is not None:  # (their rows of out hold 0)
-        uniform_rows.add_means(out[:, layout.blind.first:layout.blind.end], v, layout.blind)
+        out, lse = torch_op.row_runs_forward(layout.call, blind if layout.kernels_add_blind else None, q, layout.k,
+                                             layout.v)
+    else:
+        plan, (batch, len_q, heads, _) = layout.plan, q.shape
+        keys = layout.k[plan.key_index], layout.v[plan.key_index]
+        out_real, lse_real = torch_op._forward_impl(q[plan.query_index], *keys, plan.cu_q, plan.cu_k, None,
+                                                    softmax_scale, window_left, window_right, softcap, False, False,
+                                                    None)
+        out = q.new_zeros(q.shape).index_put_(plan.query_index, out_real)
+        lse = lse_real.new_zeros(batch, len_q, heads).index_put_(plan.query_index, lse_real.T).transpose(1, 2)
+        lse = lse.contiguous()
+    if blind is not None and not layout.kernels_add_blind:  # (their rows of out hold 0)
+        uniform_rows.add_means(out[:, blind.first:blind.end], v, blind)
     return out, lse
 
 
@@ -211,16 +239,20 @@ def _padded_backward_impl(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, 
                           window_right: int, softcap: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """dq, dk, dv of ``_padded_forward`` (the same choice of path, made again from the mask)."""
     layout = _Layout(q, k, v, mask, softmax_scale, window_left, window_right, softcap)
+    blind, n = layout.blind, layout.k.shape[1]
     if layout.call is not None:
-        return torch_op.row_runs_backward(layout.call, layout.blind, dout, q, k, v, out, lse)
-    plan, queries, keys = layout.plan, layout.plan.query_index, layout.plan.key_index
-    grads = torch_op._backward_impl(dout[queries], q[queries], k[keys], v[keys], out[queries], _packed_lse(lse, plan),
-                                    plan.cu_q, plan.cu_k, None, softmax_scale, window_left, window_right, softcap,
-                                    False, False, None)
-    dq, dk, dv = (t.new_zeros(t.shape).index_put_(index, g) for t, index, g in zip((q, k, v), (queries, keys, keys),
-                                                                                    grads))
-    blind = layout.blind
-    if blind is not None:  # (their rows of dq hold 0: no key seen; fp32 sums, one rounding)
+        dq, dk, dv = torch_op.row_runs_backward(layout.call, blind if layout.kernels_add_blind else None, dout, q,
+                                                layout.k, layout.v, out, lse)
+    else:
+        plan, queries, keys = layout.plan, layout.plan.query_index, layout.plan.key_index
+        grads = torch_op._backward_impl(dout[queries], q[queries], layout.k[keys], layout.v[keys], out[queries],
+                                        _packed_lse(lse, plan), plan.cu_q, plan.cu_k, None, softmax_scale, window_left,
+                                        window_right, softcap, False, False, None)
+        dq, dk, dv = (t.new_zeros(t.shape).index_put_(index, g)
+                      for t, index, g in zip((q, layout.k, layout.v), (queries, keys, keys), grads))
+    if k.shape[1] > n:  # (the empty slots: no gradient but the blind rows')
+        dk, dv = (torch.nn.functional.pad(g, (0, 0, 0, 0, 0, k.shape[1] - n)) for g in (dk, dv))
+    if blind is not None and not layout.kernels_add_blind:  # (their rows of dq hold 0; fp32 sums, one rounding)
         uniform_rows.add_gradients(dq, dk, dv, q, k, v, dout[:, blind.first:blind.end], blind, softmax_scale, softcap)
     return dq, dk, dv
 
@@ -232,27 +264,5 @@ def _padded_backward_fake(dout, q, k, v, out, lse, mask, softmax_scale, window_l
 _padded_backward = torch_op.define_op("flash_attn_padded_backward", _padded_backward_impl, _padded_backward_fake)
 
 
-class _PaddedAttention(torch.autograd.Function):
-    """The padded batch's forward op, differentiated by its backward op (see torch_op's
-    ``_OpAttention``: no Python autograd kernel on the ops)."""
-
-    @staticmethod
-    def forward(q, k, v, mask, softmax_scale, window_left, window_right, softcap):
-        return _padded_forward(q, k, v, mask, softmax_scale, window_left, window_right, softcap)
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        q, k, v, mask, *scalars = inputs
-        out, lse = output
-        ctx.save_for_backward(q, k, v, mask, out, lse)
-        ctx.scalars = scalars
-        ctx.mark_non_differentiable(lse)
-        ctx.set_materialize_grads(False)  # (torch_op._setup_context says why)
-
-    @staticmethod
-    def backward(ctx, dout, _dlse):
-        if dout is None:
-            return (None,) * 8
-        q, k, v, mask, out, lse = ctx.saved_tensors
-        grads = _padded_backward(torch_op.kernel_layout(dout), q, k, v, out, lse, mask, *ctx.scalars)
-        return *torch_op.refusing_second_derivatives(grads, q, k, v, dout), None, None, None, None, None
+# (the padded batch's forward op, differentiated by its backward op from the saved mask)
+_PaddedAttention = torch_op.differentiable_pair(_padded_forward, _padded_backward, "_PaddedAttention")

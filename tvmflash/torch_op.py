@@ -359,6 +359,36 @@ def refusing_second_derivatives(grads: tuple, q, k, v, dout) -> tuple:
     return _NoSecondDerivative.apply(*grads, q, k, v, dout) if torch.is_grad_enabled() else grads
 
 
+def differentiable_pair(forward_op, backward_op, name: str) -> type:
+    """An autograd.Function over a forward op ``(q, k, v, keys_seen, softmax_scale, window_left,
+    window_right, softcap) -> (out, lse[, plan])`` and its backward op ``(dout, q, k, v, out, lse,
+    plan, softmax_scale, window_left, window_right, softcap) -> (dq, dk, dv)``, where ``keys_seen``
+    says which keys each query sees (position_ids, a padding mask) and ``plan`` is what the
+    backward reads of it: the forward's third output, else ``keys_seen`` itself. No Python
+    autograd kernel on the ops (see ``_OpAttention``); dynamo traces the Function."""
+
+    def forward(q, k, v, keys_seen, softmax_scale, window_left, window_right, softcap):
+        return forward_op(q, k, v, keys_seen, softmax_scale, window_left, window_right, softcap)
+
+    def setup_context(ctx, inputs, output):
+        q, k, v, keys_seen, *scalars = inputs
+        out, lse, *plan = output
+        ctx.save_for_backward(q, k, v, out, lse, *plan or (keys_seen,))
+        ctx.scalars = scalars
+        ctx.mark_non_differentiable(lse, *plan)
+        ctx.set_materialize_grads(False)  # (_setup_context says why)
+
+    def backward(ctx, dout, *_):
+        if dout is None:
+            return (None,) * 8
+        q, k, v, out, lse, plan = ctx.saved_tensors
+        grads = backward_op(kernel_layout(dout), q, k, v, out, lse, plan, *ctx.scalars)
+        return *refusing_second_derivatives(grads, q, k, v, dout), None, None, None, None, None
+
+    methods = {"forward": forward, "setup_context": setup_context, "backward": backward}
+    return type(name, (torch.autograd.Function,), {key: staticmethod(f) for key, f in methods.items()})
+
+
 def _op_attention(*args):
     """``_OpAttention`` under the forward's autocast rule (``_follow_autocast``), applied here:
     autograd must record the casts before the Function (its inputs are what it saves)."""

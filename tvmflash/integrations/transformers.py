@@ -46,8 +46,9 @@ What the attention function handles, with what transformers passes it:
 
 Under ``torch.compile`` each layer's attention is one op that reads what the mask or
 ``position_ids`` say when the graph runs (``padded.attention``, ``documents.attention``): one
-graph, also for padded batches, except on layers whose sliding window is shorter than the
-sequence, given a padding mask (``_window_over_holes`` reads the mask first), and decode steps.
+graph, also for padded batches and ``generate()`` with a static cache (``_decode_op``), except on
+layers whose sliding window is shorter than the sequence, given a padding mask
+(``_window_over_holes`` reads the mask first).
 
 Not supported (a clear error rather than a wrong result): attention dropout > 0 (tvmflash has
 no dropout; ``model.eval()`` or ``attention_dropout=0``), 4D or BlockMask attention masks,
@@ -66,7 +67,7 @@ import torch
 from .. import version
 from ..flex import flex_attention
 from ..kvcache import flash_attn_with_kvcache, repeated_decode_step
-from ..torch_op import flash_attn_func, flash_attn_varlen_func, padded_rows_attention
+from ..torch_op import define_op, flash_attn_func, flash_attn_varlen_func, padded_rows_attention
 from .. import documents, padded, uniform_rows
 from ..padded import blind_rows, per_mask, row_runs, unpad_plan
 from ..uniform_rows import UniformRows, UniformRowsAttention
@@ -127,6 +128,11 @@ def key_padding_mask(batch_size: int, q_length: int | None = None, kv_length: in
     if attention_mask is None:
         # The last query is at absolute position q_offset + q_length - 1; a static cache has
         # kv_length slots of which the ones after it are still empty.
+        if torch.compiler.is_compiling() and isinstance(q_offset, torch.Tensor) and kwargs.get("local_size") is None:
+            # (a static cache's offset is a tensor, reading it would break the graph: the slots
+            # as a mask of fixed shape, whose trailing empty columns the ops cut: written_keys)
+            written = torch.arange(kv_length, device=q_offset.device) < q_offset + q_length - kv_offset
+            return written.expand(batch_size, kv_length)
         n = int(q_offset) + q_length - kv_offset
         if n < kv_length:
             return torch.ones(batch_size, max(n, 0), dtype=torch.bool, device=device or "cpu")
@@ -134,8 +140,8 @@ def key_padding_mask(batch_size: int, q_length: int | None = None, kv_length: in
     if attention_mask.dim() != 2:
         raise ValueError(f"expected a 2D (batch, length) padding mask, got shape {tuple(attention_mask.shape)}")
     mask = attention_mask[:, -kv_length:].to(torch.bool)  # a sliding layer's cache keeps the last kv_length keys
-    if torch.compiler.is_compiling() and q_length == kv_length == mask.shape[1] and kwargs.get("local_size") is None:
-        return mask  # (reading the mask would break the graph; the padded op reads it when it runs)
+    if torch.compiler.is_compiling() and kwargs.get("local_size") is None:
+        return mask  # (reading it would break the graph; the ops read it when they run: attention_forward)
     if mask.shape[1] == kv_length and bool(mask.all()):
         return None
     return mask
@@ -182,6 +188,10 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
 
     batch, len_q = q.shape[:2]
     cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
+    if torch.compiler.is_compiling() and _decode_op_applies(q, k, v, attention_mask, cu_q, cu_k):
+        mask = None if attention_mask is None else attention_mask.to(device=q.device, dtype=torch.bool)
+        out = _decode_op(q, k, v, mask, scaling, causal, *window, softcap)
+        return (out if v_head_dim == head_dim else out[..., :v_head_dim]), None
     if attention_mask is None and len_q == 1 and (cu_q is None or cu_k is None) and k.shape[1] != 1:
         # generate()'s every new token (a model's layers call this in turn: no more than it needs)
         out = decode_attention(q, k, v, None, softmax_scale=scaling, causal=causal, window_size=window,
@@ -209,10 +219,38 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
 
 def _one_op_applies(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor, window: tuple[int, int]) -> bool:
     """Whether ``padded.attention``, one op over the mask, takes a padded call under
-    torch.compile (no graph break): the queries and keys are the mask's tokens (no KV cache, no
-    static cache's empty slots), and no window (which, over holes, counts positions in the row:
-    ``_window_over_holes``). Shapes only: the mask's values are read when the op runs."""
-    return q.shape[1] == k.shape[1] == mask.shape[1] and window == (-1, -1)
+    torch.compile (no graph break): the queries are the mask's tokens, as are the keys (a static
+    cache's empty slots after them), and no window (which, over holes, counts positions in the
+    row: ``_window_over_holes``). Shapes only: the mask's values are read when the op runs."""
+    return q.shape[1] <= mask.shape[1] <= k.shape[1] and window == (-1, -1)
+
+
+def _decode_op_applies(q, k, v, mask: torch.Tensor | None, cu_q, cu_k) -> bool:
+    """Whether a call under torch.compile is a decode step that ``_decode_op`` takes: one query
+    per row, no gradient to record (the op has none), the mask (if any) within the keys."""
+    if q.shape[1] != 1 or (cu_q is not None and cu_k is not None) or (mask is None and k.shape[1] == 1):
+        return False
+    if mask is not None and mask.shape[1] > k.shape[1]:
+        return False  # (_padded_attention names it)
+    return not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad))
+
+
+def _decode_op_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor | None,
+                    softmax_scale: float | None, causal: bool, window_left: int, window_right: int,
+                    softcap: float) -> torch.Tensor:
+    """``decode_attention`` as one op (torch.compile's graphs: generate() with a compiled
+    forward), which reads the mask (left padding, holes) when it runs. Forward only."""
+    if key_mask is not None:
+        key_mask = padded.written_keys(key_mask, 1)  # (a static cache's mask of fixed length: its written keys)
+    return decode_attention(q, k, v, key_mask, softmax_scale=softmax_scale, causal=causal,
+                            window_size=(window_left, window_right), softcap=softcap)
+
+
+def _decode_op_fake(q, k, v, key_mask, softmax_scale, causal, window_left, window_right, softcap):
+    return torch.empty(q.shape, dtype=q.dtype, device=q.device)
+
+
+_decode_op = define_op("transformers_decode", _decode_op_impl, _decode_op_fake)
 
 
 def _attention_dtype(q: torch.Tensor) -> torch.dtype:
