@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import assert_flash_rule, random_inputs
+from conftest import assert_flash_rule, random_inputs, reference_magnitudes
 from tvmflash import padded, torch_op
 from tvmflash.reference import reference_attention
 
@@ -54,8 +54,10 @@ def test_real_rows_match_float64(gen, seed, dtype, mask_name, head_dim):
     ours = (out * mask[:, :, None, None], *torch.autograd.grad(out, (q, k, v), dout))
     want = _real_rows_reference(q, k, v, dout, mask, window, torch.float64)
     same = _real_rows_reference(q, k, v, dout, mask, window, q.dtype)
+    magnitude = reference_magnitudes(q, k, v, dout)  # (the size of the terms each result sums)
     for name, got, ref, yardstick in zip(("out", "dq", "dk", "dv"), ours, want, same):
-        assert_flash_rule(f"{mask_name} {name}", got, ref.detach(), yardstick.detach(), q.dtype, seed)
+        assert_flash_rule(f"{mask_name} {name}", got, ref.detach(), yardstick.detach(), q.dtype, seed,
+                          magnitude=magnitude[name])
 
 
 def test_right_padding_rows_get_zero(gen):
@@ -136,10 +138,12 @@ def test_queries_after_a_cache_and_empty_slots(gen, seed, mask_name):
     ours = (out * mask[:, -len_q:, None, None], *torch.autograd.grad(out, (q, k, v), dout))
     assert bool((ours[2][:, N:] == 0).all() and (ours[3][:, N:] == 0).all())  # (no real key there)
     written = tuple(t[:, :N] for t in (k, v))  # (the reference aligns the queries to the end of its keys)
+    magnitude = reference_magnitudes(q, *written, dout)  # (the size of the terms each result sums)
     for name, got, ref, same in zip(("out", "dq", "dk", "dv"), ours,
                                     *(_real_rows_reference(q, *written, dout, mask, (-1, -1), dt, len_q)
                                       for dt in (torch.float64, torch.float32))):
         got = got[:, :N] if name in ("dk", "dv") else got
-        assert_flash_rule(f"{mask_name} {name}", got, ref.detach(), same.detach(), q.dtype, seed)
+        assert_flash_rule(f"{mask_name} {name}", got, ref.detach(), same.detach(), q.dtype, seed,
+                          magnitude=magnitude[name])
     fixed_length = padded.attention(q, k, v, torch.nn.functional.pad(mask, (0, slots)), causal=True)
     assert torch.equal(fixed_length, out)
