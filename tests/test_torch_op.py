@@ -74,11 +74,18 @@ def test_dynamic_shapes_vmap_and_export_see_the_op(gen):
 
 
 @pytest.mark.parametrize("op", ["flash_attn_forward", "flash_attn_backward", "flash_attn_documents_forward",
-                                "flash_attn_documents_backward"])
+                                "flash_attn_documents_backward", "flash_attn_padded_forward",
+                                "flash_attn_padded_backward", "transformers_decode"])
 def test_the_ops_have_no_python_autograd_layer(op):
     """The ops inductor's graphs call every layer carry no Python Autograd kernel (custom_op's
-    costs ~20-40 us a call warm): their autograd is the Function that calls them."""
+    costs ~20-40 us a call warm): their autograd is the Function that calls them (the decode
+    op has none: it is taken where no gradient is recorded)."""
     import tvmflash.documents  # noqa: F401  (defines the documents ops)
+    import tvmflash.padded  # noqa: F401  (the padded batch's)
+
+    if op == "transformers_decode":
+        pytest.importorskip("transformers")
+        import tvmflash.integrations.transformers  # noqa: F401
 
     name = f"tvmflash::{op}"
     assert torch._C._dispatch_has_kernel_for_dispatch_key(name, "CPU")

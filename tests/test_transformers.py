@@ -372,6 +372,23 @@ def test_compiled_generate_with_static_cache_matches_eager(gen, monkeypatch):
         assert len(decode_calls) == 9 * ours.config.num_hidden_layers  # (the op's body: when the graph runs)
 
 
+def test_decode_op_opcheck(gen):
+    """The decode op torch.compile's graphs call for each new token: its fake agrees with its
+    body, without a mask, with left padding, with a hole, and with a mask of the static cache's
+    fixed length whose last columns are empty slots."""
+    q = torch.randn(3, 1, 4, 16, generator=gen)
+    k, v = (torch.randn(3, 21, 2, 16, generator=gen) for _ in range(2))
+    left = torch.ones(3, 17, dtype=torch.bool)
+    left[0, :5] = False
+    holes = left.clone()
+    holes[1, 8] = False
+    fixed = torch.nn.functional.pad(left, (0, 4))
+    for mask in (None, left, holes, fixed):
+        torch.library.opcheck(tvm_hf._decode_op, (q, k, v, mask, None, True, -1, 0, 0.0))
+    want = tvm_hf.decode_attention(q, k, v, left, softmax_scale=None, causal=True, window_size=(-1, 0), softcap=0.0)
+    assert torch.equal(tvm_hf._decode_op(q, k, v, fixed, None, True, -1, 0, 0.0), want)
+
+
 def test_set_attn_implementation_switches_a_built_model(gen):
     cfg = _config("gemma2")
     model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").eval()
