@@ -187,12 +187,15 @@ def _autocast(dtype: torch.dtype | None):
     return torch.autocast("cpu", dtype=dtype or torch.bfloat16, enabled=dtype is not None)
 
 
-def _llama(dtype, implementation: str):
+def _llama(dtype, implementation: str, sliding_window: int | None = None):
+    """The 8-layer Llama (GQA 8/2, D64) of every part; with ``sliding_window``, the same model as
+    a Mistral (a window on every layer)."""
     import transformers
 
-    config = transformers.LlamaConfig(vocab_size=1024, hidden_size=512, intermediate_size=1408, num_hidden_layers=8,
-                                      num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=4096,
-                                      attention_dropout=0.0)
+    dims = dict(vocab_size=1024, hidden_size=512, intermediate_size=1408, num_hidden_layers=8, num_attention_heads=8,
+                num_key_value_heads=2, max_position_embeddings=4096, attention_dropout=0.0)
+    config = (transformers.LlamaConfig(**dims) if sliding_window is None
+              else transformers.MistralConfig(**dims, sliding_window=sliding_window))
     torch.manual_seed(0)
     return transformers.AutoModelForCausalLM.from_config(config, attn_implementation=implementation, dtype=dtype)
 
@@ -413,7 +416,7 @@ def compiled_steps(args: argparse.Namespace) -> None:
     rows = []
     for dtype_name in args.dtypes:
         dtype, autocast = _precision(dtype_name)
-        base = _llama(dtype, "sdpa")
+        base = _llama(dtype, "sdpa", args.sliding_window)
         models = {}
         for impl in ("tvm", "sdpa"):
             model = copy.deepcopy(base)
@@ -456,8 +459,9 @@ def compiled_steps(args: argparse.Namespace) -> None:
             what = "sequence" if args.batch == 1 else f"{args.batch} left-padded sequences"
             rows.append(f"| {dtype_name} training step, {what} {length} | " + " | ".join(cells) + " |")
             print(f"  compiled: {rows[-1]}", file=sys.stderr, flush=True)
+    model = "Llama" if args.sliding_window is None else f"Mistral (sliding window {args.sliding_window})"
     print(f"\ntorch.compile'd models, ours and SDPA's in a random order each round ({args.runs} rounds): 8-layer "
-          "Llama (GQA 8/2, D64); ms tvmflash / SDPA (median of the paired ratios)\n\n| case | forward | backward | "
+          f"{model} (GQA 8/2, D64); ms tvmflash / SDPA (median of the paired ratios)\n\n| case | forward | backward | "
           "AdamW | step |\n|---|---|---|---|---|")
     print("\n".join(rows), flush=True)
 
@@ -577,6 +581,8 @@ def main() -> None:
     p.add_argument("--runs", type=int, default=3,
                    help="processes per implementation and case (generate, train); rounds (swap, compiled)")
     p.add_argument("--only", choices=["tvm", "sdpa"], help="generate() / train with one implementation only")
+    p.add_argument("--sliding-window", type=int, default=None,
+                   help="compiled: the model as a Mistral with this sliding window on every layer")
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
     p.add_argument("--worker", nargs=7, help=argparse.SUPPRESS)
     args = p.parse_args()

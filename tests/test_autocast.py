@@ -79,22 +79,25 @@ def test_autocast_training_repeats_skip_the_dispatcher(gen, monkeypatch):
 
 
 def test_autocast_padded_rows_skip_the_dispatcher(gen, monkeypatch):
-    """The integration's left-padded rows read in place (``padded_rows_attention``) under autocast:
-    the same plan path as outside it, on q, k, v cast by the op's rule; the result equals the
-    call on inputs cast by hand, bit for bit."""
+    """The integration's left-padded rows read in place (``padded.attention``'s row runs) under
+    autocast: the same plan path as outside it, on q, k, v cast by the op's rule; the result
+    equals the call on inputs cast by hand, bit for bit, the rows that see no key included."""
+    from tvmflash import padded
+
     plans = []
     original = torch_op._checked_row_runs_call
     monkeypatch.setattr(torch_op, "_checked_row_runs_call", lambda *a, **kw: plans.append(1) or original(*a, **kw))
-    runs = ((0, 23), (6, 23))
+    mask = torch.ones(2, 23, dtype=torch.bool)
+    mask[1, :6] = False
     opts = dict(softmax_scale=0.125, causal=True, window_size=(-1, 0), softcap=0.0)
     leaves = [torch.randn(2, 23, h, 64, generator=gen).requires_grad_() for h in (4, 2, 2)]
     dout = torch.randn(2, 23, 4, 64, generator=gen).to(torch.bfloat16)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        out = torch_op.padded_rows_attention(*leaves, runs, **opts)
-    assert out is not None and out.dtype == torch.bfloat16 and plans == [1]
+        out = padded.attention(*leaves, mask, **opts)
+    assert out.dtype == torch.bfloat16 and plans == [1]
     grads = torch.autograd.grad(out, leaves, dout)
     low = [t.detach().bfloat16().requires_grad_() for t in leaves]
-    want = torch_op.padded_rows_attention(*low, runs, **opts)
+    want = padded.attention(*low, mask, **opts)
     assert plans == [1]  # (the same call: bf16 inputs, the same runs)
     assert torch.equal(out, want)
     assert all(torch.equal(g, w.float()) for g, w in zip(grads, torch.autograd.grad(want, low, dout)))

@@ -83,10 +83,12 @@ def test_rows_in_place_or_gathered(gen, monkeypatch):
         assert taken == (["gathered"] if mask_name == "holes" else ["in place"]), mask_name
 
 
-def test_one_compiled_graph_for_every_mask(gen):
+@pytest.mark.parametrize("window", [(-1, 0), (5, 0)])
+def test_one_compiled_graph_for_every_mask(gen, window):
     """Under torch.compile(fullgraph=True) the call is one op: one graph (no recompile) serves
     left and right padding, holes and a full mask, with the eager call's results and gradients,
-    from (batch, heads, N, D) views transposed as a model passes them."""
+    from (batch, heads, N, D) views transposed as a model passes them; also with a window (over
+    the holes: flex inside the op, which traces its mask_mod while the compiled graph runs)."""
     compiled = torch.compile(padded.attention, fullgraph=True, backend="aot_eager")
     q, k, v = (t.transpose(1, 2).detach().requires_grad_() for t in
                (torch.randn(BATCH, 4, N, 24, generator=gen), *(torch.randn(BATCH, 2, N, 24, generator=gen)
@@ -96,7 +98,7 @@ def test_one_compiled_graph_for_every_mask(gen):
         results = []
         for attention in (padded.attention, compiled):
             with torch._dynamo.config.patch(error_on_recompile=step > 0):
-                out = attention(q, k, v, mask, causal=True)
+                out = attention(q, k, v, mask, causal=True, window_size=window)
                 results.append((out, *torch.autograd.grad(out, (q, k, v), dout)))
         for name, eager, traced in zip(("out", "dq", "dk", "dv"), *results):
             torch.testing.assert_close(traced, eager, rtol=1e-5, atol=1e-5, msg=f"{step} {name}")
@@ -106,19 +108,15 @@ def test_opcheck(gen):
     """The ops have no autograd formula (``_PaddedAttention`` has): inputs without gradients."""
     q, k, v = random_inputs(gen, BATCH, N, N, 4, 2, 16, "float32")
     for name, mask in _masks().items():
-        torch.library.opcheck(padded._padded_forward, (q, k, v, mask, 0.25, -1, 0, 0.0))
-        out, lse = padded._padded_forward(q, k, v, mask, 0.25, -1, 0, 0.0)
-        torch.library.opcheck(padded._padded_backward, (torch.randn_like(out), q, k, v, out, lse, mask, 0.25, -1, 0,
+        torch.library.opcheck(padded._padded_ops.forward, (q, k, v, mask, 0.25, -1, 0, 0.0))
+        out, lse = padded._padded_ops.forward(q, k, v, mask, 0.25, -1, 0, 0.0)
+        torch.library.opcheck(padded._padded_ops.backward, (torch.randn_like(out), q, k, v, out, lse, mask, 0.25, -1, 0,
                                                         0.0))
 
 
 def test_what_the_op_refuses(gen):
-    """A window over holes (the packed sequences would count packed positions, not positions in
-    the row) when the op runs, and a mask whose shape does not fit q and k when it is called:
-    clear errors."""
+    """A mask whose shape does not fit q and k when it is called: a clear error."""
     q, k, v = random_inputs(gen, BATCH, N, N, 4, 2, 16, "float32")
-    with pytest.raises(NotImplementedError, match="sliding window over a padding mask with holes"):
-        padded.attention(q, k, v, _masks()["holes"], causal=True, window_size=(5, 0))
     for short_mask, keys in ((_masks()["left"][:, 1:], (k, v)), (_masks()["left"], (k[:, 1:], v[:, 1:])),
                              (_masks()["left"][:2], (k, v))):  # (fewer positions than queries, keys; batch)
         with pytest.raises(ValueError, match="padding mask must be a"):
@@ -147,3 +145,171 @@ def test_queries_after_a_cache_and_empty_slots(gen, seed, mask_name):
                           magnitude=magnitude[name])
     fixed_length = padded.attention(q, k, v, torch.nn.functional.pad(mask, (0, slots)), causal=True)
     assert torch.equal(fixed_length, out)
+
+
+@pytest.mark.parametrize("dtype,variant", [("float32", {}), ("bfloat16", {}), ("float32", {"window_size": (6, -1)}),
+                                           ("float32", {"softcap": 3.0})])
+def test_each_run_is_its_own_sequence(gen, seed, dtype, variant):
+    """Rows of one run of real tokens each (left padding, right padding, both, none, an empty row),
+    read in place: each run attends within itself, causal, as a sequence of its own would. Rows
+    outside a run get 0 where they see a real key, eager's mean of v where they see none; with
+    dout 0 at the latter, every gradient row outside the runs is 0. Two calls with other runs:
+    rows the first call wrote do not leak into the second."""
+    batch, n = 5, 37
+    q, k, v = random_inputs(gen, batch, n, n, 4, 2, 64, dtype, requires_grad=True)
+    options = dict(causal=True, window_size=variant.get("window_size", (-1, -1)), softcap=variant.get("softcap", 0.0))
+    left = options["window_size"][0]
+    for runs in (((0, 37), (9, 37), (0, 20), (3, 30), (0, 0)), ((5, 37), (0, 37), (0, 0), (0, 1), (30, 37))):
+        mask = torch.zeros(batch, n, dtype=torch.bool)
+        for b, (start, end) in enumerate(runs):
+            mask[b, start:end] = True
+        distance = torch.arange(n)[:, None] - torch.arange(n)
+        seen = (distance >= 0) & ((distance <= left) if left >= 0 else True)  # (query, key) by position
+        blind = ~(seen[None] & mask[:, None, :]).any(-1)  # (batch, query): sees no real key
+        dout = torch.randn(q.shape, generator=gen).to(q.dtype) * ~blind[:, :, None, None]
+        out = padded.attention(q, k, v, mask, **options)
+        grads = torch.autograd.grad(out, (q, k, v), dout)
+        mean_v = v.detach().double().mean(1).repeat_interleave(2, 1)  # (batch, heads, dim)
+        for b, (start, end) in enumerate(runs):
+            outside = ~mask[b]
+            assert torch.all(out[b, outside & ~blind[b]] == 0), f"out row {b}: nonzero outside the run {start, end}"
+            torch.testing.assert_close(out[b, blind[b]].double(), mean_v[b].expand(int(blind[b].sum()), -1, -1),
+                                       atol=4 * torch.finfo(q.dtype).eps, rtol=0)
+            for name, t in zip(("dq", "dk", "dv"), grads):
+                assert torch.all(t[b, outside] == 0), f"{name} row {b}: nonzero outside the run {start, end}"
+            if end == start:
+                continue
+            rows = [t[b:b + 1, start:end].detach() for t in (q, k, v, dout)]
+            results = {}
+            for ref_dtype in (torch.float64, q.dtype):
+                leaves = [t.to(ref_dtype).requires_grad_() for t in rows[:3]]
+                ref, lse = reference_attention(*leaves, True, dtype=ref_dtype, **variant)
+                results[ref_dtype] = (ref, *torch.autograd.grad(ref, leaves, rows[3].to(ref_dtype)), lse)
+            magnitude = reference_magnitudes(*rows, lse=results[torch.float64][-1].detach())
+            for i, (name, t) in enumerate(zip(("out", "dq", "dk", "dv"), (out, *grads))):
+                assert_flash_rule(f"{name} row {b} of runs {runs}", t[b:b + 1, start:end].detach(),
+                                  results[torch.float64][i].detach(), results[q.dtype][i].detach(), q.dtype, seed,
+                                  magnitude=magnitude[name])
+
+
+def test_eager_calls_skip_the_dispatcher_and_modes_see_the_ops(gen, monkeypatch):
+    """Eager calls on plain tensors run the ops' bodies without torch's dispatcher (an inference
+    call the forward's body, a training call the Function over the bodies), as flash_attn_func's
+    do; a dispatch mode sees both ops. All three give the same out and gradients, bit for bit,
+    and a second derivative raises (a clear error: the blind rows' torch ops in the backward record nothing)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Seen(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.add(str(func))
+            return func(*args, **(kwargs or {}))
+
+    mask = _masks()["holes"]
+    q, k, v = random_inputs(gen, BATCH, N, N, 4, 2, 32, "float32", requires_grad=True)
+    dout = torch.randn(q.shape, generator=gen)
+    seen = Seen()
+    with seen:
+        out = padded.attention(q, k, v, mask, causal=True)
+        grads = torch.autograd.grad(out, (q, k, v), dout)
+    assert {"tvmflash.flash_attn_padded_forward.default", "tvmflash.flash_attn_padded_backward.default"} <= seen.ops
+
+    monkeypatch.setattr(padded._padded_ops, "_through_ops", None)  # (the Function over the ops: gone)
+    eager = padded.attention(q, k, v, mask, causal=True)
+    assert torch.equal(eager, out)
+    assert all(torch.equal(a, b) for a, b in zip(torch.autograd.grad(eager, (q, k, v), dout), grads))
+    with torch.no_grad():
+        assert torch.equal(padded.attention(q, k, v, mask, causal=True), out)
+    monkeypatch.undo()
+    dq, = torch.autograd.grad(padded.attention(q, k, v, mask, causal=True).sum(), q, create_graph=True)
+    with pytest.raises(RuntimeError, match="no autograd formula"):
+        (dq.pow(2).sum() + q.sum()).backward()
+
+
+def _eager_with_blind_rows(q, k, v, allowed: torch.Tensor) -> torch.Tensor:
+    """Dense attention of (batch, n, heads, d) tensors where ``allowed`` (batch, 1, n_q, n_k) says
+    which keys a query sees; a row that sees none gets eager's uniform softmax over all keys
+    (scores s - s.detach(): the value and gradient of eager's most-negative bias)."""
+    groups = q.shape[2] // k.shape[2]
+    qh, kh, vh = q.transpose(1, 2), k.transpose(1, 2).repeat_interleave(groups, 1), v.transpose(1, 2)
+    scores = qh @ kh.mT * q.shape[-1] ** -0.5
+    blind = ~allowed.any(-1, keepdim=True)
+    scores = torch.where(blind, scores - scores.detach(), scores.masked_fill(~allowed, -torch.inf))
+    return (torch.softmax(scores, -1) @ vh.repeat_interleave(groups, 1)).transpose(1, 2)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_window_over_holes_against_float64(gen, causal):
+    """A sliding window over a mask with holes (on flex_attention inside the op) against dense
+    float64 attention with eager's window by row position: rows with holes, left and right
+    padding, a row of padding only; queries the whole row and, as in a chunked prefill, its
+    last 170 keys; lengths no multiple of the 128-key blocks. Real rows as eager's, rows that
+    see no key eager's mean of v, other padding rows 0. Its block mask (built from block bounds)
+    keeps every block torch's dense create_block_mask keeps, and calls full only blocks torch
+    calls full."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    from tvmflash.flex import EMPTY, FULL, PARTIAL, _block_states
+
+    batch, n, heads, heads_k, dim, w = 4, 600, 4, 2, 32, 260  # (128-key blocks: some inside the window whole)
+    window = (w - 1, 0) if causal else (w, w)  # (transformers' sliding window w)
+    mask = torch.ones(batch, n, dtype=torch.bool)
+    mask[0, 30:35], mask[0, 60:290] = False, False  # holes, one nearly as long as the window
+    mask[1, :60], mask[1, 200:210] = False, False  # left padding and a hole
+    mask[2, 450:] = False  # right padding
+    mask[3] = False  # padding only
+    kinds = set()
+    for len_q in (n, 170):
+        q = torch.randn(batch, len_q, heads, dim, generator=gen, requires_grad=True)
+        k, v = (torch.randn(batch, n, heads_k, dim, generator=gen, requires_grad=True) for _ in range(2))
+        out = padded.attention(q, k, v, mask, causal=causal, window_size=window)
+
+        def allowed_pairs(b, h, qi, kj):  # (eager's: the window by position in the row, holes included)
+            distance = qi + n - len_q - kj
+            return mask[b, kj] & (((distance >= 0) & (distance < w)) if causal else distance.abs() <= w)
+
+        indices = torch.arange(batch)[:, None, None, None], None, torch.arange(len_q)[:, None], torch.arange(n)
+        allowed = allowed_pairs(*indices)
+        blind = ~allowed.any(-1)[:, 0]  # (batch, len_q)
+        defined = (mask[:, -len_q:] | blind)[:, :, None, None]
+        assert bool((out[~defined.expand_as(out)] == 0).all())  # (padding rows that see keys)
+        dout = torch.randn(out.shape, generator=gen) * defined
+        grads = torch.autograd.grad(out, (q, k, v), dout)
+        leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
+        want = _eager_with_blind_rows(*leaves, allowed)
+        want_grads = torch.autograd.grad(want, leaves, dout.double())
+        assert ((out.double() - want) * defined).abs().max() <= 1e-5, (len_q, causal)
+        for name, got, ref in zip("qkv", grads, want_grads):
+            assert (got.double() - ref).abs().max() <= 1e-5 * max(1.0, ref.abs().max().item()), (name, len_q)
+
+        ours = _block_states(padded._window_block_mask(mask, len_q, *window))
+        theirs = _block_states(create_block_mask(allowed_pairs, batch, None, len_q, n, device="cpu"))
+        assert bool(((ours != EMPTY) | (theirs == EMPTY)).all()), "a block with visible keys was left out"
+        assert bool(((ours != FULL) | (theirs == FULL)).all()), "a block called full holds masked pairs"
+        kinds.update(ours.unique().tolist())
+    assert kinds == {EMPTY, PARTIAL, FULL}  # (the test covers each kind of block)
+
+
+def test_window_over_holes_traces_its_mods_once_without_dynamo(gen, monkeypatch):
+    """The op's flex path traces its mask_mod once per mask (and softcap once per value), never
+    through dynamo's guards (``flex_trace.capture``): inside a compiled graph that nested dynamo
+    run left guards whose tracebacks deadlocked torch at interpreter exit (torch._dynamo.explain
+    of a windowed Mistral with a hole, cold kernel cache: the process hung after its output)."""
+    from tvmflash import flex_trace
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the padded op's mods went through dynamo")
+
+    traced = []
+    original = flex_trace.trace_mask_mod
+    monkeypatch.setattr(flex_trace, "capture", refuse)
+    monkeypatch.setattr(flex_trace, "trace_mask_mod", lambda *a, **kw: traced.append(1) or original(*a, **kw))
+    q, k, v = random_inputs(gen, BATCH, N, N, 4, 2, 24, "float32", requires_grad=True)  # (the kernels of the test
+    mask = _masks()["holes"]  # of one compiled graph above; softcap's mod: Gemma2's compiled test in test_transformers)
+    for _ in range(2):
+        out = padded.attention(q, k, v, mask, causal=True, window_size=(5, 0))
+        torch.autograd.grad(out.sum(), (q, k, v))
+    assert traced == [1]

@@ -18,7 +18,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from conftest import reference_attention  # noqa: E402
-from tvmflash import documents  # noqa: E402
+from tvmflash import documents, padded, torch_op  # noqa: E402
 from tvmflash.integrations import transformers as tvm_hf  # noqa: E402
 
 LOSS_RTOL = 1e-4
@@ -115,13 +115,14 @@ def test_register_gives_a_usable_name():
 @pytest.mark.parametrize("holes", [False, True])
 @pytest.mark.parametrize("model", MODELS)
 def test_padded_batch_loss_and_gradients_match_eager(model, gen, monkeypatch, holes):
-    """Rows of one run of real tokens each are read in place (padded_rows_attention); a pad token
-    inside a row (a hole) takes the gather into packed sequences, or on sliding-window layers
-    flex_attention with the mask (the window counts positions in the row, as eager's does)."""
+    """Rows of one run of real tokens each are read in place (the padded op's row runs); a pad
+    token inside a row (a hole) takes the gather into packed sequences, or on sliding-window
+    layers flex_attention with the mask (the window counts positions in the row, as eager's
+    does)."""
     in_place, over_holes = [], []
-    for name, seen in (("padded_rows_attention", in_place), ("_window_over_holes", over_holes)):
-        original = getattr(tvm_hf, name)
-        monkeypatch.setattr(tvm_hf, name, lambda *a, original=original, seen=seen, **kw:
+    for module, name, seen in ((torch_op, "row_runs_forward", in_place), (padded, "flex_attention", over_holes)):
+        original = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *a, original=original, seen=seen, **kw:
                             seen.append(original(*a, **kw)) or seen[-1])
     ids, mask, labels = _padded_batch(gen)
     if holes:  # (the hole's own prediction, of token 10, is ignored: transformers leaves padding rows undefined)
@@ -182,12 +183,14 @@ def _assert_one_graph_matches_eager(eager, ours, compiled, batches: list[dict]) 
         assert max(_rel(p.grad, grads_e[n]) for n, p in ours.named_parameters()) <= GRAD_RTOL, step
 
 
-def test_compiled_padded_training_is_one_graph(gen):
+@pytest.mark.parametrize("model", ["llama", "gemma2"])
+def test_compiled_padded_training_is_one_graph(model, gen):
     """With a padding mask the attention is one op per layer under torch.compile too (the mask's
     runs, holes and rows that see no key are read when it runs): fullgraph=True compiles, and one
     graph serves left and right padding, a hole inside a row and a mask of ones, loss and every
-    gradient as eager's (the rows that see no key predict the first tokens: eager's mean of v)."""
-    eager, ours = _models("llama")
+    gradient as eager's (the rows that see no key predict the first tokens: eager's mean of v).
+    Gemma2: sliding windows shorter than the rows (over the hole: flex inside the op), softcap."""
+    eager, ours = _models(model)
     compiled = torch.compile(ours, backend="aot_eager", fullgraph=True)
     ids, mask, labels = _padded_batch(gen)
     holes, hole_labels = mask.clone(), labels.clone()
@@ -453,53 +456,6 @@ def test_prefill_in_chunks_matches_eager(model, gen):
         logits[tag] = torch.cat([first.logits, second.logits], dim=1)
     real = mask.bool()
     assert _rel(logits["ours"][real], logits["eager"][real]) <= LOSS_RTOL
-
-
-@pytest.mark.parametrize("causal", [True, False])
-def test_window_over_holes_against_float64(gen, causal):
-    """_window_over_holes (a sliding window over a mask with holes, on flex_attention) against
-    dense float64 attention with eager's window by row position: rows with holes, left and right
-    padding, a row of padding only; queries the whole row and, as in a chunked prefill, its last
-    170 keys; lengths no multiple of the 128-key blocks. Its block mask (built from block bounds)
-    keeps every block torch's dense create_block_mask keeps, and calls full only blocks torch
-    calls full."""
-    from torch.nn.attention.flex_attention import create_block_mask
-
-    from tvmflash.flex import EMPTY, FULL, PARTIAL, _block_states
-
-    batch, n, heads, heads_k, dim, w = 4, 600, 4, 2, 32, 260  # (128-key blocks: some inside the window whole)
-    mask = torch.ones(batch, n, dtype=torch.bool)
-    mask[0, 30:35], mask[0, 60:290] = False, False  # holes, one nearly as long as the window
-    mask[1, :60], mask[1, 200:210] = False, False  # left padding and a hole
-    mask[2, 450:] = False  # right padding
-    mask[3] = False  # padding only
-    kinds = set()
-    for len_q in (n, 170):
-        q = torch.randn(batch, len_q, heads, dim, generator=gen, requires_grad=True)
-        k, v = (torch.randn(batch, n, heads_k, dim, generator=gen, requires_grad=True) for _ in range(2))
-        opts = {"softmax_scale": None, "causal": causal, "window_size": tvm_hf._window(w, causal, n), "softcap": 0.0}
-        out = tvm_hf._window_over_holes(q, k, v, mask, opts, w)
-        dout = torch.randn(out.shape, generator=gen)
-        grads = torch.autograd.grad(out, (q, k, v), dout)
-
-        def allowed_pairs(b, h, qi, kj):  # (eager's: the window by position in the row, holes included)
-            distance = qi + n - len_q - kj
-            return mask[b, kj] & (((distance >= 0) & (distance < w)) if causal else distance.abs() <= w)
-
-        indices = torch.arange(batch)[:, None, None, None], None, torch.arange(len_q)[:, None], torch.arange(n)
-        leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
-        want, _ = reference_attention(*leaves, mask=allowed_pairs(*indices))  # (rows that see no key: 0)
-        want_grads = torch.autograd.grad(want, leaves, dout.double())
-        assert (out.double() - want).abs().max() <= 1e-5, (len_q, causal)
-        for name, got, ref in zip("qkv", grads, want_grads):
-            assert (got.double() - ref).abs().max() <= 1e-5 * max(1.0, ref.abs().max().item()), (name, len_q)
-
-        ours = _block_states(tvm_hf._window_block_mask(mask, len_q, causal, w, allowed_pairs))
-        theirs = _block_states(create_block_mask(allowed_pairs, batch, None, len_q, n, device="cpu"))
-        assert bool(((ours != EMPTY) | (theirs == EMPTY)).all()), "a block with visible keys was left out"
-        assert bool(((ours != FULL) | (theirs == FULL)).all()), "a block called full holds masked pairs"
-        kinds.update(ours.unique().tolist())
-    assert kinds == {EMPTY, PARTIAL, FULL}  # (the test covers each kind of block)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

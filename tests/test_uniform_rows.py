@@ -2,10 +2,10 @@
 float64: eager adds the dtype's most negative number to every masked score, so such a row's
 softmax is uniform over all keys, its output the mean of v, and its gradient softmax's Jacobian
 at that uniform P. The reference below is that computation, dense, with autograd (no formula of
-ours in it). Through the integration's ``_padded_attention``: rows read in place (the uniform
-rows inside the row-runs Function), a mask with holes (the gather, then ``UniformRowsAttention``)
-and keys past the mask (a static cache's empty slots); and through ``padded.attention``, the one
-op torch.compile sees, on both of its paths."""
+ours in it). Through the integration's ``_padded_attention`` (``padded.attention`` without
+torch's dispatcher): rows read in place (the uniform rows in the row-runs kernels, or their
+torch formulation), a mask with holes (the gather, then the torch formulation) and keys past the
+mask (a static cache's empty slots); and through the ops themselves, as torch.compile calls them."""
 
 import pytest
 import torch
@@ -36,11 +36,19 @@ def _with_holes(mask):
 
 
 def _eager_path(q, k, v, mask, opts):
-    return tvm_hf._padded_attention(q, k, v, mask, opts, None)
+    return tvm_hf._padded_attention(q, k, v, mask, opts)
 
 
-def _one_op(q, k, v, mask, opts):  # (what the integration calls under torch.compile)
-    return padded.attention(q, k, v, mask, **opts)
+class _SeeTheOps(torch.overrides.TorchFunctionMode):
+    """A mode that passes every call on: under it, calls take the ops, as torch.compile's do."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
+def _one_op(q, k, v, mask, opts):  # (the ops themselves, which torch.compile's graphs call)
+    with _SeeTheOps():
+        return padded.attention(q, k, v, mask, **opts)
 
 
 CASES = {  # (mask over the keys (batch, n), keys past the mask, the call)
@@ -122,7 +130,7 @@ def test_rows_read_in_place_take_the_kernels(gen, monkeypatch, dtype):
     q = torch.randn(batch, n, heads, dim, generator=gen).to(dtype).requires_grad_()
     k, v = (torch.randn(batch, n, heads_k, dim, generator=gen).to(dtype).requires_grad_() for _ in range(2))
     opts = {"softmax_scale": dim ** -0.5, "causal": True, "window_size": (-1, -1), "softcap": 0.0}
-    out = tvm_hf._padded_attention(q, k, v, mask, opts, None)
+    out = tvm_hf._padded_attention(q, k, v, mask, opts)
     grads = torch.autograd.grad(out, (q, k, v), torch.randn(out.shape, generator=gen).to(dtype))
     assert all(bool(g.isfinite().all()) for g in (out, *grads))
     mean_v = v.detach().double().mean(1).repeat_interleave(heads // heads_k, 1)  # (batch, heads, dim)

@@ -188,6 +188,10 @@ def softcap(value) -> float:
 
 
 def _window_entry(value) -> int:
+    if type(value) is int:
+        return value
+    if type(value).__name__ == "SymInt":  # (torch.compile made it dynamic: specialized, one graph per window)
+        return int(value)
     if _is_bool(value):  # operator.index(True) is 1
         raise TypeError
     return operator.index(value)

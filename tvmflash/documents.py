@@ -82,7 +82,7 @@ def attention(q, k, v, position_ids: torch.Tensor | None, *, softmax_scale=None,
                          f"queries and {k.shape[1]} keys")
     q, k, v = (torch_op.kernel_layout(t) for t in (q, k, v))
     out, _, _ = _DocumentsAttention.apply(q, k, v, position_ids, flash.softmax_scale, *flash.window, flash.softcap)
-    return out[..., :head_dim]
+    return out if out.shape[-1] == head_dim else out[..., :head_dim]  # (a view: one autograd node more)
 
 
 def _packed(*tensors):

@@ -48,8 +48,8 @@ def _traced(kind: str, fn, device: str = "cpu", under_dynamo: bool = False):
     caller (``under_dynamo``), that caller's own guards do (``_read_under_dynamo``): traced
     directly, once per trace of the caller.
     """
-    if fn is None:
-        return None
+    if fn is None or isinstance(fn, (flex_trace.TracedScoreMod, flex_trace.TracedMaskMod)):
+        return fn  # (traced by the caller: padded.py's mods read nothing but the tensors they hold)
     if under_dynamo:
         trace = flex_trace.trace_score_mod if kind == "score_mod" else flex_trace.trace_mask_mod
         return trace(fn, device=device)
@@ -535,10 +535,7 @@ def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=Non
     else:
         spec_key, scale, (block_q, block_k), by_name = _prepare(*static)
         captured = [t.to(query.device) for t in by_name.values()]
-    tile_state = kv_range = None
-    if block_mask is not None:
-        tile_state, kv_range = (t.to(query.device) for t in tile_maps(block_mask, query.shape[2], key.shape[2],
-                                                                       block_q, block_k))
+    tile_state, kv_range = _tile_maps(block_mask, query, key, block_q, block_k)
     out, lse = _flex_forward(query, key, value, captured, tile_state, kv_range, scale, spec_key)
     if return_aux is not None:
         from torch.nn.attention.flex_attention import AuxOutput
@@ -551,4 +548,31 @@ def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=Non
     return (out, lse) if return_lse else out
 
 
-__all__ = ["create_block_mask", "flex_attention", "query_ranges", "tile_maps"]
+def _tile_maps(block_mask, query, key, block_q: int, block_k: int) -> tuple:
+    if block_mask is None:
+        return None, None
+    return tuple(t.to(query.device) for t in tile_maps(block_mask, query.shape[2], key.shape[2], block_q, block_k))
+
+
+def flex_attention_backward(grad_out, query, key, value, out, lse, score_mod=None, block_mask=None, scale=None,
+                            enable_gqa=False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The gradients to query, key and value of ``flex_attention(query, key, value, score_mod,
+    block_mask, scale, enable_gqa, return_lse=True)``, given the ``(out, lse)`` it returned and
+    out's gradient: the fused backward alone, each P tile recomputed once. For eager code that
+    keeps out and lse itself (the backward op of an op whose forward called ``flex_attention``).
+    Tensors the mods capture get no gradient here; ``lse`` none either."""
+    if torch.compiler.is_compiling():
+        raise RuntimeError("flex_attention_backward runs eagerly (an op's body); under torch.compile, differentiate "
+                           "flex_attention itself")
+    _check_inputs(query, key, value, block_mask, enable_gqa, False)
+    mask_mod = None if block_mask is None else block_mask.mask_mod
+    spec_key, scale, (block_q, block_k), by_name = _prepare(score_mod, mask_mod, block_mask is not None,
+                                                            query.shape[-1], query.dtype, query.device.type, scale)
+    captured = [t.to(query.device) for t in by_name.values()]
+    tile_state, _ = _tile_maps(block_mask, query, key, block_q, block_k)
+    dq, dk, dv, _ = _flex_backward(grad_out.contiguous(), query, key, value, out, lse, captured, tile_state, scale,
+                                   spec_key)
+    return dq, dk, dv
+
+
+__all__ = ["create_block_mask", "flex_attention", "flex_attention_backward", "query_ranges", "tile_maps"]

@@ -9,20 +9,24 @@ flash-attention masks give. What it means for the kernels, found once per mask t
 * ``unpad_plan``: the gather indices and cu_seqlens of ``flash_attn_varlen_func`` on the real
   tokens (holes, or tensors the in-place kernels do not take);
 * ``blind_rows``: the query rows whose every key the mask hides, which transformers' ``eager``
-  gives the mean of v (``uniform_rows.py``).
+  gives the mean of v (``uniform_rows.py``);
+* ``_window_block_mask``: a window over a mask with holes, as ``flex_attention``'s block mask.
 
-Eager calls choose a path from these (``integrations/transformers.py``). Under ``torch.compile``
-that choice reads the mask's values, which breaks the graph around every layer's attention
-(27 breaks for an 8-layer Llama). There the call is one op, ``tvmflash::flash_attn_padded_forward``
-(``attention``), whose body makes the choice when the graph runs; its backward op makes it again
-from the saved mask. Its shapes do not depend on the mask.
+A padded call is one op, ``tvmflash::flash_attn_padded_forward`` (``attention``), whose body
+chooses the path from these when it runs; its backward op chooses again from the saved mask.
+Its shapes do not depend on the mask, so ``torch.compile`` traces it in one graph whatever the
+mask (a choice made while tracing would read the mask's values: 27 graph breaks for an 8-layer
+Llama). Eager calls run the same bodies without torch's dispatcher (``torch_op.OpPair``).
 """
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
-from . import checks, torch_op, uniform_rows
+from . import checks, flex_trace, torch_op, uniform_rows
+from .flex import flex_attention, flex_attention_backward
 from .uniform_rows import UniformRows
 
 
@@ -134,24 +138,44 @@ def attention(q, k, v, mask: torch.Tensor, *, softmax_scale=None, causal=False, 
 
     One op, whatever the mask (its values are read when the op runs): what ``torch.compile``
     traces in one graph. Rows whose real tokens are one run, queries and keys alike, are read in
-    place on CPU tensors; others are gathered for the varlen kernels. A window over a mask with
-    holes would count packed positions there, not positions in the row: the op refuses it when
-    it runs (``integrations/transformers.py`` sends windowed layers elsewhere).
+    place on CPU tensors; others are gathered for the varlen kernels, except under a window,
+    which the packed sequences would count in packed positions: there ``flex_attention`` takes
+    the mask and the window as its block mask, in place (its fused backward in the backward op).
     """
     head_dim = q.shape[-1]
-    flash = checks.flash_options(head_dim, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
-                                 softcap=softcap)
-    q, k, v = torch_op._padded_head_dims(q, k, v)  # (before the checks, which take the kernels' head dims)
-    checks.check_qkv(*(checks.info(t, name) for name, t in zip("qkv", (q, k, v))))
-    if (not isinstance(mask, torch.Tensor) or mask.dim() != 2 or mask.shape[0] != q.shape[0]
-            or not q.shape[1] <= mask.shape[1] <= k.shape[1]):
-        shape = tuple(mask.shape) if isinstance(mask, torch.Tensor) else type(mask).__name__
-        raise ValueError(f"the padding mask must be a (batch, n) tensor with batch {q.shape[0]} and {q.shape[1]} "
-                         f"queries <= n <= {k.shape[1]} keys, got {shape}")
-    mask = mask.to(device=q.device, dtype=torch.bool)
-    q, k, v = (torch_op.kernel_layout(t) for t in (q, k, v))
-    out, _ = _PaddedAttention.apply(q, k, v, mask, flash.softmax_scale, *flash.window, flash.softcap)
-    return out[..., :head_dim]
+    # (a model's layers repeat one call: its checks, which read nothing but these, run once)
+    key = _checks_key(q, k, v, mask, softmax_scale, causal, window_size, softcap)
+    flash = _checked.get(key) if key is not None else None
+    if flash is None:
+        flash = checks.flash_options(head_dim, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
+                                     softcap=softcap)
+        q, k, v = torch_op._padded_head_dims(q, k, v)  # (before the checks, which take the kernels' head dims)
+        checks.check_qkv(*(checks.info(t, name) for name, t in zip("qkv", (q, k, v))))
+        if (not isinstance(mask, torch.Tensor) or mask.dim() != 2 or mask.shape[0] != q.shape[0]
+                or not q.shape[1] <= mask.shape[1] <= k.shape[1]):
+            shape = tuple(mask.shape) if isinstance(mask, torch.Tensor) else type(mask).__name__
+            raise ValueError(f"the padding mask must be a (batch, n) tensor with batch {q.shape[0]} and "
+                             f"{q.shape[1]} queries <= n <= {k.shape[1]} keys, got {shape}")
+        mask = mask.to(device=q.device, dtype=torch.bool)
+        q, k, v = (torch_op.kernel_layout(t) for t in (q, k, v))
+        if key is not None and q.shape[-1] == head_dim and q.stride(-1) == k.stride(-1) == v.stride(-1) == 1:
+            if len(_checked) >= 256:
+                _checked.clear()
+            _checked[key] = flash
+    out, _ = _padded_ops(q, k, v, mask, flash.softmax_scale, *flash.window, flash.softcap)
+    return out if out.shape[-1] == head_dim else out[..., :head_dim]  # (a view: one autograd node more)
+
+
+_checked: dict[tuple, checks.FlashOptions] = {}
+
+
+def _checks_key(q, k, v, mask, softmax_scale, causal, window_size, softcap) -> tuple | None:
+    """What ``attention``'s checks read, for plain CPU tensors and a bool CPU mask in eager mode
+    (no head dim to pad, rows read in place: memoized only then), else None."""
+    if torch.compiler.is_compiling() or type(mask) is not torch.Tensor or mask.dtype != torch.bool or not mask.is_cpu:
+        return None
+    key = torch_op._call_key(q, k, v, 0.0, softmax_scale, causal, window_size, softcap, False, False)
+    return None if key is None or not q.is_cpu else key + (mask.shape,)
 
 
 def written_keys(mask: torch.Tensor, len_q: int) -> torch.Tensor:
@@ -174,28 +198,95 @@ class _Layout:
     path, ``plan``); k and v cut to the mask's keys (views), and whether the kernels add the
     blind rows' terms (no empty slots) or the torch ops over all keys (``uniform_rows``)."""
 
-    __slots__ = ("runs", "blind", "call", "plan", "k", "v", "kernels_add_blind")
+    __slots__ = ("mask", "runs", "blind", "call", "window_over_holes", "plan", "k", "v", "kernels_add_blind")
 
     def __init__(self, q, k, v, mask, softmax_scale: float, window_left: int, window_right: int, softcap: float):
         len_q = q.shape[1]
-        mask = written_keys(mask, len_q)
+        self.mask = mask = written_keys(mask, len_q)
         n = mask.shape[1]
         causal = window_right == 0
         window = (window_left + 1 if causal else window_left) if window_left >= 0 else None
         self.k, self.v = (k, v) if k.shape[1] == n else (k[:, :n], v[:, :n])
         self.runs = per_mask(mask, "_tvmflash_row_runs", None, lambda: row_runs(mask))
-        if self.runs is None and window is not None:
-            raise NotImplementedError(
-                "a sliding window over a padding mask with holes (pad tokens inside a row) counts positions in the "
-                "row, which the packed sequences of tvmflash's padded op would not")
         self.blind = blind_rows(mask, len_q, causal, window)
+        # (a window over holes counts positions in the row, which packed sequences would not: flex, in place)
+        self.window_over_holes = self.runs is None and (window_left, window_right) not in ((-1, -1), (-1, 0))
         self.call = self.plan = None
         if self.runs is not None and len_q == n:
             self.call = torch_op.row_runs_call(q, self.k, self.v, self.runs, softmax_scale=softmax_scale, causal=False,
                                                window_size=(window_left, window_right), softcap=softcap)
-        if self.call is None:
+        if self.call is None and not self.window_over_holes:
             self.plan = unpad_plan(mask, len_q)
         self.kernels_add_blind = self.call is not None and k.shape[1] == n
+
+    def flex_inputs(self, q, softmax_scale: float, window_left: int, window_right: int, softcap: float) -> tuple:
+        """(q, k, v) as flex_attention's (batch, heads, n, head_dim) views, and its other arguments:
+        the mask and the window as a block mask (one per mask tensor), softcap as a score_mod."""
+        len_q, mask = q.shape[1], self.mask
+        blocks = per_mask(mask, "_tvmflash_window_blocks", (len_q, window_left, window_right),
+                          lambda: _window_block_mask(mask, len_q, window_left, window_right))
+        views = tuple(t.transpose(1, 2) for t in (q, self.k, self.v))
+        return views, {"score_mod": _softcap_mod(softcap, q.device.type) if softcap else None, "block_mask": blocks,
+                       "scale": softmax_scale, "enable_gqa": q.shape[2] != self.k.shape[2]}
+
+
+@functools.lru_cache(maxsize=16)
+def _softcap_mod(softcap: float, device: str) -> flex_trace.TracedScoreMod:
+    """softcap as flex_attention's score_mod, traced once per value (a constant of its kernels)."""
+    def softcapped(score, b, h, q_idx, kv_idx):
+        return softcap * torch.tanh(score / softcap)
+
+    return flex_trace.trace_score_mod(softcapped, device=device)
+
+
+def _window_block_mask(mask: torch.Tensor, len_q: int, left: int, right: int, block: int = 128):
+    """flex_attention's block mask for a window (flash-attn's (left, right), -1: unbounded) over a
+    padding mask, counted in positions of the row (eager's), holes included: the query at
+    position p (the last ``len_q`` of the mask's n) sees the real keys j with -right <= p - j <=
+    left. Built from block bounds: a (query block, key block) is empty where no pair is inside
+    the window or no key is real, full where every pair is and every key is real (complete
+    blocks only), else partial (the mask_mod decides per score). O(batch x blocks^2): torch's
+    ``create_block_mask`` evaluates the mask_mod on every (query, key) pair, with int64
+    temporaries of that size (GBs at tens of thousands of tokens)."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    n = mask.shape[1]
+    offset = n - len_q  # (the queries' positions among the keys)
+    unbounded = 2 * n + 1  # (-1: no bound)
+    far_left, far_right = (left if left >= 0 else unbounded), (right if right >= 0 else unbounded)
+    # (read from a tensor, which the kernels take as an input: Python numbers would be constants of
+    # the traced mask_mod, a kernel compiled per offset and window)
+    bounds = torch.tensor([offset, far_left, -far_right], dtype=torch.int32, device=mask.device)
+
+    def window_over_mask(b, h, q_idx, kv_idx):
+        distance = q_idx + bounds[0] - kv_idx
+        return mask[b, kv_idx] & (distance <= bounds[1]) & (distance >= bounds[2])
+
+    # traced here, once per mask: it reads nothing but the tensors it holds (flex_attention
+    # would ask dynamo on each call whether what it reads has changed, also inside compiled graphs)
+    mask_mod = flex_trace.trace_mask_mod(window_over_mask, device=mask.device.type)
+
+    device = mask.device
+    seen = torch.nn.functional.pad(mask.cumsum(1, dtype=torch.int32), (1, 0))  # seen[:, i]: real keys before i
+    k_first = torch.arange(0, n, block, device=device)
+    k_last = (k_first + block).clamp_max(n) - 1
+    real = seen[:, k_last + 1] - seen[:, k_first]  # (batch, key blocks)
+    q_starts = torch.arange(0, len_q, block, device=device)
+    p_first, p_last = q_starts + offset, (q_starts + block).clamp_max(len_q) - 1 + offset  # positions
+    p_first, p_last = p_first[:, None], p_last[:, None]
+    some = (p_last - k_first >= -far_right) & (p_first - k_last <= far_left)  # (some distance p - j in the window)
+    every = (p_first - k_last >= -far_right) & (p_last - k_first <= far_left)
+    whole = (p_last - p_first + 1 == block) & (k_last - k_first + 1 == block)  # (as torch's: the last blocks partial)
+    full = every & whole & (real == block)[:, None, :]  # (batch, query blocks, key blocks)
+    partial = some & (real > 0)[:, None, :] & ~full
+
+    def listed(blocks: torch.Tensor):  # (counts, indices of the marked key blocks first), with a heads dim
+        order = torch.argsort((~blocks).to(torch.uint8), dim=-1, stable=True)
+        return blocks.sum(-1, dtype=torch.int32)[:, None], order.to(torch.int32)[:, None]
+
+    # (no query-side blocks: tvmflash's flex reads the key side only)
+    return BlockMask.from_kv_blocks(*listed(partial), *listed(full), BLOCK_SIZE=block, mask_mod=mask_mod,
+                                    seq_lengths=(len_q, n), compute_q_blocks=False)
 
 
 def _packed_lse(lse: torch.Tensor, plan: Unpad) -> torch.Tensor:
@@ -212,6 +303,12 @@ def _padded_forward_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask
     if layout.call is not None:
         out, lse = torch_op.row_runs_forward(layout.call, blind if layout.kernels_add_blind else None, q, layout.k,
                                              layout.v)
+    elif layout.window_over_holes:
+        with torch_op.eager_dispatch():  # (flex traces its mods, torch's BlockMask runs a vmap)
+            views, options = layout.flex_inputs(q, softmax_scale, window_left, window_right, softcap)
+            out, lse = flex_attention(*views, return_lse=True, **options)
+        out = out.transpose(1, 2).contiguous()
+        out.masked_fill_(~layout.mask[:, -q.shape[1]:, None, None], 0)  # (padding rows: 0, as on the other paths)
     else:
         plan, (batch, len_q, heads, _) = layout.plan, q.shape
         keys = layout.k[plan.key_index], layout.v[plan.key_index]
@@ -231,18 +328,21 @@ def _padded_forward_fake(q, k, v, mask, softmax_scale, window_left, window_right
     return torch.empty(q.shape, dtype=q.dtype, device=q.device), q.new_empty((batch, heads, n), dtype=torch.float32)
 
 
-_padded_forward = torch_op.define_op("flash_attn_padded_forward", _padded_forward_impl, _padded_forward_fake)
-
-
 def _padded_backward_impl(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                           lse: torch.Tensor, mask: torch.Tensor, softmax_scale: float, window_left: int,
                           window_right: int, softcap: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """dq, dk, dv of ``_padded_forward`` (the same choice of path, made again from the mask)."""
+    """dq, dk, dv of ``_padded_forward_impl`` (the same choice of path, made again from the mask)."""
     layout = _Layout(q, k, v, mask, softmax_scale, window_left, window_right, softcap)
     blind, n = layout.blind, layout.k.shape[1]
     if layout.call is not None:
         dq, dk, dv = torch_op.row_runs_backward(layout.call, blind if layout.kernels_add_blind else None, dout, q,
                                                 layout.k, layout.v, out, lse)
+    elif layout.window_over_holes:
+        real_dout = dout.masked_fill(~layout.mask[:, -q.shape[1]:, None, None], 0)  # (out is 0 there)
+        with torch_op.eager_dispatch():
+            views, options = layout.flex_inputs(q, softmax_scale, window_left, window_right, softcap)
+            grads = flex_attention_backward(real_dout.transpose(1, 2), *views, out.transpose(1, 2), lse, **options)
+        dq, dk, dv = (g.transpose(1, 2).contiguous() for g in grads)
     else:
         plan, queries, keys = layout.plan, layout.plan.query_index, layout.plan.key_index
         grads = torch_op._backward_impl(dout[queries], q[queries], layout.k[keys], layout.v[keys], out[queries],
@@ -261,8 +361,6 @@ def _padded_backward_fake(dout, q, k, v, out, lse, mask, softmax_scale, window_l
     return tuple(torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
 
 
-_padded_backward = torch_op.define_op("flash_attn_padded_backward", _padded_backward_impl, _padded_backward_fake)
-
-
-# (the padded batch's forward op, differentiated by its backward op from the saved mask)
-_PaddedAttention = torch_op.differentiable_pair(_padded_forward, _padded_backward, "_PaddedAttention")
+# the padded batch's forward op, differentiated by its backward op from the saved mask
+_padded_ops = torch_op.OpPair("flash_attn_padded", _padded_forward_impl, _padded_forward_fake, _padded_backward_impl,
+                              _padded_backward_fake)

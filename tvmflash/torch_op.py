@@ -232,6 +232,22 @@ def _no_modes() -> bool:
             and torch._C._len_torch_function_stack() == 0 and torch._C._functorch.maybe_current_level() is None)
 
 
+def eager_dispatch():
+    """A context for an op's body that runs torch's own tracing or vmap (``flex_attention``'s
+    mods, torch's ``BlockMask``): a compiled graph's runtime calls op bodies with the dispatch
+    keys above the backend excluded (functionalization, functorch, Python), which those need; the
+    eager call's exclusions (autocast's) stay."""
+    current = torch._C._dispatch_tls_local_exclude_set()
+    kept = torch._C.DispatchKeySet(torch._C.DispatchKey.Undefined)
+    for key in _AUTOCAST_KEYS:
+        if current.has(key):
+            kept = kept.add(key)
+    return torch._C._ForceDispatchKeyGuard(torch._C._dispatch_tls_local_include_set(), kept)
+
+
+_AUTOCAST_KEYS = [key for name, key in torch._C.DispatchKey.__members__.items() if name.startswith("Autocast")]
+
+
 def _cpu_autocast_applies(q, k, v) -> bool:
     """A CPU autocast region around an eager call on plain CPU tensors: the caller applies the
     op's autocast rule itself and goes on with the region off (``_with_autocast_applied``), so
@@ -359,16 +375,18 @@ def refusing_second_derivatives(grads: tuple, q, k, v, dout) -> tuple:
     return _NoSecondDerivative.apply(*grads, q, k, v, dout) if torch.is_grad_enabled() else grads
 
 
-def differentiable_pair(forward_op, backward_op, name: str) -> type:
-    """An autograd.Function over a forward op ``(q, k, v, keys_seen, softmax_scale, window_left,
-    window_right, softcap) -> (out, lse[, plan])`` and its backward op ``(dout, q, k, v, out, lse,
+def differentiable_pair(forward, backward, name: str, backward_body=None) -> type:
+    """An autograd.Function over a forward ``(q, k, v, keys_seen, softmax_scale, window_left,
+    window_right, softcap) -> (out, lse[, plan])`` and its backward ``(dout, q, k, v, out, lse,
     plan, softmax_scale, window_left, window_right, softcap) -> (dq, dk, dv)``, where ``keys_seen``
     says which keys each query sees (position_ids, a padding mask) and ``plan`` is what the
-    backward reads of it: the forward's third output, else ``keys_seen`` itself. No Python
-    autograd kernel on the ops (see ``_OpAttention``); dynamo traces the Function."""
+    backward reads of it: the forward's third output, else ``keys_seen`` itself. Over two ops it
+    adds no Python autograd kernel to them (see ``_OpAttention``); dynamo traces the Function.
+    ``backward_body``: the backward op's body, run instead of it where no mode must see the op
+    and no second derivative is recorded (``_EagerAttention``'s rule)."""
 
-    def forward(q, k, v, keys_seen, softmax_scale, window_left, window_right, softcap):
-        return forward_op(q, k, v, keys_seen, softmax_scale, window_left, window_right, softcap)
+    def forward_fn(q, k, v, keys_seen, softmax_scale, window_left, window_right, softcap):
+        return forward(q, k, v, keys_seen, softmax_scale, window_left, window_right, softcap)
 
     def setup_context(ctx, inputs, output):
         q, k, v, keys_seen, *scalars = inputs
@@ -378,15 +396,53 @@ def differentiable_pair(forward_op, backward_op, name: str) -> type:
         ctx.mark_non_differentiable(lse, *plan)
         ctx.set_materialize_grads(False)  # (_setup_context says why)
 
-    def backward(ctx, dout, *_):
+    def backward_fn(ctx, dout, *_):
         if dout is None:
             return (None,) * 8
         q, k, v, out, lse, plan = ctx.saved_tensors
-        grads = backward_op(kernel_layout(dout), q, k, v, out, lse, plan, *ctx.scalars)
+        direct = backward_body is not None and not torch.is_grad_enabled() and _no_modes()
+        with torch.no_grad():  # (create_graph=True: the torch ops inside record nothing; the result is refused below)
+            grads = (backward_body if direct else backward)(kernel_layout(dout), q, k, v, out, lse, plan,
+                                                            *ctx.scalars)
         return *refusing_second_derivatives(grads, q, k, v, dout), None, None, None, None, None
 
-    methods = {"forward": forward, "setup_context": setup_context, "backward": backward}
+    if backward_body is None:  # (over the ops: the form that dynamo and torch.func's transforms trace)
+        methods = {"forward": forward_fn, "setup_context": setup_context, "backward": backward_fn}
+    else:  # (over the bodies, eager only: the ctx form; the other binds its arguments by inspect, ~30 us a call)
+        def forward_with_ctx(ctx, *inputs):
+            output = forward(*inputs)
+            setup_context(ctx, inputs, output)
+            return output
+
+        methods = {"forward": forward_with_ctx, "backward": backward_fn}
     return type(name, (torch.autograd.Function,), {key: staticmethod(f) for key, f in methods.items()})
+
+
+class OpPair:
+    """``tvmflash::<name>_forward`` and ``_backward`` (``define_op``) from their bodies and fakes,
+    differentiable (``differentiable_pair``), and called as ``flash_attn_func`` calls its ops: an
+    eager call on plain tensors skips torch's dispatcher (``_eager_path``: the forward's body
+    itself where autograd records nothing, else the same Function over the bodies), and applies
+    a CPU autocast region's rule itself; torch.compile, modes and transforms see the ops."""
+
+    def __init__(self, name: str, forward_body, forward_fake, backward_body, backward_fake):
+        self.forward = define_op(f"{name}_forward", forward_body, forward_fake)
+        self.backward = define_op(f"{name}_backward", backward_body, backward_fake)
+        self._forward_body = forward_body
+        title = "".join(word.title() for word in name.split("_"))
+        self._through_ops = differentiable_pair(self.forward, self.backward, f"_{title}")
+        self._through_bodies = differentiable_pair(forward_body, self.backward, f"_{title}Eager", backward_body)
+
+    def __call__(self, q, k, v, keys_seen, softmax_scale: float, window_left: int, window_right: int,
+                 softcap: float) -> tuple:
+        """(out, lse[, plan]) of the forward on kernel-layout q, k, v (``kernel_layout``)."""
+        args = (keys_seen, softmax_scale, window_left, window_right, softcap)
+        if _cpu_autocast_applies(q, k, v):  # (as in _attention)
+            return _with_autocast_applied("cpu", self, q, k, v, *args)
+        path = _eager_path(q, k, v)
+        if path == "body":
+            return self._forward_body(q, k, v, *args)
+        return (self._through_bodies if path == "autograd" else self._through_ops).apply(q, k, v, *args)
 
 
 def _op_attention(*args):
@@ -421,37 +477,13 @@ class _EagerAttention(torch.autograd.Function):
         return None, *_input_grads(ctx, dout, _backward_impl if direct else _backward_op), *(None,) * 10
 
 
-def padded_rows_attention(q, k, v, row_runs: tuple, *, softmax_scale, causal: bool, window_size, softcap: float,
-                          uniform_rows: UniformRows | None = None) -> torch.Tensor | None:
-    """Attention within one run of rows per batch row of (batch, seqlen, heads, head_dim) tensors,
-    read in place: sequence b is rows ``start_b .. end_b - 1`` of row b, its queries and keys
-    alike (a padded batch: left or right padding). Rows outside the runs get output 0 and no
-    gradient, except ``uniform_rows`` (outside the runs): a softmax uniform over all keys, as
-    transformers' ``eager`` gives rows whose keys its mask all hides (``uniform_rows.py``).
-    No gather into packed sequences and scatter back, which cost more than the kernels
-    (4 left-padded rows, fp32 forward + backward: 256 tokens 17.6 -> 12.1 ms, 1024 140 -> 77).
-    None where it does not apply (other than plain CPU tensors in eager mode: torch.compile and
-    modes see the op through the packed path; head dims the kernels pad). A CPU autocast region:
-    q, k, v cast by the op's rule, as in ``_attention``.
-    A model's layers repeat one call (shapes, runs, options): its checks run once (``_calls``)."""
-    if _cpu_autocast_applies(q, k, v):  # (as in _attention)
-        return _with_autocast_applied("cpu", padded_rows_attention, q, k, v, row_runs, softmax_scale=softmax_scale,
-                                      causal=causal, window_size=window_size, softcap=softcap,
-                                      uniform_rows=uniform_rows)
-    if not _plain_eager("cpu"):
-        return None
-    call = row_runs_call(q, k, v, row_runs, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
-                         softcap=softcap)
-    if call is None:
-        return None
-    out, _ = _RowRuns.apply(call, uniform_rows, q, k, v)
-    return out
-
-
 def row_runs_call(q, k, v, row_runs: tuple, *, softmax_scale, causal: bool, window_size, softcap: float
                   ) -> _ForwardCall | None:
-    """The kernels' checked call for attention within ``row_runs`` (see ``padded_rows_attention``)
-    of plain CPU tensors read in place, remembered per shapes, options and runs; None where it
+    """The kernels' checked call for attention within ``row_runs`` of plain CPU tensors read in
+    place (sequence b is rows ``start_b .. end_b - 1`` of row b, its queries and keys alike: a
+    padded batch, ``padded.py``; no gather into packed sequences and scatter back, which cost more
+    than the kernels: 4 left-padded rows, fp32 forward + backward, 256 tokens 17.6 -> 12.1 ms,
+    1024 140 -> 77), remembered per shapes, options and runs; None where it
     does not apply (other tensors, head dims the kernels pad)."""
     row_runs = tuple(row_runs)
     key = _call_key(q, k, v, 0.0, softmax_scale, causal, window_size, softcap, False, False)
@@ -509,27 +541,6 @@ def row_runs_backward(call: _ForwardCall, uniform: UniformRows | None, dout, q, 
                                                          uniform.weight, call.scale):
             uniform_rows.add_gradients(dq, dk, dv, q, k, v, span, uniform, call.scale, call.softcap)
     return dq, dk, dv
-
-
-class _RowRuns(torch.autograd.Function):
-    """``padded_rows_attention``'s forward and backward (``row_runs_forward``, ``_backward``)."""
-
-    @staticmethod
-    def forward(ctx, call, uniform, q, k, v):
-        out, lse = row_runs_forward(call, uniform, q, k, v)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.call, ctx.uniform = call, uniform
-        ctx.mark_non_differentiable(lse)
-        ctx.set_materialize_grads(False)
-        return out, lse
-
-    @staticmethod
-    def backward(ctx, dout, _dlse):
-        if dout is None:
-            return None, None, None, None, None
-        q, k, v, out, lse = ctx.saved_tensors
-        grads = row_runs_backward(ctx.call, ctx.uniform, dout.detach(), q, k, v, out, lse)
-        return None, None, *refusing_second_derivatives(grads, q, k, v, dout)
 
 
 class _NoSecondDerivative(torch.autograd.Function):
@@ -697,8 +708,8 @@ def _attention(q, k, v, cu_seqlens_q, cu_seqlens_k, dropout_p, softmax_scale, ca
 # key, not for the checks) equal those of a checked dispatcher-free call runs as it did. What
 # can still differ is checked per call (_plain_eager: autocast, compile, modes; gradients, which
 # decide between the forward alone and _RepeatedTraining's forward and backward). Calls with
-# packed sequences, ALiBi or padded head dims take the full path. padded_rows_attention's calls
-# (a left-padded batch read in place) are kept here too, under the key with their row runs added.
+# packed sequences, ALiBi or padded head dims take the full path. row_runs_call's calls (a
+# left-padded batch read in place) are kept here too, under the key with their row runs added.
 _calls: dict[tuple, _ForwardCall] = {}
 _MAX_CALLS = 256
 _OPTION_TYPES = (float, int, type(None))
@@ -740,8 +751,8 @@ def _remember(key, call: _ForwardCall) -> None:
 
 class _ForwardCall:
     """A checked forward call's kernels and tables, for calls with the same ``_call_key``, and
-    its backward's (planned at the first backward). ``row_runs``: ``padded_rows_attention``'s
-    (then the rows outside the runs of out, lse and the gradients are 0: no kernel writes them)."""
+    its backward's (planned at the first backward). ``row_runs``: ``row_runs_call``'s (then
+    the rows outside the runs of out, lse and the gradients are 0: no kernel writes them)."""
 
     def __init__(self, kernels, dims, seqlen_k: int, scale: float, window: tuple, mods: list, *,
                  return_attn_probs=False, op_scalars=(), row_runs: tuple | None = None, softcap: float = 0.0):

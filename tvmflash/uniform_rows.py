@@ -113,26 +113,3 @@ def _through_scores(qs, kf, u, do, scale: float, softcap: float):
         dq.append(ds @ kf)
         dk = ds.mT @ qs[:, :, part] if dk is None else dk.add_(ds.mT @ qs[:, :, part])
     return dq[0] if len(dq) == 1 else torch.cat(dq, dim=2), dk
-
-
-class UniformRowsAttention(torch.autograd.Function):
-    """The uniform rows' output (batch, end - first, heads, head_dim): the mean of v at the rows,
-    0 at the span's other positions; gradients to q, k, v as eager's. Nothing saved but the
-    inputs (the backward forms its products from them)."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, rows: UniformRows, scale: float, softcap: float):
-        ctx.save_for_backward(q, k, v)
-        ctx.rows, ctx.scale, ctx.softcap = rows, scale, softcap
-        out = torch.zeros(q.shape[0], rows.end - rows.first, *q.shape[2:], dtype=q.dtype, device=q.device)
-        add_means(out, v, rows)
-        return out
-
-    @staticmethod
-    def backward(ctx, dout):
-        q, k, v = ctx.saved_tensors
-        rows = ctx.rows
-        dq, dk, dv = (torch.zeros(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
-        add_gradients(dq, dk, dv, q, k, v, dout, rows, ctx.scale, ctx.softcap)
-        return (dq if ctx.needs_input_grad[0] else None, dk if ctx.needs_input_grad[1] else None,
-                dv if ctx.needs_input_grad[2] else None, None, None, None)

@@ -19,13 +19,14 @@ What the attention function handles, with what transformers passes it:
 
 * causal self-attention with GQA (fewer key/value heads than query heads), bidirectional
   attention where a module or call sets ``is_causal=False``;
-* padding (left or right, rows that are all padding): rows whose real tokens are one run are
-  read in place, the runs as the kernels' sequence table (``padded_rows_attention``). A mask
-  with holes inside a row (0s between 1s) gathers the real tokens into packed sequences for
-  ``flash_attn_varlen_func`` and scatters the output back; on a sliding-window layer the
-  window must count positions in the row, holes included, as ``eager``'s does, so such a layer
-  runs on ``flex_attention`` with the mask instead (``_window_over_holes``; transformers'
-  ``flash_attention_2`` counts the packed positions). Padding query rows whose every key
+* padding (left or right, rows that are all padding): one op over the mask,
+  ``padded.attention``, in eager mode and under torch.compile alike. Rows whose real tokens are
+  one run are read in place, the runs as the kernels' sequence table. A mask with holes inside
+  a row (0s between 1s) gathers the real tokens into packed sequences for the varlen kernels
+  and scatters the output back; on a sliding-window layer the window must count positions in
+  the row, holes included, as ``eager``'s does, so there the op runs ``flex_attention`` with
+  the mask and the window as its block mask instead (transformers' ``flash_attention_2``
+  counts the packed positions). Padding query rows whose every key
   transformers masks (left padding) get what ``eager`` gives them, the mean of v, and eager's
   gradient for it (``uniform_rows.py``): a causal-LM loss reads the last of them, which predicts
   a row's first token. Other padding rows (after a row's tokens) get 0 where eager attends to
@@ -46,9 +47,8 @@ What the attention function handles, with what transformers passes it:
 
 Under ``torch.compile`` each layer's attention is one op that reads what the mask or
 ``position_ids`` say when the graph runs (``padded.attention``, ``documents.attention``): one
-graph, also for padded batches and ``generate()`` with a static cache (``_decode_op``), except on
-layers whose sliding window is shorter than the sequence, given a padding mask
-(``_window_over_holes`` reads the mask first).
+graph, also for padded batches (sliding windows included) and ``generate()`` with a static
+cache (``_decode_op``).
 
 Not supported (a clear error rather than a wrong result): attention dropout > 0 (tvmflash has
 no dropout; ``model.eval()`` or ``attention_dropout=0``), 4D or BlockMask attention masks,
@@ -65,12 +65,10 @@ import logging
 import torch
 
 from .. import version
-from ..flex import flex_attention
 from ..kvcache import flash_attn_with_kvcache, repeated_decode_step
-from ..torch_op import define_op, flash_attn_func, flash_attn_varlen_func, padded_rows_attention
-from .. import documents, padded, uniform_rows
-from ..padded import blind_rows, per_mask, row_runs, unpad_plan
-from ..uniform_rows import UniformRows, UniformRowsAttention
+from ..torch_op import define_op, flash_attn_func, flash_attn_varlen_func
+from .. import documents, padded
+from ..padded import per_mask, unpad_plan
 
 NAME = "tvm_attention"
 
@@ -125,10 +123,12 @@ def key_padding_mask(batch_size: int, q_length: int | None = None, kv_length: in
             raise TypeError("key_padding_mask needs q_length (transformers >= 5) or cache_position")
         q_length, q_offset = cache_position.shape[0], cache_position[0]
         device = cache_position.device if device is None else device
+    # (under torch.compile, reading the mask's values would break the graph: the ops read them when they run)
+    unread = torch.compiler.is_compiling()
     if attention_mask is None:
         # The last query is at absolute position q_offset + q_length - 1; a static cache has
         # kv_length slots of which the ones after it are still empty.
-        if torch.compiler.is_compiling() and isinstance(q_offset, torch.Tensor) and kwargs.get("local_size") is None:
+        if unread and isinstance(q_offset, torch.Tensor):
             # (a static cache's offset is a tensor, reading it would break the graph: the slots
             # as a mask of fixed shape, whose trailing empty columns the ops cut: written_keys)
             written = torch.arange(kv_length, device=q_offset.device) < q_offset + q_length - kv_offset
@@ -140,8 +140,8 @@ def key_padding_mask(batch_size: int, q_length: int | None = None, kv_length: in
     if attention_mask.dim() != 2:
         raise ValueError(f"expected a 2D (batch, length) padding mask, got shape {tuple(attention_mask.shape)}")
     mask = attention_mask[:, -kv_length:].to(torch.bool)  # a sliding layer's cache keeps the last kv_length keys
-    if torch.compiler.is_compiling() and kwargs.get("local_size") is None:
-        return mask  # (reading it would break the graph; the ops read it when they run: attention_forward)
+    if unread:
+        return mask
     if mask.shape[1] == kv_length and bool(mask.all()):
         return None
     return mask
@@ -198,10 +198,8 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
                                softcap=softcap)
         return (out if v_head_dim == head_dim else out[..., :v_head_dim]), None
     opts = {"softmax_scale": scaling, "causal": causal, "window_size": window, "softcap": softcap}
-    if attention_mask is not None and torch.compiler.is_compiling() and _one_op_applies(q, k, attention_mask, window):
-        out = padded.attention(q, k, v, attention_mask, **opts)
-    elif attention_mask is not None:
-        out = _padded_attention(q, k, v, attention_mask, opts, sliding_window)
+    if attention_mask is not None:
+        out = _padded_attention(q, k, v, attention_mask, opts)
     elif cu_q is not None and cu_k is not None:
         out = _packed_attention(q, k, v, cu_q, cu_k, opts)
     elif len_q == 1:
@@ -215,14 +213,6 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     if v_head_dim != head_dim:
         out = out[..., :v_head_dim]
     return out, None
-
-
-def _one_op_applies(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor, window: tuple[int, int]) -> bool:
-    """Whether ``padded.attention``, one op over the mask, takes a padded call under
-    torch.compile (no graph break): the queries are the mask's tokens, as are the keys (a static
-    cache's empty slots after them), and no window (which, over holes, counts positions in the
-    row: ``_window_over_holes``). Shapes only: the mask's values are read when the op runs."""
-    return q.shape[1] <= mask.shape[1] <= k.shape[1] and window == (-1, -1)
 
 
 def _decode_op_applies(q, k, v, mask: torch.Tensor | None, cu_q, cu_k) -> bool:
@@ -351,111 +341,20 @@ def _left_pad(mask: torch.Tensor) -> torch.Tensor | None:
     return first.to(torch.int32) if torch.equal(run, mask.bool()) else None
 
 
-def _padded_attention(q, k, v, mask: torch.Tensor, opts: dict, sliding_window: int | None) -> torch.Tensor:
-    """Attention over the real tokens of a padded batch. Rows whose real tokens are one run (left
-    or right padding) are read in place (``padded_rows_attention``, the runs as the kernels'
-    sequence table); a mask with holes (pad tokens inside a row) takes a gather,
-    ``flash_attn_varlen_func`` and a scatter.
-
-    Padding query rows get 0, except rows for which transformers' mask hides every key: they get
-    what ``eager`` gives them, the mean of v over the layer's keys (see ``padded.blind_rows``).
-    """
+def _padded_attention(q, k, v, mask: torch.Tensor, opts: dict) -> torch.Tensor:
+    """Attention over the real tokens of a padded batch: ``padded.attention``, one op over the
+    mask in eager mode and under torch.compile alike (rows of one run read in place, holes
+    gathered, a window over holes on flex, the rows that see no key given eager's mean of v);
+    an eager decode step: ``decode_attention``."""
     mask = mask.to(device=q.device, dtype=torch.bool)
-    batch, len_q, heads, head_dim = q.shape
-    n = mask.shape[1]
+    len_q, n = q.shape[1], mask.shape[1]
     if n > k.shape[1]:
         raise ValueError(f"the padding mask covers {n} keys, the layer got {k.shape[1]}")
     if len_q > n:
         raise ValueError(f"{len_q} queries but the padding mask covers only {n} keys")
-    if len_q == 1:
+    if len_q == 1 and not torch.compiler.is_compiling():
         return decode_attention(q, k, v, mask, **opts)
-    k_all, v_all = k, v
-    if n < k.shape[1]:  # keys past the mask: empty static-cache slots (else no view: two autograd nodes fewer)
-        k, v = k[:, :n], v[:, :n]
-    runs = per_mask(mask, "_tvmflash_row_runs", None, lambda: row_runs(mask))
-    blind = blind_rows(mask, len_q, opts["causal"], sliding_window)  # (eager: a softmax uniform over all keys)
-    empty_slots = k_all.shape[1] > n  # (a static cache's: the uniform rows average them too)
-    out = None
-    if runs is not None and len_q == n:
-        out = padded_rows_attention(q, k, v, runs, **opts, uniform_rows=None if empty_slots else blind)
-        if out is not None and not empty_slots:
-            return out  # (the uniform rows included)
-    if out is None and runs is None and opts["window_size"] != (-1, -1):
-        out = _window_over_holes(q, k, v, mask, opts, sliding_window)
-    elif out is None:
-        plan = unpad_plan(mask, len_q)
-        out = flash_attn_varlen_func(q[plan.query_index], k[plan.key_index], v[plan.key_index], plan.cu_q,
-                                     plan.cu_k, plan.max_q, plan.max_k, **opts)
-        # Padded query rows get 0 (an index_put on zeros: differentiable, the gradient is a gather).
-        out = q.new_zeros(batch, len_q, heads, out.shape[-1]).index_put(plan.query_index, out)
-    if blind is not None:  # (their rows of out hold 0: no key seen)
-        if not (torch.is_grad_enabled() and any(t.requires_grad for t in (q, k_all, v_all))):
-            uniform_rows.add_means(out[:, blind.first:blind.end], v_all, blind)  # (out is fresh: in place)
-            return out
-        scale = opts["softmax_scale"] if opts["softmax_scale"] is not None else head_dim ** -0.5
-        uniform = UniformRowsAttention.apply(q, k_all, v_all, blind, scale, opts["softcap"])
-        out = out + torch.nn.functional.pad(uniform, (0, 0, 0, 0, blind.first, len_q - blind.end))
-    return out
-
-
-def _window_over_holes(q, k, v, mask: torch.Tensor, opts: dict, sliding_window: int) -> torch.Tensor:
-    """A sliding window over a mask with holes (pad tokens inside a row), as ``eager`` reads it:
-    the window counts positions in the row, holes included. The gather into packed sequences
-    would count packed positions (transformers' ``flash_attention_2`` does), so these layers run
-    on ``flex_attention`` with the mask and the window as its ``mask_mod``, in place (the block
-    mask is built once per mask tensor, its kernels once per model)."""
-    _, len_q, heads, _ = q.shape
-    n, w, causal, softcap = mask.shape[1], int(sliding_window), opts["causal"], opts["softcap"]
-    offset = n - len_q  # the queries are the last len_q keys
-
-    def mask_mod(b, h, q_idx, kv_idx):
-        distance = q_idx + offset - kv_idx
-        seen = (distance >= 0) & (distance < w) if causal else distance.abs() <= w
-        return mask[b, kv_idx] & seen
-
-    def capped(score, b, h, q_idx, kv_idx):
-        return softcap * torch.tanh(score / softcap)
-
-    blocks = per_mask(mask, "_tvmflash_window_blocks", (len_q, causal, w),
-                       lambda: _window_block_mask(mask, len_q, causal, w, mask_mod))
-    out = flex_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), score_mod=capped if softcap else None,
-                         block_mask=blocks, scale=opts["softmax_scale"], enable_gqa=heads != k.shape[2])
-    return out.transpose(1, 2)
-
-
-def _window_block_mask(mask: torch.Tensor, len_q: int, causal: bool, w: int, mask_mod, block: int = 128):
-    """``_window_over_holes``' block mask from block bounds: a (query block, key block) is empty
-    where no pair is inside the window or no key is real, full where every pair is and every key
-    is real (complete blocks only), else partial (the mask_mod decides per score).
-    O(batch x blocks^2): torch's ``create_block_mask`` evaluates the mask_mod on every (query,
-    key) pair, with int64 temporaries of that size (GBs at tens of thousands of tokens)."""
-    from torch.nn.attention.flex_attention import BlockMask
-
-    n = mask.shape[1]
-    device = mask.device
-    seen = torch.nn.functional.pad(mask.cumsum(1, dtype=torch.int32), (1, 0))  # seen[:, i]: real keys before i
-    k_first = torch.arange(0, n, block, device=device)
-    k_last = (k_first + block).clamp_max(n) - 1
-    real = seen[:, k_last + 1] - seen[:, k_first]  # (batch, key blocks)
-    q_starts = torch.arange(0, len_q, block, device=device)
-    p_first, p_last = q_starts + (n - len_q), (q_starts + block).clamp_max(len_q) - 1 + (n - len_q)  # positions
-    p_first, p_last = p_first[:, None], p_last[:, None]
-    if causal:  # p - w < j <= p
-        some = (k_first <= p_last) & (k_last > p_first - w)
-        every = (k_last <= p_first) & (k_first > p_last - w)
-    else:  # |p - j| <= w
-        some = (k_first <= p_last + w) & (k_last >= p_first - w)
-        every = (k_last <= p_first + w) & (k_first >= p_last - w)
-    whole = (p_last - p_first + 1 == block) & (k_last - k_first + 1 == block)  # (as torch's: the last blocks partial)
-    full = every & whole & (real == block)[:, None, :]  # (batch, query blocks, key blocks)
-    partial = some & (real > 0)[:, None, :] & ~full
-
-    def listed(blocks: torch.Tensor):  # (counts, indices of the marked key blocks first), with a heads dim
-        order = torch.argsort((~blocks).to(torch.uint8), dim=-1, stable=True)
-        return blocks.sum(-1, dtype=torch.int32)[:, None], order.to(torch.int32)[:, None]
-
-    return BlockMask.from_kv_blocks(*listed(partial), *listed(full), BLOCK_SIZE=block, mask_mod=mask_mod,
-                                    seq_lengths=(len_q, n))
+    return padded.attention(q, k, v, mask, **opts)
 
 
 def _packed_attention(q, k, v, cu_q: torch.Tensor, cu_k: torch.Tensor, opts: dict) -> torch.Tensor:
