@@ -424,6 +424,26 @@ def test_4d_mask_is_refused():
         ours(torch.zeros(1, 8, dtype=torch.long), attention_mask=mask)
 
 
+def test_chunked_attention_past_one_chunk_is_refused(gen):
+    """Llama 4's chunked layers (attention within chunks of attention_chunk_size tokens) are not
+    implemented: within one chunk the model matches eager, past it a clear error (the chunks
+    would be lost: silently wrong logits before)."""
+    name = tvm_hf.register()
+    config = transformers.Llama4TextConfig(**{**COMMON, "num_hidden_layers": 2}, head_dim=16, intermediate_size_mlp=128,
+                                           num_local_experts=1, attention_chunk_size=8)
+    assert "chunked_attention" in config.layer_types
+    models = {}
+    for impl in ("eager", name):
+        torch.manual_seed(0)
+        models[impl] = transformers.AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation=impl)
+    ids = torch.randint(0, 128, (2, 8), generator=gen)
+    with torch.no_grad():
+        want, got = (models[impl](input_ids=ids).logits for impl in ("eager", name))
+        assert _rel(got, want) <= LOSS_RTOL
+        with pytest.raises(NotImplementedError, match="attention_chunk_size=8"):
+            models[name](input_ids=torch.randint(0, 128, (2, 9), generator=gen))
+
+
 def test_bfloat16_padded_batch_close_to_eager(gen):
     """16-bit inputs reach the bf16 kernels; eager in bf16 differs by rounding only."""
     eager, ours = _models("llama", torch.bfloat16)

@@ -53,8 +53,8 @@ cache (``_decode_op``).
 Not supported (a clear error rather than a wrong result): attention dropout > 0 (tvmflash has
 no dropout; ``model.eval()`` or ``attention_dropout=0``), 4D or BlockMask attention masks,
 masks with extra patterns (``or_mask_function``/``and_mask_function``, e.g. bidirectional
-image tokens), attention sinks (``s_aux``). Chunked attention (Llama 4) and
-``block_sequence_ids`` are not detected; models using them need another implementation.
+image tokens), attention sinks (``s_aux``), chunked attention (Llama 4) over more keys than one
+chunk. ``block_sequence_ids`` are not detected; models using them need another implementation.
 """
 
 from __future__ import annotations
@@ -118,6 +118,15 @@ def key_padding_mask(batch_size: int, q_length: int | None = None, kv_length: in
             "this model adds its own pattern to the attention mask (or_mask_function/and_mask_function, e.g. "
             "bidirectional image tokens), which tvmflash's transformers integration does not support; use "
             "attn_implementation='eager' or 'sdpa' for it")
+    config = kwargs.get("config")
+    chunk = getattr(config, "attention_chunk_size", None)
+    if (chunk is not None and kwargs.get("local_size") == chunk and chunk != getattr(config, "sliding_window", None)
+            and kv_length is not None and kv_length + kv_offset > chunk):
+        # (create_chunked_causal_mask's: transformers refuses flash_attention_2 here the same way)
+        raise NotImplementedError(
+            f"this model's chunked attention (attention_chunk_size={chunk}, Llama 4) is not implemented by tvmflash, "
+            f"and its keys ({kv_length + kv_offset}) reach past one chunk, whose pattern would be lost: use "
+            f"attn_implementation='sdpa' or 'eager' for it, or sequences of at most {chunk} tokens")
     if q_length is None:  # transformers < 5: the query positions come as cache_position
         if cache_position is None:
             raise TypeError("key_padding_mask needs q_length (transformers >= 5) or cache_position")
