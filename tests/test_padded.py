@@ -313,3 +313,28 @@ def test_window_over_holes_traces_its_mods_once_without_dynamo(gen, monkeypatch)
         out = padded.attention(q, k, v, mask, causal=True, window_size=(5, 0))
         torch.autograd.grad(out.sum(), (q, k, v))
     assert traced == [1]
+
+
+@pytest.mark.parametrize("mask_name", ["left", "holes"])
+def test_asymmetric_window_against_float64(gen, mask_name):
+    """A bidirectional window of 2 keys before and 6 after (flash-attn's (2, 6)): rows in place
+    (left padding) and flex over holes. Rows that see no real key in their window (the first
+    rows of a left-padded row: its first real key lies further right than 6) get eager's mean of
+    v; rows just after them see it, and are real or 0 as any padding row."""
+    mask, window = _masks()[mask_name], (2, 6)
+    q, k, v = random_inputs(gen, BATCH, N, N, 4, 2, 24, "float32", requires_grad=True)
+    out = padded.attention(q, k, v, mask, causal=False, window_size=window)
+    distance = torch.arange(N)[:, None] - torch.arange(N)
+    allowed = (mask[:, None, :] & (distance >= -window[1]) & (distance <= window[0]))[:, None]  # (batch, 1, q, k)
+    blind = ~allowed.any(-1)[:, 0]
+    assert bool(blind[1, :5].all()) and not bool(blind[1, 5:].any())  # (row 1: 11 pads; rows 5.. see key 11)
+    defined = (mask | blind)[:, :, None, None]
+    dout = torch.randn(out.shape, generator=gen) * defined
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    want = _eager_with_blind_rows(*leaves, allowed)
+    want_grads = torch.autograd.grad(want, leaves, dout.double())
+    assert ((out.double() - want) * defined).abs().max() <= 1e-5
+    assert bool((out[~defined.expand_as(out)] == 0).all())
+    for name, got, ref in zip("qkv", grads, want_grads):
+        assert (got.double() - ref).abs().max() <= 1e-5 * max(1.0, ref.abs().max().item()), name

@@ -97,31 +97,29 @@ def unpad_plan(mask: torch.Tensor, len_q: int) -> Unpad:
     return per_mask(mask, "_tvmflash_unpad", len_q, lambda: Unpad(mask, len_q))
 
 
-def blind_rows(mask: torch.Tensor, len_q: int, causal: bool, window: int | None) -> UniformRows | None:
+def blind_rows(mask: torch.Tensor, len_q: int, window_left: int, window_right: int) -> UniformRows | None:
     """The query rows (the last ``len_q`` of the mask's positions) for which transformers' mask
     hides every key, as ``UniformRows``, or None; found once per mask tensor and kind of layer.
-    ``window``: transformers' sliding window (causal: keys p - w < j <= p; else |p - j| <= w).
+    The query at position p sees the real keys j with -window_right <= p - j <= window_left
+    (flash-attn's window, -1: unbounded; causal: window_right 0; transformers' sliding window w
+    is (w - 1, 0) causal, (w, w) bidirectional).
 
     Such rows (padding queries before a row's first token: left padding) are where transformers'
     ``eager`` adds its most negative number to every score: the softmax is then uniform over all
     the layer's keys, and ``eager`` returns the mean of v. Padding queries at these positions
     predict the first real token, so a causal-LM loss sees them.
     """
-    w = int(window) if window and window > 0 else None
     found = per_mask(mask, "_tvmflash_blind_rows", None, dict)
-    if (len_q, causal, w) not in found:
+    key = (len_q, window_left, window_right)
+    if key not in found:
         n = mask.shape[1]
         seen = torch.nn.functional.pad(mask.cumsum(1, dtype=torch.int32), (1, 0))  # seen[:, i]: real keys before i
         pos = torch.arange(n - len_q, n, device=mask.device)  # the queries' positions among the keys
-        if causal:  # keys pos - w < j <= pos
-            lo, hi = ((pos + 1 - w).clamp_min(0) if w else torch.zeros_like(pos)), pos + 1
-        elif w:  # |pos - j| <= w
-            lo, hi = (pos - w).clamp_min(0), (pos + w + 1).clamp_max(n)
-        else:
-            lo, hi = torch.zeros_like(pos), torch.full_like(pos, n)
+        lo = (pos - window_left).clamp_min(0) if window_left >= 0 else torch.zeros_like(pos)
+        hi = (pos + window_right + 1).clamp_max(n) if window_right >= 0 else torch.full_like(pos, n)
         blind = (seen[:, hi] - seen[:, lo]) == 0
-        found[(len_q, causal, w)] = UniformRows.at(*blind.nonzero(as_tuple=True), mask.shape[0])
-    return found[(len_q, causal, w)]
+        found[key] = UniformRows.at(*blind.nonzero(as_tuple=True), mask.shape[0])
+    return found[key]
 
 
 # --- one op over the mask (torch.compile) ----------------------------------------------------------
@@ -204,11 +202,9 @@ class _Layout:
         len_q = q.shape[1]
         self.mask = mask = written_keys(mask, len_q)
         n = mask.shape[1]
-        causal = window_right == 0
-        window = (window_left + 1 if causal else window_left) if window_left >= 0 else None
         self.k, self.v = (k, v) if k.shape[1] == n else (k[:, :n], v[:, :n])
         self.runs = per_mask(mask, "_tvmflash_row_runs", None, lambda: row_runs(mask))
-        self.blind = blind_rows(mask, len_q, causal, window)
+        self.blind = blind_rows(mask, len_q, window_left, window_right)
         # (a window over holes counts positions in the row, which packed sequences would not: flex, in place)
         self.window_over_holes = self.runs is None and (window_left, window_right) not in ((-1, -1), (-1, 0))
         self.call = self.plan = None
@@ -304,7 +300,7 @@ def _padded_forward_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask
         out, lse = torch_op.row_runs_forward(layout.call, blind if layout.kernels_add_blind else None, q, layout.k,
                                              layout.v)
     elif layout.window_over_holes:
-        with torch_op.eager_dispatch():  # (flex traces its mods, torch's BlockMask runs a vmap)
+        with torch_op.eager_dispatch():  # (the mask_mod's trace, once per mask: make_fx, in a compiled graph too)
             views, options = layout.flex_inputs(q, softmax_scale, window_left, window_right, softcap)
             out, lse = flex_attention(*views, return_lse=True, **options)
         out = out.transpose(1, 2).contiguous()

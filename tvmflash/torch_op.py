@@ -233,9 +233,9 @@ def _no_modes() -> bool:
 
 
 def eager_dispatch():
-    """A context for an op's body that runs torch's own tracing or vmap (``flex_attention``'s
-    mods, torch's ``BlockMask``): a compiled graph's runtime calls op bodies with the dispatch
-    keys above the backend excluded (functionalization, functorch, Python), which those need; the
+    """A context for an op's body that runs torch's own tracing (``padded.py``'s flex mods, traced
+    with make_fx): a compiled graph's runtime calls op bodies with the dispatch keys above the
+    backend excluded (functionalization, functorch, Python), which tracing and vmap need; the
     eager call's exclusions (autocast's) stay."""
     current = torch._C._dispatch_tls_local_exclude_set()
     kept = torch._C.DispatchKeySet(torch._C.DispatchKey.Undefined)
