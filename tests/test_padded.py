@@ -338,3 +338,20 @@ def test_asymmetric_window_against_float64(gen, mask_name):
     assert bool((out[~defined.expand_as(out)] == 0).all())
     for name, got, ref in zip("qkv", grads, want_grads):
         assert (got.double() - ref).abs().max() <= 1e-5 * max(1.0, ref.abs().max().item()), name
+
+
+def test_window_over_holes_kernels_per_size_class(gen, monkeypatch):
+    """The flex kernels of a window over holes do not depend on the offset of the queries, the
+    window or the mask's exact shape (batch, n): masks of other shapes in one size class and
+    other windows run the same compiled kernels (a kernel per shape compiled 2-9 s each)."""
+    from tvmflash import flex
+
+    spec_keys = []
+    original = flex._flex_forward
+    monkeypatch.setattr(flex, "_flex_forward", lambda *args: spec_keys.append(args[-1]) or original(*args))
+    for batch, n, len_q, window in ((4, 37, 37, (5, 0)), (3, 41, 30, (5, 0)), (2, 50, 50, (9, 0))):
+        mask = torch.ones(batch, n, dtype=torch.bool)
+        mask[0, 7:9] = False
+        q, k, v = random_inputs(gen, batch, len_q, n, 4, 2, 24, "float32")
+        padded.attention(q, k, v, mask, causal=True, window_size=window)
+    assert len(spec_keys) == 3 and len(set(spec_keys)) == 1

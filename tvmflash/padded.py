@@ -250,13 +250,17 @@ def _window_block_mask(mask: torch.Tensor, len_q: int, left: int, right: int, bl
     offset = n - len_q  # (the queries' positions among the keys)
     unbounded = 2 * n + 1  # (-1: no bound)
     far_left, far_right = (left if left >= 0 else unbounded), (right if right >= 0 else unbounded)
-    # (read from a tensor, which the kernels take as an input: Python numbers would be constants of
-    # the traced mask_mod, a kernel compiled per offset and window)
-    bounds = torch.tensor([offset, far_left, -far_right], dtype=torch.int32, device=mask.device)
+    # Read from tensors, which the kernels take as inputs: Python numbers would be constants of the
+    # traced mask_mod (a kernel compiled per offset and window), and a captured tensor's shape is
+    # part of the kernels' key: the mask goes flat into a buffer of a power-of-two size, a kernel
+    # per size class rather than per (batch, n).
+    bounds = torch.tensor([offset, far_left, -far_right, n], dtype=torch.int32, device=mask.device)
+    flat = mask.new_zeros(max(1024, 1 << (mask.numel() - 1).bit_length()))
+    flat[:mask.numel()] = mask.reshape(-1)
 
     def window_over_mask(b, h, q_idx, kv_idx):
         distance = q_idx + bounds[0] - kv_idx
-        return mask[b, kv_idx] & (distance <= bounds[1]) & (distance >= bounds[2])
+        return flat[b * bounds[3] + kv_idx] & (distance <= bounds[1]) & (distance >= bounds[2])
 
     # traced here, once per mask: it reads nothing but the tensors it holds (flex_attention
     # would ask dynamo on each call whether what it reads has changed, also inside compiled graphs)
