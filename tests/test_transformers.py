@@ -424,6 +424,19 @@ def test_4d_mask_is_refused():
         ours(torch.zeros(1, 8, dtype=torch.long), attention_mask=mask)
 
 
+def test_masks_that_do_not_fit_the_layer_are_refused(gen):
+    """A padding mask longer than the layer's keys, or shorter than its queries, is a clear
+    error on the decode path (decode_attention) and the padded op alike, not a read past the
+    cache."""
+    opts = {"softmax_scale": None, "causal": True, "window_size": (-1, -1), "softcap": 0.0}
+    k = torch.randn(2, 10, 2, 32, generator=gen)
+    for len_q, n, match in ((1, 12, "covers 12 keys"), (1, 0, "covers 0 keys"), (5, 12, "padding mask must be"),
+                            (5, 3, "padding mask must be")):
+        q = torch.randn(2, len_q, 4, 32, generator=gen)
+        with pytest.raises(ValueError, match=match):
+            tvm_hf._padded_attention(q, k, k, torch.ones(2, n, dtype=torch.bool), opts)
+
+
 def test_chunked_attention_past_one_chunk_is_refused(gen):
     """Llama 4's chunked layers (attention within chunks of attention_chunk_size tokens) are not
     implemented: within one chunk the model matches eager, past it a clear error (the chunks

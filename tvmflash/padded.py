@@ -157,7 +157,7 @@ def attention(q, k, v, mask: torch.Tensor, *, softmax_scale=None, causal=False, 
         mask = mask.to(device=q.device, dtype=torch.bool)
         q, k, v = (torch_op.kernel_layout(t) for t in (q, k, v))
         if key is not None and q.shape[-1] == head_dim and q.stride(-1) == k.stride(-1) == v.stride(-1) == 1:
-            if len(_checked) >= 256:
+            if len(_checked) >= torch_op._MAX_CALLS:  # (bounded as torch_op's own memo of checked calls)
                 _checked.clear()
             _checked[key] = flash
     out, _ = _padded_ops(q, k, v, mask, flash.softmax_scale, *flash.window, flash.softcap)

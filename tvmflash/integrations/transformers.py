@@ -230,7 +230,7 @@ def _decode_op_applies(q, k, v, mask: torch.Tensor | None, cu_q, cu_k) -> bool:
     if q.shape[1] != 1 or (cu_q is not None and cu_k is not None) or (mask is None and k.shape[1] == 1):
         return False
     if mask is not None and mask.shape[1] > k.shape[1]:
-        return False  # (_padded_attention names it)
+        return False  # (padded.attention names it)
     return not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad))
 
 
@@ -284,6 +284,9 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask
     gathered real keys.
     """
     n = k.shape[1] if key_mask is None else key_mask.shape[1]
+    if key_mask is not None and not 1 <= n <= k.shape[1]:
+        raise ValueError(f"the padding mask covers {n} keys, the layer got {k.shape[1]} (a decode step needs 1 to "
+                         f"{k.shape[1]})")
     left_pad = None if key_mask is None else per_mask(key_mask, "_tvmflash_left_pad", None,
                                                          lambda: _left_pad(key_mask))
     if ((key_mask is None or left_pad is not None)
@@ -355,13 +358,8 @@ def _padded_attention(q, k, v, mask: torch.Tensor, opts: dict) -> torch.Tensor:
     mask in eager mode and under torch.compile alike (rows of one run read in place, holes
     gathered, a window over holes on flex, the rows that see no key given eager's mean of v);
     an eager decode step: ``decode_attention``."""
-    mask = mask.to(device=q.device, dtype=torch.bool)
-    len_q, n = q.shape[1], mask.shape[1]
-    if n > k.shape[1]:
-        raise ValueError(f"the padding mask covers {n} keys, the layer got {k.shape[1]}")
-    if len_q > n:
-        raise ValueError(f"{len_q} queries but the padding mask covers only {n} keys")
-    if len_q == 1 and not torch.compiler.is_compiling():
+    mask = mask.to(device=q.device, dtype=torch.bool)  # (both check its shape against q and k)
+    if q.shape[1] == 1 and not torch.compiler.is_compiling():
         return decode_attention(q, k, v, mask, **opts)
     return padded.attention(q, k, v, mask, **opts)
 
