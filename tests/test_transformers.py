@@ -17,7 +17,6 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from conftest import reference_attention  # noqa: E402
 from tvmflash import documents, padded, torch_op  # noqa: E402
 from tvmflash.integrations import transformers as tvm_hf  # noqa: E402
 
