@@ -355,3 +355,28 @@ def test_window_over_holes_kernels_per_size_class(gen, monkeypatch):
         q, k, v = random_inputs(gen, batch, len_q, n, 4, 2, 24, "float32")
         padded.attention(q, k, v, mask, causal=True, window_size=window)
     assert len(spec_keys) == 3 and len(set(spec_keys)) == 1
+
+
+def test_mask_rows_against_each_row_read_in_python(gen):
+    """``MaskRows`` (each row's count, first and end of its real keys; the rows as runs where
+    each is one) against the rows read one key at a time: random masks with holes, left and
+    right padding, empty rows, a view with a row stride, an expanded row and a transposed mask."""
+    def read(row: list[bool]) -> tuple[int, int, int]:
+        real = [j for j, x in enumerate(row) if x]
+        return (len(real), real[0], real[-1] + 1) if real else (0, 0, 0)
+
+    masks = [m for m in _masks().values()]
+    masks += [torch.rand(5, 23, generator=gen) < p for p in (0.1, 0.5, 0.9)]
+    masks += [torch.zeros(3, 0, dtype=torch.bool), torch.zeros(0, 7, dtype=torch.bool)]
+    wide = torch.rand(3, 40, generator=gen) < 0.7
+    masks += [wide[:, 5:29], (torch.arange(17) < 9).expand(4, 17), (torch.rand(23, 5, generator=gen) < 0.5).t()]
+    for mask in masks:
+        rows = padded.MaskRows(mask)
+        want = [read(row) for row in mask.tolist()]
+        assert list(zip(rows.count, rows.first, rows.end)) == want
+        assert rows.written == max((end for _, _, end in want), default=0)
+        one_run = all(count == end - first for count, first, end in want)
+        assert rows.runs == (tuple((first, end) for _, first, end in want) if one_run else None)
+        n = mask.shape[1]
+        left = one_run and all(count == 0 or end == n for count, _, end in want)
+        assert rows.left_pad(n) == (tuple(n - count for count, _, _ in want) if left else None)

@@ -404,15 +404,18 @@ def _vector_kind(t: torch.Tensor) -> tuple:
 
 def repeated_decode_step(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cache_seqlens: int,
                          softmax_scale: float | None, causal: bool, window_size: tuple[int, int], softcap: float,
-                         cache_leftpad: torch.Tensor | None = None) -> torch.Tensor | None:
+                         cache_leftpad: torch.Tensor | None = None, starts: tuple | None = None
+                         ) -> torch.Tensor | None:
     """``flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=cache_seqlens,
     cache_leftpad=cache_leftpad, ...)`` if a call with the same key passed its checks before,
     else None: an integration's decode step (one new token per sequence against dense caches,
     each layer and token) without the checks and the keyword arguments (the scale a float or
-    None, the window a tuple of two ints, softcap a float, as the checks want them)."""
+    None, the window a tuple of two ints, softcap a float, as the checks want them).
+    ``starts``: cache_leftpad's values as a tuple, where the caller holds them (the layers of a
+    model share one cache_leftpad, which it need not read again)."""
     step = _steps.get(_key(q, k_cache, int, cache_leftpad, softmax_scale, causal, window_size, softcap, 0, True,
                            False))
-    return None if step is None else step(q, k_cache, v_cache, cache_seqlens, cache_leftpad)
+    return None if step is None else step(q, k_cache, v_cache, cache_seqlens, cache_leftpad, starts)
 
 
 class _StepTables(NamedTuple):
@@ -465,8 +468,9 @@ class _DecodeStep:
         return _StepTables((ends, starts, threads), seq_info, torch.from_numpy(units),
                            min(threads, max(1, len(units))), (spans, starts, threads))
 
-    def __call__(self, q, k_cache, v_cache, cache_seqlens, cache_leftpad=None):
-        """The call's result, or None where the full checks must run (they raise)."""
+    def __call__(self, q, k_cache, v_cache, cache_seqlens, cache_leftpad=None, starts=None):
+        """The call's result, or None where the full checks must run (they raise). ``starts``:
+        cache_leftpad's values, where the caller has them (a tuple)."""
         if torch.is_grad_enabled() and (q.requires_grad or k_cache.requires_grad or v_cache.requires_grad):
             return None
         shape = k_cache.shape
@@ -486,8 +490,9 @@ class _DecodeStep:
         if cache_leftpad is None:
             starts = self.starts
         else:  # (the first real key of each sequence: left padding)
-            starts = cache_leftpad.tolist()
-            if any(not 0 <= s <= e for s, e in zip(starts, ends)):
+            if starts is None:
+                starts = tuple(cache_leftpad.tolist())
+            if len(starts) != self.batch or any(not 0 <= s <= e for s, e in zip(starts, ends)):
                 return None
         threads = self.threads()
         scratch = self._scratch

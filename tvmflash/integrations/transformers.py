@@ -61,6 +61,7 @@ from __future__ import annotations
 
 import functools
 import logging
+from typing import NamedTuple
 
 import torch
 
@@ -238,11 +239,10 @@ def _decode_op_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask:
                     softmax_scale: float | None, causal: bool, window_left: int, window_right: int,
                     softcap: float) -> torch.Tensor:
     """``decode_attention`` as one op (torch.compile's graphs: generate() with a compiled
-    forward), which reads the mask (left padding, holes) when it runs. Forward only."""
-    if key_mask is not None:
-        key_mask = padded.written_keys(key_mask, 1)  # (a static cache's mask of fixed length: its written keys)
+    forward), which reads the mask (left padding, holes) when it runs: a static cache's mask of
+    the cache's fixed length, whose trailing columns without a real key it cuts. Forward only."""
     return decode_attention(q, k, v, key_mask, softmax_scale=softmax_scale, causal=causal,
-                            window_size=(window_left, window_right), softcap=softcap)
+                            window_size=(window_left, window_right), softcap=softcap, cut_empty_slots=True)
 
 
 def _decode_op_fake(q, k, v, key_mask, softmax_scale, causal, window_left, window_right, softcap):
@@ -263,14 +263,16 @@ def _attention_dtype(q: torch.Tensor) -> torch.dtype:
 
 
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor | None, *,
-                     softmax_scale: float | None, causal: bool, window_size: tuple[int, int], softcap: float
-                     ) -> torch.Tensor:
+                     softmax_scale: float | None, causal: bool, window_size: tuple[int, int], softcap: float,
+                     cut_empty_slots: bool = False) -> torch.Tensor:
     """One new token per sequence against the KV cache: the single place decode is dispatched.
 
     q ``(batch, 1, heads, head_dim)``, k and v ``(batch, n_cache, heads_kv, head_dim)`` (any
     strides with unit head_dim stride); ``key_mask`` ``(batch, n)`` bool, n <= n_cache, or None
-    when every cached key is a real token. The query sees all real keys of its sequence (or the
-    last ``window_size[0] + 1`` of them): flash-attn's bottom-right alignment.
+    when every cached key is a real token; ``cut_empty_slots``: the mask's trailing columns
+    without a real key in any row are a static cache's empty slots (a compiled step's mask of
+    the cache's length), not padding. The query sees all real keys of its sequence (or the last
+    ``window_size[0] + 1`` of them): flash-attn's bottom-right alignment.
 
     CPU caches without gradients, full or left-padded (each row's real keys one run ending at
     key n - 1, as ``generate()`` builds them): ``flash_attn_with_kvcache``'s decode kernel reads
@@ -283,15 +285,22 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask
     Otherwise (gradients, CUDA tensors): ``flash_attn_func``, or ``flash_attn_varlen_func`` on the
     gathered real keys.
     """
-    n = k.shape[1] if key_mask is None else key_mask.shape[1]
-    if key_mask is not None and not 1 <= n <= k.shape[1]:
-        raise ValueError(f"the padding mask covers {n} keys, the layer got {k.shape[1]} (a decode step needs 1 to "
-                         f"{k.shape[1]})")
-    left_pad = None if key_mask is None else per_mask(key_mask, "_tvmflash_left_pad", None,
-                                                         lambda: _left_pad(key_mask))
+    if key_mask is not None:
+        if key_mask.dim() != 2 or key_mask.shape[0] != q.shape[0] or not 1 <= key_mask.shape[1] <= k.shape[1]:
+            raise ValueError(f"the padding mask covers {key_mask.shape[-1]} keys of shape {tuple(key_mask.shape)}, the "
+                             f"layer got {k.shape[1]} keys of {q.shape[0]} sequences (a decode step needs a (batch, n) "
+                             f"mask with 1 <= n <= {k.shape[1]})")
+        keys = per_mask(key_mask, "_tvmflash_decode_keys", cut_empty_slots,
+                        lambda: _DecodeKeys.of(key_mask, cut_empty_slots))
+        n, left_pad = keys.n, keys.left_pad
+        if keys.n < key_mask.shape[1]:
+            key_mask = key_mask[:, :keys.n]
+    else:
+        n, keys, left_pad = k.shape[1], None, None
     if ((key_mask is None or left_pad is not None)
             and not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad))):
-        out = repeated_decode_step(q, k, v, n, softmax_scale, causal, window_size, softcap, left_pad)
+        out = repeated_decode_step(q, k, v, n, softmax_scale, causal, window_size, softcap, left_pad,
+                                   None if keys is None else keys.starts)
         if out is not None:  # (a step like one checked before: the layers and tokens after the first)
             return out
     opts = {"softmax_scale": softmax_scale, "causal": causal, "window_size": window_size, "softcap": softcap}
@@ -320,6 +329,25 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask
     return out.unsqueeze(1)
 
 
+class _DecodeKeys(NamedTuple):
+    """What a decode step reads from its padding mask, found once per mask tensor (a model's
+    layers share it): one scan of the mask's rows (``padded.MaskRows``), where torch's small ops
+    took ~100-200 us of each token's first layer (every cache line cold after the model's
+    matrix products)."""
+
+    n: int  # the keys the step covers: the mask's, or its written ones (cut_empty_slots)
+    starts: tuple | None  # each row's first real key where every row's are one run ending at key n - 1
+    left_pad: torch.Tensor | None  # starts as the kernel's (batch,) int32 cache_leftpad
+
+    @classmethod
+    def of(cls, mask: torch.Tensor, cut_empty_slots: bool) -> _DecodeKeys:
+        rows = padded.MaskRows(mask)
+        n = max(rows.written, 1) if cut_empty_slots else mask.shape[1]
+        starts = rows.left_pad(n)
+        left_pad = None if starts is None else torch.tensor(starts, dtype=torch.int32, device=mask.device)
+        return cls(n, starts, left_pad)
+
+
 def _decode_kernel_applies(q, k, v) -> bool:
     """Whether ``flash_attn_with_kvcache`` can serve this decode step (it is forward-only, CPU)."""
     tensors = (q, k, v)
@@ -342,15 +370,6 @@ def _window(sliding_window: int | None, causal: bool, len_k: int) -> tuple[int, 
     if causal:
         return (-1, -1) if len_k <= w else (w - 1, 0)
     return (w, w)
-
-
-def _left_pad(mask: torch.Tensor) -> torch.Tensor | None:
-    """(batch,) int32 first real key where every row's real keys are one run ending at the last
-    key (left padding, or none: what decode's KV-cache kernel reads), else None."""
-    n = mask.shape[1]
-    first = n - mask.sum(dim=1, dtype=torch.int32)
-    run = torch.arange(n, device=first.device)[None, :] >= first[:, None]
-    return first.to(torch.int32) if torch.equal(run, mask.bool()) else None
 
 
 def _padded_attention(q, k, v, mask: torch.Tensor, opts: dict) -> torch.Tensor:
