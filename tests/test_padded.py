@@ -29,12 +29,12 @@ def _masks() -> dict[str, torch.Tensor]:
     return {"left": left, "right": right, "holes": holes, "none": torch.ones(BATCH, N, dtype=torch.bool)}
 
 
-def _real_rows_reference(q, k, v, dout, mask, window, dtype, len_q=None):
+def _real_rows_reference(q, k, v, dout, mask, window, dtype, len_q=None, causal=True):
     """out, dq, dk, dv in ``dtype`` of attention among each row's real tokens (the queries the
     last ``len_q`` of the mask's positions), the padding rows' dout zeroed (what they get is
     ``test_uniform_rows.py``'s; here they add no gradient)."""
     leaves = [t.detach().to(dtype).requires_grad_() for t in (q, k, v)]
-    out, _ = reference_attention(*leaves, True, window_size=window, mask=mask[:, None, None, :], dtype=dtype)
+    out, _ = reference_attention(*leaves, causal, window_size=window, mask=mask[:, None, None, :], dtype=dtype)
     real = mask[:, -(len_q or mask.shape[1]):, None, None]
     return out * real, *torch.autograd.grad(out, leaves, (dout * real).to(dtype))
 
@@ -380,3 +380,42 @@ def test_mask_rows_against_each_row_read_in_python(gen):
         n = mask.shape[1]
         left = one_run and all(count == 0 or end == n for count, _, end in want)
         assert rows.left_pad(n) == (tuple(n - count for count, _, _ in want) if left else None)
+
+
+def test_random_calls_against_float64(gen, seed):
+    """Random shapes, masks (left or right padding, holes, rows without a real token), windows
+    (causal or not, asymmetric) and queries after a cache (len_q <= n <= the layer's keys): the
+    real rows and every gradient against float64. Where len_q < n, the op's contract applies: the
+    trailing columns without a real key in any row are a static cache's slots, and the queries
+    are the last len_q of the columns before them."""
+    for _ in range(12):
+        batch, n_k = int(torch.randint(1, 5, (), generator=gen)), int(torch.randint(2, 70, (), generator=gen))
+        n = int(torch.randint(1, n_k + 1, (), generator=gen))
+        len_q = n if torch.rand((), generator=gen) < 0.5 else int(torch.randint(1, n + 1, (), generator=gen))
+        mask = torch.rand(batch, n, generator=gen) < 0.8  # (holes)
+        for b, edge in enumerate(torch.randint(0, n, (batch,), generator=gen).tolist()):
+            kind = int(torch.randint(0, 4, (), generator=gen))
+            if kind == 0:
+                mask[b] = torch.arange(n) >= edge  # left padding
+            elif kind == 1:
+                mask[b] = torch.arange(n) < edge  # right padding (a row of none where edge is 0)
+        causal = bool(torch.rand((), generator=gen) < 0.7)
+        left = int(torch.randint(-1, 30, (), generator=gen))
+        window = (left, 0) if causal else (left, int(torch.randint(-1, 30, (), generator=gen)) if left >= 0 else -1)
+        dtype = "float32" if torch.rand((), generator=gen) < 0.5 else "bfloat16"
+        q, k, v = random_inputs(gen, batch, len_q, n_k, 4, 2, 32, dtype, requires_grad=True)
+        used = mask.any(0).nonzero()
+        cut = n if len_q == n else max(int(used.max()) + 1 if used.numel() else 0, len_q)  # (the contract)
+        real = mask[:, cut - len_q:cut, None, None]
+        dout = torch.randn(q.shape, generator=gen).to(q.dtype) * real
+        out = padded.attention(q, k, v, mask, causal=causal, window_size=window)
+        ours = (out * real, *torch.autograd.grad(out, (q, k, v), dout))
+        written = tuple(t[:, :cut] for t in (k, v))
+        magnitude = reference_magnitudes(q, *written, dout)
+        case = f"batch {batch}, len_q {len_q}, n {n}, keys {n_k}, causal {causal}, window {window}, {dtype}"
+        refs = (_real_rows_reference(q, *written, dout, mask[:, :cut], window, dt, len_q, causal)
+                for dt in (torch.float64, q.dtype))
+        for name, got, ref, same in zip(("out", "dq", "dk", "dv"), ours, *refs):
+            got = got[:, :cut] if name in ("dk", "dv") else got
+            assert_flash_rule(f"{case}: {name}", got, ref.detach(), same.detach(), q.dtype, seed,
+                              magnitude=magnitude[name])
