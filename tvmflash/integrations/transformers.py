@@ -287,14 +287,13 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask
     """
     if key_mask is not None:
         if key_mask.dim() != 2 or key_mask.shape[0] != q.shape[0] or not 1 <= key_mask.shape[1] <= k.shape[1]:
-            raise ValueError(f"the padding mask covers {key_mask.shape[-1]} keys of shape {tuple(key_mask.shape)}, the "
-                             f"layer got {k.shape[1]} keys of {q.shape[0]} sequences (a decode step needs a (batch, n) "
-                             f"mask with 1 <= n <= {k.shape[1]})")
+            n = key_mask.shape[-1] if key_mask.dim() else 0
+            raise ValueError(f"the padding mask covers {n} keys (shape {tuple(key_mask.shape)}), the layer got "
+                             f"{k.shape[1]} keys of {q.shape[0]} sequences (a decode step needs a (batch, n) mask with "
+                             f"1 <= n <= {k.shape[1]})")
         keys = per_mask(key_mask, "_tvmflash_decode_keys", cut_empty_slots,
                         lambda: _DecodeKeys.of(key_mask, cut_empty_slots))
         n, left_pad = keys.n, keys.left_pad
-        if keys.n < key_mask.shape[1]:
-            key_mask = key_mask[:, :keys.n]
     else:
         n, keys, left_pad = k.shape[1], None, None
     if ((key_mask is None or left_pad is not None)
@@ -303,6 +302,8 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask
                                    None if keys is None else keys.starts)
         if out is not None:  # (a step like one checked before: the layers and tokens after the first)
             return out
+    if key_mask is not None and n < key_mask.shape[1]:  # (cut_empty_slots: the written keys)
+        key_mask = key_mask[:, :n]
     opts = {"softmax_scale": softmax_scale, "causal": causal, "window_size": window_size, "softcap": softcap}
     on_kernel = _decode_kernel_applies(q, k, v)
     if on_kernel and (key_mask is None or left_pad is not None):
