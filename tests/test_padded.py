@@ -380,6 +380,8 @@ def test_mask_rows_against_each_row_read_in_python(gen):
         n = mask.shape[1]
         left = one_run and all(count == 0 or end == n for count, _, end in want)
         assert rows.left_pad(n) == (tuple(n - count for count, _, _ in want) if left else None)
+        wide_ints = padded.MaskRows(mask.to(torch.int64))  # (a mask of another dtype: its nonzero keys)
+        assert (wide_ints.count, wide_ints.first, wide_ints.end) == (rows.count, rows.first, rows.end)
 
 
 def test_random_calls_against_float64(gen, seed):

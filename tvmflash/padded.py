@@ -67,7 +67,9 @@ class MaskRows:
     __slots__ = ("count", "first", "end", "written", "runs")
 
     def __init__(self, mask: torch.Tensor):
-        flat = (mask if mask.is_cpu else mask.cpu()).numpy().tobytes()  # (bool: one byte per key, row-major)
+        if mask.dtype != torch.bool:  # (the scan reads one byte per key)
+            mask = mask != 0
+        flat = (mask if mask.is_cpu else mask.cpu()).numpy().tobytes()  # (row-major)
         batch, n = mask.shape
         count, first, end = [0] * batch, [0] * batch, [0] * batch
         for b in range(batch):

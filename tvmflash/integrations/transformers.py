@@ -332,9 +332,7 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask
 
 class _DecodeKeys(NamedTuple):
     """What a decode step reads from its padding mask, found once per mask tensor (a model's
-    layers share it): one scan of the mask's rows (``padded.MaskRows``), where torch's small ops
-    took ~100-200 us of each token's first layer (every cache line cold after the model's
-    matrix products)."""
+    layers share it) from one scan of the mask's rows (``padded.MaskRows``)."""
 
     n: int  # the keys the step covers: the mask's, or its written ones (cut_empty_slots)
     starts: tuple | None  # each row's first real key where every row's are one run ending at key n - 1
