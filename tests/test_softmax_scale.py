@@ -1,6 +1,6 @@
-"""softmax_scale: any finite scale > 0 works (the forward matches float64 at any scale; the backward
-meets the flash-attn rule for normal logits, stays within the error bound of recomputing P from an
-fp32 LSE beyond, and refuses |lse| >= 2^16 clearly); everything else is a clear error at every entry
+"""softmax_scale: any finite scale > 0 works (both passes meet the flash-attn rule for normal logits
+and, beyond, stay within the first-order error bound of their fp32 rounding; the backward refuses
+|lse| >= 2^16 clearly); everything else is a clear error at every entry
 point; the default is 1/sqrt(head_dim)."""
 
 from __future__ import annotations
@@ -14,6 +14,8 @@ import torch
 import tvmflash
 from conftest import assert_flash_rule, assert_matches_reference, causal_mask, random_inputs, reference_attention
 from tvmflash import checks
+
+NORMAL_LSE = 80  # |lse| of normal logits: up to here both passes meet the flash-attn rule
 
 
 def _fp32_recompute_error_bound(q, k, v, dout, scale, lse):
@@ -42,29 +44,32 @@ def _fp32_recompute_error_bound(q, k, v, dout, scale, lse):
     return [b.transpose(1, 2) for b in bounds]
 
 
-def _plain_fp32_worst_order(q, k, v, scale, ref64, orders: int = 4):
-    """Plain fp32 attention (out, lse) with the largest output error over a few summation orders
-    of the scores (the head dim of q and k permuted alike: the same math, other roundings).
+def _fp32_forward_error_bound(q, k, v, scale, out64, lse64):
+    """First-order bounds on |out - exact| (B, Nq, H, D) and |lse - exact| (B, H, Nq) for an fp32
+    forward with bottom-right causal masking, elementwise, in float64.
 
-    At large scales the output error is the scores' rounding times the scale, and which order
-    (ours or PyTorch's) happens to round less is chance: over 100 seeds at scale 300 our error is
-    PyTorch's (one order) x 1.0 in the median but up to x 3.5 on single seeds, while against the
-    worst of 4 orders it stays below 0.7 of the flash-attn bound."""
-    perms = torch.Generator().manual_seed(0)
-    worst = None
-    for i in range(orders):
-        perm = torch.arange(q.shape[-1]) if i == 0 else torch.randperm(q.shape[-1], generator=perms)
-        out, lse = reference_attention(q[..., perm], k[..., perm], v, True, scale, dtype=torch.float32)
-        error = float((out.double() - ref64).abs().max())
-        if worst is None or error > worst[0]:
-            worst = (error, out, lse)
-    return worst[1], worst[2]
+    Each exponent s_ij scale - m_i carries rounding of about u (|s_ij scale| + |m_i| + D scale
+    |q_i|.|k_j|) plus a few u for exp and the running rescales: gamma_ij. Normalisation turns it
+    into out_i error sum_j gamma_ij P_ij |v_j - out_i|, and the sum over keys adds u (Nk + c)
+    sum_j P_ij |v_j|; the LSE carries sum_j gamma_ij P_ij and the rounding of its own size."""
+    q, k, v = (t.double().transpose(1, 2) for t in (q, k, v))  # (B, H, N, D)
+    m, d = k.shape[2], q.shape[3]
+    visible = causal_mask(q.shape[2], m)
+    scores = (q @ k.transpose(-1, -2) * scale).masked_fill(~visible, float("-inf"))
+    p = torch.softmax(scores, -1)
+    u, few = torch.finfo(torch.float32).eps / 2, 16
+    gamma = u * (scores.masked_fill(~visible, 0).abs() + scores.amax(-1, keepdim=True).abs()
+                 + d * scale * (q.abs() @ k.abs().transpose(-1, -2)) + few)
+    spread = (v.unsqueeze(2) - out64.double().transpose(1, 2).unsqueeze(3)).abs()  # (B, H, Nq, Nk, D)
+    out_bound = ((gamma * p).unsqueeze(-1) * spread).sum(3) + u * (m + few) * (p @ v.abs())
+    lse_bound = (gamma * p).sum(-1) + u * (lse64.double().abs() + m + few)
+    return out_bound.transpose(1, 2), lse_bound
 
 
 @pytest.mark.parametrize("scale", [1e-30, 1e-3, 3.0, 30.0, 300.0, 1e10, 1e20])
 def test_any_finite_positive_scale_works_or_says_why_not(kernels_d32, gen, seed, scale):
-    """Tiny scales (uniform attention) to huge ones (an argmax). The forward matches float64 at
-    any scale. The backward recomputes P from the fp32 LSE, whose rounding grows with |lse|: up
+    """Tiny scales (uniform attention) to huge ones (an argmax). The forward meets the flash-attn
+    rule for normal logits and, beyond, the first-order bound of its fp32 scores' rounding. The backward recomputes P from the fp32 LSE, whose rounding grows with |lse|: up
     to 80 (normal logits) it meets the flash-attn rule against plain fp32 attention; beyond, it
     stays within the first-order error bound of that recompute; from |lse| = 2^16 on it is a
     clear error, never NaN or silently wrong gradients."""
@@ -74,9 +79,20 @@ def test_any_finite_positive_scale_works_or_says_why_not(kernels_d32, gen, seed,
     kernels_d32.forward(q, k, v, out, lse, scale, causal=True)
     leaves = [t.double().requires_grad_() for t in (q, k, v)]
     ref, ref_lse = reference_attention(*leaves, True, scale)
-    same, same_lse = _plain_fp32_worst_order(q, k, v, scale, ref.detach())
-    assert_flash_rule(f"out at scale {scale}", out, ref.detach(), same, torch.float32, seed)
-    assert_flash_rule(f"lse at scale {scale}", lse, ref_lse.detach(), same_lse, torch.float32, seed)
+    if ref_lse.abs().max() <= NORMAL_LSE:
+        same, same_lse = reference_attention(q, k, v, True, scale, dtype=torch.float32)
+        assert_flash_rule(f"out at scale {scale}", out, ref.detach(), same, torch.float32, seed)
+        assert_flash_rule(f"lse at scale {scale}", lse, ref_lse.detach(), same_lse, torch.float32, seed)
+    else:
+        # Beyond, the error is the scores' fp32 rounding times the scale, and which summation
+        # order (ours or PyTorch's) rounds less is chance: over 300 seeds at scale 300 our error is
+        # up to 3x plain fp32's. Both stay within the first-order bound of that rounding (over 900
+        # seeds at scales 10, 30 and 300: ours <= 0.07 of it for out and 0.21 for lse, PyTorch's
+        # <= 0.08 and 0.21), so that bound is the assertion.
+        for name, ours, r, bound in zip(("out", "lse"), (out, lse), (ref, ref_lse),
+                                        _fp32_forward_error_bound(q, k, v, scale, ref.detach(), ref_lse.detach())):
+            excess = ((ours.double() - r.detach()).abs() / bound).max().item()
+            assert excess <= 1, (name, scale, excess, seed)
     grads = [torch.full_like(t, 7.0) for t in (q, k, v)]
     if lse.abs().max() >= checks.MAX_RECOMPUTABLE_LSE:
         with pytest.raises(ValueError, match="log-sum-exp reached .* supports [|]lse[|] < 65536"):
@@ -84,7 +100,7 @@ def test_any_finite_positive_scale_works_or_says_why_not(kernels_d32, gen, seed,
         assert all(bool((g == 7.0).all()) for g in grads)  # refused before it wrote anything
         return
     kernels_d32.backward(dout, q, k, v, out, lse, *grads, scale, causal=True)
-    if lse.abs().max() <= 80:
+    if lse.abs().max() <= NORMAL_LSE:
         assert_matches_reference(f"scale {scale}", (q, k, v, dout), (out, lse, *grads), True, seed, scale)
         return
     # Beyond: the LSE's own fp32 rounding (half an ulp of |lse|) scales each recomputed row of P,
