@@ -7,9 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import assert_flash_rule, random_inputs
+from conftest import assert_matches_reference, random_inputs
 from tvmflash import documents
-from tvmflash.reference import reference_attention
 
 ROWS = ([7, 10, 20], [37], [3, 30, 4])  # documents per row: 37 tokens, no length a multiple of a tile
 
@@ -25,16 +24,8 @@ def _same_document(rows) -> torch.Tensor:
 
 
 def _assert_matches_per_document(tag, q, k, v, dout, rows, results, window, seed):
-    """out, lse, dq, dk, dv against float64 and same-dtype math by the flash-attn rule."""
-    refs = {}
-    for name, dt in (("f64", torch.float64), ("same", q.dtype)):
-        leaves = [t.detach().to(dt).requires_grad_() for t in (q, k, v)]
-        o, lse = reference_attention(*leaves, True, window_size=window, mask=_same_document(rows), dtype=dt)
-        refs[name] = (o, lse, *torch.autograd.grad(o, leaves, dout.to(dt)))
-    for i, (name, ours) in enumerate(zip(("out", "lse", "dq", "dk", "dv"), results)):
-        dtype = torch.float32 if name == "lse" else q.dtype
-        assert ours.shape == refs["f64"][i].shape and ours.dtype == dtype, name
-        assert_flash_rule(f"{tag} {name}", ours, refs["f64"][i].detach(), refs["same"][i].detach(), dtype, seed)
+    """out, lse, dq, dk, dv against float64 and same-dtype math, each document masked to itself."""
+    assert_matches_reference(tag, (q, k, v, dout), results, True, seed, window_size=window, mask=_same_document(rows))
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
