@@ -7,7 +7,7 @@
   shows here; medians, and the 90th percentile of each (a bimodal distribution puts it far above
   the median);
 * ``generate``: transformers ``generate()`` with an 8-layer Llama from a config (GQA 8/2,
-  D64, random weights), bf16 and fp32, short and long prompts (tokens/s); ``--batch B``: B
+  D64 or ``--head-dim``, random weights), bf16 and fp32, short and long prompts (tokens/s); ``--batch B``: B
   prompts at once, left-padded (row b by b / 2B of the prompt), as batched generation pads them;
 * ``train``: a training step (forward, backward, AdamW step) of the same Llama on one sequence
   per length (ms per step, median of the steps of a process);
@@ -187,13 +187,22 @@ def _autocast(dtype: torch.dtype | None):
     return torch.autocast("cpu", dtype=dtype or torch.bfloat16, enabled=dtype is not None)
 
 
+HEAD_DIM = 64  # (--head-dim) the model's; hidden size 8 x head dim, GQA 8/2, as Llama 3's ratios
+
+
+def _model_name() -> str:
+    return f"8-layer Llama (GQA 8/2, D{HEAD_DIM}, hidden {8 * HEAD_DIM})"
+
+
 def _llama(dtype, implementation: str, sliding_window: int | None = None):
-    """The 8-layer Llama (GQA 8/2, D64) of every part; with ``sliding_window``, the same model as
-    a Mistral (a window on every layer)."""
+    """The 8-layer Llama of every part (``_model_name``); with ``sliding_window``, the same model
+    as a Mistral (a window on every layer)."""
     import transformers
 
-    dims = dict(vocab_size=1024, hidden_size=512, intermediate_size=1408, num_hidden_layers=8, num_attention_heads=8,
-                num_key_value_heads=2, max_position_embeddings=4096, attention_dropout=0.0)
+    hidden = 8 * HEAD_DIM
+    dims = dict(vocab_size=1024, hidden_size=hidden, intermediate_size=hidden * 11 // 4, num_hidden_layers=8,
+                num_attention_heads=8, num_key_value_heads=2, head_dim=HEAD_DIM, max_position_embeddings=4096,
+                attention_dropout=0.0)
     config = (transformers.LlamaConfig(**dims) if sliding_window is None
               else transformers.MistralConfig(**dims, sliding_window=sliding_window))
     torch.manual_seed(0)
@@ -263,7 +272,7 @@ def padded_attention(args: argparse.Namespace) -> None:
     from tvmflash.integrations import transformers as tvm_hf
 
     batch = args.batch if args.batch > 1 else 4
-    heads, heads_k, head_dim = 8, 2, 64
+    heads, heads_k, head_dim = 8, 2, HEAD_DIM
     module = types.SimpleNamespace(is_causal=True, num_key_value_groups=heads // heads_k, training=True)
     rows = []
     for dtype_name in args.dtypes:
@@ -290,7 +299,8 @@ def padded_attention(args: argparse.Namespace) -> None:
             t = interleaved({"ours": lambda: ours().backward(dout), "sdpa": lambda: sdpa().backward(dout)},
                             args.rounds)
             rows.append(_row(f"{dtype_name} {batch} left-padded rows of {length}", t["ours"], t["sdpa"]))
-    _table("One layer's attention, forward + backward, left-padded rows (median per call)", rows)
+    _table(f"One layer's attention (H{heads}/{heads_k} D{head_dim}), forward + backward, left-padded rows "
+           "(median per call)", rows)
 
 
 def _generate_inputs(prompt: int, new_tokens: int, batch: int):
@@ -362,7 +372,7 @@ def swapped(args: argparse.Namespace) -> None:
             row(f"{dtype_name} training step, {what} {length}", _abba_seconds(step, list(names), args.runs), 1e3,
                 "ms per step")
     print(f"\nOne model per dtype in one process, attention switched between calls (ABBA, {args.runs} rounds):"
-          " 8-layer Llama (GQA 8/2, D64)\n\n| case | tvmflash | SDPA | unit | ratio of medians | median of paired "
+          f" {_model_name()}\n\n| case | tvmflash | SDPA | unit | ratio of medians | median of paired "
           "ratios | ratio of minima |\n|---|---|---|---|---|---|---|")
     print("\n".join(rows), flush=True)
 
@@ -460,9 +470,9 @@ def compiled_steps(args: argparse.Namespace) -> None:
             rows.append(f"| {dtype_name} training step, {what} {length} | " + " | ".join(cells) + " |")
             print(f"  compiled: {rows[-1]}", file=sys.stderr, flush=True)
     model = "Llama" if args.sliding_window is None else f"Mistral (sliding window {args.sliding_window})"
-    print(f"\ntorch.compile'd models, ours and SDPA's in a random order each round ({args.runs} rounds): 8-layer "
-          f"{model} (GQA 8/2, D64); ms tvmflash / SDPA (median of the paired ratios)\n\n| case | forward | backward | "
-          "AdamW | step |\n|---|---|---|---|---|")
+    print(f"\ntorch.compile'd models, ours and SDPA's in a random order each round ({args.runs} rounds): "
+          f"{_model_name().replace('Llama', model)}; ms tvmflash / SDPA (median of the paired ratios)\n\n"
+          "| case | forward | backward | AdamW | step |\n|---|---|---|---|---|")
     print("\n".join(rows), flush=True)
 
 
@@ -511,7 +521,7 @@ def compiled_generate(args: argparse.Namespace) -> None:
                         f"{theirs:,.0f} | {paired:.3f} | {agree} / {args.runs} |")
             print(f"  compiled generate: {rows[-1]}", file=sys.stderr, flush=True)
     print(f"\ngenerate() with a static cache and torch.compile'd forwards, ours and SDPA's in a random order each "
-          f"round ({args.runs} rounds): 8-layer Llama (GQA 8/2, D64); tokens/s\n\n| case | tvmflash | SDPA | "
+          f"round ({args.runs} rounds): {_model_name()}; tokens/s\n\n| case | tvmflash | SDPA | "
           "speed ratio (paired median) | same tokens |\n|---|---|---|---|---|")
     print("\n".join(rows), flush=True)
 
@@ -520,6 +530,7 @@ def _in_own_process(args: argparse.Namespace, worker: list[str]) -> float:
     command = [sys.executable, str(Path(__file__).resolve()), "--worker", *worker]
     if args.threads:
         command += ["--threads", str(args.threads)]
+    command += ["--head-dim", str(HEAD_DIM)]
     done = subprocess.run(command, capture_output=True, text=True, env={**os.environ, "TVMFLASH_QUIET": "1"})
     if done.returncode != 0:
         raise RuntimeError(f"{' '.join(command)} failed:\n{done.stdout}\n{done.stderr}")
@@ -548,8 +559,8 @@ def alternated(args: argparse.Namespace, part: str, cases: list, unit: str, high
         print(f"  {part}: {rows[-1]}", file=sys.stderr, flush=True)
     headers = [f"{impl} {unit} (min-max)" for impl in implementations] + (
         ["tvm / sdpa time"] if len(implementations) == 2 else [])
-    title = (f"generate(), 8-layer Llama (GQA 8/2, D64), {args.new_tokens} new tokens" if part == "generate" else
-             f"training step (forward, backward, AdamW), 8-layer Llama (GQA 8/2, D64), {args.train_steps} steps")
+    title = (f"generate(), {_model_name()}, {args.new_tokens} new tokens" if part == "generate" else
+             f"training step (forward, backward, AdamW), {_model_name()}, {args.train_steps} steps")
     print(f"\n{title}: median of {args.runs} processes per implementation, alternated\n")
     print(f"| case | {' | '.join(headers)} |\n|{'---|' * (len(headers) + 1)}")
     print("\n".join(rows), flush=True)
@@ -584,8 +595,12 @@ def main() -> None:
     p.add_argument("--sliding-window", type=int, default=None,
                    help="compiled: the model as a Mistral with this sliding window on every layer")
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
+    p.add_argument("--head-dim", type=int, default=64,
+                   help="the model's head dim (hidden size 8 x it; default 64); fixed and linear keep D64")
     p.add_argument("--worker", nargs=7, help=argparse.SUPPRESS)
     args = p.parse_args()
+    global HEAD_DIM
+    HEAD_DIM = args.head_dim
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.worker:

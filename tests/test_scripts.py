@@ -37,9 +37,10 @@ def test_model_speed_benchmark_quick():
     left-padded rows): its cases still match SDPA (each asserts so) and print their tables."""
     pytest.importorskip("transformers")
     out = _run("benchmarks/model_speed.py", "fixed", "padded", "--rounds", "3", "--train-lengths", "24",
-               "--dtypes", "float32")
+               "--dtypes", "float32", "--head-dim", "32")
     assert "| forward fp32 B1 N16 H8 D64 causal |" in out and "| decode bf16 H8/2 D64, 128-token cache |" in out
-    assert "| float32 4 left-padded rows of 24 |" in out and "load average at the end" in out
+    assert "attention (H8/2 D32)" in out and "| float32 4 left-padded rows of 24 |" in out
+    assert "load average at the end" in out
 
 
 def test_bf16_benchmark_quick(tmp_path):
