@@ -68,11 +68,11 @@ def _fp32_forward_error_bound(q, k, v, scale, out64, lse64):
 
 @pytest.mark.parametrize("scale", [1e-30, 1e-3, 3.0, 30.0, 300.0, 1e10, 1e20])
 def test_any_finite_positive_scale_works_or_says_why_not(kernels_d32, gen, seed, scale):
-    """Tiny scales (uniform attention) to huge ones (an argmax). The forward meets the flash-attn
-    rule for normal logits and, beyond, the first-order bound of its fp32 scores' rounding. The backward recomputes P from the fp32 LSE, whose rounding grows with |lse|: up
-    to 80 (normal logits) it meets the flash-attn rule against plain fp32 attention; beyond, it
-    stays within the first-order error bound of that recompute; from |lse| = 2^16 on it is a
-    clear error, never NaN or silently wrong gradients."""
+    """Tiny scales (uniform attention) to huge ones (an argmax). Up to |lse| 80 (normal logits)
+    both passes meet the flash-attn rule against plain fp32 attention. Beyond, the forward stays
+    within the first-order bound of its fp32 scores' rounding, and the backward, which recomputes
+    P from the fp32 LSE (whose rounding grows with |lse|), within that of the recompute. From
+    |lse| = 2^16 on the backward is a clear error, never NaN or silently wrong gradients."""
     q, k, v = random_inputs(gen, 1, 50, 70, 2, 2, 32, "float32")
     dout = torch.randn(q.shape, generator=gen)
     out, lse = torch.empty_like(q), torch.empty(1, 2, 50)
@@ -85,10 +85,10 @@ def test_any_finite_positive_scale_works_or_says_why_not(kernels_d32, gen, seed,
         assert_flash_rule(f"lse at scale {scale}", lse, ref_lse.detach(), same_lse, torch.float32, seed)
     else:
         # Beyond, the error is the scores' fp32 rounding times the scale, and which summation
-        # order (ours or PyTorch's) rounds less is chance: over 300 seeds at scale 300 our error is
-        # up to 3x plain fp32's. Both stay within the first-order bound of that rounding (over 900
-        # seeds at scales 10, 30 and 300: ours <= 0.07 of it for out and 0.21 for lse, PyTorch's
-        # <= 0.08 and 0.21), so that bound is the assertion.
+        # order (ours or PyTorch's) rounds less is chance: over 300 seeds at scale 300 our error
+        # reaches 3x the flash-attn rule's bound (2x plain fp32's error). Both stay within the
+        # first-order bound of that rounding (over 900 seeds at scales 10, 30 and 300: ours <= 0.07
+        # of it for out and 0.21 for lse, PyTorch's <= 0.08 and 0.21), so that bound is the assertion.
         for name, ours, r, bound in zip(("out", "lse"), (out, lse), (ref, ref_lse),
                                         _fp32_forward_error_bound(q, k, v, scale, ref.detach(), ref_lse.detach())):
             excess = ((ours.double() - r.detach()).abs() / bound).max().item()
