@@ -43,6 +43,22 @@ def test_model_speed_benchmark_quick():
     assert "load average at the end" in out
 
 
+def test_flash_margins_plugin_reports_each_tests_closest_check(tmp_path):
+    """tools/flash_margins.py (a pytest plugin) in a pytest of its own: one line per test with its
+    checks' largest error / bound (passing: in [0, 1]), the count of checks, no file left behind."""
+    env = {k: v for k, v in os.environ.items() if k != "FLASH_MARGINS_LOG"}
+    env.update(PYTHONPATH=str(ROOT / "tools"), TMPDIR=str(tmp_path), TVMFLASH_QUIET="1")
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "flash_margins", "-p", "no:cacheprovider",
+                           "tests/test_documents.py", "-k", "per_document"], cwd=ROOT, capture_output=True,
+                          text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    lines = proc.stdout.split("closest to their bound")[1].splitlines()[1:]
+    rows = [line.split(maxsplit=1) for line in lines if "::test_the_op_matches_float64_per_document[" in line]
+    assert len(rows) == 4 and all(0.0 <= float(ratio) <= 1.0 for ratio, _ in rows)
+    assert "20 checks in 4 tests" in proc.stdout  # out, lse, dq, dk, dv of each
+    assert not list(tmp_path.glob("flash_margins.*"))
+
+
 def test_bf16_benchmark_quick(tmp_path):
     md = tmp_path / "bf16.md"
     out = _run("benchmarks/bf16.py", "--quick", "--rounds", "1", "--markdown", str(md))
