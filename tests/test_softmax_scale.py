@@ -18,6 +18,22 @@ from tvmflash import checks
 NORMAL_LSE = 80  # |lse| of normal logits: up to here both passes meet the flash-attn rule
 
 
+U = torch.finfo(torch.float32).eps / 2  # fp32's unit roundoff
+
+
+def _exponent_rounding(q, k, scale, row=None):
+    """P of the causal scores of float64 (B, H, N, D) q and k, and the size of what an fp32
+    exponent s_ij scale - row_i rounds, in units of U: |s_ij scale| + |row_i| + D scale
+    |q_i|.|k_j| (the score, the subtracted row statistic, the score's D-term dot product).
+    ``row`` (B, H, Nq, 1): the stored LSE; None: the row's max, as the forward subtracts it."""
+    visible = causal_mask(q.shape[2], k.shape[2])
+    scores = (q @ k.transpose(-1, -2) * scale).masked_fill(~visible, float("-inf"))
+    row = scores.amax(-1, keepdim=True) if row is None else row
+    size = (scores.masked_fill(~visible, 0).abs() + row.abs()
+            + q.shape[3] * scale * (q.abs() @ k.abs().transpose(-1, -2)))
+    return torch.softmax(scores, -1), size
+
+
 def _fp32_recompute_error_bound(q, k, v, dout, scale, lse):
     """First-order bounds on |dq|, |dk|, |dv - exact| for a backward that recomputes P from an fp32
     LSE (B, H, Nq), with bottom-right causal masking, elementwise, in float64.
@@ -28,13 +44,9 @@ def _fp32_recompute_error_bound(q, k, v, dout, scale, lse):
     dS_ij = P_ij (dP_ij - Delta_i) carries gamma_ij P_ij (|dP_ij - Delta_i| + A_ij) + P_ij sum_j'
     gamma_ij' P_ij' A_ij', A_ij = |dO_i| . |v_j|; dq, dk, dv are its products with |k|, |q|, |dO|."""
     q, k, v, dout = (t.double().transpose(1, 2) for t in (q, k, v, dout))  # (B, H, N, D)
-    n, m, d = q.shape[2], k.shape[2], q.shape[3]
-    visible = causal_mask(n, m)
-    scores = (q @ k.transpose(-1, -2) * scale).masked_fill(~visible, float("-inf"))
-    p = torch.softmax(scores, -1)
-    u = torch.finfo(torch.float32).eps / 2
-    gamma = u * (lse.double().abs().unsqueeze(-1) + scores.masked_fill(~visible, 0).abs()
-                 + d * scale * (q.abs() @ k.abs().transpose(-1, -2)) + d + m)
+    m, d = k.shape[2], q.shape[3]
+    p, exponent = _exponent_rounding(q, k, scale, lse.double().unsqueeze(-1))
+    gamma = U * (exponent + d + m)
     dp = dout @ v.transpose(-1, -2)
     delta = (dp * p).sum(-1, keepdim=True)
     a = dout.abs() @ v.abs().transpose(-1, -2)
@@ -53,16 +65,12 @@ def _fp32_forward_error_bound(q, k, v, scale, out64, lse64):
     into out_i error sum_j gamma_ij P_ij |v_j - out_i|, and the sum over keys adds u (Nk + c)
     sum_j P_ij |v_j|; the LSE carries sum_j gamma_ij P_ij and the rounding of its own size."""
     q, k, v = (t.double().transpose(1, 2) for t in (q, k, v))  # (B, H, N, D)
-    m, d = k.shape[2], q.shape[3]
-    visible = causal_mask(q.shape[2], m)
-    scores = (q @ k.transpose(-1, -2) * scale).masked_fill(~visible, float("-inf"))
-    p = torch.softmax(scores, -1)
-    u, few = torch.finfo(torch.float32).eps / 2, 16
-    gamma = u * (scores.masked_fill(~visible, 0).abs() + scores.amax(-1, keepdim=True).abs()
-                 + d * scale * (q.abs() @ k.abs().transpose(-1, -2)) + few)
+    m, few = k.shape[2], 16
+    p, exponent = _exponent_rounding(q, k, scale)
+    gamma = U * (exponent + few)
     spread = (v.unsqueeze(2) - out64.double().transpose(1, 2).unsqueeze(3)).abs()  # (B, H, Nq, Nk, D)
-    out_bound = ((gamma * p).unsqueeze(-1) * spread).sum(3) + u * (m + few) * (p @ v.abs())
-    lse_bound = (gamma * p).sum(-1) + u * (lse64.double().abs() + m + few)
+    out_bound = ((gamma * p).unsqueeze(-1) * spread).sum(3) + U * (m + few) * (p @ v.abs())
+    lse_bound = (gamma * p).sum(-1) + U * (lse64.double().abs() + m + few)
     return out_bound.transpose(1, 2), lse_bound
 
 
