@@ -104,6 +104,62 @@ def test_one_compiled_graph_for_every_mask(gen, window):
             torch.testing.assert_close(traced, eager, rtol=1e-5, atol=1e-5, msg=f"{step} {name}")
 
 
+def _restarting_positions() -> torch.Tensor:
+    """(BATCH, N) position_ids of documents packed into rows (restarts), one row of one sequence."""
+    rows = ([12, 25], [5, 9, 23], [N], [1, 30, 6])
+    return torch.stack([torch.cat([torch.arange(n) for n in lengths]) for lengths in rows])
+
+
+@pytest.mark.parametrize("dtype,window", [("float32", (-1, -1)), ("bfloat16", (-1, -1)), ("float32", (6, 0))])
+def test_documents_where_the_mask_holds_no_padding(gen, seed, dtype, window):
+    """With position_ids, a mask of ones gives each document they mark its own attention
+    (against float64 with a block-diagonal mask: out and every gradient; a window counts
+    positions in the document); a mask with padding ignores them (flash_attention_2's rule)."""
+    positions = _restarting_positions()
+    document = (positions == 0).cumsum(1)  # (a document starts where a position restarts at 0, here)
+    same_document = document[:, :, None] == document[:, None, :]
+    q, k, v = random_inputs(gen, BATCH, N, N, 4, 2, 32, dtype, requires_grad=True)
+    dout = torch.randn(q.shape, generator=gen).to(q.dtype)
+    for mask_name in ("none", "left"):
+        mask = _masks()[mask_name]
+        out = padded.attention(q, k, v, mask, position_ids=positions, causal=True, window_size=window)
+        ours = (out * mask[:, :, None, None], *torch.autograd.grad(out, (q, k, v), dout * mask[:, :, None, None]))
+        if mask_name == "none":
+            results = []
+            for reference_dtype in (torch.float64, q.dtype):
+                leaves = [t.detach().to(reference_dtype).requires_grad_() for t in (q, k, v)]
+                ref, _ = reference_attention(*leaves, True, window_size=window, mask=same_document[:, None],
+                                             dtype=reference_dtype)
+                results.append((ref, *torch.autograd.grad(ref, leaves, dout.to(reference_dtype))))
+            want, same = results
+        else:
+            dout_real = dout * mask[:, :, None, None]
+            want = _real_rows_reference(q, k, v, dout_real, mask, window, torch.float64)
+            same = _real_rows_reference(q, k, v, dout_real, mask, window, q.dtype)
+        magnitude = reference_magnitudes(q, k, v, dout)
+        for name, got, ref, yardstick in zip(("out", "dq", "dk", "dv"), ours, want, same):
+            assert_flash_rule(f"{mask_name} {name}", got, ref.detach(), yardstick.detach(), q.dtype, seed,
+                              magnitude=magnitude[name])
+
+
+def test_documents_in_the_compiled_graph(gen):
+    """Under torch.compile(fullgraph=True), one graph serves a mask of ones with documents in its
+    position_ids and a padded mask, with the eager call's results and gradients."""
+    compiled = torch.compile(padded.attention, fullgraph=True, backend="aot_eager")
+    q, k, v = random_inputs(gen, BATCH, N, N, 4, 2, 24, "float32", requires_grad=True)
+    dout = torch.randn(q.shape, generator=gen)
+    for step, (mask_name, positions) in enumerate((("none", _restarting_positions()), ("left", torch.arange(N)[None]),
+                                                   ("none", torch.arange(N)[None]))):
+        results = []
+        for attention in (padded.attention, compiled):
+            with torch._dynamo.config.patch(error_on_recompile=step > 0):
+                out = attention(q, k, v, _masks()[mask_name], position_ids=positions.expand(BATCH, N).contiguous(),
+                                causal=True)
+                results.append((out, *torch.autograd.grad(out, (q, k, v), dout)))
+        for name, eager, traced in zip(("out", "dq", "dk", "dv"), *results):
+            torch.testing.assert_close(traced, eager, rtol=1e-5, atol=1e-5, msg=f"{step} {name}")
+
+
 def test_opcheck(gen):
     """The ops have no autograd formula (``_PaddedAttention`` has): inputs without gradients."""
     q, k, v = random_inputs(gen, BATCH, N, N, 4, 2, 16, "float32")

@@ -169,11 +169,13 @@ def test_compiled_training_is_one_graph_for_documents_and_plain_rows(gen):
                                                            for position_ids in (plain, packed)])
 
 
-def _assert_one_graph_matches_eager(eager, ours, compiled, batches: list[dict]) -> None:
+def _assert_one_graph_matches_eager(eager, ours, compiled, batches: list[dict], references: list[dict] | None = None
+                                    ) -> None:
     """Training steps of ``compiled`` (``ours`` compiled) on each batch: no recompile after the
-    first, loss and every parameter gradient as ``eager``'s."""
+    first, loss and every parameter gradient as ``eager``'s (on ``references``' batches, if
+    given)."""
     for step, inputs in enumerate(batches):
-        loss_e, _, grads_e = _loss_and_grads(eager, **inputs)
+        loss_e, _, grads_e = _loss_and_grads(eager, **(inputs if references is None else references[step]))
         ours.zero_grad(set_to_none=True)
         with torch._dynamo.config.patch(error_on_recompile=step > 0):
             loss_o = compiled(**inputs, use_cache=False).loss
@@ -199,6 +201,29 @@ def test_compiled_padded_training_is_one_graph(model, gen):
     _assert_one_graph_matches_eager(eager, ours, compiled, [dict(input_ids=ids, attention_mask=m, labels=lab)
                                                            for m, lab in ((mask, labels), (holes, hole_labels),
                                                                           (ones, ids.clone()))])
+
+
+@pytest.mark.parametrize("model", ["llama", "mistral"])
+def test_compiled_mask_of_ones_separates_documents_as_eager_mode_does(model, gen):
+    """A mask of ones with position_ids that restart, without a cache: in eager mode tvmflash's
+    mask builder drops the mask and the documents are found by position_ids (flash_attention_2's
+    rule); compiled, the mask reaches the padded op, which reads the position_ids when it runs.
+    Both give eager's loss and gradients on the documents (no mask), and one graph also serves
+    a padded batch (where the mask rules and the positions do not separate anything)."""
+    eager, ours = _models(model)
+    compiled = torch.compile(ours, backend="aot_eager", fullgraph=True)
+    ids, mask, labels = _padded_batch(gen)
+    plain = torch.arange(ids.shape[1]).repeat(ids.shape[0], 1)
+    packed = torch.stack([torch.cat([torch.arange(n) for n in row]) for row in ([7, 10, 7], [3, 21], [24], [12, 12])])
+    padded_batch = dict(input_ids=ids, attention_mask=mask, position_ids=plain, labels=labels)
+    documents_batch = dict(input_ids=ids, attention_mask=torch.ones_like(mask), position_ids=packed, labels=ids.clone())
+    without_mask = dict(input_ids=ids, position_ids=packed, labels=ids)
+    loss_e, _, grads_e = _loss_and_grads(eager, **without_mask)
+    loss_o, _, grads_o = _loss_and_grads(ours, **documents_batch)  # (eager mode)
+    assert abs(loss_o.item() - loss_e.item()) <= LOSS_RTOL * abs(loss_e.item())
+    assert max(_rel(grads_o[n], grads_e[n]) for n in grads_e) <= GRAD_RTOL
+    _assert_one_graph_matches_eager(eager, ours, compiled, [padded_batch, documents_batch],
+                                    references=[padded_batch, without_mask])
 
 
 @pytest.mark.parametrize("model", ["llama", "gemma2"])

@@ -27,6 +27,7 @@ import functools
 import torch
 
 from . import checks, flex_trace, torch_op, uniform_rows
+from .documents import documents_from_positions
 from .flex import flex_attention, flex_attention_backward
 from .uniform_rows import UniformRows
 
@@ -107,6 +108,17 @@ class Unpad:
         self.query_index, self.cu_q, self.max_q = _nonzero_and_cu(key_mask[:, -len_q:])
         self._key_table = None
 
+    @classmethod
+    def documents(cls, mask: torch.Tensor, cu: torch.Tensor) -> Unpad:
+        """Every token of a mask of ones, in the sequences ``cu`` (int32 cu_seqlens over the rows
+        flattened: documents packed into them), as queries and keys alike."""
+        plan = cls.__new__(cls)
+        plan.key_index = plan.query_index = mask.nonzero(as_tuple=True)
+        plan.cu_k = plan.cu_q = cu
+        plan.max_k = plan.max_q = int(cu.diff().max())
+        plan._key_table = None
+        return plan
+
     def key_table(self, key_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """((batch, max_k) positions of each row's real keys in order, padded with later
         positions; (batch,) int32 counts): a decode step's gather of the real keys, which the
@@ -155,8 +167,8 @@ def blind_rows(mask: torch.Tensor, len_q: int, window_left: int, window_right: i
 
 
 # --- one op over the mask (torch.compile) ----------------------------------------------------------
-def attention(q, k, v, mask: torch.Tensor, *, softmax_scale=None, causal=False, window_size=(-1, -1),
-              softcap=0.0) -> torch.Tensor:
+def attention(q, k, v, mask: torch.Tensor, *, position_ids: torch.Tensor | None = None, softmax_scale=None,
+              causal=False, window_size=(-1, -1), softcap=0.0) -> torch.Tensor:
     """Attention over the real tokens of a padded batch: (batch, len_q, heads, head_dim) q, k and
     v (batch, n_k, heads_kv, head_dim), ``mask`` (batch, n) True at real keys, len_q <= n <= n_k.
     The queries are the last len_q of the mask's n positions (transformers' flash-attention
@@ -166,6 +178,12 @@ def attention(q, k, v, mask: torch.Tensor, *, softmax_scale=None, causal=False, 
     it; a window counts positions in the row). Padding query rows get 0, except those that see
     no real key, which get ``eager``'s mean of v over all n_k keys (``blind_rows``).
 
+    ``position_ids`` (1 or batch, n), for queries and keys of the same n tokens: where the mask
+    holds no padding, each document they mark (``documents.documents_from_positions``) attends
+    within itself. That is transformers' ``flash_attention_2`` rule, which reads position_ids
+    only when its mask builder dropped a mask of ones (as ``key_padding_mask`` does in eager
+    mode); under torch.compile the mask's values are read when the op runs.
+
     One op, whatever the mask (its values are read when the op runs): what ``torch.compile``
     traces in one graph. Rows whose real tokens are one run, queries and keys alike, are read in
     place on CPU tensors; others are gathered for the varlen kernels, except under a window,
@@ -174,7 +192,7 @@ def attention(q, k, v, mask: torch.Tensor, *, softmax_scale=None, causal=False, 
     """
     head_dim = q.shape[-1]
     # (a model's layers repeat one call: its checks, which read nothing but these, run once)
-    key = _checks_key(q, k, v, mask, softmax_scale, causal, window_size, softcap)
+    key = None if position_ids is not None else _checks_key(q, k, v, mask, softmax_scale, causal, window_size, softcap)
     flash = _checked.get(key) if key is not None else None
     if flash is None:
         flash = checks.flash_options(head_dim, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
@@ -192,11 +210,42 @@ def attention(q, k, v, mask: torch.Tensor, *, softmax_scale=None, causal=False, 
             if len(_checked) >= torch_op._MAX_CALLS:  # (bounded as torch_op's own memo of checked calls)
                 _checked.clear()
             _checked[key] = flash
-    out, _ = _padded_ops(q, k, v, mask, flash.softmax_scale, *flash.window, flash.softcap)
+    keys_seen = mask if position_ids is None else _positions_of_real_tokens(mask, position_ids, q.shape[1], k.shape[1])
+    out, _ = _padded_ops(q, k, v, keys_seen, flash.softmax_scale, *flash.window, flash.softcap)
     return out if out.shape[-1] == head_dim else out[..., :head_dim]  # (a view: one autograd node more)
 
 
 _checked: dict[tuple, checks.FlashOptions] = {}
+
+
+def _positions_of_real_tokens(mask: torch.Tensor, position_ids, len_q: int, len_k: int) -> torch.Tensor:
+    """The op's ``keys_seen`` where position_ids come with the mask: the positions, -1 at padding
+    (int64, batch x n): one tensor, from which the op's bodies read both (``_real_and_documents``)."""
+    batch, n = mask.shape
+    if (not isinstance(position_ids, torch.Tensor) or position_ids.dim() != 2
+            or position_ids.shape[0] not in (1, batch) or position_ids.shape[1] != n or not len_q == n == len_k):
+        shape = tuple(position_ids.shape) if isinstance(position_ids, torch.Tensor) else type(position_ids).__name__
+        raise ValueError(f"position_ids must be a (1 or {batch}, {n}) tensor for {len_q} queries and {len_k} keys of "
+                         f"the same {n} tokens, got {shape}")
+    positions = position_ids.to(device=mask.device, dtype=torch.int64).expand(batch, n)
+    return positions.masked_fill(~mask, -1)
+
+
+def _real_and_documents(keys_seen: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The op's ``keys_seen`` as (the bool mask, the cu_seqlens of the documents where the mask
+    holds no padding and position_ids mark several, else None): a mask is itself; positions with
+    -1 at padding (``_positions_of_real_tokens``) are read once per tensor."""
+    if keys_seen.dtype == torch.bool:
+        return keys_seen, None
+
+    def read():
+        mask = keys_seen >= 0
+        rows = mask_rows(mask)
+        if any(count != mask.shape[1] for count in rows.count):
+            return mask, None
+        return mask, documents_from_positions(keys_seen, *mask.shape)
+
+    return per_mask(keys_seen, "_tvmflash_real_and_documents", None, read)
 
 
 def _checks_key(q, k, v, mask, softmax_scale, causal, window_size, softcap) -> tuple | None:
@@ -228,27 +277,34 @@ def written_keys(mask: torch.Tensor, len_q: int) -> torch.Tensor:
 
 
 class _Layout:
-    """What the op's forward and backward bodies read from the mask (``written_keys``): the row
-    runs (or None), the blind rows, the kernels' checked call on the runs (or None: the varlen
-    path, ``plan``); k and v cut to the mask's keys (views), and whether the kernels add the
-    blind rows' terms (no empty slots) or the torch ops over all keys (``uniform_rows``)."""
+    """What the op's forward and backward bodies read from the mask (``written_keys``) or the
+    documents (``_real_and_documents``): the row runs (or None), the blind rows, the kernels'
+    checked call on the runs (or None: the varlen path, ``plan``); k and v cut to the mask's
+    keys (views), and whether the kernels add the blind rows' terms (no empty slots) or the
+    torch ops over all keys (``uniform_rows``)."""
 
     __slots__ = ("mask", "runs", "blind", "call", "window_over_holes", "plan", "k", "v", "kernels_add_blind")
 
-    def __init__(self, q, k, v, mask, softmax_scale: float, window_left: int, window_right: int, softcap: float):
+    def __init__(self, q, k, v, keys_seen, softmax_scale: float, window_left: int, window_right: int,
+                 softcap: float):
         len_q = q.shape[1]
+        mask, documents = _real_and_documents(keys_seen)
         self.mask = mask = written_keys(mask, len_q)
         n = mask.shape[1]
         self.k, self.v = (k, v) if k.shape[1] == n else (k[:, :n], v[:, :n])
-        self.runs = mask_rows(mask).runs
+        self.runs = mask_rows(mask).runs if documents is None else None
         self.blind = blind_rows(mask, len_q, window_left, window_right)
-        # (a window over holes counts positions in the row, which packed sequences would not: flex, in place)
-        self.window_over_holes = self.runs is None and (window_left, window_right) not in ((-1, -1), (-1, 0))
+        # (a window over holes counts positions in the row, which packed sequences would not: flex, in place;
+        # one within documents counts positions in the document, as the varlen kernels do)
+        self.window_over_holes = (self.runs is None and documents is None
+                                  and (window_left, window_right) not in ((-1, -1), (-1, 0)))
         self.call = self.plan = None
         if self.runs is not None and len_q == n:
             self.call = torch_op.row_runs_call(q, self.k, self.v, self.runs, softmax_scale=softmax_scale, causal=False,
                                                window_size=(window_left, window_right), softcap=softcap)
-        if self.call is None and not self.window_over_holes:
+        if documents is not None:
+            self.plan = per_mask(keys_seen, "_tvmflash_documents_plan", None, lambda: Unpad.documents(mask, documents))
+        elif self.call is None and not self.window_over_holes:
             self.plan = unpad_plan(mask, len_q)
         self.kernels_add_blind = self.call is not None and k.shape[1] == n
 
@@ -331,11 +387,13 @@ def _packed_lse(lse: torch.Tensor, plan: Unpad) -> torch.Tensor:
     return lse.transpose(1, 2)[plan.query_index].T.contiguous()
 
 
-def _padded_forward_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, softmax_scale: float,
-                         window_left: int, window_right: int, softcap: float) -> tuple[torch.Tensor, torch.Tensor]:
+def _padded_forward_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys_seen: torch.Tensor,
+                         softmax_scale: float, window_left: int, window_right: int, softcap: float
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
     """The forward op's body: out like q, lse (batch, heads, n), 0 at padding rows (but the
-    blind rows' out: the mean of v)."""
-    layout = _Layout(q, k, v, mask, softmax_scale, window_left, window_right, softcap)
+    blind rows' out: the mean of v). ``keys_seen``: the bool mask, or the positions with -1 at
+    padding (``_positions_of_real_tokens``)."""
+    layout = _Layout(q, k, v, keys_seen, softmax_scale, window_left, window_right, softcap)
     blind = layout.blind
     if layout.call is not None:
         out, lse = torch_op.row_runs_forward(layout.call, blind if layout.kernels_add_blind else None, q, layout.k,
@@ -360,16 +418,17 @@ def _padded_forward_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask
     return out, lse
 
 
-def _padded_forward_fake(q, k, v, mask, softmax_scale, window_left, window_right, softcap):
+def _padded_forward_fake(q, k, v, keys_seen, softmax_scale, window_left, window_right, softcap):
     batch, n, heads, _ = q.shape
     return torch.empty(q.shape, dtype=q.dtype, device=q.device), q.new_empty((batch, heads, n), dtype=torch.float32)
 
 
 def _padded_backward_impl(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                          lse: torch.Tensor, mask: torch.Tensor, softmax_scale: float, window_left: int,
+                          lse: torch.Tensor, keys_seen: torch.Tensor, softmax_scale: float, window_left: int,
                           window_right: int, softcap: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """dq, dk, dv of ``_padded_forward_impl`` (the same choice of path, made again from the mask)."""
-    layout = _Layout(q, k, v, mask, softmax_scale, window_left, window_right, softcap)
+    """dq, dk, dv of ``_padded_forward_impl`` (the same choice of path, made again from
+    ``keys_seen``)."""
+    layout = _Layout(q, k, v, keys_seen, softmax_scale, window_left, window_right, softcap)
     blind, n = layout.blind, layout.k.shape[1]
     if layout.call is not None:
         dq, dk, dv = torch_op.row_runs_backward(layout.call, blind if layout.kernels_add_blind else None, dout, q,
@@ -394,10 +453,10 @@ def _padded_backward_impl(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, 
     return dq, dk, dv
 
 
-def _padded_backward_fake(dout, q, k, v, out, lse, mask, softmax_scale, window_left, window_right, softcap):
+def _padded_backward_fake(dout, q, k, v, out, lse, keys_seen, softmax_scale, window_left, window_right, softcap):
     return tuple(torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
 
 
-# the padded batch's forward op, differentiated by its backward op from the saved mask
+# the padded batch's forward op, differentiated by its backward op from the saved mask (or positions)
 _padded_ops = torch_op.OpPair("flash_attn_padded", _padded_forward_impl, _padded_forward_fake, _padded_backward_impl,
                               _padded_backward_fake)

@@ -34,7 +34,9 @@ What the attention function handles, with what transformers passes it:
 * packed sequences (several documents in one row): ``position_ids`` that restart (the same
   rule as transformers' ``eager`` masks: a document starts wherever a position is not the
   previous one plus 1) or the ``cu_seq_lens_q``/``cu_seq_lens_k`` kwargs of
-  ``DataCollatorWithFlattening``, each document attending only to itself;
+  ``DataCollatorWithFlattening``, each document attending only to itself; a mask of ones with
+  such position_ids keeps the documents apart, in eager mode and under torch.compile alike
+  (flash_attention_2's rule: its mask builder drops a mask of ones, as ours does);
 * sliding windows (Mistral, Qwen2, Gemma2's alternating layers): transformers' query at
   position p sees keys p - w < j <= p, flash-attn's ``window_size=(w - 1, 0)``;
 * logit softcapping (Gemma2's ``attn_logit_softcapping``) and the module's ``scaling`` (Gemma2's
@@ -209,7 +211,7 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
         return (out if v_head_dim == head_dim else out[..., :v_head_dim]), None
     opts = {"softmax_scale": scaling, "causal": causal, "window_size": window, "softcap": softcap}
     if attention_mask is not None:
-        out = _padded_attention(q, k, v, attention_mask, opts)
+        out = _padded_attention(q, k, v, attention_mask, opts, kwargs)
     elif cu_q is not None and cu_k is not None:
         out = _packed_attention(q, k, v, cu_q, cu_k, opts)
     elif len_q == 1:
@@ -371,15 +373,26 @@ def _window(sliding_window: int | None, causal: bool, len_k: int) -> tuple[int, 
     return (w, w)
 
 
-def _padded_attention(q, k, v, mask: torch.Tensor, opts: dict) -> torch.Tensor:
+def _padded_attention(q, k, v, mask: torch.Tensor, opts: dict, kwargs: dict | None = None) -> torch.Tensor:
     """Attention over the real tokens of a padded batch: ``padded.attention``, one op over the
     mask in eager mode and under torch.compile alike (rows of one run read in place, holes
     gathered, a window over holes on flex, the rows that see no key given eager's mean of v);
-    an eager decode step: ``decode_attention``."""
+    an eager decode step: ``decode_attention``.
+
+    Under torch.compile the mask may be all ones (``key_padding_mask`` cannot read it there),
+    where eager mode gets no mask and finds documents by position_ids: the op is given them too
+    (from the attention function's ``kwargs``), and applies that rule when it runs."""
     mask = mask.to(device=q.device, dtype=torch.bool)  # (both check its shape against q and k)
-    if q.shape[1] == 1 and not torch.compiler.is_compiling():
+    compiling = torch.compiler.is_compiling()
+    if q.shape[1] == 1 and not compiling:
         return decode_attention(q, k, v, mask, **opts)
-    return padded.attention(q, k, v, mask, **opts)
+    kwargs = kwargs or {}
+    position_ids = kwargs.get("position_ids")
+    if (not compiling or kwargs.get("use_cache") or not isinstance(position_ids, torch.Tensor)
+            or position_ids.dim() != 2 or position_ids.shape[0] not in (1, q.shape[0])
+            or not position_ids.shape[1] == q.shape[1] == k.shape[1] == mask.shape[-1]):
+        position_ids = None  # (where eager mode finds no documents either: documents_from_positions)
+    return padded.attention(q, k, v, mask, position_ids=position_ids, **opts)
 
 
 def _packed_attention(q, k, v, cu_q: torch.Tensor, cu_k: torch.Tensor, opts: dict) -> torch.Tensor:
