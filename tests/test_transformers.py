@@ -91,6 +91,22 @@ def _assert_matches_eager(model: str, real: torch.Tensor | None = None, **inputs
     return loss_err, grad_errs[worst]
 
 
+def _assert_same_generation(got, want) -> None:
+    """greedy ``generate()`` outputs (``return_dict_in_generate``, ``output_scores``) against
+    eager's: the scores of each step up to the first new token that differs within LOSS_RTOL,
+    then the same tokens. A failure names that step, the scores' error there and eager's gap
+    between its two best tokens: a near tie, or a wrong result."""
+    steps = len(want.scores)
+    differs = (got.sequences[:, -steps:] != want.sequences[:, -steps:]).any(0).nonzero().flatten()
+    last = int(differs[0]) if len(differs) else steps - 1
+    errors = [_rel(a, b) for a, b in zip(got.scores[:last + 1], want.scores[:last + 1])]
+    best = want.scores[last].topk(2, dim=-1).values
+    detail = (f"step {last}: scores off by {max(errors):.2e} (relative), eager's gap between its two best tokens "
+              f"{(best[:, 0] - best[:, 1]).min().item():.2e}")
+    assert max(errors) <= LOSS_RTOL, detail
+    assert torch.equal(got.sequences, want.sequences), detail
+
+
 def _padded_batch(gen: torch.Generator, length: int = 24):
     """Rows: left padding, right padding, none, all padding; labels -100 on the padding."""
     ids = torch.randint(0, 128, (4, length), generator=gen)
@@ -311,8 +327,7 @@ def test_generate_greedy_matches_eager(model, gen, monkeypatch):
     with torch.no_grad():
         want = eager.generate(ids, **kwargs)
         got = ours.generate(ids, **kwargs)
-    assert torch.equal(got.sequences, want.sequences)
-    assert max(_rel(a, b) for a, b in zip(got.scores, want.scores)) <= LOSS_RTOL
+    _assert_same_generation(got, want)
     layers = ours.config.num_hidden_layers
     assert len(decode_calls) == 15 * layers and any(decode_calls)  # every new token went through decode_attention
     assert len(kernel_calls) == len(decode_calls)  # left-padded caches: all on the KV-cache kernel
@@ -335,8 +350,7 @@ def test_generate_with_holes_in_the_prompt_matches_eager(model, gen):
                   output_scores=True, return_dict_in_generate=True)
     with torch.no_grad():
         want, got = (m.eval().generate(ids, **kwargs) for m in (eager, ours))
-    assert torch.equal(got.sequences, want.sequences)
-    assert max(_rel(a, b) for a, b in zip(got.scores, want.scores)) <= LOSS_RTOL
+    _assert_same_generation(got, want)
 
 
 def test_generate_under_inference_mode_matches_no_grad(gen):
@@ -368,9 +382,9 @@ def test_generate_with_static_cache_matches_eager(gen):
     ids = torch.randint(1, 128, (2, 9), generator=gen)
     for mask in (torch.ones_like(ids), torch.tensor([[0, 0, 0] + [1] * 6, [1] * 9])):
         kwargs = dict(attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=0,
-                      cache_implementation="static")
+                      cache_implementation="static", output_scores=True, return_dict_in_generate=True)
         with torch.no_grad():
-            assert torch.equal(ours.generate(ids * mask, **kwargs), eager.generate(ids * mask, **kwargs))
+            _assert_same_generation(ours.generate(ids * mask, **kwargs), eager.generate(ids * mask, **kwargs))
 
 
 def test_compiled_generate_with_static_cache_matches_eager(gen, monkeypatch):
@@ -394,8 +408,7 @@ def test_compiled_generate_with_static_cache_matches_eager(gen, monkeypatch):
         decode_calls.clear()
         with torch.no_grad():
             got, want = compiled.generate(ids * mask, **kwargs), eager.generate(ids * mask, **kwargs)
-        assert torch.equal(got.sequences, want.sequences)
-        assert max(_rel(a, b) for a, b in zip(got.scores, want.scores)) <= LOSS_RTOL
+        _assert_same_generation(got, want)
         assert len(decode_calls) == 9 * ours.config.num_hidden_layers  # (the op's body: when the graph runs)
 
 
