@@ -15,6 +15,12 @@ the median of each. It needs versions whose forward has the same arguments and t
 
 ``--list`` runs the forward once (compiling it if needed) and prints the cache entry it used;
 entries are named by the 24-digit digest of their request.
+
+``--block N``: each version runs N calls in a row, the versions in turn block by block, and the
+first quarter of each block is not timed. Called in turn call by call, each version finds the
+tensors' cache lines where the other left them: a change of which thread touches which lines
+(the task dealing) does not show there. ``--after-linear``: q, k and v come from a torch
+``linear`` before each call, as in a model (the lines are then where torch's threads wrote them).
 """
 
 from __future__ import annotations
@@ -54,17 +60,24 @@ def main() -> None:
     p.add_argument("entries", nargs="*", help="cache entries (digests) to compare with this checkout's kernels")
     p.add_argument("--seqlen", type=int, default=128)
     p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--heads-k", type=int, default=None, help="kv heads (default: --heads)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--head-dim", type=int, default=64)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--rounds", type=int, default=2000)
     p.add_argument("--no-causal", action="store_true")
     p.add_argument("--list", action="store_true", help="print this checkout's cache entry for the problem")
     p.add_argument("--backward", action="store_true", help="compare flash_bwd (dq, dk, dv of one forward)")
+    p.add_argument("--block", type=int, default=1, help="calls of one version in a row (see above)")
+    p.add_argument("--after-linear", action="store_true", help="q, k, v from a torch linear before each call")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     causal = not args.no_causal
-    q, k, v = (torch.randn(1, args.seqlen, args.heads, args.head_dim) for _ in range(3))
+    dtype = getattr(torch, args.dtype)
+    heads_k = args.heads_k or args.heads
+    q = torch.randn(1, args.seqlen, args.heads, args.head_dim, dtype=dtype)
+    k, v = (torch.randn(1, args.seqlen, heads_k, args.head_dim, dtype=dtype) for _ in range(2))
     expected = flash_attn_func(q, k, v, causal=causal)
     call = next(iter(torch_op._calls.values()))  # this checkout's plan of the call above
     directory = cache.safe_directory(create=False)
@@ -82,7 +95,8 @@ def main() -> None:
     if args.backward:  # (the backward of this checkout's forward, its tables planned by call.backward)
         out, dout = call.forward(q, k, v, lse), torch.randn_like(q)
         expected = call.backward(dout, q, k, v, out, lse)
-    outs = {name: [torch.full_like(q, float("nan")) for _ in range(3 if args.backward else 1)] for name in functions}
+    outs = {name: [torch.full_like(t, float("nan")) for t in ((q, k, v) if args.backward else (q,))]
+            for name in functions}
 
     def run(name):
         if args.backward:
@@ -97,14 +111,31 @@ def main() -> None:
         if not all(torch.equal(a, b) for a, b in zip(outs[name], expected if args.backward else (expected,))):
             raise SystemExit(f"{name}: outputs differ from this checkout's (other arguments or numerics)")
     times = {name: [] for name in functions}
-    for _ in range(args.rounds):
+    if args.after_linear:  # (the projection's output holds q, k and v: the kernels read views of it)
+        hidden = torch.randn(args.seqlen, args.heads * args.head_dim, dtype=dtype)
+        weight = torch.randn(3 * args.heads * args.head_dim, args.heads * args.head_dim, dtype=dtype) * 0.02
+        projected = torch.nn.functional.linear(hidden, weight).view(1, args.seqlen, 3, args.heads, args.head_dim)
+        q, k, v = (projected[:, :, i, :heads_k if i else args.heads] for i in range(3))
+
+    def call_of(name):
+        if args.after_linear:
+            torch.nn.functional.linear(hidden, weight, out=projected.view(args.seqlen, -1))
+        start = time.perf_counter()
+        run(name)
+        return time.perf_counter() - start
+
+    untimed = args.block // 4
+    for _ in range(max(1, args.rounds // args.block)):
         for name in functions:
-            start = time.perf_counter()
-            run(name)
-            times[name].append(time.perf_counter() - start)
+            for i in range(args.block):
+                elapsed = call_of(name)
+                if i >= untimed:
+                    times[name].append(elapsed)
     kind = "backward" if args.backward else "forward"
-    print(f"{machine()}\n{kind} B1 N{args.seqlen} H{args.heads} D{args.head_dim} fp32{' causal' * causal}, "
-          f"{args.threads} threads, {args.rounds} rounds interleaved\n")
+    print(f"{machine()}\n{kind} B1 N{args.seqlen} H{args.heads}/{heads_k} D{args.head_dim} {args.dtype}"
+          f"{' causal' * causal}, "
+          f"{args.threads} threads, {args.rounds} rounds interleaved in blocks of {args.block}"
+          f"{', q, k, v from a linear' * args.after_linear}\n")
     print("| kernels | p10 (us) | median (us) |\n|---|---|---|")
     for name, t in times.items():
         t.sort()

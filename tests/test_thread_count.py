@@ -7,21 +7,25 @@ import os
 import subprocess
 import sys
 
+import pytest
 import torch
 
 import tvmflash
 from conftest import random_inputs
 
 
-def test_results_do_not_depend_on_the_thread_count(gen):
+@pytest.mark.parametrize("batch, heads, heads_k", [(1, 4, 1), (2, 6, 2)])
+def test_results_do_not_depend_on_the_thread_count(gen, batch, heads, heads_k):
+    """Every count deals the tasks its own way: a block of heads per thread where the threads
+    divide the heads (forward: the query heads; backward: the kv heads), else cyclically."""
     kernels = tvmflash.compile("llvm", head_dim=32, dtype="float32")
-    q, k, v = random_inputs(gen, 1, 700, 650, 4, 1, 32, "float32")
+    q, k, v = random_inputs(gen, batch, 700, 650, heads, heads_k, 32, "float32")
     dout = torch.randn(q.shape, generator=gen)
     results = []
-    for threads in (1, 2, 3, 7, 64):
-        out, lse = torch.empty_like(q), torch.empty(1, 4, 700)
+    for threads in (1, 2, 3, 4, 7, 64):
+        out, lse = torch.full_like(q, float("nan")), torch.full((batch, heads, 700), float("nan"))
         kernels.forward(q, k, v, out, lse, causal=True, num_threads=threads)
-        grads = [torch.empty_like(t) for t in (q, k, v)]
+        grads = [torch.full_like(t, float("nan")) for t in (q, k, v)]
         kernels.backward(dout, q, k, v, out, lse, *grads, causal=True, num_threads=threads)
         results.append([out, lse, *grads])
     for other in results[1:]:

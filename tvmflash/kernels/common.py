@@ -51,6 +51,33 @@ def cyclic_count(slot, tasks, n_threads):
     return tirx.max(ceildiv(tasks - slot, n_threads), 0)
 
 
+# A kernel's tasks are (head, unit) pairs: a unit is a query tile (forward) or a key super tile
+# (backward). Where the slots divide the heads evenly, each slot takes a contiguous block of heads
+# with all their units: the same work per slot, and the heads the kernel's packs and stores give
+# each thread (contiguous chunks of the (head, tile) loops). Every line of the packs, of q, k, v
+# and out rows and of the accumulators is then one thread's. Dealt out cyclically, neighbouring
+# heads went to different threads: their lines are neighbours, and the prefetchers and packs moved
+# them between cores each call (2 threads no faster than 1 on 32 heads of 16 tokens; DEVELOPING.md).
+# Else (the heads do not divide evenly: fewer heads than threads, say) the tasks go out cyclically,
+# as many units of each length to every slot as can be.
+def slot_task_count(slot, heads, units, n_threads):
+    """How many of the ``heads x units`` tasks ``slot`` takes (``slot_task``)."""
+    return tirx.if_then_else(heads % n_threads == 0, heads // n_threads * units,
+                             cyclic_count(slot, heads * units, n_threads))
+
+
+def slot_task(slot, e, heads, units, n_threads, *, heads_outer: bool):
+    """(head, unit) of ``slot``'s ``e``-th task. A block of heads goes unit by unit, the heads of
+    one unit next to each other. Cyclic dealing runs over the tasks in the kernel's order:
+    ``heads_outer`` (each head's units together) or not (each unit's heads together)."""
+    per_slot = tirx.max(heads // n_threads, 1)
+    task = slot + e * n_threads
+    cyclic = (task // units, task % units) if heads_outer else (task % heads, task // heads)
+    block = heads % n_threads == 0
+    return (tirx.if_then_else(block, slot * per_slot + e % per_slot, cyclic[0]),
+            tirx.if_then_else(block, e // per_slot, cyclic[1]))
+
+
 def let(name: str, value, dtype: str = I64):
     """``name: T.let[dtype] = value`` emitted from Python: a let binding in the kernel being parsed."""
     var = tirx.Var(name, dtype)

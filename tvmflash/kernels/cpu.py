@@ -15,7 +15,7 @@ seq_table, q_tile_seq, k_tile_seq, *mod_inputs, [tile_state, kv_range])``::
     (one parallel region: [pack_kv] in parallel, a barrier, the slots)
     [pack_kv]   Kp, Vp = K, V as product operands, each sequence zero-padded to whole key tiles
     for slot in parallel(n_threads):                                          [slot]
-      for task (query tile, query head h) = slot, slot + n_threads, ...       (cyclic, tiles from the last)
+      for task (query tile, query head h) of the slot (common.slot_task)    (tiles from the last)
         [load_q] QT = query tile, transposed         [init_o, init_stats] OT = 0, m = -inf, l = 0
                  (fp32, whole tiles: [load_q_blocks], 16 x 16 blocks transposed in registers)
         for each key tile the window (and block mask) leaves non-empty:
@@ -44,7 +44,7 @@ window_right, n_threads, n_rounds, super_tile, seq_table, q_tile_seq, k_tile_seq
     [zero_dq, zero_dkv, zero_mod_grads]   fp32 accumulators = 0
     for round r in range(n_rounds):                         no two tasks of a round share rows
       for slot in parallel(n_threads):                                        [round_slot]
-        for task (kv head, key super tile J) = slot, slot + n_threads, ...:
+        for task (kv head, key super tile J) of the slot's kv heads (common.slot_task):
           I = (J + r) mod M  (M: super tiles of the sequence; a super tile = super_tile tiles)
           for key tile j of J:
             (K_j, K_j^T, V_j^T packed as product operands once per key tile: [pack_k, pack_kt, pack_vt];
@@ -130,7 +130,8 @@ from ..schedules.llvm_amx import helper_name as amx_helper_name
 from ..schedules import llvm_transpose
 from ..score_mods import exponent_constant
 from ..spec import MAX_RECOMPUTABLE_LSE, AttentionSpec, unrecomputable_lse_message
-from .common import EMPTY, F32, I64, PARTIAL, CPUContext, TileRows, ceildiv, cyclic_count, i64, io_buffer, stage
+from .common import (EMPTY, F32, I64, PARTIAL, CPUContext, TileRows, ceildiv, i64, io_buffer, slot_task,
+                     slot_task_count, stage)
 
 BF16 = "bfloat16"
 LAZY_MAX_LOG2 = 8.0  # the forward's running max lags the true one by at most this (log2 units)
@@ -711,11 +712,12 @@ def fused_forward(spec: AttentionSpec, cfg: CPUKernelConfig) -> tirx.PrimFunc:
                     state = T.sblock_alloc_buffer((4,), I64)  # tile state, first and end key tile, any max moved
                     at = T.sblock_alloc_buffer((3,), I64)  # query head, query tile, sequence
                     # Task order: query tiles last to first (a sequence's last tiles see the most keys
-                    # when causal), the heads of one tile next to each other: dealt out cyclically,
-                    # every slot gets as many tiles of each length as it can.
-                    for e in T.serial(cyclic_count(vslot, H * ctx.query_tiles_total(), n_threads)):
-                        at[0] = (vslot + e * n_threads) % H
-                        at[1] = ctx.query_tiles_total() - 1 - (vslot + e * n_threads) // H  # the query tile
+                    # when causal), the heads of one tile next to each other; a block of heads per
+                    # slot, or dealt out cyclically (common.slot_task).
+                    for e in T.serial(slot_task_count(vslot, H, ctx.query_tiles_total(), n_threads)):
+                        task = T.meta_var(slot_task(vslot, e, H, ctx.query_tiles_total(), n_threads, heads_outer=False))
+                        at[0] = task[0]
+                        at[1] = ctx.query_tiles_total() - 1 - task[1]  # the query tile (task[1] from the last)
                         at[2] = ctx.q_tile_sequence(at[1])
                         h: T.let[T.int64] = at[0]
                         hk: T.let[T.int64] = h // (H // Hk)
@@ -1079,12 +1081,15 @@ def fused_backward(spec: AttentionSpec, cfg: CPUKernelConfig) -> tirx.PrimFunc:
                         # below, and compiling took minutes (DEVELOPING.md).
                         state = T.sblock_alloc_buffer((2,), I64)  # tile state; whether the key tile got work
                         at = T.sblock_alloc_buffer((4,), I64)  # kv head, sequence, J, I
-                        for e in T.serial(cyclic_count(vslot, Hk * ctx.key_super_tiles_total(), n_threads)):
-                            at[0] = (vslot + e * n_threads) // ctx.key_super_tiles_total()
+                        # a block of kv heads per slot, or dealt out cyclically (common.slot_task)
+                        for e in T.serial(slot_task_count(vslot, Hk, ctx.key_super_tiles_total(), n_threads)):
+                            task = T.meta_var(slot_task(vslot, e, Hk, ctx.key_super_tiles_total(), n_threads,
+                                                        heads_outer=True))
+                            at[0] = task[0]
                             # super tiles rotate by kv head: under causal masks the busy tasks of a round
                             # are the low J, which would otherwise land on the same slots for every head
-                            at[1] = i64(ctx.k_super_seq[(vslot + e * n_threads + at[0]) % ctx.key_super_tiles_total()])
-                            at[2] = (vslot + e * n_threads + at[0]) % ctx.key_super_tiles_total() - ctx.column(
+                            at[1] = i64(ctx.k_super_seq[(task[1] + at[0]) % ctx.key_super_tiles_total()])
+                            at[2] = (task[1] + at[0]) % ctx.key_super_tiles_total() - ctx.column(
                                 at[1], plan.K_SUPER0)
                             hk: T.let[T.int64] = at[0]
                             b: T.let[T.int64] = at[1]
