@@ -19,6 +19,9 @@
   forward, backward and AdamW timed apart;
 * ``compiled-generate``: ``generate()`` with a static cache and compiled forwards (transformers'
   recipe for fast generation), ours and SDPA's in a random order each round;
+* ``in-model``: the attention function's own time per call where the model calls it, in
+  ``generate()`` (a new token's calls) and training steps (the forward's calls), both
+  implementations on one model, switched between runs;
 * ``padded``: one layer's attention alone, forward + backward, on ``--batch`` left-padded rows
   (default 4) of each ``--train-lengths``, through the transformers integration's function
   against transformers' SDPA function with the 4D mask it would get, interleaved call by call.
@@ -41,6 +44,7 @@ the numbers are preliminary.
     python benchmarks/model_speed.py generate --batch 4 --prompts 40 --new-tokens 32
     python benchmarks/model_speed.py swap --runs 8
     python benchmarks/model_speed.py swap --runs 6 --batch 4 --prompts 40 --train-lengths 40 256
+    python benchmarks/model_speed.py in-model --runs 6 --prompts 32 1024 --train-lengths 16 512
     python benchmarks/model_speed.py padded --train-lengths 40 256 1024 --rounds 200
     python benchmarks/model_speed.py compiled --runs 20 --train-lengths 16 512
     python benchmarks/model_speed.py compiled --runs 12 --batch 4 --train-lengths 40 256 --dtypes float32
@@ -321,19 +325,10 @@ def _abba_seconds(run, implementations: list[str], rounds: int) -> dict:
     return times
 
 
-def swapped(args: argparse.Namespace) -> None:
-    """generate() and training steps on one model per dtype, its attention switched call by call."""
-    names = {"sdpa": "sdpa", "tvm": _implementation("tvm")}
-    rows = []
-
-    def row(label: str, times: dict, scale: float, unit: str) -> None:
-        medians = {impl: statistics.median(v) for impl, v in times.items()}
-        paired = statistics.median(t / s for t, s in zip(times["tvm"], times["sdpa"]))
-        rows.append(f"| {label} | {medians['tvm'] * scale:.1f} | {medians['sdpa'] * scale:.1f} | {unit} | "
-                    f"{medians['tvm'] / medians['sdpa']:.3f} | {paired:.3f} | "
-                    f"{min(times['tvm']) / min(times['sdpa']):.3f} |")
-        print(f"  swap: {rows[-1]}", file=sys.stderr, flush=True)
-
+def _model_cases(args: argparse.Namespace, names: dict):
+    """One model per dtype: yields (dtype name, "generate" or "train", prompt or length, run), where
+    ``run(impl)`` runs one ``generate()`` or training step (forward, backward, AdamW) with the
+    attention implementation ``names[impl]``."""
     for dtype_name in args.dtypes:
         dtype, autocast = _precision(dtype_name)
         model = _llama(dtype, "sdpa").eval()
@@ -345,13 +340,7 @@ def swapped(args: argparse.Namespace) -> None:
                 with torch.no_grad(), _autocast(autocast):
                     model.generate(ids, **kwargs)
 
-            for impl in names:  # warm-up: compiles, caches
-                model.set_attn_implementation(names[impl])
-                with torch.no_grad(), _autocast(autocast):
-                    model.generate(ids, **{**kwargs, "max_new_tokens": 2, "min_new_tokens": 2})
-            what = "prompt" if args.batch == 1 else f"{args.batch} left-padded prompts"
-            row(f"{dtype_name} generate(), {what} {prompt}", _abba_seconds(generate, list(names), args.runs), 1e3,
-                f"ms per {args.new_tokens} tokens")
+            yield dtype_name, "generate", prompt, generate
         model.train()
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
         for length in args.train_lengths:
@@ -366,14 +355,78 @@ def swapped(args: argparse.Namespace) -> None:
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
 
-            for impl in (*names, *names):
-                step(impl)
-            what = "sequence" if args.batch == 1 else f"{args.batch} left-padded sequences"
-            row(f"{dtype_name} training step, {what} {length}", _abba_seconds(step, list(names), args.runs), 1e3,
-                "ms per step")
+            yield dtype_name, "train", length, step
+
+
+def _case_label(args: argparse.Namespace, dtype_name: str, kind: str, size: int) -> str:
+    if kind == "generate":
+        return f"{dtype_name} generate(), {'prompt' if args.batch == 1 else f'{args.batch} left-padded prompts'} {size}"
+    what = "sequence" if args.batch == 1 else f"{args.batch} left-padded sequences"
+    return f"{dtype_name} training step, {what} {size}"
+
+
+def swapped(args: argparse.Namespace) -> None:
+    """generate() and training steps on one model per dtype, its attention switched call by call."""
+    names = {"sdpa": "sdpa", "tvm": _implementation("tvm")}
+    rows = []
+    for dtype_name, kind, size, run in _model_cases(args, names):
+        _abba_seconds(run, list(names), 1)  # warm-up: compiles, caches
+        times = _abba_seconds(run, list(names), args.runs)
+        medians = {impl: statistics.median(v) for impl, v in times.items()}
+        paired = statistics.median(t / s for t, s in zip(times["tvm"], times["sdpa"]))
+        unit = f"ms per {args.new_tokens} tokens" if kind == "generate" else "ms per step"
+        rows.append(f"| {_case_label(args, dtype_name, kind, size)} | {medians['tvm'] * 1e3:.1f} | "
+                    f"{medians['sdpa'] * 1e3:.1f} | {unit} | {medians['tvm'] / medians['sdpa']:.3f} | {paired:.3f} | "
+                    f"{min(times['tvm']) / min(times['sdpa']):.3f} |")
+        print(f"  swap: {rows[-1]}", file=sys.stderr, flush=True)
     print(f"\nOne model per dtype in one process, attention switched between calls (ABBA, {args.runs} rounds):"
           f" {_model_name()}\n\n| case | tvmflash | SDPA | unit | ratio of medians | median of paired "
           "ratios | ratio of minima |\n|---|---|---|---|---|---|---|")
+    print("\n".join(rows), flush=True)
+
+
+def in_model(args: argparse.Namespace) -> None:
+    """The attention function's own time per call inside ``generate()`` and training steps: one
+    model per dtype, its implementation switched between runs (ABBA), each implementation's
+    function (ours, transformers' SDPA function) timed where the model calls it. What a call
+    costs there (the model's products between the calls evict what a loop of calls keeps in
+    cache) is what ``fixed`` cannot show. Medians over every call of the runs: a new token's
+    calls in ``generate()``, the forward's in a training step."""
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from tvmflash.integrations import transformers as tvm_hf
+
+    names = {"sdpa": "sdpa", "tvm": _implementation("tvm")}
+    calls: dict[tuple, list[int]] = {}
+
+    def timed(impl: str, function):
+        def attention(module, query, *rest, **kwargs):
+            start = time.perf_counter_ns()
+            result = function(module, query, *rest, **kwargs)
+            calls.setdefault((impl, query.shape[2] == 1), []).append(time.perf_counter_ns() - start)
+            return result
+        return attention
+
+    rows: list[str] = []
+    AttentionInterface.register("sdpa", timed("sdpa", sdpa_attention_forward))
+    AttentionInterface.register(names["tvm"], timed("tvm", tvm_hf.attention_forward))
+    try:
+        for dtype_name, kind, size, run in _model_cases(args, names):
+            _abba_seconds(run, list(names), 1)  # warm-up: compiles, caches
+            calls.clear()
+            _abba_seconds(run, list(names), args.runs)
+            decode = kind == "generate"
+            us = {impl: statistics.median(calls[(impl, decode)]) / 1e3 for impl in names}
+            label = f"{_case_label(args, dtype_name, kind, size)}: {'a new token' if decode else 'a forward'}'s call"
+            rows.append(f"| {label} | {us['tvm']:.1f} | {us['sdpa']:.1f} | {us['tvm'] / us['sdpa']:.2f} | "
+                        f"{len(calls[('tvm', decode)])} |")
+            print(f"  in-model: {rows[-1]}", file=sys.stderr, flush=True)
+    finally:
+        AttentionInterface.register("sdpa", sdpa_attention_forward)
+        AttentionInterface.register(names["tvm"], tvm_hf.attention_forward)
+    print(f"\nThe attention function's time per call inside the model (medians, us; {args.runs} runs each, ABBA): "
+          f"{_model_name()}\n\n| case | tvmflash | SDPA | ratio | calls |\n|---|---|---|---|---|")
     print("\n".join(rows), flush=True)
 
 
@@ -577,7 +630,7 @@ def worker(argv: list[str]) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parts = ["fixed", "linear", "generate", "train", "padded", "swap", "compiled", "compiled-generate"]
+    parts = ["fixed", "linear", "generate", "train", "padded", "swap", "in-model", "compiled", "compiled-generate"]
     p.add_argument("parts", nargs="*", help=f"of {', '.join(parts)} (default: the first four)")
     p.add_argument("--rounds", type=int, default=1000, help="interleaved rounds per case (fixed, linear)")
     p.add_argument("--prompts", type=int, nargs="*", default=[32, 1024])
@@ -623,6 +676,8 @@ def main() -> None:
         padded_attention(args)
     if "swap" in args.parts:
         swapped(args)
+    if "in-model" in args.parts:
+        in_model(args)
     if "compiled" in args.parts:
         compiled_calls(args.rounds)
         compiled_steps(args)

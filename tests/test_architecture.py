@@ -49,7 +49,7 @@ LAYERS = (
     Layer("tools", frozenset({"tvmflash.tune", "tvmflash.bench", "tvmflash.memory", "tvmflash.analysis",
                               "tvmflash.reference", "tvmflash.demo", "tvmflash.distributed.demo"}), torch=True),
     Layer("user API", frozenset({"tvmflash.torch_op", "tvmflash.flex", "tvmflash.kvcache", "tvmflash.uniform_rows",
-                                 "tvmflash.documents", "tvmflash.padded", "tvmflash.integrations",
+                                 "tvmflash.documents", "tvmflash.padded", "tvmflash.launch", "tvmflash.integrations",
                                  "tvmflash.distributed"}), torch=True),
     Layer("mod tracing", frozenset({"tvmflash.flex_trace"}), torch=True),
     Layer("compile API", frozenset({"tvmflash.compiler", "tvmflash.records", "tvmflash.tune_logs"}), torch=False),

@@ -29,6 +29,7 @@ import tvm
 import tvmflash
 from tvmflash import amx, compiler, product_rates
 from tvmflash import target as targets
+from tvmflash.cache import c_compiler
 from tvmflash.config import AMX, BF16_DOT, FP32_FMA, default_cpu_config
 from tvmflash.product_rates import ProductRates
 from tvmflash.settings import TvmflashWarning
@@ -271,7 +272,7 @@ def rate_store(tmp_path, monkeypatch):
         return ProductRates(100.0, 150.0 + len(runs))
 
     monkeypatch.setattr(product_rates, "_run_probe", probe)
-    monkeypatch.setattr(product_rates, "_build_probe", lambda directory: directory / "probe")
+    monkeypatch.setattr(product_rates, "_build_probe", lambda: tmp_path / "cache" / "probe")
     product_rates.forget_measurements()
     yield tmp_path / "cache", runs
     product_rates.forget_measurements()
@@ -312,12 +313,10 @@ def test_stored_rates_are_trusted_only_when_safe_and_sound(rate_store, damage):
 def test_a_probe_another_user_could_have_written_is_not_run(tmp_path, monkeypatch):
     """The probe executable itself: group-writable means not ours alone, so it is never started
     (one warning; bf16 kernels then follow the features)."""
-    if product_rates._compiler() is None:
+    if c_compiler() is None:
         pytest.skip("no C compiler")
     monkeypatch.setenv("TVMFLASH_CACHE_DIR", str(tmp_path / "cache"))
-    from tvmflash.cache import safe_directory
-
-    probe = product_rates._build_probe(safe_directory())
+    probe = product_rates._build_probe()
     assert probe.parent == tmp_path / "cache" and os.access(probe, os.X_OK)
     os.chmod(probe, 0o775)
     started = []
@@ -344,7 +343,7 @@ def test_the_machine_key_ignores_microcode_and_clock():
 
 @pytest.mark.skipif(targets.missing_isa_features(targets.BF16_DOT_FEATURES) != [], reason="no AVX512-BF16 here")
 def test_the_real_probe_measures_this_cpu(tmp_path, monkeypatch):
-    if product_rates._compiler() is None:
+    if c_compiler() is None:
         pytest.skip("no C compiler")
     monkeypatch.setenv("TVMFLASH_CACHE_DIR", str(tmp_path / "cache"))
     product_rates.forget_measurements()

@@ -31,12 +31,12 @@ def _in_two_threads(run) -> None:
 
 def _full_path(fn, *args, **kwargs):
     """fn's result with the memo of repeated calls cleared before and after (the full checks run)."""
-    kvcache._steps.clear()
+    kvcache.forget_steps()
     torch_op._calls.clear()
     try:
         return fn(*args, **kwargs)
     finally:
-        kvcache._steps.clear()
+        kvcache.forget_steps()
         torch_op._calls.clear()
 
 

@@ -34,12 +34,15 @@ def test_demo_checks_itself():
 
 def test_model_speed_benchmark_quick():
     """model_speed.py's in-process parts (fixed cost per call; one layer's attention on
-    left-padded rows): its cases still match SDPA (each asserts so) and print their tables."""
+    left-padded rows; the attention calls timed inside a model): its cases still match SDPA (each
+    asserts so) and print their tables."""
     pytest.importorskip("transformers")
-    out = _run("benchmarks/model_speed.py", "fixed", "padded", "--rounds", "3", "--train-lengths", "24",
-               "--dtypes", "float32", "--head-dim", "32")
+    out = _run("benchmarks/model_speed.py", "fixed", "padded", "in-model", "--rounds", "3", "--train-lengths", "24",
+               "--dtypes", "float32", "--head-dim", "32", "--prompts", "8", "--new-tokens", "3", "--runs", "1")
     assert "| forward fp32 B1 N16 H8 D64 causal |" in out and "| decode bf16 H8/2 D64, 128-token cache |" in out
     assert "attention (H8/2 D32)" in out and "| float32 4 left-padded rows of 24 |" in out
+    assert "| float32 generate(), prompt 8: a new token's call |" in out
+    assert "| float32 training step, sequence 24: a forward's call |" in out
     assert "load average at the end" in out
 
 

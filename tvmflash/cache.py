@@ -29,6 +29,7 @@ import json
 import os
 import shutil
 import stat
+import subprocess
 import tempfile
 from pathlib import Path
 
@@ -72,6 +73,34 @@ def safe_directory(path: Path | None = None, create: bool = True) -> Path | None
             f"tvmflash will not load compiled code from {path}: {reason}. Use a directory only you can "
             f"write: `chmod 700 {path}` if it is yours, or set TVMFLASH_CACHE_DIR to another path.")
     return path
+
+
+def c_compiler() -> str | None:
+    """The C compiler the helpers in C are built with: $CC, else gcc, else cc (None: none found)."""
+    return shutil.which(os.environ.get("CC", "gcc")) or shutil.which("cc")
+
+
+def built_from_c(source: Path, name: str, args: list[str], inputs: bytes = b"") -> Path:
+    """``source`` compiled with ``args`` (``-o`` added) into ``<name>-<digest>`` in the cache
+    directory, once per source, compiler, arguments and ``inputs`` (what else decides the
+    binary: included headers, the Python it is built for). Checked as this user's own: the
+    caller runs or loads it. OSError (or subprocess's errors) where it cannot be built."""
+    compiler = c_compiler()
+    if compiler is None:
+        raise OSError("no C compiler (gcc or $CC) found")
+    key = "\0".join([compiler, *args]).encode()
+    digest = hashlib.sha256(source.read_bytes() + inputs + key).hexdigest()[:16]
+    directory = safe_directory()
+    stem, dot, suffix = name.partition(".")
+    built_path = directory / f"{stem}-{digest}{dot}{suffix}"
+    if not built_path.exists():
+        with tempfile.TemporaryDirectory(dir=directory) as tmp:
+            built = Path(tmp) / name
+            subprocess.run([compiler, *args, "-o", str(built), str(source)], check=True, capture_output=True,
+                           timeout=120)
+            os.replace(built, built_path)
+    check_own_file(built_path)
+    return built_path
 
 
 def file_digest(path: Path) -> str:

@@ -197,6 +197,12 @@ def request_state() -> tuple:
     return records.generation, *_steering_values()
 
 
+def request_guards() -> tuple | None:
+    """``request_state`` as a C launch's guards (``launch.make``), or None where C cannot read it."""
+    steering = _steering_values.guards()
+    return None if steering is None else ((vars(records), "generation", records.generation), *steering)
+
+
 def compile_spec(target, spec: AttentionSpec, *, causal: bool = False, config=None, tuned: bool = True,
                  seqlen: int | None = None, cache: bool = True, deterministic: bool = False) -> FlashKernels:
     """``compile`` for any spec (score/mask mods, block sparsity, fp32 results)."""
@@ -242,9 +248,8 @@ def _compile_spec(target, spec: AttentionSpec, *, causal: bool, config, tuned: b
     meta = {**request, "cache_key": key}
     if not cache:
         return _build(target, spec, configs, meta).with_causal(causal)
-    with _lock:
-        found = _memory_cache.get(key)
-    if found is None:
+
+    def load_or_build() -> FlashKernels:
         found = _load_from_disk(key, request, meta) if _can_load(target) else None
         if found is None:
             found = _build(target, spec, configs, meta)
@@ -256,9 +261,34 @@ def _compile_spec(target, spec: AttentionSpec, *, causal: bool, config, tuned: b
                     found = FlashKernels(loaded, meta, found._source, library=library, loaded_as=name)
                 elif library is not None:
                     found._library = library
+        return found
+
+    return _once(_memory_cache, key, load_or_build).with_causal(causal)
+
+
+_making: dict[object, threading.Lock] = {}  # (memo, key) -> the lock of the thread making it
+
+
+def _once(memo: dict, key, make):
+    """``memo[key]``, made by ``make()`` if missing, once: a thread that finds another making it
+    waits for that one's result. (Two threads that missed together loaded the same library twice,
+    and loading a library again points its parallel-launch functions back at TVM's pool, under a
+    kernel of it that runs on torch's threads: a segfault in its barrier.)"""
+    with _lock:
+        found = memo.get(key)
+        if found is not None:
+            return found
+        making = _making.setdefault((id(memo), key), threading.Lock())
+    with making:
         with _lock:
-            _memory_cache[key] = found
-    return found.with_causal(causal)
+            found = memo.get(key)
+        if found is None:
+            found = make()
+            with _lock:
+                if found is not None:  # (None: nothing found, e.g. no prebuilt library: looked for again)
+                    memo[key] = found
+                _making.pop((id(memo), key), None)
+    return found
 
 
 def _load_from_disk(key: str, request: dict, meta: dict) -> FlashKernels | None:
@@ -408,21 +438,19 @@ def _find_prebuilt(target, spec: AttentionSpec, deterministic: bool, config, tun
     wish = _target_wish(target)
     explicit = {k: c.to_json() for k, c in _explicit_configs(config).items()}
     wanted = json.dumps([wish, spec.to_json(), deterministic, explicit, tuned], sort_keys=True)
-    with _lock:
-        if wanted in _prebuilt_cache:
-            return _prebuilt_cache[wanted]
-    for so, meta in cache.prebuilt_libraries(Path(directory)):  # safe, unmodified libraries only
-        try:
-            if not _prebuilt_matches(meta, wish, spec, deterministic, explicit, tuned):
+
+    def find() -> FlashKernels | None:
+        for so, meta in cache.prebuilt_libraries(Path(directory)):  # safe, unmodified libraries only
+            try:
+                if not _prebuilt_matches(meta, wish, spec, deterministic, explicit, tuned):
+                    continue
+            except (KeyError, TypeError, AttributeError) as err:
+                settings.warn(f"skipping prebuilt kernels {so} (metadata without {err})")
                 continue
-        except (KeyError, TypeError, AttributeError) as err:
-            settings.warn(f"skipping prebuilt kernels {so} (metadata without {err})")
-            continue
-        found = runtime.load(so)
-        with _lock:
-            _prebuilt_cache[wanted] = found
-        return found
-    return None
+            return runtime.load(so)
+        return None
+
+    return _once(_prebuilt_cache, wanted, find)
 
 
 def _prebuilt_matches(meta: dict, wish: dict, spec: AttentionSpec, deterministic: bool, explicit: dict,
@@ -519,16 +547,13 @@ def compile_decode(target, spec: AttentionSpec, *, config=None, cache: bool = Tr
     request = _decode_request(target, spec, cfg)
     key = _key(request)
     meta = {**request, "cache_key": key}
-    with _lock:
-        found = _memory_cache.get(key) if cache else None
-    if found is not None:
-        return found
-    if cache:
-        loaded = _cache.load(key, request, runtime.DECODE_FUNCTIONS)
-        if loaded is not None:
-            module, source, so = loaded
-            found = runtime.DecodeKernels(module, meta, source, library=so)
-    if found is None:
+
+    def load_or_build() -> runtime.DecodeKernels:
+        if cache:
+            loaded = _cache.load(key, request, runtime.DECODE_FUNCTIONS)
+            if loaded is not None:
+                module, source, so = loaded
+                return runtime.DecodeKernels(module, meta, source, library=so)
         settings.progress(f"compiling flash decode ({targets.key(target)}, {spec.describe()}) ...")
         start = time.perf_counter()
         from . import build
@@ -540,7 +565,6 @@ def compile_decode(target, spec: AttentionSpec, *, config=None, cache: bool = Tr
             library, loaded, name = _cache.store(key, request, lib, found._source, reload=True)
             if loaded is not None:
                 found = runtime.DecodeKernels(loaded, meta, found._source, library, loaded_as=name)
-    if cache:
-        with _lock:
-            _memory_cache[key] = found
-    return found
+        return found
+
+    return _once(_memory_cache, key, load_or_build) if cache else load_or_build()

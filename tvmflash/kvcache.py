@@ -32,7 +32,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from . import checks, compiler, plan, settings, version
+from . import checks, compiler, launch, plan, settings, version
 from . import threads as threads_module
 from .spec import SUPPORTED_DTYPES, UNLIMITED_WINDOW, Alibi, AttentionSpec, Softcap
 
@@ -117,12 +117,20 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     if (k is None and v is None and rotary_cos is None and rotary_sin is None and cache_batch_idx is None
             and block_table is None and alibi_slopes is None):
         # a decode step of the kind every model makes (shapes and options seen before): checked once
+        options = None
+        if type(cache_seqlens) is int and cache_leftpad is None:
+            options = _options_key(True, softmax_scale, causal, window_size, softcap, num_splits, rotary_interleaved,
+                                   return_softmax_lse)
+            result = _launched_step(options, q, k_cache, v_cache, cache_seqlens, None, None)
+            if result is not None:
+                return result
         key = _step_key(q, k_cache, v_cache, cache_seqlens, cache_leftpad, softmax_scale, causal, window_size,
                         softcap, rotary_interleaved, num_splits, return_softmax_lse)
         step = _steps.get(key) if key is not None else None
         if step is not None:
             result = step(q, k_cache, v_cache, cache_seqlens, cache_leftpad)
             if result is not None:
+                _remember_options(options, step)
                 return result  # (None: something the checks below must see, and raise on)
     q = _tensor("q", q, 4)
     k_cache, v_cache = _tensor("k_cache", k_cache, 4), _tensor("v_cache", v_cache, 4)
@@ -286,7 +294,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                         softcap, rotary_interleaved, num_splits, return_softmax_lse)
         if key is not None:
             if len(_steps) >= _MAX_STEPS:
-                _steps.clear()
+                forget_steps()
             _steps[key] = _DecodeStep(kernels, lse.shape, scale, window, group, num_splits, pages, mods,
                                       return_softmax_lse, batch, seqlen_q)
     return (out, lse) if return_softmax_lse else out
@@ -361,6 +369,12 @@ _steps: dict[tuple, _DecodeStep] = {}
 _MAX_STEPS = 256
 
 
+def forget_steps() -> None:
+    """Forget every checked step: the next calls run the full checks."""
+    _steps.clear()
+    _steps_by_options.clear()
+
+
 def _step_key(q, k_cache, v_cache, cache_seqlens, cache_leftpad, softmax_scale, causal, window_size, softcap,
               rotary_interleaved, num_splits, return_lse) -> tuple | None:
     """What the checks of a call without new tokens, rotary, paging, cache_batch_idx and ALiBi
@@ -413,9 +427,76 @@ def repeated_decode_step(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     None, the window a tuple of two ints, softcap a float, as the checks want them).
     ``starts``: cache_leftpad's values as a tuple, where the caller holds them (the layers of a
     model share one cache_leftpad, which it need not read again)."""
+    options = _options_key(cache_leftpad is None, softmax_scale, causal, window_size, softcap, 0, True, False)
+    result = _launched_step(options, q, k_cache, v_cache, cache_seqlens, cache_leftpad, starts)
+    if result is not None:
+        return result
     step = _steps.get(_key(q, k_cache, int, cache_leftpad, softmax_scale, causal, window_size, softcap, 0, True,
                            False))
-    return None if step is None else step(q, k_cache, v_cache, cache_seqlens, cache_leftpad, starts)
+    result = None if step is None else step(q, k_cache, v_cache, cache_seqlens, cache_leftpad, starts)
+    if result is not None:
+        _remember_options(options, step)
+    return result
+
+
+def repeated_heads_first_step(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cache_seqlens: int,
+                              softmax_scale: float | None, causal: bool, window_size: tuple[int, int],
+                              softcap: float) -> torch.Tensor | None:
+    """``repeated_decode_step`` (no left padding) for q, k, v as transformers' attention
+    functions get them: q ``(batch, heads, 1, head_dim)``, the caches ``(batch, heads_k, n,
+    head_dim)``, read in place by a C launch that transposes them in its view (three transposed
+    views cost ~10 us where the model's products have just evicted the interpreter's data); out
+    ``(batch, 1, heads, head_dim)``. None where no step checked before has a launch for them."""
+    options = _options_key(True, softmax_scale, causal, window_size, softcap, 0, True, False)
+    for step in _steps_by_options.get(options, ()):
+        scratch = step._scratch
+        if not hasattr(scratch, "heads_first"):  # (made from the first call that the step's own launch takes)
+            own = getattr(scratch, "launch", None)
+            if own is None or not own.accepts(*(t.transpose(1, 2) for t in (q, k_cache, v_cache))):
+                continue
+            scratch.heads_first = step._new_launch(q, k_cache, v_cache, scratch.tables, heads_first=True)
+        made = scratch.heads_first
+        if made is not None and made.accepts(q, k_cache, v_cache):
+            return step(q, k_cache, v_cache, cache_seqlens, heads_first=True)
+    return None
+
+
+# Steps by their options alone (int cache_seqlens, no tensor but cache_leftpad, whose values the
+# caller reads): the tensors' metadata and the steering variables, which _steps' keys hold, are
+# what each step's C launch checks itself (launch.c), at a fraction of the cost of building such
+# a key where a model's products have just evicted the interpreter's data (~15 us a step).
+_steps_by_options: dict[tuple, list[_DecodeStep]] = {}
+_STEPS_PER_OPTIONS = 4
+
+
+def _options_key(no_leftpad, softmax_scale, causal, window_size, softcap, num_splits, rotary_interleaved,
+                 return_lse) -> tuple | None:
+    if (not (softmax_scale is None or type(softmax_scale) is float) or type(causal) is not bool
+            or type(window_size) is not tuple or len(window_size) != 2 or type(window_size[0]) is not int
+            or type(window_size[1]) is not int or type(softcap) not in (float, int) or type(num_splits) is not int
+            or type(rotary_interleaved) is not bool or type(return_lse) is not bool):
+        return None
+    return (no_leftpad, softmax_scale, causal, window_size, softcap, num_splits, rotary_interleaved, return_lse)
+
+
+def _launched_step(options, q, k_cache, v_cache, cache_seqlens: int, cache_leftpad, starts):
+    """The result of the step among ``options``' whose C launch takes these tensors, or None."""
+    for step in _steps_by_options.get(options, ()):
+        made = getattr(step._scratch, "launch", None)  # (this thread's)
+        if made is not None and made.accepts(q, k_cache, v_cache):
+            return step(q, k_cache, v_cache, cache_seqlens, cache_leftpad, starts)
+    return None
+
+
+def _remember_options(options, step: _DecodeStep) -> None:
+    """Let calls with ``options`` find ``step`` (once it has a C launch) without its full key."""
+    if options is None or getattr(step._scratch, "launch", None) is None:
+        return
+    steps = _steps_by_options.setdefault(options, [])
+    if step not in steps:
+        if len(steps) >= _STEPS_PER_OPTIONS:
+            del steps[0]
+        steps.append(step)
 
 
 class _StepTables(NamedTuple):
@@ -465,27 +546,59 @@ class _DecodeStep:
         _, units = plan.decode_units(starts, ends, seqlen_q=self.seqlen_q, window=self.window, block_k=self.block_k,
                                      heads_k=heads_k, threads=threads, num_splits=self.num_splits,
                                      head_group=self.group, seq_info=scratch.seq_info)
-        return _StepTables((ends, starts, threads), seq_info, torch.from_numpy(units),
-                           min(threads, max(1, len(units))), (spans, starts, threads))
+        tables = _StepTables((ends, starts, threads), seq_info, torch.from_numpy(units),
+                             min(threads, max(1, len(units))), (spans, starts, threads))
+        for made in (getattr(scratch, "launch", None), getattr(scratch, "heads_first", None)):
+            if made is not None:
+                self._update_launch(made, tables)
+        return tables
 
-    def __call__(self, q, k_cache, v_cache, cache_seqlens, cache_leftpad=None, starts=None):
+    # the kernel's arguments after out and lse: scale, window (2), team, seq_info, units, pages, mods
+    _TEAM, _SEQ_INFO, _UNITS = 8, 9, 10
+    _KEYS = 1  # (the caches' key dimension: free, at least the tables' longest sequence)
+
+    def _new_launch(self, q, k_cache, v_cache, tables: _StepTables, heads_first: bool = False):
+        """This thread's C launch of the kernel for calls like these (launch.c), or None;
+        ``heads_first``: for q, k, v in transformers' layout (``repeated_heads_first_step``)."""
+        lse = ("out", 1) if self.return_lse else ("tensor", self._scratch.lse)
+        template = (("in", 0), ("in", 1), ("in", 2), ("out", 0), lse, ("float", self.scale),
+                    *(("int", w) for w in self.window), ("int", tables.team), ("tensor", tables.seq_info),
+                    ("tensor", tables.units), ("tensor", self.pages), *(("tensor", m) for m in self.mods))
+        every_dim = (1 << q.dim()) - 1  # (strides: the kernel's own argument checks read them)
+        cache = (1 << self._KEYS, every_dim)
+        outputs = (torch.empty(q.transpose(1, 2).shape if heads_first else q.shape, dtype=q.dtype),)
+        if self.return_lse:
+            outputs += (torch.empty(*self.lse_shape, dtype=torch.float32),)
+        inputs = ((q, 0, every_dim, heads_first), (k_cache, *cache, heads_first), (v_cache, *cache, heads_first))
+        made = launch.make(self.function, template, inputs, outputs, team=tables.team if self.on_torch_threads else 0,
+                           refuse_grad=True, guards=_steering_values.guards())
+        if made is not None:
+            self._update_launch(made, tables)
+        return made
+
+    def _update_launch(self, made, tables: _StepTables) -> None:
+        made.set(self._TEAM, ("int", tables.team))
+        made.set(self._SEQ_INFO, ("tensor", tables.seq_info))
+        made.set(self._UNITS, ("tensor", tables.units))
+        if self.on_torch_threads:
+            made.set_team(tables.team)
+        longest = max(tables.lengths[0], default=0)
+        for cache in (1, 2):
+            made.set_min_size(cache, self._KEYS, longest)
+
+    def __call__(self, q, k_cache, v_cache, cache_seqlens, cache_leftpad=None, starts=None, heads_first=False):
         """The call's result, or None where the full checks must run (they raise). ``starts``:
-        cache_leftpad's values, where the caller has them (a tuple)."""
-        if torch.is_grad_enabled() and (q.requires_grad or k_cache.requires_grad or v_cache.requires_grad):
-            return None
-        shape = k_cache.shape
-        if v_cache.shape != shape:
-            return None
-        capacity = shape[1]
-        if cache_seqlens is None:
-            ends = (capacity,) * self.batch
-        elif type(cache_seqlens) is int:
-            if not 0 <= cache_seqlens <= capacity:
+        cache_leftpad's values, where the caller has them (a tuple). ``heads_first``: q, k, v in
+        transformers' layout, for this thread's heads-first launch (``repeated_heads_first_step``)."""
+        if type(cache_seqlens) is int:
+            if cache_seqlens < 0:
                 return None
-            ends = (cache_seqlens,) * self.batch
+            ends = (cache_seqlens,) * self.batch  # (the caches' length: the launch checks, or below)
+        elif cache_seqlens is None:
+            ends = (k_cache.shape[1],) * self.batch
         else:
             ends = cache_seqlens.tolist()
-            if min(ends) < 0 or max(ends) > capacity:
+            if min(ends) < 0:
                 return None
         if cache_leftpad is None:
             starts = self.starts
@@ -498,15 +611,27 @@ class _DecodeStep:
         scratch = self._scratch
         tables = getattr(scratch, "tables", None)
         if tables is None or tables.lengths != (ends, starts, threads):
-            tables = scratch.tables = self._plan(ends, starts, threads, shape[2], scratch)
+            tables = scratch.tables = self._plan(ends, starts, threads, k_cache.shape[1 if heads_first else 2], scratch)
+        if heads_first:
+            return scratch.heads_first(q, k_cache, v_cache)
+        if not hasattr(scratch, "launch"):  # (this thread's first call)
+            scratch.lse = torch.empty(*self.lse_shape, dtype=torch.float32, device=self.device)
+            scratch.launch = self._new_launch(q, k_cache, v_cache, tables)
+        if scratch.launch is not None:  # (it returns None for a call unlike the first, or grad to record)
+            return scratch.launch(q, k_cache, v_cache)
+        return self._python_call(q, k_cache, v_cache, ends, tables)
+
+    def _python_call(self, q, k_cache, v_cache, ends, tables: _StepTables):
+        """The launch's work in Python (where the C launcher cannot be built)."""
+        if torch.is_grad_enabled() and (q.requires_grad or k_cache.requires_grad or v_cache.requires_grad):
+            return None
+        shape = k_cache.shape
+        if v_cache.shape != shape or max(ends) > shape[1]:
+            return None
         _, seq_info, units, team, _ = tables
         out = torch.empty_like(q)  # (q's shape and dtype; the kernel writes any strides)
-        if self.return_lse:
-            lse = torch.empty(*self.lse_shape, dtype=torch.float32, device=self.device)
-        else:
-            lse = getattr(self._scratch, "lse", None)
-            if lse is None:
-                lse = self._scratch.lse = torch.empty(*self.lse_shape, dtype=torch.float32, device=self.device)
+        lse = torch.empty(*self.lse_shape, dtype=torch.float32, device=self.device) if self.return_lse else (
+            self._scratch.lse)
         # (DecodeKernels.decode without its checks: the first call of this step made them, and the
         # kernel's argument checks cover the rest: what they refuse, the full path names)
         if self.on_torch_threads:

@@ -34,7 +34,6 @@ import hashlib
 import json
 import math
 import os
-import shutil
 import subprocess
 import tempfile
 import threading
@@ -196,7 +195,7 @@ def _stored_or_measured(key: str) -> ProductRates:
             settings.warn(f"measuring again: {err}")
         except (OSError, ValueError, KeyError, TypeError) as err:
             settings.warn(f"measuring again: {stored} is unreadable ({type(err).__name__}: {err})")
-    rates = _run_probe(_build_probe(directory))
+    rates = _run_probe(_build_probe())
     with tempfile.NamedTemporaryFile("w", dir=directory, prefix=".product-rates-", suffix=".json", delete=False,
                                      encoding="utf-8") as f:  # mode 0600 (mkstemp)
         json.dump({"fp32_fma": rates.fp32_fma, "bf16_dot": rates.bf16_dot, "amx": rates.amx,
@@ -205,24 +204,11 @@ def _stored_or_measured(key: str) -> ProductRates:
     return rates
 
 
-def _compiler() -> str | None:
-    return shutil.which(os.environ.get("CC", "gcc")) or shutil.which("cc")
-
-
-def _build_probe(directory: Path) -> Path:
+def _build_probe() -> Path:
     """product_probe.c compiled into the cache directory (once per source and compiler)."""
-    compiler = _compiler()
-    if compiler is None:
-        raise OSError("no C compiler (gcc or $CC) found")
-    digest = hashlib.sha256(_SOURCE.read_bytes() + _HEADER.read_bytes() + compiler.encode()).hexdigest()[:16]
-    probe = directory / f"product-probe-{digest}"
-    if not probe.exists():
-        with tempfile.TemporaryDirectory(dir=directory) as tmp:
-            built = Path(tmp) / "probe"
-            subprocess.run([compiler, "-O2", "-o", str(built), str(_SOURCE)], check=True, capture_output=True,
-                           timeout=120)
-            os.replace(built, probe)
-    return probe
+    from .cache import built_from_c
+
+    return built_from_c(_SOURCE, "product-probe", ["-O2"], inputs=_HEADER.read_bytes())
 
 
 def _run_probe(probe: Path) -> ProductRates:

@@ -81,6 +81,14 @@ class EnvironmentValues:
             return tuple(os.environ.get(name) for name in self.names)
         return tuple(map(data.get, self._keys))
 
+    def guards(self) -> tuple | None:
+        """The values now as (dict, key, value) guards for a C launch (``launch.c``), which reads
+        them per call as ``__call__`` does; None where os.environ is not CPython's."""
+        data = getattr(os.environ, "_data", None) if self._keys is not None else None
+        if type(data) is not dict:
+            return None
+        return tuple((data, key, data.get(key)) for key in self._keys)
+
 
 def progress(message: str) -> None:
     """Long work (compiling) says what it does on stderr; TVMFLASH_QUIET=1 silences it."""

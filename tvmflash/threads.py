@@ -20,12 +20,9 @@ forked child's torch ops do not hang where they would not have without tvmflash.
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import os
-import shutil
 import subprocess
 import sys
-import tempfile
 import threading
 from pathlib import Path
 
@@ -55,29 +52,11 @@ def torch_openmp() -> ctypes.CDLL | None:
     return handle
 
 
-def _compiler() -> str | None:
-    return shutil.which(os.environ.get("CC", "gcc")) or shutil.which("cc")
-
-
 def _build_shim() -> ctypes.CDLL:
     """threads.c compiled into the cache directory (once per source and compiler), loaded."""
-    from .cache import check_own_file, safe_directory
+    from .cache import built_from_c
 
-    compiler = _compiler()
-    if compiler is None:
-        raise OSError("no C compiler (gcc or $CC) found")
-    source = _SOURCE.read_bytes()
-    digest = hashlib.sha256(source + compiler.encode()).hexdigest()[:16]
-    directory = safe_directory()
-    library = directory / f"threads-{digest}.so"
-    if not library.exists():
-        with tempfile.TemporaryDirectory(dir=directory) as tmp:
-            built = Path(tmp) / "threads.so"
-            subprocess.run([compiler, "-O2", "-shared", "-fPIC", "-pthread", "-o", str(built), str(_SOURCE)],
-                           check=True, capture_output=True, timeout=120)
-            os.replace(built, library)
-    check_own_file(library)  # loading runs its code
-    return ctypes.CDLL(str(library))
+    return ctypes.CDLL(str(built_from_c(_SOURCE, "threads.so", ["-O2", "-shared", "-fPIC", "-pthread"])))
 
 
 def _single_threaded_torch_after_fork() -> None:
@@ -147,9 +126,27 @@ _limit_set = threading.local()  # the limit this thread last gave the shim (the 
 def limit(count: int) -> None:
     """At most ``count`` threads for the routed launches this thread makes next (every routed
     call sets it: a call with fewer tasks than threads wakes no idle worker)."""
-    if getattr(_limit_set, "count", None) != count:  # (a ctypes call costs ~1-2 us; a decode step makes one)
+    if _c_limit is not None:  # (C launches set it too: no memo may stand between)
+        _c_limit(count)
+    elif getattr(_limit_set, "count", None) != count:  # (a ctypes call costs ~1-2 us; a decode step makes one)
         _shim.tvmflash_threads_limit(count)
         _limit_set.count = count
+
+
+_c_limit = None  # launch.c's limit, once C launches set the limit
+
+
+def use_limit_of(launcher) -> bool:
+    """Let ``launcher`` (the C launch module) set the shim's limit, and set it through the
+    launcher from now on; False where there is no shim."""
+    global _c_limit
+    if _shim is None:
+        return False
+    if _c_limit is None:
+        with _lock:
+            launcher.bind_limit(ctypes.cast(_shim.tvmflash_threads_limit, ctypes.c_void_p).value)
+            _c_limit = launcher.limit
+    return True
 
 
 def torch_threads() -> int:

@@ -24,7 +24,7 @@ import threading
 import torch
 from torch.autograd import forward_ad
 
-from . import checks, compiler, threads, uniform_rows, version
+from . import checks, compiler, launch, threads, uniform_rows, version
 from .config import TILE_EDGES, tile_edge
 from .runtime import FlashKernels
 from .spec import SUPPORTED_DTYPES, Alibi, AttentionSpec, Softcap
@@ -134,8 +134,7 @@ def _forward_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_
     key = _op_call_key(*args)
     call = _calls.get(key) if key is not None else None
     if call is not None:  # (the op's body, as torch.compile's graphs run it: a call checked before)
-        lse = call.new_lse()
-        return call.forward(q, k, v, lse), lse
+        return call.forward_and_lse(q, k, v)
     out, lse = _run_forward(None, *args)
     if key is not None and not _empty_problem(q, k, False):
         options = checks.FlashOptions(softmax_scale, False, (window_left, window_right), softcap, deterministic)
@@ -223,6 +222,11 @@ def _plain_eager(device_type: str) -> bool:
     if torch.is_autocast_enabled(device_type):  # the op's autocast rule must see the call
         return False
     return _no_modes()
+
+
+# what _plain_eager("cpu") reads but torch.compile's flag, as launch.eager_state's conditions
+_CPU_EAGER = ((torch.is_autocast_enabled, ("cpu",), False), (torch._C._len_torch_dispatch_stack, (), 0),
+              (torch._C._len_torch_function_stack, (), 0), (torch._C._functorch.maybe_current_level, (), None))
 
 
 def _no_modes() -> bool:
@@ -641,16 +645,21 @@ def _attention(q, k, v, cu_seqlens_q, cu_seqlens_k, dropout_p, softmax_scale, ca
                                       softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
                                       return_attn_probs, fp32_results=fp32_results, diagonal=diagonal)
     fast = (cu_seqlens_q is None and cu_seqlens_k is None and alibi_slopes is None and not fp32_results
-            and diagonal is None)
+            and diagonal is None and not torch.compiler.is_compiling())  # (compiled: the op, traced)
     if fast:
         key = _call_key(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, deterministic,
                         return_attn_probs)
         call = _calls.get(key) if key is not None else None
-        if call is not None and _plain_eager("cpu"):  # (the key: plain CPU tensors)
-            if not _records_grad((q, k, v)):
-                return call(q, k, v)
-            out, lse = _RepeatedTraining.apply(call, q, k, v)
-            return (out, lse, None) if return_attn_probs else out
+        if call is not None:  # (the key: plain CPU tensors)
+            state = launch.eager_state(_CPU_EAGER, q, k, v)  # (_plain_eager("cpu") and _records_grad in one)
+            if state == 1 and return_attn_probs:
+                out, lse = _apply_repeated_training(call, q, k, v)
+                return out, lse, None
+            if state == 1:
+                return _apply_repeated_training_out(call, q, k, v)
+            found = call(q, k, v) if state == 0 else None
+            if found is not None:
+                return found
     varlen = cu_seqlens_q is not None
     tensors = {"q": q, "k": k, "v": v}
     infos = _check_tensors(tensors)
@@ -722,12 +731,11 @@ def _call_key(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, d
             or type(return_attn_probs) is not bool or type(window_size) is not tuple or len(window_size) != 2
             or type(window_size[0]) is not int or type(window_size[1]) is not int):
         return None
-    try:  # (no strides: sparse and other layouts; the checks name them)
-        return (q.shape, q.stride(), q.dtype, q.is_cpu, k.shape, k.stride(), k.dtype, k.is_cpu, v.shape, v.stride(),
-                v.dtype, v.is_cpu, type(dropout_p), dropout_p, type(softmax_scale), softmax_scale, type(softcap),
-                softcap, causal, window_size, deterministic, return_attn_probs, compiler.request_state())
-    except RuntimeError:
+    tensors = launch.meta_key(q, k, v)
+    if tensors is None:  # (no strides: sparse and other layouts; the checks name them)
         return None
+    return (tensors, type(dropout_p), dropout_p, type(softmax_scale), softmax_scale, type(softcap), softcap, causal,
+            window_size, deterministic, return_attn_probs, compiler.request_state())
 
 
 def _remember_call(key, dims, q, k, options, return_attn_probs, op_scalars) -> None:
@@ -776,19 +784,31 @@ class _ForwardCall:
         self._backward_tables = None
 
     def __call__(self, q, k, v):
+        """The result of a call that records no gradient (None where one would be recorded)."""
+        launched = self._launch("call", q, k, v)
+        if launched is not None:
+            return launched(q, k, v)
+        if _records_grad((q, k, v)):
+            return None
         if self.return_attn_probs:
             lse = self.new_lse()
             return self.forward(q, k, v, lse), lse, None
-        lse = getattr(self._scratch, "lse", None)
-        if lse is None:
-            lse = self._scratch.lse = self.new_lse()
-        return self.forward(q, k, v, lse)
+        return self.forward(q, k, v, self._scratch.lse)
 
     def new_lse(self) -> torch.Tensor:
         return self._allocate(*self.lse_shape, dtype=torch.float32, device=self.device)
 
     def new_output(self, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
         return self._allocate(*shape, dtype=dtype, device=self.device)
+
+    def forward_and_lse(self, q, k, v) -> tuple[torch.Tensor, torch.Tensor]:
+        """out and lse (new tensors)."""
+        launched = self._launch("forward", q, k, v)
+        found = None if launched is None else launched(q, k, v)
+        if found is not None:
+            return found
+        lse = self.new_lse()
+        return self.forward(q, k, v, lse), lse
 
     def forward(self, q, k, v, lse: torch.Tensor) -> torch.Tensor:
         """out, with the row statistics written into ``lse``."""
@@ -810,6 +830,11 @@ class _ForwardCall:
             seqs, tables = kernels._sequences("backward", batch, seqlen_q, self.seqlen_k, heads_k, None, None,
                                               row_runs=self.row_runs)
             self._backward_tables = (seqs.rounds, seqs.super_tile, *tables, *kernels._mods(q, self.mods, ()))
+        launched = self._launch("backward", dout, q, k, v, out, lse)
+        if launched is not None:
+            grads = launched(dout, q, k, v, out, lse)
+            if grads is not None:
+                return grads
         dout = kernel_layout(dout)
         dq = self.new_output(self.out_shape, q.dtype)
         dk = self.new_output(self.kv_shape, q.dtype)
@@ -826,6 +851,58 @@ class _ForwardCall:
             return None
         return dq, dk, dv
 
+    def _launch(self, kind: str, *example):
+        """This thread's C launch (``launch.py``) of ``kind`` for the current thread count, made at
+        its first use from ``example`` (the call's tensors, which passed the checks or match a
+        call that did), or None where there is none: the Python above then does the same.
+
+        "call": a forward that records no gradient (out; lse too with return_attn_probs, else
+        into this thread's scratch); "forward": out and lse; "backward": dq, dk, dv. Calls of
+        row runs keep the Python path (their outputs are zeros outside the runs)."""
+        n_threads = self.kernels.plan_threads()
+        scratch = self._scratch
+        launches = getattr(scratch, "launches", None)
+        if launches is None:
+            launches = scratch.launches = {}
+            scratch.lse = self.new_lse()
+        key = (kind, n_threads)
+        if key not in launches:
+            if len(launches) >= 8:  # (a thread count that keeps changing)
+                launches.clear()
+            launches[key] = self._new_launch(kind, n_threads, example) if self.row_runs is None else None
+        return launches[key]
+
+    def _new_launch(self, kind: str, n_threads: int, example: tuple):
+        dtype = example[1 if kind == "backward" else 0].dtype
+        out = torch.empty(*self.out_shape, dtype=dtype)
+        lse = torch.empty(*self.lse_shape, dtype=torch.float32)
+        scalars = (("float", self.scale), *(("int", w) for w in self.window), ("int", n_threads))
+        if kind == "backward":
+            kv = torch.empty(*self.kv_shape, dtype=dtype)
+            outputs, tail = (out, kv, kv), self._backward_tables
+            team = n_threads
+            inputs = ((example[0], 0, (1 << example[0].dim()) - 1), *((t, 0, 0) for t in example[1:]))
+            template = (*(("in", i) for i in range(6)), *(("out", j) for j in range(3)), *scalars)
+            function = self.kernels._functions["flash_bwd"]
+        else:
+            lse_entry = ("out", 1) if kind == "forward" or self.return_attn_probs else ("tensor", self._scratch.lse)
+            outputs = (out, lse) if lse_entry[0] == "out" else (out,)
+            tail, team = (*self.tables, *self.mods), min(n_threads, self.tasks)
+            inputs = tuple((t, 0, 0) for t in example)
+            template = (("in", 0), ("in", 1), ("in", 2), ("out", 0), lse_entry, *scalars)
+            function = self.function
+        template += tuple(("tensor", torch.from_dlpack(x)) if hasattr(x, "__dlpack__") else ("int", int(x))
+                          for x in tail)  # (the tables are TVM's tensors: torch views of them)
+        made = launch.make(function, template, inputs, outputs, team=team if self.kernels._on_torch_threads else 0,
+                           refuse_grad=kind == "call", guards=compiler.request_guards())
+        if made is None or kind != "call" or not self.return_attn_probs:
+            return made
+        return lambda q, k, v: _with_no_dropout_mask(made(q, k, v))
+
+
+def _with_no_dropout_mask(result):
+    return None if result is None else (*result, None)
+
 
 class _RepeatedTraining(torch.autograd.Function):
     """A repeated call (``_calls``) that autograd records: its forward and backward without the
@@ -834,8 +911,7 @@ class _RepeatedTraining(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, call, q, k, v):
-        lse = call.new_lse()
-        out = call.forward(q, k, v, lse)
+        out, lse = call.forward_and_lse(q, k, v)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.call = call
         ctx.mark_non_differentiable(lse)
@@ -853,6 +929,35 @@ class _RepeatedTraining(torch.autograd.Function):
         if grads is None:  # create_graph, a mode, or what the kernel refused: the op (see _EagerAttention)
             grads = _backward_op(kernel_layout(dout), q, k, v, out, lse, None, None, None, *ctx.call.op_scalars)
         return None, *grads
+
+
+class _RepeatedTrainingOut(torch.autograd.Function):
+    """``_RepeatedTraining`` for calls that return out alone: one output, no lse to mark
+    non-differentiable nor gradients to leave unmaterialized (two context calls less)."""
+
+    @staticmethod
+    def forward(ctx, call, q, k, v):
+        out, lse = call.forward_and_lse(q, k, v)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.call = call
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        return _RepeatedTraining.backward(ctx, dout, None)
+
+
+def _c_apply(function: type):
+    """``function.apply`` without autograd.Function.apply's Python layer (its functorch checks and
+    unwrapping, which callers that checked ``_no_modes`` need not: no transform is active):
+    torch's C apply, ~15 us less a call where a model's products have evicted the interpreter's
+    data. ``function.apply`` itself where torch has no such entry."""
+    found = vars(getattr(torch._C, "_FunctionBase", object)).get("apply")
+    return found.__get__(None, function) if hasattr(found, "__get__") else function.apply
+
+
+_apply_repeated_training = _c_apply(_RepeatedTraining)
+_apply_repeated_training_out = _c_apply(_RepeatedTrainingOut)
 
 
 def _padded_head_dims(q, k, v):

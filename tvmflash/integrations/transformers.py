@@ -68,7 +68,7 @@ from typing import NamedTuple
 import torch
 
 from .. import version
-from ..kvcache import flash_attn_with_kvcache, repeated_decode_step
+from ..kvcache import flash_attn_with_kvcache, repeated_decode_step, repeated_heads_first_step
 from ..torch_op import define_op, flash_attn_func, flash_attn_varlen_func
 from .. import documents, padded
 from ..padded import per_mask, unpad_plan
@@ -170,6 +170,16 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     head_dim)`` as the model's attention module passes them; returns ``(out, None)`` with out
     ``(batch, seqlen_q, heads, head_dim)``.
     """
+    if (attention_mask is None and not dropout and not sliding_window and kwargs.keys() <= _DECODE_KWARGS
+            and not torch.compiler.is_compiling() and not torch.is_autocast_enabled("cpu")):
+        # generate()'s new tokens, as in the layers and tokens before (repeated_heads_first_step)
+        n = key.shape[2]
+        if n > 1:
+            causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
+            out = repeated_heads_first_step(query, key, value, n, scaling, causal, (-1, -1),
+                                            float(softcap) if softcap else 0.0)
+            if out is not None:
+                return out, None
     if dropout:
         raise ValueError(
             f"tvmflash has no attention dropout, but the model asks for dropout={dropout} (training mode with "
@@ -225,6 +235,11 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     if v_head_dim != head_dim:
         out = out[..., :v_head_dim]
     return out, None
+
+
+# what a decode step's call may carry besides the arguments the fast path reads (position_ids
+# are for documents packed into rows: one query per row has none)
+_DECODE_KWARGS = frozenset({"position_ids", "use_cache", "cache_position"})
 
 
 def _decode_op_applies(q, k, v, mask: torch.Tensor | None, cu_q, cu_k) -> bool:

@@ -1,0 +1,296 @@
+"""Repeated calls launched from C (``launch.c``): the same results as their Python path, every
+call unlike the checked one refused (the full path then checks it), the thread limit shared
+with the Python launches, and the Python path where the launcher cannot be built."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import pytest
+import torch
+
+import tvmflash
+from conftest import random_inputs, reference_attention
+from tvmflash import compiler, flash_attn_func, flash_attn_with_kvcache, kvcache, launch, threads, torch_op
+
+pytestmark = pytest.mark.skipif(launch.module() is None, reason="the C launcher cannot be built here")
+
+
+def _fresh_memos():
+    kvcache.forget_steps()
+    torch_op._calls.clear()
+
+
+def _repeated(fn, times=3):
+    """fn()'s results of ``times`` calls (the first checked, the rest repeats), as a list."""
+    return [fn() for _ in range(times)]
+
+
+def _training(q, k, v, dout, **options):
+    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+    out = flash_attn_func(q, k, v, **options)
+    out.backward(dout)
+    return out.detach(), q.grad, k.grad, v.grad
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_launched_calls_equal_the_python_path_bitwise(gen, dtype, monkeypatch):
+    """Forward (no grad, with lse), training (forward and backward) and decode steps: the C
+    launches' results are bitwise the Python path's, call after call."""
+    q, k, v = random_inputs(gen, 2, 45, 45, 4, 2, 64, dtype)
+    dout = torch.randn(q.shape, generator=gen).to(q.dtype)
+    k_cache, v_cache = (torch.randn(2, 150, 2, 64, generator=gen).to(q.dtype) for _ in range(2))
+    q1 = q[:, :1]
+
+    def run_all():
+        with torch.no_grad():
+            forward = _repeated(lambda: flash_attn_func(q, k, v, causal=True))
+            with_lse = _repeated(lambda: flash_attn_func(q, k, v, causal=True, return_attn_probs=True)[:2])
+            decode = _repeated(lambda: flash_attn_with_kvcache(q1, k_cache, v_cache, cache_seqlens=97,
+                                                               return_softmax_lse=True))
+        training = _repeated(lambda: _training(q, k, v, dout, causal=True, window_size=(20, 0)))
+        return forward, with_lse, decode, training
+
+    _fresh_memos()
+    launched = run_all()
+    assert any(isinstance(x, launch.module().Launch) for call in torch_op._calls.values()
+               for x in call._scratch.launches.values())
+    assert all(isinstance(step._scratch.launch, launch.module().Launch) for step in kvcache._steps.values())
+    _fresh_memos()
+    monkeypatch.setattr(launch, "make", lambda *args, **kwargs: None)
+    python = run_all()
+    _fresh_memos()
+    for ours, theirs in zip(launched, python):
+        for a, b in zip(ours, theirs):
+            a, b = (a,) if isinstance(a, torch.Tensor) else a, (b,) if isinstance(b, torch.Tensor) else b
+            assert all(torch.equal(x, y) for x, y in zip(a, b))
+            assert all(x.is_contiguous() for x in a)
+
+
+def test_a_launch_refuses_every_call_unlike_its_own(gen):
+    """A Launch of a checked forward returns None (and writes nothing) for tensors of another
+    dtype, shape or strides, a subclass, a meta tensor, a count of arguments, or inputs that
+    need a gradient recorded; the public call then takes the full path (the results below)."""
+    q, k, v = random_inputs(gen, 1, 40, 40, 4, 4, 64, "float32")
+    _fresh_memos()
+    with torch.no_grad():
+        for _ in range(2):
+            want = flash_attn_func(q, k, v, causal=True)
+    (call,) = torch_op._calls.values()
+    (made,) = call._scratch.launches.values()
+    assert torch.equal(made(q, k, v), want)
+
+    class Sub(torch.Tensor):
+        pass
+
+    wide = torch.randn(1, 40, 4, 128, generator=gen)[..., :64]  # other strides
+    refused = [(q.double(), k, v), (q[:, :39], k, v), (wide, k, v), (q.as_subclass(Sub), k, v),
+               (q.to("meta"), k, v), (q, k), (q.requires_grad_(), k, v)]
+    for args in refused:
+        assert made(*args) is None
+    q.requires_grad_(False)
+    with torch.no_grad():  # grad mode off: a tensor that requires grad records nothing
+        assert torch.equal(made(q.detach().requires_grad_(), k, v), want)
+    assert torch.equal(flash_attn_func(wide, k, v, causal=True),
+                       flash_attn_func(wide.contiguous(), k, v, causal=True))
+
+
+def test_decode_launch_checks_the_caches_reach_the_lengths(gen):
+    """The decode launch leaves the caches' length free (a growing cache) but not below the
+    lengths its tables were planned for: the full path's CapacityError, not a read past the end."""
+    q, k_cache, v_cache = (torch.randn(1, n, 2, 64, generator=gen) for n in (1, 100, 100))
+    _fresh_memos()
+    for _ in range(2):
+        flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=90)
+    (step,) = kvcache._steps.values()
+    assert step._scratch.launch(q, k_cache[:, :89], v_cache[:, :89]) is None
+    assert step._scratch.launch(q, k_cache, v_cache[:, :89]) is None
+    with pytest.raises(ValueError, match="exceeds"):
+        flash_attn_with_kvcache(q, k_cache[:, :89], v_cache[:, :89], cache_seqlens=90)
+    grown = torch.cat([k_cache, k_cache[:, :5]], dim=1), torch.cat([v_cache, v_cache[:, :5]], dim=1)
+    assert torch.equal(flash_attn_with_kvcache(q, *grown, cache_seqlens=90),
+                       flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=90))
+
+
+def test_thread_limit_is_shared_with_the_python_launches(gen, monkeypatch):
+    """A C launch sets the shim's per-thread limit (a one-unit decode step: 1); the next Python
+    launch must set its own, even the value it set last (no memo of it may skip the call)."""
+    if not torch_op.kernels_for(torch.randn(1, 2, 1, 64))._on_torch_threads:
+        pytest.skip("the kernels run on TVM's pool here")
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    _fresh_memos()
+    try:
+        q1, k_cache, v_cache = torch.randn(1, 1, 8, 64), torch.randn(1, 64, 2, 64), torch.randn(1, 64, 2, 64)
+        for _ in range(3):  # (its C launch made)
+            flash_attn_with_kvcache(q1, k_cache, v_cache, cache_seqlens=10)
+        monkeypatch.setattr(launch, "make", lambda *args, **kwargs: None)  # forwards in Python from here
+        q, k, v = random_inputs(gen, 2, 203, 203, 4, 2, 64, "float32")
+        for _ in range(3):
+            flash_attn_func(q, k, v, causal=True)  # the Python launch's limit: 2
+            assert threads.last_launch()[0] == 2
+            flash_attn_with_kvcache(q1, k_cache, v_cache, cache_seqlens=10)  # the C launch's: 1
+            assert threads.last_launch()[0] == 1
+    finally:
+        torch.set_num_threads(before)
+        _fresh_memos()
+
+
+def test_two_threads_that_miss_together_load_a_library_once(monkeypatch):
+    """Two threads whose first calls need the same kernels load them once: loading a library
+    again pointed its parallel launch back at TVM's pool while the other thread ran a kernel of
+    it (a segfault, 1 run in 3 of the two-thread tests under xdist)."""
+    loads = []
+    real = compiler.cache.load
+
+    def slow_load(key, *args, **kwargs):
+        loads.append(key)
+        time.sleep(0.3)  # both threads miss the memory cache meanwhile
+        return real(key, *args, **kwargs)
+
+    def kernels():
+        return tvmflash.compile("llvm", head_dim=64, dtype="float32")
+
+    kernels()  # (built and on disk)
+    compiler.clear_memory_cache()
+    monkeypatch.setattr(compiler.cache, "load", slow_load)
+    results = [None, None]
+    start = threading.Barrier(2)
+
+    def run(i):
+        start.wait()
+        results[i] = kernels()
+
+    workers = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    assert len(loads) == 1, loads
+    assert results[0] is results[1]
+
+
+def test_without_the_launcher_calls_keep_their_python_path(tmp_path):
+    """No C compiler: one warning, and repeated calls give the results of the full path."""
+    script = f"""
+        import os, warnings
+        os.environ["CC"] = "{tmp_path}/no-such-cc"
+        os.environ["PATH"] = "{tmp_path}"
+        import torch
+        from tvmflash import flash_attn_func, launch
+        q, k, v = (torch.randn(1, 70, 2, 64) for _ in range(3))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with torch.no_grad():
+                outs = [flash_attn_func(q, k, v) for _ in range(3)]
+        print(launch.module() is None, sum("C launcher" in str(w.message) for w in caught),
+              all(torch.equal(o, outs[0]) for o in outs))
+    """
+    done = subprocess.run([sys.executable, "-c", textwrap.dedent(script)], capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "TVMFLASH_QUIET": "1"}, cwd=os.path.dirname(__file__))
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.split() == ["True", "1", "True"], done.stdout + done.stderr
+
+
+class _Layer(torch.nn.Module):
+    is_causal = True
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_transformers_decode_steps_read_the_heads_first_layout(gen, dtype):
+    """generate()'s decode steps reach the kernel in transformers' layout, read in place by the
+    step's heads-first launch: the results of the kernel-layout path bitwise, on a growing cache
+    and for a model whose steps differ (other heads), and float64's within the flash-attn rule."""
+    from tvmflash.integrations import transformers as tvm_hf
+
+    dtype = getattr(torch, dtype)
+    layer = _Layer()
+    cache = [torch.randn(2, 2, 70, 64, generator=gen).to(dtype) for _ in range(2)]  # (batch, heads_k, n, head_dim)
+    _fresh_memos()
+    outs = []
+    for n in (40, 40, 41, 41, 70):  # checked, repeated, grown...
+        q = torch.randn(2, 8, 1, 64, generator=gen).to(dtype)
+        k, v = (c[:, :, :n] for c in cache)
+        out, _ = tvm_hf.attention_forward(layer, q, k, v, None, scaling=0.125, position_ids=None, use_cache=True)
+        want = flash_attn_with_kvcache(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), cache_seqlens=n,
+                                       softmax_scale=0.125, causal=True)
+        assert torch.equal(out, want) and out.shape == (2, 1, 8, 64)
+        exact = reference_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), True, 0.125)[0]
+        assert (out.double() - exact).abs().max() <= (0.02 if dtype == torch.bfloat16 else 1e-5)
+        outs.append(out)
+    steps = [s for group in kvcache._steps_by_options.values() for s in group]
+    assert any(isinstance(getattr(s._scratch, "heads_first", None), launch.module().Launch) for s in steps)
+    # another model's steps (4 kv heads): the same options, another step
+    q, k, v = (torch.randn(shape, generator=gen).to(dtype) for shape in ((1, 8, 1, 64), (1, 4, 30, 64), (1, 4, 30, 64)))
+    for _ in range(3):
+        out, _ = tvm_hf.attention_forward(layer, q, k, v, None, scaling=0.125)
+        exact = reference_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), True, 0.125)[0]
+        assert (out.double() - exact).abs().max() <= (0.02 if dtype == torch.bfloat16 else 1e-5)
+
+
+def test_transformers_decode_fast_path_keeps_autocast_and_masks(gen):
+    """Under CPU autocast the decode step runs in the region's dtype (as SDPA's), and a step with
+    a mask or unknown arguments takes the full path, after steps that took the fast one."""
+    from tvmflash.integrations import transformers as tvm_hf
+
+    layer = _Layer()
+    q, k, v = (torch.randn(shape, generator=gen) for shape in ((1, 8, 1, 64), (1, 2, 50, 64), (1, 2, 50, 64)))
+    _fresh_memos()
+    for _ in range(3):
+        fp32, _ = tvm_hf.attention_forward(layer, q, k, v, None, scaling=0.125)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        mixed, _ = tvm_hf.attention_forward(layer, q, k, v, None, scaling=0.125)
+    assert fp32.dtype == torch.float32 and mixed.dtype == torch.bfloat16
+    mask = torch.ones(1, 50, dtype=torch.bool)
+    mask[0, :10] = False  # left padding
+    masked, _ = tvm_hf.attention_forward(layer, q, k, v, mask, scaling=0.125)
+    exact = reference_attention(q.transpose(1, 2), k[:, :, 10:].transpose(1, 2), v[:, :, 10:].transpose(1, 2), True,
+                                0.125)[0]
+    assert (masked.double() - exact).abs().max() <= 1e-5
+    with pytest.raises(NotImplementedError, match="s_aux"):
+        tvm_hf.attention_forward(layer, q, k, v, None, scaling=0.125, s_aux=torch.zeros(8))
+
+
+def test_meta_keys_tell_apart_what_python_tells_apart(gen):
+    """The C meta key equals for two calls exactly where Python's attribute reads do."""
+    base = torch.randn(2, 12, 4, 64, generator=gen)
+    variants = [base, base.clone(), base.double(), base[:, :11], base.transpose(1, 2).contiguous().transpose(1, 2),
+                torch.randn(2, 12, 4, 128, generator=gen)[..., :64], base.to("meta"), base.bfloat16(),
+                base.unsqueeze(0)]
+    c_key, python_key = launch.module().meta_key, launch._python_meta_key
+    for a in variants:
+        for b in variants:
+            assert (c_key(a, base) == c_key(b, base)) == (python_key(a, base) == python_key(b, base))
+    assert c_key(base, base.to_sparse()) is None and c_key(base, 3) is None
+
+
+def test_eager_state_reads_what_the_python_checks_read(gen):
+    """launch.eager_state agrees with _plain_eager and _records_grad: autocast, dispatch and
+    function modes, vmap, grad mode and requires_grad."""
+    from torch.overrides import TorchFunctionMode
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    q = torch.randn(3, 4, generator=gen)
+    p = q.clone().requires_grad_()
+
+    def python(*tensors):
+        return 2 if not torch_op._plain_eager("cpu") else int(torch_op._records_grad(tensors))
+
+    def both(*tensors):
+        return launch.module().eager_state(torch_op._CPU_EAGER, *tensors), python(*tensors)
+
+    assert both(q, q) == (0, 0) and both(q, p) == (1, 1)
+    with torch.no_grad():
+        assert both(q, p) == (0, 0)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert both(q, q) == (2, 2)
+    with TorchDispatchMode():
+        assert both(q, q) == (2, 2)
+    with TorchFunctionMode():
+        assert both(q, q) == (2, 2)
+    assert torch.vmap(lambda x: torch.tensor(both(q, q)))(torch.ones(2)).tolist() == [[2, 2], [2, 2]]
