@@ -18,6 +18,7 @@ from __future__ import annotations
 import ctypes
 import importlib.machinery
 import importlib.util
+import os
 import subprocess
 import sys
 import sysconfig
@@ -59,8 +60,8 @@ def _load():
     loader = importlib.machinery.ExtensionFileLoader(_MODULE_NAME, str(library))
     module = importlib.util.module_from_spec(importlib.util.spec_from_loader(_MODULE_NAME, loader))
     loader.exec_module(module)
-    # tvm-ffi's library is loaded already (tvm_ffi imports it): its C ABI by address
-    ffi = ctypes.CDLL(tvm_ffi.libinfo.find_libtvm_ffi(), mode=ctypes.RTLD_GLOBAL)
+    # tvm-ffi's library is loaded already (tvm_ffi imports it; RTLD_NOLOAD: nothing new is loaded)
+    ffi = ctypes.CDLL(tvm_ffi.libinfo.find_libtvm_ffi(), mode=os.RTLD_NOLOAD | os.RTLD_LAZY)
     address = [ctypes.cast(getattr(ffi, name), ctypes.c_void_p).value
                for name in ("TVMFFIFunctionCall", "TVMFFIErrorMoveFromRaised", "TVMFFIObjectDecRef")]
     module.init(torch.Tensor, torch.Tensor.__dlpack_c_exchange_api__, torch.is_grad_enabled,
