@@ -270,8 +270,9 @@ def test_meta_keys_tell_apart_what_python_tells_apart(gen):
 
 
 def test_eager_state_reads_what_the_python_checks_read(gen):
-    """launch.eager_state agrees with _plain_eager and _records_grad: autocast, dispatch and
-    function modes, vmap, grad mode and requires_grad."""
+    """launch.eager_state (C and its Python fallback) agrees with _plain_eager and _records_grad,
+    and with what each state is: autocast, dispatch and function modes, vmap, grad mode and
+    requires_grad."""
     from torch.overrides import TorchFunctionMode
     from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -282,7 +283,9 @@ def test_eager_state_reads_what_the_python_checks_read(gen):
         return 2 if not torch_op._plain_eager("cpu") else int(torch_op._records_grad(tensors))
 
     def both(*tensors):
-        return launch.module().eager_state(torch_op._CPU_EAGER, *tensors), python(*tensors)
+        c_state = launch.module().eager_state(torch_op._CPU_EAGER, *tensors)
+        assert c_state == launch._python_eager_state(torch_op._CPU_EAGER, *tensors)  # (the fallback)
+        return c_state, python(*tensors)
 
     assert both(q, q) == (0, 0) and both(q, p) == (1, 1)
     with torch.no_grad():

@@ -292,6 +292,33 @@ static int guards_hold(PyObject* guards) {
   return 1;
 }
 
+/* 1 if the guards hold and ``tensors`` are the launch's inputs (their kernel views left in
+ * ``views``, in ``dims`` where transposed), 0 if not, -1 on an error; ``any_length``: a free size
+ * at any length (``min_size`` not read). */
+static int call_matches(Launch* self, PyObject* const* tensors, Py_ssize_t n, DLTensor* views,
+                        int64_t (*dims)[2 * MAX_DIMS], int any_length) {
+  if (n != self->n_inputs) return 0;
+  int hold = guards_hold(self->guards);
+  if (hold <= 0) return hold;
+  for (Py_ssize_t i = 0; i < n; i++) {
+    if (Py_TYPE(tensors[i]) != tensor_type) return 0;
+    int viewed = kernel_view(tensors[i], self->inputs[i].heads_first, &views[i], dims[i]);
+    if (viewed != 0) {
+      if (viewed < 0) PyErr_Clear();
+      return 0;
+    }
+    const Expected* expected = &self->inputs[i];
+    Expected loose;
+    if (any_length) {
+      loose = *expected;
+      memset(loose.min_size, 0, sizeof(loose.min_size));
+      expected = &loose;
+    }
+    if (!matches(expected, &views[i])) return 0;
+  }
+  return 1;
+}
+
 static int records_grad(PyObject* const* tensors, Py_ssize_t n) {
   PyObject* enabled = PyObject_CallNoArgs(is_grad_enabled);
   if (enabled == NULL) return -1;
@@ -314,19 +341,10 @@ static PyObject* launch_call(Launch* self, PyObject* const* tensors, size_t narg
   int64_t dims[MAX_TENSORS][2 * MAX_DIMS];
   PyObject* outs[MAX_TENSORS] = {NULL};
   TVMFFIAny packed[MAX_ARGS];
-  if (n != self->n_inputs || (kwnames && PyTuple_GET_SIZE(kwnames))) Py_RETURN_NONE;
-  int hold = guards_hold(self->guards);
-  if (hold < 0) return NULL;
-  if (!hold) Py_RETURN_NONE;
-  for (Py_ssize_t i = 0; i < n; i++) {
-    if (Py_TYPE(tensors[i]) != tensor_type) Py_RETURN_NONE;
-    int viewed = kernel_view(tensors[i], self->inputs[i].heads_first, &views[i], dims[i]);
-    if (viewed != 0) {
-      if (viewed < 0) PyErr_Clear();
-      Py_RETURN_NONE;
-    }
-    if (!matches(&self->inputs[i], &views[i])) Py_RETURN_NONE;
-  }
+  if (kwnames && PyTuple_GET_SIZE(kwnames)) Py_RETURN_NONE;
+  int match = call_matches(self, tensors, n, views, dims, 0);
+  if (match < 0) return NULL;
+  if (!match) Py_RETURN_NONE;
   if (self->refuse_grad) {
     int grad = records_grad(tensors, n);
     if (grad < 0) return NULL;
@@ -381,24 +399,11 @@ fail:
 }
 
 static PyObject* launch_accepts(Launch* self, PyObject* const* tensors, Py_ssize_t n) {
-  DLTensor view;
-  int64_t dims[2 * MAX_DIMS];
-  if (n != self->n_inputs) Py_RETURN_FALSE;
-  int hold = guards_hold(self->guards);
-  if (hold < 0) return NULL;
-  if (!hold) Py_RETURN_FALSE;
-  for (Py_ssize_t i = 0; i < n; i++) {
-    if (Py_TYPE(tensors[i]) != tensor_type) Py_RETURN_FALSE;
-    int viewed = kernel_view(tensors[i], self->inputs[i].heads_first, &view, dims);
-    if (viewed != 0) {
-      if (viewed < 0) PyErr_Clear();
-      Py_RETURN_FALSE;
-    }
-    Expected loose = self->inputs[i];
-    for (int d = 0; d < loose.ndim; d++) loose.min_size[d] = 0; /* (the tables may be planned anew) */
-    if (!matches(&loose, &view)) Py_RETURN_FALSE;
-  }
-  Py_RETURN_TRUE;
+  DLTensor views[MAX_TENSORS];
+  int64_t dims[MAX_TENSORS][2 * MAX_DIMS];
+  int match = call_matches(self, tensors, n, views, dims, 1); /* (the tables may be planned anew) */
+  if (match < 0) return NULL;
+  return PyBool_FromLong(match);
 }
 
 static PyObject* launch_vectorcall(PyObject* self, PyObject* const* args, size_t nargsf, PyObject* kwnames) {

@@ -76,18 +76,21 @@ class EnvironmentValues:
         self._keys = tuple(map(os.environ.encodekey, names)) if isinstance(os.environ, os._Environ) else None
 
     def __call__(self) -> tuple:
-        data = getattr(os.environ, "_data", None) if self._keys is not None else None
-        if type(data) is not dict:  # not CPython's os.environ (replaced): the public way
+        data = self._data()
+        if data is None:  # not CPython's os.environ (replaced): the public way
             return tuple(os.environ.get(name) for name in self.names)
         return tuple(map(data.get, self._keys))
 
     def guards(self) -> tuple | None:
         """The values now as (dict, key, value) guards for a C launch (``launch.c``), which reads
         them per call as ``__call__`` does; None where os.environ is not CPython's."""
+        data = self._data()
+        return None if data is None else tuple((data, key, data.get(key)) for key in self._keys)
+
+    def _data(self) -> dict | None:
+        """os.environ's own dict (keys encoded as ``_keys``), or None where it is not CPython's."""
         data = getattr(os.environ, "_data", None) if self._keys is not None else None
-        if type(data) is not dict:
-            return None
-        return tuple((data, key, data.get(key)) for key in self._keys)
+        return data if type(data) is dict else None
 
 
 def progress(message: str) -> None:

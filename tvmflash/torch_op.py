@@ -224,16 +224,17 @@ def _plain_eager(device_type: str) -> bool:
     return _no_modes()
 
 
-# what _plain_eager("cpu") reads but torch.compile's flag, as launch.eager_state's conditions
-_CPU_EAGER = ((torch.is_autocast_enabled, ("cpu",), False), (torch._C._len_torch_dispatch_stack, (), 0),
-              (torch._C._len_torch_function_stack, (), 0), (torch._C._functorch.maybe_current_level, (), None))
+# no dispatch or function mode, no functorch transform, as (function, args, value) conditions
+# that launch.eager_state reads in one C call; with CPU autocast off: _plain_eager("cpu")'s
+_NO_MODES = ((torch._C._len_torch_dispatch_stack, (), 0), (torch._C._len_torch_function_stack, (), 0),
+             (torch._C._functorch.maybe_current_level, (), None))
+_CPU_EAGER = ((torch.is_autocast_enabled, ("cpu",), False), *_NO_MODES)
 
 
 def _no_modes() -> bool:
     """Nothing that must see the op: no torch.compile tracing, dispatch or function mode, or
     functorch transform. (Backward bodies need no more: the backward op has no autocast rule.)"""
-    return (not torch.compiler.is_compiling() and torch._C._len_torch_dispatch_stack() == 0
-            and torch._C._len_torch_function_stack() == 0 and torch._C._functorch.maybe_current_level() is None)
+    return not torch.compiler.is_compiling() and launch.eager_state(_NO_MODES) == 0
 
 
 def eager_dispatch():
