@@ -20,8 +20,8 @@
 * ``compiled-generate``: ``generate()`` with a static cache and compiled forwards (transformers'
   recipe for fast generation), ours and SDPA's in a random order each round;
 * ``in-model``: the attention function's own time per call where the model calls it, in
-  ``generate()`` (a new token's calls) and training steps (the forward's calls), both
-  implementations on one model, switched between runs;
+  ``generate()`` (a new token's calls) and training steps (the forward's calls and their
+  backward), both implementations on one model, switched between runs;
 * ``padded``: one layer's attention alone, forward + backward, on ``--batch`` left-padded rows
   (default 4) of each ``--train-lengths``, through the transformers integration's function
   against transformers' SDPA function with the 4D mask it would get, interleaved call by call.
@@ -391,7 +391,10 @@ def in_model(args: argparse.Namespace) -> None:
     function (ours, transformers' SDPA function) timed where the model calls it. What a call
     costs there (the model's products between the calls evict what a loop of calls keeps in
     cache) is what ``fixed`` cannot show. Medians over every call of the runs: a new token's
-    calls in ``generate()``, the forward's in a training step."""
+    calls in ``generate()``, the forward's in a training step, and each call's backward there:
+    from its output's gradient to its query's (autograd hooks; what the engine runs between
+    them besides the attention's own nodes, the other layers' nodes it may interleave, is the
+    same model's for both)."""
     from transformers import AttentionInterface
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
@@ -404,9 +407,20 @@ def in_model(args: argparse.Namespace) -> None:
         def attention(module, query, *rest, **kwargs):
             start = time.perf_counter_ns()
             result = function(module, query, *rest, **kwargs)
-            calls.setdefault((impl, query.shape[2] == 1), []).append(time.perf_counter_ns() - start)
+            calls.setdefault((impl, "decode" if query.shape[2] == 1 else "forward"), []).append(
+                time.perf_counter_ns() - start)
+            if result[0].requires_grad and query.requires_grad:
+                arrived = []
+                result[0].register_hook(lambda grad: arrived.append(time.perf_counter_ns()))
+                query.register_hook(lambda grad: arrived and calls.setdefault((impl, "backward"), []).append(
+                    time.perf_counter_ns() - arrived[0]))
             return result
         return attention
+
+    def row(label: str, part: str) -> str:
+        us = {impl: statistics.median(calls[(impl, part)]) / 1e3 for impl in names}
+        return (f"| {label} | {us['tvm']:.1f} | {us['sdpa']:.1f} | {us['tvm'] / us['sdpa']:.2f} | "
+                f"{len(calls[('tvm', part)])} |")
 
     rows: list[str] = []
     AttentionInterface.register("sdpa", timed("sdpa", sdpa_attention_forward))
@@ -416,12 +430,12 @@ def in_model(args: argparse.Namespace) -> None:
             _abba_seconds(run, list(names), 1)  # warm-up: compiles, caches
             calls.clear()
             _abba_seconds(run, list(names), args.runs)
-            decode = kind == "generate"
-            us = {impl: statistics.median(calls[(impl, decode)]) / 1e3 for impl in names}
-            label = f"{_case_label(args, dtype_name, kind, size)}: {'a new token' if decode else 'a forward'}'s call"
-            rows.append(f"| {label} | {us['tvm']:.1f} | {us['sdpa']:.1f} | {us['tvm'] / us['sdpa']:.2f} | "
-                        f"{len(calls[('tvm', decode)])} |")
-            print(f"  in-model: {rows[-1]}", file=sys.stderr, flush=True)
+            case = _case_label(args, dtype_name, kind, size)
+            parts = (("decode", "a new token's call"),) if kind == "generate" else (
+                ("forward", "a forward's call"), ("backward", "its backward"))
+            for part, what in parts:
+                rows.append(row(f"{case}: {what}", part))
+                print(f"  in-model: {rows[-1]}", file=sys.stderr, flush=True)
     finally:
         AttentionInterface.register("sdpa", sdpa_attention_forward)
         AttentionInterface.register(names["tvm"], tvm_hf.attention_forward)

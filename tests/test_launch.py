@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import tvmflash
-from conftest import random_inputs, reference_attention
+from conftest import assert_flash_rule, random_inputs, reference_attention
 from tvmflash import compiler, flash_attn_func, flash_attn_with_kvcache, kvcache, launch, threads, torch_op
 
 pytestmark = pytest.mark.skipif(launch.module() is None, reason="the C launcher cannot be built here")
@@ -23,7 +23,7 @@ pytestmark = pytest.mark.skipif(launch.module() is None, reason="the C launcher 
 
 def _fresh_memos():
     kvcache.forget_steps()
-    torch_op._calls.clear()
+    torch_op.forget_calls()
 
 
 def _repeated(fn, times=3):
@@ -254,6 +254,78 @@ def test_transformers_decode_fast_path_keeps_autocast_and_masks(gen):
     assert (masked.double() - exact).abs().max() <= 1e-5
     with pytest.raises(NotImplementedError, match="s_aux"):
         tvm_hf.attention_forward(layer, q, k, v, None, scaling=0.125, s_aux=torch.zeros(8))
+
+
+@pytest.mark.parametrize("dtype,autocast", [("float32", False), ("bfloat16", False), ("float32", True)])
+def test_transformers_training_reads_the_heads_first_layout(gen, seed, dtype, autocast, monkeypatch):
+    """A training forward's calls reach the kernels in transformers' layout (q a transposed view
+    of its projection, k and v heads-first), read in place by heads-first launches forward and
+    backward from the third call of a shape on (the first is checked, the second makes the
+    launches they are checked against): out and the gradients of the kernel-layout path
+    bitwise, call after call, another length among them, under autocast too; float64's within
+    the flash-attn rule; a second derivative still refused."""
+    from tvmflash.integrations import transformers as tvm_hf
+
+    dtype = getattr(torch, dtype)
+    layer = _Layer()
+    lengths = (21, 21, 21, 21, 33, 21, 33, 33)
+    draws = []
+    for n in lengths:
+        q = torch.randn(2, n, 8, 64, generator=gen).to(dtype).transpose(1, 2)  # (the projection's view)
+        k, v = (torch.randn(2, 2, n, 64, generator=gen).to(dtype) for _ in range(2))
+        draws.append(((q, k, v), torch.randn(2, n, 8, 64, generator=gen).to(torch.bfloat16 if autocast else dtype)))
+
+    def run():
+        results = []
+        for qkv, dout in draws:
+            leaves = [t.detach().requires_grad_() for t in qkv]
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                out, _ = tvm_hf.attention_forward(layer, *leaves, None, scaling=0.125, position_ids=None,
+                                                  use_cache=False)
+            results.append((out.detach(), *torch.autograd.grad(out, leaves, dout)))
+        return results
+
+    took = []
+    apply = torch_op._apply_heads_first_training
+    monkeypatch.setattr(torch_op, "_apply_heads_first_training", lambda *a: took.append(len(took)) or apply(*a))
+    _fresh_memos()
+    fast = run()
+    calls = [c for group in torch_op._calls_by_options.values() for c in group]
+    pairs = [made for c in calls for key, made in c._scratch.launches.items() if key[0] == "heads first"]
+    assert pairs and all(isinstance(made, launch.module().Launch) for pair in pairs for made in pair)
+    assert len(took) == 4  # (calls 3, 4, 6 and 8)
+    _fresh_memos()
+    monkeypatch.setattr(tvm_hf, "repeated_heads_first_training", lambda *args: None)
+    kernel_layout = run()
+    _fresh_memos()
+    assert len(took) == 4
+    for (qkv, dout), ours, theirs in zip(draws, fast, kernel_layout):
+        assert ours[0].shape == (2, qkv[0].shape[2], 8, 64) and all(g.shape == t.shape for g, t in zip(ours[1:], qkv))
+        assert all(torch.equal(a, b) for a, b in zip(ours, theirs))
+    (q, k, v), dout = draws[-1]
+    kernel = [t.transpose(1, 2).to(ours[0].dtype) for t in (q, k, v)]
+    doubles = [t.double().requires_grad_() for t in kernel]
+    ref, ref_lse = reference_attention(*doubles, True, 0.125)
+    ref_grads = torch.autograd.grad(ref, doubles, dout.double())
+    plain = [t.clone().requires_grad_() for t in kernel]
+    same, _ = reference_attention(*plain, True, 0.125, dtype=kernel[0].dtype)
+    same_grads = torch.autograd.grad(same, plain, dout)
+    ours = fast[-1]
+    assert_flash_rule("out", ours[0], ref, same, kernel[0].dtype, seed)
+    for name, g, r, p in zip(("dq", "dk", "dv"), ours[1:], ref_grads, same_grads):
+        assert_flash_rule(name, g.transpose(1, 2), r, p, kernel[0].dtype, seed)
+
+    monkeypatch.undo()
+    _fresh_memos()
+    for _ in range(3):  # (the third: heads-first; a create_graph backward takes the backward op)
+        leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+        out, _ = tvm_hf.attention_forward(layer, *leaves, None, scaling=0.125)
+    want, = torch.autograd.grad(out, leaves[0], dout, retain_graph=True)
+    dq, = torch.autograd.grad(out, leaves[0], dout, create_graph=True)
+    assert torch.equal(dq, want)
+    with pytest.raises(RuntimeError, match="no autograd formula"):
+        (dq.pow(2).sum() + leaves[0].sum()).backward()
+    _fresh_memos()
 
 
 def test_meta_keys_tell_apart_what_python_tells_apart(gen):

@@ -32,12 +32,12 @@ def _in_two_threads(run) -> None:
 def _full_path(fn, *args, **kwargs):
     """fn's result with the memo of repeated calls cleared before and after (the full checks run)."""
     kvcache.forget_steps()
-    torch_op._calls.clear()
+    torch_op.forget_calls()
     try:
         return fn(*args, **kwargs)
     finally:
         kvcache.forget_steps()
-        torch_op._calls.clear()
+        torch_op.forget_calls()
 
 
 @pytest.mark.parametrize("lengths,window", [("int", -1), ("tensor", -1), ("int", 20)])

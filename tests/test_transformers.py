@@ -127,6 +127,21 @@ def test_register_gives_a_usable_name():
         tvm_hf.register("my_flash_attention")
 
 
+@pytest.mark.parametrize("model", MODELS)
+def test_repeated_training_steps_match_eager(model, gen, monkeypatch):
+    """Training steps after the first: the layers' calls read q, k, v in transformers' layout
+    (``repeated_heads_first_training``, forward and backward; sliding windows, Gemma 2's
+    softcap), loss and gradients as eager's step after step."""
+    took = []
+    original = tvm_hf.repeated_heads_first_training
+    monkeypatch.setattr(tvm_hf, "repeated_heads_first_training",
+                        lambda *a: (lambda out: took.append(out is not None) or out)(original(*a)))
+    for _ in range(3):
+        ids = torch.randint(0, 128, (2, 21), generator=gen)
+        _assert_matches_eager(model, input_ids=ids, labels=ids)
+    assert took[-1] and sum(took) >= _config(model).num_hidden_layers
+
+
 @pytest.mark.parametrize("holes", [False, True])
 @pytest.mark.parametrize("model", MODELS)
 def test_padded_batch_loss_and_gradients_match_eager(model, gen, monkeypatch, holes):
@@ -322,6 +337,12 @@ def test_generate_greedy_matches_eager(model, gen, monkeypatch):
     repeated = tvm_hf.repeated_decode_step  # (steps like one checked before: the kernel without the checks)
     monkeypatch.setattr(tvm_hf, "repeated_decode_step",
                         lambda *a: (lambda out: out if out is None else kernel_calls.append(1) or out)(repeated(*a)))
+    # (steps without a mask like the layers' before, before decode_attention: e.g. the sliding
+    # layers' caches once the padding has left them)
+    heads_first = tvm_hf.repeated_heads_first_step
+    monkeypatch.setattr(tvm_hf, "repeated_heads_first_step", lambda *a: (
+        lambda out: out if out is None else decode_calls.append(False) or kernel_calls.append(1) or out)(
+            heads_first(*a)))
     kwargs = dict(attention_mask=mask, max_new_tokens=16, do_sample=False, pad_token_id=0, output_scores=True,
                   return_dict_in_generate=True)
     with torch.no_grad():

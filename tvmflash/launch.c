@@ -16,7 +16,10 @@
  *   strides but the free ones. "Heads first": the tensor comes as (batch, heads, seqlen,
  *   head_dim) and the kernel reads it as its transpose (batch, seqlen, heads, head_dim), as
  *   transformers' attention functions get q, k, v: no transposed view is made;
- * - outputs: example tensors whose dtype and shape each call allocates (torch's allocator);
+ * - outputs: example tensors whose dtype and shape each call allocates (torch's allocator,
+ *   contiguous), or (example, heads first): allocated as a heads-first example, (batch, heads,
+ *   seqlen, head_dim), and written by the kernel through its transpose (the gradients of
+ *   heads-first inputs, in their layout);
  * - template: the kernel's arguments in order: ("in", i), ("out", j), ("tensor", t) (held for
  *   the launch: tables, scratch), ("int", n), ("float", x); ``set(k, value)`` replaces entry k;
  * - team: at most this many threads (the thread shim's limit; 0: none); refuse_grad: None
@@ -75,11 +78,9 @@ typedef struct {
   int heads_first; /* it comes as (batch, heads, seqlen, head_dim): the kernel's view swaps 1 and 2 */
 } Expected;
 
-/* ``t`` as the kernel reads it: for a heads-first input, a copy of its shape and strides (in
- * ``dims``: 2 x MAX_DIMS) with dimensions 1 and 2 swapped (a transpose without a tensor). */
-static int kernel_view(PyObject* tensor, int heads_first, DLTensor* t, int64_t* dims) {
-  if (api->dltensor_from_py_object_no_sync(tensor, t) != 0) return -1;
-  if (!heads_first) return 0;
+/* ``t`` with dimensions 1 and 2 swapped (a transpose without a tensor): its shape and strides
+ * copied into ``dims`` (2 x MAX_DIMS); 1 where ``t`` is no strided 4-d tensor. */
+static int swap_heads(DLTensor* t, int64_t* dims) {
   if (t->ndim != 4 || t->strides == NULL) return 1;
   for (int d = 0; d < 4; d++) {
     int from = d == 1 ? 2 : d == 2 ? 1 : d;
@@ -89,6 +90,12 @@ static int kernel_view(PyObject* tensor, int heads_first, DLTensor* t, int64_t* 
   t->shape = dims;
   t->strides = dims + MAX_DIMS;
   return 0;
+}
+
+/* ``t`` as the kernel reads it: a heads-first tensor swapped (``swap_heads``). */
+static int kernel_view(PyObject* tensor, int heads_first, DLTensor* t, int64_t* dims) {
+  if (api->dltensor_from_py_object_no_sync(tensor, t) != 0) return -1;
+  return heads_first ? swap_heads(t, dims) : 0;
 }
 
 typedef struct {
@@ -109,6 +116,7 @@ typedef struct {
   Expected inputs[MAX_TENSORS];
   DLTensor outputs[MAX_TENSORS];
   int64_t output_shapes[MAX_TENSORS][MAX_DIMS];
+  int output_heads_first[MAX_TENSORS]; /* allocated (batch, heads, seqlen, head_dim), the kernel's view swapped */
   Arg args[MAX_ARGS];
 } Launch;
 
@@ -248,13 +256,18 @@ static int launch_init(Launch* self, PyObject* args, PyObject* kwargs) {
     }
   }
   self->n_outputs = (int)PyTuple_GET_SIZE(outputs);
-  for (int j = 0; j < self->n_outputs; j++) {
+  for (int j = 0; j < self->n_outputs; j++) {  /* (example) or (example, heads first) */
     DLTensor view;
-    if (view_of(PyTuple_GET_ITEM(outputs, j), &view) != 0) return -1;
-    if (view.ndim > MAX_DIMS) {
-      PyErr_SetString(PyExc_ValueError, "Launch: too many dimensions");
+    PyObject* example = PyTuple_GET_ITEM(outputs, j);
+    int heads_first = 0;
+    if (PyTuple_Check(example) && !PyArg_ParseTuple(example, "Op", &example, &heads_first)) return -1;
+    if (view_of(example, &view) != 0) return -1;
+    if (view.ndim > MAX_DIMS || (heads_first && view.ndim != 4)) {
+      PyErr_SetString(PyExc_ValueError, heads_first ? "Launch: a heads-first output must be 4-d"
+                                                    : "Launch: too many dimensions");
       return -1;
     }
+    self->output_heads_first[j] = heads_first;
     for (int d = 0; d < view.ndim; d++) self->output_shapes[j][d] = view.shape[d];
     self->outputs[j] = view;
     self->outputs[j].shape = self->output_shapes[j];
@@ -338,7 +351,7 @@ static int records_grad(PyObject* const* tensors, Py_ssize_t n) {
 static PyObject* launch_call(Launch* self, PyObject* const* tensors, size_t nargsf, PyObject* kwnames) {
   Py_ssize_t n = PyVectorcall_NARGS(nargsf);
   DLTensor views[MAX_TENSORS], out_views[MAX_TENSORS];
-  int64_t dims[MAX_TENSORS][2 * MAX_DIMS];
+  int64_t dims[MAX_TENSORS][2 * MAX_DIMS], out_dims[MAX_TENSORS][2 * MAX_DIMS];
   PyObject* outs[MAX_TENSORS] = {NULL};
   TVMFFIAny packed[MAX_ARGS];
   if (kwnames && PyTuple_GET_SIZE(kwnames)) Py_RETURN_NONE;
@@ -357,6 +370,10 @@ static PyObject* launch_call(Launch* self, PyObject* const* tensors, size_t narg
     if (api->managed_tensor_to_py_object_no_sync(managed, &obj) != 0) goto fail;
     outs[j] = (PyObject*)obj;
     if (api->dltensor_from_py_object_no_sync(obj, &out_views[j]) != 0) goto fail;
+    if (self->output_heads_first[j] && swap_heads(&out_views[j], out_dims[j]) != 0) {
+      PyErr_SetString(PyExc_RuntimeError, "Launch: an allocated output has no strides");
+      goto fail;
+    }
   }
   for (int i = 0; i < self->n_args; i++) {
     const Arg* arg = &self->args[i];

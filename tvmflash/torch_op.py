@@ -231,6 +231,11 @@ _NO_MODES = ((torch._C._len_torch_dispatch_stack, (), 0), (torch._C._len_torch_f
 _CPU_EAGER = ((torch.is_autocast_enabled, ("cpu",), False), *_NO_MODES)
 
 
+# a repeated backward's conditions: no gradient to record (create_graph), no modes; read after
+# is_compiling, which stays Python (compiled autograd's dynamo traces the body: not a C call)
+_BACKWARD_EAGER = ((torch.is_grad_enabled, (), False), *_NO_MODES)
+
+
 def _no_modes() -> bool:
     """Nothing that must see the op: no torch.compile tracing, dispatch or function mode, or
     functorch transform. (Backward bodies need no more: the backward op has no autocast rule.)"""
@@ -722,6 +727,11 @@ def _attention(q, k, v, cu_seqlens_q, cu_seqlens_k, dropout_p, softmax_scale, ca
 # left-padded batch read in place) are kept here too, under the key with their row runs added.
 _calls: dict[tuple, _ForwardCall] = {}
 _MAX_CALLS = 256
+# flash_attn_func's calls by their options alone (their _call_key without the tensors and the
+# request state, which each call's C launch checks itself): for transformers' training calls,
+# whose q, k, v come in (batch, heads, n, head_dim) (repeated_heads_first_training)
+_calls_by_options: dict[tuple, list[_ForwardCall]] = {}
+_CALLS_PER_OPTIONS = 4
 _OPTION_TYPES = (float, int, type(None))
 
 
@@ -746,21 +756,55 @@ def _remember_call(key, dims, q, k, options, return_attn_probs, op_scalars) -> N
         return
     kernels = kernels_for(q, deterministic=options.deterministic, softcap=options.softcap > 0,
                           seqlens=_call_seqlens(q, k, None, None))
-    _remember(key, _ForwardCall(kernels, dims, k.shape[1], checks.softmax_scale(options.softmax_scale, kernels.head_dim),
-                                checks.window((options.window[0], options.window[1]), False),
-                                _mod_inputs(q, options.softcap, None), return_attn_probs=return_attn_probs,
-                                op_scalars=op_scalars))
+    call = _ForwardCall(kernels, dims, k.shape[1], checks.softmax_scale(options.softmax_scale, kernels.head_dim),
+                        checks.window((options.window[0], options.window[1]), False),
+                        _mod_inputs(q, options.softcap, None), return_attn_probs=return_attn_probs,
+                        op_scalars=op_scalars)
+    _remember(key, call)
+    if not return_attn_probs:
+        calls = _calls_by_options.setdefault(key[1:-1], [])
+        if len(calls) >= _CALLS_PER_OPTIONS:
+            del calls[0]
+        calls.append(call)
 
 
 def _remember(key, call: _ForwardCall) -> None:
     if len(_calls) >= _MAX_CALLS:
-        _calls.clear()
+        forget_calls()
     _calls[key] = call
+
+
+def forget_calls() -> None:
+    """Forget every checked call: the next calls run the full checks."""
+    _calls.clear()
+    _calls_by_options.clear()
+
+
+def repeated_heads_first_training(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float | None,
+                                  causal: bool, window_size: tuple[int, int], softcap: float) -> torch.Tensor | None:
+    """``flash_attn_func``'s out for a call that autograd records, like one checked before, with
+    q, k, v as transformers' attention functions get them: ``(batch, heads, n, head_dim)``, read
+    in place by C launches that transpose them in their views (out ``(batch, n, heads,
+    head_dim)``, the gradients in q, k and v's layout). Three transposed views with gradients
+    are three autograd nodes in the forward and three in the backward, each ~5 us where a
+    model's products have just evicted the interpreter's data. None where no checked call's
+    launch takes them, for a call that records no gradient, or under a mode, transform or
+    forward-mode AD. (Under autocast the caller casts q, k, v to its dtype first, as
+    ``_attention``'s autocast rule would.)"""
+    calls = _calls_by_options.get((float, 0.0, type(softmax_scale), softmax_scale, type(softcap), softcap, causal,
+                                   window_size, False, False))
+    if not calls or forward_ad._current_level >= 0 or launch.eager_state(_NO_MODES, q, k, v) != 1:
+        return None
+    for call in calls:
+        made = call.heads_first_launches(q, k, v)
+        if made is not None and made[0].accepts(q, k, v):
+            return _apply_heads_first_training(call, made, q, k, v)
+    return None
 
 
 class _ForwardCall:
     """A checked forward call's kernels and tables, for calls with the same ``_call_key``, and
-    its backward's (planned at the first backward). ``row_runs``: ``row_runs_call``'s (then
+    its backward's (planned at the first backward or heads-first launch). ``row_runs``: ``row_runs_call``'s (then
     the rows outside the runs of out, lse and the gradients are 0: no kernel writes them)."""
 
     def __init__(self, kernels, dims, seqlen_k: int, scale: float, window: tuple, mods: list, *,
@@ -826,11 +870,7 @@ class _ForwardCall:
     def backward(self, dout, q, k, v, out, lse) -> tuple | None:
         """dq, dk, dv of this call's forward (out, lse), or None where the full backward must run."""
         kernels = self.kernels
-        if self._backward_tables is None:
-            batch, seqlen_q, _, heads_k = self.dims
-            seqs, tables = kernels._sequences("backward", batch, seqlen_q, self.seqlen_k, heads_k, None, None,
-                                              row_runs=self.row_runs)
-            self._backward_tables = (seqs.rounds, seqs.super_tile, *tables, *kernels._mods(q, self.mods, ()))
+        self._plan_backward(q)
         launched = self._launch("backward", dout, q, k, v, out, lse)
         if launched is not None:
             grads = launched(dout, q, k, v, out, lse)
@@ -852,6 +892,14 @@ class _ForwardCall:
             return None
         return dq, dk, dv
 
+    def _plan_backward(self, q) -> None:
+        if self._backward_tables is None:
+            kernels = self.kernels
+            batch, seqlen_q, _, heads_k = self.dims
+            seqs, tables = kernels._sequences("backward", batch, seqlen_q, self.seqlen_k, heads_k, None, None,
+                                              row_runs=self.row_runs)
+            self._backward_tables = (seqs.rounds, seqs.super_tile, *tables, *kernels._mods(q, self.mods, ()))
+
     def _launch(self, kind: str, *example):
         """This thread's C launch (``launch.py``) of ``kind`` for the current thread count, made at
         its first use from ``example`` (the call's tensors, which passed the checks or match a
@@ -861,11 +909,7 @@ class _ForwardCall:
         into this thread's scratch); "forward": out and lse; "backward": dq, dk, dv. Calls of
         row runs keep the Python path (their outputs are zeros outside the runs)."""
         n_threads = self.kernels.plan_threads()
-        scratch = self._scratch
-        launches = getattr(scratch, "launches", None)
-        if launches is None:
-            launches = scratch.launches = {}
-            scratch.lse = self.new_lse()
+        launches = self._thread_launches()
         key = (kind, n_threads)
         if key not in launches:
             if len(launches) >= 8:  # (a thread count that keeps changing)
@@ -873,7 +917,48 @@ class _ForwardCall:
             launches[key] = self._new_launch(kind, n_threads, example) if self.row_runs is None else None
         return launches[key]
 
-    def _new_launch(self, kind: str, n_threads: int, example: tuple):
+    def _thread_launches(self) -> dict:
+        scratch = self._scratch
+        launches = getattr(scratch, "launches", None)
+        if launches is None:
+            launches = scratch.launches = {}
+            scratch.lse = self.new_lse()
+        return launches
+
+    def heads_first_launches(self, q, k, v) -> tuple | None:
+        """This thread's (forward, backward) launches for q, k, v in transformers' ``(batch,
+        heads, n, head_dim)`` layout (``repeated_heads_first_training``): made from the first q,
+        k, v whose kernel-layout views the thread's own forward launch (made from a checked
+        call) takes, the backward's for dout, q, k, v, out, lse then, planned ahead (its
+        lookup would cost another ~15 us where a model's backward has evicted the interpreter's
+        data); None until then, or without the C launcher. (The backward's may run on another
+        thread, as autograd's engine may: a launch that is never ``set`` can be shared.)"""
+        n_threads = self.kernels.plan_threads()
+        launches = self._thread_launches()
+        key = ("heads first", n_threads)
+        if key not in launches:
+            own = launches.get(("forward", n_threads))
+            if own is None or not own.accepts(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)):
+                return None
+            if len(launches) >= 8:
+                launches.clear()
+            self._plan_backward(q)
+            out = torch.empty(*self.out_shape, dtype=q.dtype)  # (the forward's: contiguous)
+            made = (self._new_launch("forward", n_threads, (q, k, v), heads_first=True),
+                    self._new_launch("backward", n_threads, (out, q, k, v, out, self.new_lse()), heads_first=True))
+            launches[key] = None if None in made else made
+        return launches[key]
+
+    def backward_heads_first(self, made, dout, q, k, v, out, lse) -> tuple | None:
+        """``backward`` for q, k, v in transformers' layout by ``made`` (``heads_first_launches``'):
+        dq, dk, dv in that layout too."""
+        grads = made(dout, q, k, v, out, lse)
+        if grads is not None:
+            return grads
+        grads = self.backward(dout, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), out, lse)
+        return None if grads is None else tuple(g.transpose(1, 2) for g in grads)
+
+    def _new_launch(self, kind: str, n_threads: int, example: tuple, heads_first: bool = False):
         dtype = example[1 if kind == "backward" else 0].dtype
         out = torch.empty(*self.out_shape, dtype=dtype)
         lse = torch.empty(*self.lse_shape, dtype=torch.float32)
@@ -881,15 +966,18 @@ class _ForwardCall:
         if kind == "backward":
             kv = torch.empty(*self.kv_shape, dtype=dtype)
             outputs, tail = (out, kv, kv), self._backward_tables
+            if heads_first:  # (the gradients in q, k and v's layout)
+                outputs = tuple((g.transpose(1, 2), True) for g in outputs)
             team = n_threads
-            inputs = ((example[0], 0, (1 << example[0].dim()) - 1), *((t, 0, 0) for t in example[1:]))
+            inputs = ((example[0], 0, (1 << example[0].dim()) - 1), *((t, 0, 0, heads_first) for t in example[1:4]),
+                      *((t, 0, 0) for t in example[4:]))
             template = (*(("in", i) for i in range(6)), *(("out", j) for j in range(3)), *scalars)
             function = self.kernels._functions["flash_bwd"]
         else:
             lse_entry = ("out", 1) if kind == "forward" or self.return_attn_probs else ("tensor", self._scratch.lse)
             outputs = (out, lse) if lse_entry[0] == "out" else (out,)
             tail, team = (*self.tables, *self.mods), min(n_threads, self.tasks)
-            inputs = tuple((t, 0, 0) for t in example)
+            inputs = tuple((t, 0, 0, heads_first) for t in example)
             template = (("in", 0), ("in", 1), ("in", 2), ("out", 0), lse_entry, *scalars)
             function = self.function
         template += tuple(("tensor", torch.from_dlpack(x)) if hasattr(x, "__dlpack__") else ("int", int(x))
@@ -925,7 +1013,7 @@ class _RepeatedTraining(torch.autograd.Function):
             return None, None, None, None
         q, k, v, out, lse = ctx.saved_tensors
         grads = None
-        if not torch.is_grad_enabled() and _no_modes():
+        if not torch.compiler.is_compiling() and launch.eager_state(_BACKWARD_EAGER) == 0:
             grads = ctx.call.backward(dout, q, k, v, out, lse)
         if grads is None:  # create_graph, a mode, or what the kernel refused: the op (see _EagerAttention)
             grads = _backward_op(kernel_layout(dout), q, k, v, out, lse, None, None, None, *ctx.call.op_scalars)
@@ -957,8 +1045,37 @@ def _c_apply(function: type):
     return found.__get__(None, function) if hasattr(found, "__get__") else function.apply
 
 
+class _HeadsFirstTraining(torch.autograd.Function):
+    """``_RepeatedTrainingOut`` for q, k, v in transformers' layout (``repeated_heads_first_training``),
+    by ``launches`` (the call's heads-first forward, which took them, and backward): out in the
+    kernels' layout, gradients in q, k and v's."""
+
+    @staticmethod
+    def forward(ctx, call, launches, q, k, v):
+        found = launches[0](q, k, v)
+        if found is None:  # (a steering value changed since the launch took them: the call's Python path)
+            found = call.forward_and_lse(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+        out, lse = found
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.call, ctx.launch = call, launches[1]
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        grads = None
+        if not torch.compiler.is_compiling() and launch.eager_state(_BACKWARD_EAGER) == 0:
+            grads = ctx.call.backward_heads_first(ctx.launch, dout, q, k, v, out, lse)
+        if grads is None:  # (as _RepeatedTraining's)
+            grads = _backward_op(kernel_layout(dout), q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), out,
+                                 lse, None, None, None, *ctx.call.op_scalars)
+            grads = tuple(g.transpose(1, 2) for g in grads)
+        return None, None, *grads
+
+
 _apply_repeated_training = _c_apply(_RepeatedTraining)
 _apply_repeated_training_out = _c_apply(_RepeatedTrainingOut)
+_apply_heads_first_training = _c_apply(_HeadsFirstTraining)
 
 
 def _padded_head_dims(q, k, v):

@@ -69,7 +69,7 @@ import torch
 
 from .. import version
 from ..kvcache import flash_attn_with_kvcache, repeated_decode_step, repeated_heads_first_step
-from ..torch_op import define_op, flash_attn_func, flash_attn_varlen_func
+from ..torch_op import define_op, flash_attn_func, flash_attn_varlen_func, repeated_heads_first_training
 from .. import documents, padded
 from ..padded import per_mask, unpad_plan
 
@@ -170,16 +170,11 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     head_dim)`` as the model's attention module passes them; returns ``(out, None)`` with out
     ``(batch, seqlen_q, heads, head_dim)``.
     """
-    if (attention_mask is None and not dropout and not sliding_window and kwargs.keys() <= _DECODE_KWARGS
-            and not torch.compiler.is_compiling() and not torch.is_autocast_enabled("cpu")):
-        # generate()'s new tokens, as in the layers and tokens before (repeated_heads_first_step)
-        n = key.shape[2]
-        if n > 1:
-            causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
-            out = repeated_heads_first_step(query, key, value, n, scaling, causal, (-1, -1),
-                                            float(softcap) if softcap else 0.0)
-            if out is not None:
-                return out, None
+    if (attention_mask is None and not dropout and kwargs.keys() <= _PLAIN_KWARGS
+            and not torch.compiler.is_compiling()):
+        out = _repeated_call(module, query, key, value, scaling, sliding_window, softcap, is_causal, kwargs)
+        if out is not None:
+            return out, None
     if dropout:
         raise ValueError(
             f"tvmflash has no attention dropout, but the model asks for dropout={dropout} (training mode with "
@@ -237,9 +232,31 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     return out, None
 
 
-# what a decode step's call may carry besides the arguments the fast path reads (position_ids
-# are for documents packed into rows: one query per row has none)
-_DECODE_KWARGS = frozenset({"position_ids", "use_cache", "cache_position"})
+# what a call may carry besides the arguments _repeated_call reads
+_PLAIN_KWARGS = frozenset({"position_ids", "use_cache", "cache_position"})
+
+
+def _repeated_call(module, query, key, value, scaling, sliding_window, softcap, is_causal, kwargs: dict):
+    """The output of a call without a mask like one in the layers and steps before, read in
+    transformers' layout by a C launch after none of the checks below (they ran at the first
+    such call): generate()'s new tokens (``repeated_heads_first_step``), a training forward's
+    calls (``repeated_heads_first_training``, its backward too); None for any other call."""
+    n, len_q = key.shape[2], query.shape[2]
+    if len_q != 1 and len_q != n:
+        return None
+    causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
+    window, softcap = _window(sliding_window, causal, n), float(softcap) if softcap else 0.0
+    if len_q == 1:
+        if n == 1 or torch.is_autocast_enabled("cpu"):  # (decode steps do not follow autocast)
+            return None
+        return repeated_heads_first_step(query, key, value, n, scaling, causal, window, softcap)
+    if not query.requires_grad or not kwargs.get("use_cache") and documents.documents_from_positions(
+            kwargs.get("position_ids"), query.shape[0], len_q) is not None:
+        return None  # (no gradient: flash_attn_func's own repeat; documents packed into rows: documents.attention)
+    dtype = _attention_dtype(query)
+    if query.dtype != dtype or key.dtype != dtype or value.dtype != dtype:
+        query, key, value = query.to(dtype), key.to(dtype), value.to(dtype)
+    return repeated_heads_first_training(query, key, value, scaling, causal, window, softcap)
 
 
 def _decode_op_applies(q, k, v, mask: torch.Tensor | None, cu_q, cu_k) -> bool:
