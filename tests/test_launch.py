@@ -328,6 +328,43 @@ def test_transformers_training_reads_the_heads_first_layout(gen, seed, dtype, au
     _fresh_memos()
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_row_runs_launches_zero_the_rows_outside_the_runs(gen, dtype, monkeypatch):
+    """A left-padded batch read in place (row runs, transformers' padded training): the kernels
+    write only the runs' rows and the launches zero the rest of out, lse and the gradients
+    first, in memory the allocator has just had back full of NaN: bitwise the Python path's
+    (torch.zeros), the blind rows' eager means and gradients added alike, call after call."""
+    from tvmflash.integrations import transformers as tvm_hf
+
+    dtype = getattr(torch, dtype)
+    mask = torch.ones(3, 29, dtype=torch.bool)
+    mask[1, :6] = False
+    mask[2, :17] = False
+    q, k, v = (torch.randn(3, 29, h, 64, generator=gen).to(dtype) for h in (4, 2, 2))
+    dout = torch.randn(3, 29, 4, 64, generator=gen).to(dtype)
+    opts = {"softmax_scale": 0.125, "causal": True, "window_size": (-1, 0), "softcap": 0.0}
+
+    def poisoned_call():
+        for t in (q, k, v, q.float(), k.float()):  # (freed at once: blocks the next allocations of these sizes reuse)
+            torch.full_like(t, float("nan"))
+        leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+        out = tvm_hf._padded_attention(*leaves, mask, opts)
+        return (out.detach(), *torch.autograd.grad(out, leaves, dout))
+
+    _fresh_memos()
+    launched = _repeated(poisoned_call, 4)
+    runs = [c for c in torch_op._calls.values() if c.row_runs is not None]
+    assert runs and all(isinstance(made, launch.module().Launch) for c in runs
+                        for key, made in c._scratch.launches.items() if key[0] in ("forward", "backward"))
+    _fresh_memos()
+    monkeypatch.setattr(launch, "make", lambda *args, **kwargs: None)
+    python = _repeated(poisoned_call, 4)
+    _fresh_memos()
+    for ours, theirs in zip(launched, python):
+        assert all(torch.isfinite(x.float()).all() for x in ours)
+        assert all(torch.equal(x, y) for x, y in zip(ours, theirs))
+
+
 def test_meta_keys_tell_apart_what_python_tells_apart(gen):
     """The C meta key equals for two calls exactly where Python's attribute reads do."""
     base = torch.randn(2, 12, 4, 64, generator=gen)

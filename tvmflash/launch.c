@@ -17,9 +17,10 @@
  *   head_dim) and the kernel reads it as its transpose (batch, seqlen, heads, head_dim), as
  *   transformers' attention functions get q, k, v: no transposed view is made;
  * - outputs: example tensors whose dtype and shape each call allocates (torch's allocator,
- *   contiguous), or (example, heads first): allocated as a heads-first example, (batch, heads,
- *   seqlen, head_dim), and written by the kernel through its transpose (the gradients of
- *   heads-first inputs, in their layout);
+ *   contiguous), or (example, heads first[, zeroed]): heads first, allocated as a heads-first
+ *   example, (batch, heads, seqlen, head_dim), and written by the kernel through its transpose
+ *   (the gradients of heads-first inputs, in their layout); zeroed, filled with zeros before the
+ *   kernel runs (for kernels that write only some rows);
  * - template: the kernel's arguments in order: ("in", i), ("out", j), ("tensor", t) (held for
  *   the launch: tables, scratch), ("int", n), ("float", x); ``set(k, value)`` replaces entry k;
  * - team: at most this many threads (the thread shim's limit; 0: none); refuse_grad: None
@@ -117,6 +118,7 @@ typedef struct {
   DLTensor outputs[MAX_TENSORS];
   int64_t output_shapes[MAX_TENSORS][MAX_DIMS];
   int output_heads_first[MAX_TENSORS]; /* allocated (batch, heads, seqlen, head_dim), the kernel's view swapped */
+  int output_zeroed[MAX_TENSORS];      /* filled with zeros before the kernel writes (part of) it */
   Arg args[MAX_ARGS];
 } Launch;
 
@@ -256,11 +258,11 @@ static int launch_init(Launch* self, PyObject* args, PyObject* kwargs) {
     }
   }
   self->n_outputs = (int)PyTuple_GET_SIZE(outputs);
-  for (int j = 0; j < self->n_outputs; j++) {  /* (example) or (example, heads first) */
+  for (int j = 0; j < self->n_outputs; j++) {  /* (example) or (example, heads first[, zeroed]) */
     DLTensor view;
     PyObject* example = PyTuple_GET_ITEM(outputs, j);
-    int heads_first = 0;
-    if (PyTuple_Check(example) && !PyArg_ParseTuple(example, "Op", &example, &heads_first)) return -1;
+    int heads_first = 0, zeroed = 0;
+    if (PyTuple_Check(example) && !PyArg_ParseTuple(example, "Op|p", &example, &heads_first, &zeroed)) return -1;
     if (view_of(example, &view) != 0) return -1;
     if (view.ndim > MAX_DIMS || (heads_first && view.ndim != 4)) {
       PyErr_SetString(PyExc_ValueError, heads_first ? "Launch: a heads-first output must be 4-d"
@@ -268,6 +270,7 @@ static int launch_init(Launch* self, PyObject* args, PyObject* kwargs) {
       return -1;
     }
     self->output_heads_first[j] = heads_first;
+    self->output_zeroed[j] = zeroed;
     for (int d = 0; d < view.ndim; d++) self->output_shapes[j][d] = view.shape[d];
     self->outputs[j] = view;
     self->outputs[j].shape = self->output_shapes[j];
@@ -370,6 +373,11 @@ static PyObject* launch_call(Launch* self, PyObject* const* tensors, size_t narg
     if (api->managed_tensor_to_py_object_no_sync(managed, &obj) != 0) goto fail;
     outs[j] = (PyObject*)obj;
     if (api->dltensor_from_py_object_no_sync(obj, &out_views[j]) != 0) goto fail;
+    if (self->output_zeroed[j]) { /* (allocated contiguous: its elements are one block) */
+      size_t bytes = ((size_t)out_views[j].dtype.bits * out_views[j].dtype.lanes + 7) / 8;
+      for (int d = 0; d < out_views[j].ndim; d++) bytes *= (size_t)out_views[j].shape[d];
+      memset((char*)out_views[j].data + out_views[j].byte_offset, 0, bytes);
+    }
     if (self->output_heads_first[j] && swap_heads(&out_views[j], out_dims[j]) != 0) {
       PyErr_SetString(PyExc_RuntimeError, "Launch: an allocated output has no strides");
       goto fail;

@@ -526,8 +526,7 @@ def _checked_row_runs_call(q, k, v, row_runs: tuple, key, *, softmax_scale, caus
 
 def row_runs_forward(call: _ForwardCall, uniform: UniformRows | None, q, k, v) -> tuple[torch.Tensor, torch.Tensor]:
     """out and lse of ``call`` (a ``row_runs_call``), the ``uniform`` rows' means added to out."""
-    lse = call.new_lse()
-    out = call.forward(q, k, v, lse)
+    out, lse = call.forward_and_lse(q, k, v)
     if uniform is not None:
         span = out[:, uniform.first:uniform.end]
         if not call.kernels.add_uniform_means(span, v, uniform.weight):
@@ -906,15 +905,15 @@ class _ForwardCall:
         call that did), or None where there is none: the Python above then does the same.
 
         "call": a forward that records no gradient (out; lse too with return_attn_probs, else
-        into this thread's scratch); "forward": out and lse; "backward": dq, dk, dv. Calls of
-        row runs keep the Python path (their outputs are zeros outside the runs)."""
+        into this thread's scratch); "forward": out and lse; "backward": dq, dk, dv. The outputs
+        of calls of row runs are zeroed first (the kernels write only the runs' rows)."""
         n_threads = self.kernels.plan_threads()
         launches = self._thread_launches()
         key = (kind, n_threads)
         if key not in launches:
             if len(launches) >= 8:  # (a thread count that keeps changing)
                 launches.clear()
-            launches[key] = self._new_launch(kind, n_threads, example) if self.row_runs is None else None
+            launches[key] = self._new_launch(kind, n_threads, example) if self._launches else None
         return launches[key]
 
     def _thread_launches(self) -> dict:
@@ -982,6 +981,8 @@ class _ForwardCall:
             function = self.function
         template += tuple(("tensor", torch.from_dlpack(x)) if hasattr(x, "__dlpack__") else ("int", int(x))
                           for x in tail)  # (the tables are TVM's tensors: torch views of them)
+        if self.row_runs is not None:  # (rows outside the runs: 0, as _allocate's)
+            outputs = tuple((t, False, True) for t in outputs)
         made = launch.make(function, template, inputs, outputs, team=team if self.kernels._on_torch_threads else 0,
                            refuse_grad=kind == "call", guards=compiler.request_guards())
         if made is None or kind != "call" or not self.return_attn_probs:
