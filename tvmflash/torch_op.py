@@ -803,8 +803,9 @@ def repeated_heads_first_training(q: torch.Tensor, k: torch.Tensor, v: torch.Ten
 
 class _ForwardCall:
     """A checked forward call's kernels and tables, for calls with the same ``_call_key``, and
-    its backward's (planned at the first backward or heads-first launch). ``row_runs``: ``row_runs_call``'s (then
-    the rows outside the runs of out, lse and the gradients are 0: no kernel writes them)."""
+    its backward's (planned at the first backward or heads-first launch). ``row_runs``:
+    ``row_runs_call``'s (then the rows outside the runs of out, lse and the gradients are 0: no
+    kernel writes them)."""
 
     def __init__(self, kernels, dims, seqlen_k: int, scale: float, window: tuple, mods: list, *,
                  return_attn_probs=False, op_scalars=(), row_runs: tuple | None = None, softcap: float = 0.0):

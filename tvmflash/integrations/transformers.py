@@ -237,10 +237,10 @@ _PLAIN_KWARGS = frozenset({"position_ids", "use_cache", "cache_position"})
 
 
 def _repeated_call(module, query, key, value, scaling, sliding_window, softcap, is_causal, kwargs: dict):
-    """The output of a call without a mask like one in the layers and steps before, read in
-    transformers' layout by a C launch after none of the checks below (they ran at the first
-    such call): generate()'s new tokens (``repeated_heads_first_step``), a training forward's
-    calls (``repeated_heads_first_training``, its backward too); None for any other call."""
+    """The output of a call without a mask like one of the layers and steps before, read in
+    transformers' layout by a C launch without the checks below (they ran at the first such
+    call): generate()'s new tokens (``repeated_heads_first_step``), a training forward's calls
+    (``repeated_heads_first_training``, their backward too); None for any other call."""
     n, len_q = key.shape[2], query.shape[2]
     if len_q != 1 and len_q != n:
         return None
