@@ -231,15 +231,21 @@ _NO_MODES = ((torch._C._len_torch_dispatch_stack, (), 0), (torch._C._len_torch_f
 _CPU_EAGER = ((torch.is_autocast_enabled, ("cpu",), False), *_NO_MODES)
 
 
-# a repeated backward's conditions: no gradient to record (create_graph), no modes; read after
-# is_compiling, which stays Python (compiled autograd's dynamo traces the body: not a C call)
-_BACKWARD_EAGER = ((torch.is_grad_enabled, (), False), *_NO_MODES)
-
-
 def _no_modes() -> bool:
     """Nothing that must see the op: no torch.compile tracing, dispatch or function mode, or
     functorch transform. (Backward bodies need no more: the backward op has no autocast rule.)"""
     return not torch.compiler.is_compiling() and launch.eager_state(_NO_MODES) == 0
+
+
+# _no_modes's conditions and no gradient to record (a create_graph backward), in one C call
+_BACKWARD_EAGER = ((torch.is_grad_enabled, (), False), *_NO_MODES)
+
+
+def _direct_backward() -> bool:
+    """Whether a backward body may run the kernels itself: ``_no_modes`` and no gradient to
+    record; else the backward op, which create_graph, modes and transforms must see.
+    (is_compiling stays Python: compiled autograd's dynamo traces the body, not a C call.)"""
+    return not torch.compiler.is_compiling() and launch.eager_state(_BACKWARD_EAGER) == 0
 
 
 def eager_dispatch():
@@ -410,7 +416,7 @@ def differentiable_pair(forward, backward, name: str, backward_body=None) -> typ
         if dout is None:
             return (None,) * 8
         q, k, v, out, lse, plan = ctx.saved_tensors
-        direct = backward_body is not None and not torch.is_grad_enabled() and _no_modes()
+        direct = backward_body is not None and _direct_backward()
         with torch.no_grad():  # (create_graph=True: the torch ops inside record nothing; the result is refused below)
             grads = (backward_body if direct else backward)(kernel_layout(dout), q, k, v, out, lse, plan,
                                                             *ctx.scalars)
@@ -483,7 +489,7 @@ class _EagerAttention(torch.autograd.Function):
         if dout is None:
             return (None,) * 14
         # the op where a mode must see it, and with create_graph=True (_backward_op)
-        direct = not torch.is_grad_enabled() and _no_modes()
+        direct = _direct_backward()
         return None, *_input_grads(ctx, dout, _backward_impl if direct else _backward_op), *(None,) * 10
 
 
@@ -1015,7 +1021,7 @@ class _RepeatedTraining(torch.autograd.Function):
             return None, None, None, None
         q, k, v, out, lse = ctx.saved_tensors
         grads = None
-        if not torch.compiler.is_compiling() and launch.eager_state(_BACKWARD_EAGER) == 0:
+        if _direct_backward():
             grads = ctx.call.backward(dout, q, k, v, out, lse)
         if grads is None:  # create_graph, a mode, or what the kernel refused: the op (see _EagerAttention)
             grads = _backward_op(kernel_layout(dout), q, k, v, out, lse, None, None, None, *ctx.call.op_scalars)
@@ -1066,7 +1072,7 @@ class _HeadsFirstTraining(torch.autograd.Function):
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
         grads = None
-        if not torch.compiler.is_compiling() and launch.eager_state(_BACKWARD_EAGER) == 0:
+        if _direct_backward():
             grads = ctx.call.backward_heads_first(ctx.launch, dout, q, k, v, out, lse)
         if grads is None:  # (as _RepeatedTraining's)
             grads = _backward_op(kernel_layout(dout), q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), out,
