@@ -22,9 +22,12 @@
 * ``in-model``: the attention function's own time per call where the model calls it, in
   ``generate()`` (a new token's calls) and training steps (the forward's calls and their
   backward), both implementations on one model, switched between runs;
-* ``padded``: one layer's attention alone, forward + backward, on ``--batch`` left-padded rows
+* ``padded``: one layer's attention alone, forward + backward, on ``--batch`` padded rows
   (default 4) of each ``--train-lengths``, through the transformers integration's function
-  against transformers' SDPA function with the 4D mask it would get, interleaved call by call.
+  against transformers' SDPA function with the 4D mask it would get, interleaved call by call;
+* ``--train-padding right``: padded training batches (and ``padded``'s rows) padded on the right,
+  as tokenizers pad training batches by default (left: as ``generate()`` pads prompts, where the
+  padding queries before a row's first token see no key).
 
 ``generate`` and ``train`` run each implementation alone in a process of its own (``--worker``),
 the implementations alternated process by process (``--runs`` processes each), medians over the
@@ -45,6 +48,7 @@ the numbers are preliminary.
     python benchmarks/model_speed.py swap --runs 8
     python benchmarks/model_speed.py swap --runs 6 --batch 4 --prompts 40 --train-lengths 40 256
     python benchmarks/model_speed.py in-model --runs 6 --prompts 32 1024 --train-lengths 16 512
+    python benchmarks/model_speed.py in-model --runs 6 --batch 4 --prompts --train-lengths 16 40 --train-padding right
     python benchmarks/model_speed.py padded --train-lengths 40 256 1024 --rounds 200
     python benchmarks/model_speed.py compiled --runs 20 --train-lengths 16 512
     python benchmarks/model_speed.py compiled --runs 12 --batch 4 --train-lengths 40 256 --dtypes float32
@@ -253,18 +257,20 @@ def worker_train(precision: str, length: int, steps: int, implementation: str) -
     return {"value": statistics.median(times)}
 
 
-def _left_padded(length: int, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(ids, attention mask) of ``batch`` rows, row b left-padded by b / 2B of ``length``."""
+def _padded_batch(length: int, batch: int, side: str = "left") -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids, attention mask) of ``batch`` rows, row b padded by b / 2B of ``length`` on ``side``
+    (left: as generate() pads prompts; right: as tokenizers pad training batches by default)."""
     # Token 0 is the pad token: generate() would mask every 0 inside the prompt (holes in the mask).
     ids = torch.randint(1, 1024, (batch, length), generator=torch.Generator().manual_seed(length))
     mask = torch.ones_like(ids)
     for b in range(batch):
-        mask[b, :length * b // (2 * batch)] = 0
+        pad = length * b // (2 * batch)
+        mask[b, slice(None, pad) if side == "left" else slice(length - pad, None)] = 0
     return ids.masked_fill(mask == 0, 0), mask
 
 
 def padded_attention(args: argparse.Namespace) -> None:
-    """One layer's attention, forward + backward, on left-padded rows (``_left_padded``'s), the
+    """One layer's attention, forward + backward, on padded rows (``_padded_batch``'s), the
     module's layout (q, k, v as (B, H, N, D) views): the integration's ``attention_forward``
     with the 2D mask against transformers' ``sdpa_attention_forward`` with the 4D mask
     (causal and padding) it gets, interleaved. Rows that see no key take eager's uniform softmax
@@ -282,7 +288,7 @@ def padded_attention(args: argparse.Namespace) -> None:
     for dtype_name in args.dtypes:
         dtype, autocast = _precision(dtype_name)
         for length in args.train_lengths:
-            mask = _left_padded(length, batch)[1].bool()
+            mask = _padded_batch(length, batch, args.train_padding)[1].bool()
             mask_4d = (torch.ones(length, length, dtype=torch.bool).tril()[None] & mask[:, None, :])[:, None]
             q = torch.randn(batch, length, heads, head_dim, dtype=dtype).transpose(1, 2).requires_grad_()
             k, v = (torch.randn(batch, length, heads_k, head_dim, dtype=dtype).transpose(1, 2).requires_grad_()
@@ -302,13 +308,14 @@ def padded_attention(args: argparse.Namespace) -> None:
                 torch.testing.assert_close(ours()[mask].float(), sdpa()[mask].float(), atol=2e-2, rtol=2e-2)
             t = interleaved({"ours": lambda: ours().backward(dout), "sdpa": lambda: sdpa().backward(dout)},
                             args.rounds)
-            rows.append(_row(f"{dtype_name} {batch} left-padded rows of {length}", t["ours"], t["sdpa"]))
-    _table(f"One layer's attention (H{heads}/{heads_k} D{head_dim}), forward + backward, left-padded rows "
+            rows.append(_row(f"{dtype_name} {batch} {args.train_padding}-padded rows of {length}", t["ours"],
+                             t["sdpa"]))
+    _table(f"One layer's attention (H{heads}/{heads_k} D{head_dim}), forward + backward, padded rows "
            "(median per call)", rows)
 
 
 def _generate_inputs(prompt: int, new_tokens: int, batch: int):
-    ids, mask = _left_padded(prompt, batch)
+    ids, mask = _padded_batch(prompt, batch)
     return ids, dict(attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
                      pad_token_id=0)
 
@@ -344,7 +351,7 @@ def _model_cases(args: argparse.Namespace, names: dict):
         model.train()
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
         for length in args.train_lengths:
-            ids, mask = _left_padded(length, args.batch)
+            ids, mask = _padded_batch(length, args.batch, args.train_padding)
             labels = ids.masked_fill(mask == 0, -100)
 
             def step(impl, ids=ids, mask=mask, labels=labels):
@@ -361,7 +368,7 @@ def _model_cases(args: argparse.Namespace, names: dict):
 def _case_label(args: argparse.Namespace, dtype_name: str, kind: str, size: int) -> str:
     if kind == "generate":
         return f"{dtype_name} generate(), {'prompt' if args.batch == 1 else f'{args.batch} left-padded prompts'} {size}"
-    what = "sequence" if args.batch == 1 else f"{args.batch} left-padded sequences"
+    what = "sequence" if args.batch == 1 else f"{args.batch} {args.train_padding}-padded sequences"
     return f"{dtype_name} training step, {what} {size}"
 
 
@@ -500,7 +507,7 @@ def compiled_steps(args: argparse.Namespace) -> None:
             model.set_attn_implementation(_implementation(impl))
             models[impl] = torch.compile(model.train()), torch.optim.AdamW(model.parameters(), lr=1e-6)
         for length in args.train_lengths:
-            ids, mask = _left_padded(length, args.batch)
+            ids, mask = _padded_batch(length, args.batch, args.train_padding)
             inputs = {"input_ids": ids, "labels": ids, "use_cache": False}
             if args.batch > 1:  # (a padded batch: the integration's padded path, graph breaks included)
                 inputs["attention_mask"] = mask
@@ -533,7 +540,7 @@ def compiled_steps(args: argparse.Namespace) -> None:
                 paired = statistics.median(a / b for a, b in zip(ours, theirs))
                 cells.append(f"{statistics.median(ours) * 1e3:.1f} / {statistics.median(theirs) * 1e3:.1f} "
                              f"({paired:.3f})")
-            what = "sequence" if args.batch == 1 else f"{args.batch} left-padded sequences"
+            what = "sequence" if args.batch == 1 else f"{args.batch} {args.train_padding}-padded sequences"
             rows.append(f"| {dtype_name} training step, {what} {length} | " + " | ".join(cells) + " |")
             print(f"  compiled: {rows[-1]}", file=sys.stderr, flush=True)
     model = "Llama" if args.sliding_window is None else f"Mistral (sliding window {args.sliding_window})"
@@ -651,7 +658,9 @@ def main() -> None:
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--batch", type=int, default=1,
                    help="generate(): prompts per call; swap, compiled: sequences per training step too "
-                        "(left-padded); padded: rows (default 4)")
+                        "(padded: --train-padding); padded: rows (default 4)")
+    p.add_argument("--train-padding", choices=["left", "right"], default="left",
+                   help="the side training sequences and padded's rows are padded on (with --batch)")
     p.add_argument("--train-lengths", type=int, nargs="*", default=[16, 512])
     p.add_argument("--train-steps", type=int, default=5)
     p.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32", "autocast"],

@@ -328,6 +328,99 @@ def test_transformers_training_reads_the_heads_first_layout(gen, seed, dtype, au
     _fresh_memos()
 
 
+@pytest.mark.parametrize("dtype,autocast,softcap", [("float32", False, 0.0), ("bfloat16", False, 0.0),
+                                                    ("float32", True, 0.0), ("float32", False, 20.0)])
+def test_padded_training_layers_repeat_the_first_in_the_heads_first_layout(gen, seed, dtype, autocast, softcap,
+                                                                            monkeypatch):
+    """A padded training forward's layers share one mask tensor; after the first layer's checked
+    call the others repeat it in transformers' layout (``padded.repeated_heads_first_training``):
+    out and the gradients of the op's path bitwise, layer after layer, on left padding (the
+    blind rows' eager means and gradients added) and right padding, a new mask per forward,
+    another length among them, under autocast and softcap too; a mask changed in place between
+    layers is read again; the real rows within the flash-attn rule of float64; a second
+    derivative still refused."""
+    from tvmflash import padded
+    from tvmflash.integrations import transformers as tvm_hf
+
+    dtype = getattr(torch, dtype)
+    layer = _Layer()
+
+    def mask_of(n, side):
+        mask = torch.ones(3, n, dtype=torch.bool)
+        for b, pad in enumerate((0, n // 5, n // 2)):
+            mask[b, slice(None, pad) if side == "left" else slice(n - pad, None)] = False
+        return mask
+
+    forwards = []  # (mask, changed in place after the first layer, the layers' q, k, v and dout)
+    for n, side, changed in ((21, "left", False), (21, "right", False), (33, "left", False), (21, "left", True)):
+        draws = []
+        for _ in range(3):
+            q = torch.randn(3, n, 8, 64, generator=gen).to(dtype).transpose(1, 2)  # (the projection's view)
+            k, v = (torch.randn(3, 2, n, 64, generator=gen).to(dtype) for _ in range(2))
+            draws.append(((q, k, v), torch.randn(3, n, 8, 64, generator=gen).to(torch.bfloat16 if autocast else dtype)))
+        forwards.append((mask_of(n, side), changed, draws))
+
+    def run():
+        results = []
+        for mask, changed, draws in forwards:
+            mask = mask.clone()  # (a model's mask: a new tensor per forward)
+            for i, (qkv, dout) in enumerate(draws):
+                if changed and i == 1:
+                    mask[1, -1] = False
+                leaves = [t.detach().requires_grad_() for t in qkv]
+                with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                    out, _ = tvm_hf.attention_forward(layer, *leaves, mask, scaling=0.125, softcap=softcap)
+                results.append((out.detach(), *torch.autograd.grad(out, leaves, dout)))
+        return results
+
+    took = []
+    apply = padded._apply_rows_training
+    monkeypatch.setattr(padded, "_apply_rows_training", lambda *a: took.append(len(took)) or apply(*a))
+    _fresh_memos()
+    fast = run()
+    assert len(took) == 2 + 2 + 2 + 1  # (each forward's second and third layer; the changed mask's third)
+    _fresh_memos()
+    monkeypatch.setattr(padded, "repeated_heads_first_training", lambda *args: None)
+    through_op = run()
+    _fresh_memos()
+    for ours, theirs in zip(fast, through_op):
+        assert all(torch.equal(a, b) for a, b in zip(ours, theirs))
+    (q, k, v), dout = forwards[0][2][-1]
+    mask = forwards[0][0]
+    kernel = [t.transpose(1, 2).to(fast[2][0].dtype) for t in (q, k, v)]
+    counted = (mask | (mask.cumsum(1) == 0))[:, :, None, None]  # real rows and those that see no key
+
+    def eager(dtype):  # transformers' eager: the mask's most negative number, a uniform softmax where it hides all
+        leaves = [t.detach().to(dtype).requires_grad_() for t in kernel]
+        qh, kh, vh = (t.transpose(1, 2) for t in leaves)
+        kh, vh = (t.repeat_interleave(4, dim=1) for t in (kh, vh))
+        scores = qh @ kh.mT * 0.125
+        if softcap:
+            scores = softcap * torch.tanh(scores / softcap)
+        seen = torch.ones(scores.shape[-2:], dtype=torch.bool).tril() & mask[:, None, None, :]
+        hidden = torch.zeros(seen.shape, dtype=dtype).masked_fill(~seen, torch.finfo(dtype).min)
+        out = (torch.softmax(scores + hidden, -1) @ vh).transpose(1, 2)  # (added: the blind rows' gradients flow)
+        return out * counted, *torch.autograd.grad(out, leaves, dout.to(dtype) * counted)
+
+    ours = (fast[2][0] * counted, fast[2][1].transpose(1, 2), *(g.transpose(1, 2) for g in fast[2][2:]))
+    for name, got, want, same in zip(("out", "dq", "dk", "dv"), ours, eager(torch.float64), eager(kernel[0].dtype)):
+        assert_flash_rule(name, got, want.detach(), same.detach(), kernel[0].dtype, seed)
+
+    monkeypatch.undo()
+    _fresh_memos()
+    mask = forwards[0][0].clone()
+    for _ in range(2):  # (the second: the repeat; a create_graph backward takes the backward op)
+        leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            out, _ = tvm_hf.attention_forward(layer, *leaves, mask, scaling=0.125, softcap=softcap)
+    want, = torch.autograd.grad(out, leaves[0], dout, retain_graph=True)
+    dq, = torch.autograd.grad(out, leaves[0], dout, create_graph=True)
+    assert torch.equal(dq, want)
+    with pytest.raises(RuntimeError, match="no autograd formula"):
+        (dq.pow(2).sum() + leaves[0].sum()).backward()
+    _fresh_memos()
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_row_runs_launches_zero_the_rows_outside_the_runs(gen, dtype, monkeypatch):
     """A left-padded batch read in place (row runs, transformers' padded training): the kernels

@@ -145,12 +145,14 @@ def test_repeated_training_steps_match_eager(model, gen, monkeypatch):
 @pytest.mark.parametrize("holes", [False, True])
 @pytest.mark.parametrize("model", MODELS)
 def test_padded_batch_loss_and_gradients_match_eager(model, gen, monkeypatch, holes):
-    """Rows of one run of real tokens each are read in place (the padded op's row runs); a pad
+    """Rows of one run of real tokens each are read in place (the padded op's row runs; after
+    the first layer of a kind, its repeat: ``padded.repeated_heads_first_training``); a pad
     token inside a row (a hole) takes the gather into packed sequences, or on sliding-window
     layers flex_attention with the mask (the window counts positions in the row, as eager's
     does)."""
-    in_place, over_holes = [], []
-    for module, name, seen in ((torch_op, "row_runs_forward", in_place), (padded, "flex_attention", over_holes)):
+    in_place, repeated, over_holes = [], [], []
+    for module, name, seen in ((torch_op, "row_runs_forward", in_place), (padded, "flex_attention", over_holes),
+                               (padded, "repeated_heads_first_training", repeated)):
         original = getattr(module, name)
         monkeypatch.setattr(module, name, lambda *a, original=original, seen=seen, **kw:
                             seen.append(original(*a, **kw)) or seen[-1])
@@ -164,7 +166,9 @@ def test_padded_batch_loss_and_gradients_match_eager(model, gen, monkeypatch, ho
     kinds = getattr(config, "layer_types", None) or (
         ["sliding_attention" if getattr(config, "sliding_window", None) else "full_attention"] * layers)
     sliding = kinds.count("sliding_attention")
-    assert len(in_place) == (0 if holes else layers) and all(out is not None for out in in_place)
+    repeats = [out for out in repeated if out is not None]
+    assert len(in_place) == (0 if holes else len(set(kinds))) and all(out is not None for out in in_place)
+    assert len(repeats) == (0 if holes else layers - len(set(kinds)))
     assert len(over_holes) == (sliding if holes else 0)
 
 

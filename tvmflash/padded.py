@@ -23,10 +23,12 @@ Llama). Eager calls run the same bodies without torch's dispatcher (``torch_op.O
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import torch
+from torch.autograd import forward_ad
 
-from . import checks, flex_trace, torch_op, uniform_rows
+from . import checks, flex_trace, launch, torch_op, uniform_rows
 from .documents import documents_from_positions
 from .flex import flex_attention, flex_attention_backward
 from .uniform_rows import UniformRows
@@ -211,7 +213,10 @@ def attention(q, k, v, mask: torch.Tensor, *, position_ids: torch.Tensor | None 
                 _checked.clear()
             _checked[key] = flash
     keys_seen = mask if position_ids is None else _positions_of_real_tokens(mask, position_ids, q.shape[1], k.shape[1])
-    out, _ = _padded_ops(q, k, v, keys_seen, flash.softmax_scale, *flash.window, flash.softcap)
+    scalars = (flash.softmax_scale, *flash.window, flash.softcap)
+    out, _ = _padded_ops(q, k, v, keys_seen, *scalars)
+    if key is not None and out.requires_grad:
+        _remember_repeat(mask, (type(softmax_scale), softmax_scale, causal, window_size, softcap), q, k, v, scalars)
     return out if out.shape[-1] == head_dim else out[..., :head_dim]  # (a view: one autograd node more)
 
 
@@ -276,22 +281,114 @@ def written_keys(mask: torch.Tensor, len_q: int) -> torch.Tensor:
     return per_mask(mask, "_tvmflash_written", len_q, cut)
 
 
+def _layout(q, k, v, keys_seen, softmax_scale: float, window_left: int, window_right: int, softcap: float
+            ) -> _Layout:
+    """The ``_Layout`` of a call, found once per ``keys_seen`` tensor and checked call (tensors'
+    shapes, strides and dtypes, options): a model's layers share their mask, and the forward's
+    layout serves its backward (~50 us each where the model's products evicted the caches)."""
+    key = torch_op._call_key(q, k, v, 0.0, softmax_scale, False, (window_left, window_right), softcap, False, False)
+    if key is None:
+        return _Layout(q, k, v, keys_seen, softmax_scale, window_left, window_right, softcap)
+    found = per_mask(keys_seen, "_tvmflash_layouts", torch_op.calls_generation, dict)
+    layout = found.get(key)
+    if layout is None:
+        layout = found[key] = _Layout(q, k, v, keys_seen, softmax_scale, window_left, window_right, softcap)
+    return layout
+
+
+# --- the layers' repeated training calls ------------------------------------------------------------
+# A model's layers call attention with one mask per forward; after the first layer's checked call,
+# the others repeat it (``repeated_heads_first_training``).
+class _Repeat(NamedTuple):
+    """A checked training call's row runs and blind rows on its mask (kept on the mask, no
+    reference to it), and the op's scalars (its backward's, where the repeat's cannot run)."""
+
+    call: torch_op._ForwardCall
+    blind: UniformRows | None
+    scalars: tuple
+
+
+def _remember_repeat(mask: torch.Tensor, options: tuple, q, k, v, scalars: tuple) -> None:
+    """Keep on ``mask`` what a call with these ``options`` (as the caller gave them) repeats, where
+    the op's forward read the mask's rows in place and its kernels add the blind rows' terms."""
+    generation = torch_op.calls_generation
+    layout = per_mask(mask, "_tvmflash_layouts", generation, dict).get(
+        torch_op._call_key(q, k, v, 0.0, scalars[0], False, scalars[1:3], scalars[3], False, False))
+    if layout is not None and layout.kernels_add_blind:
+        per_mask(mask, "_tvmflash_repeats", generation, dict)[options] = _Repeat(layout.call, layout.blind, scalars)
+
+
+def repeated_heads_first_training(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+                                  softmax_scale: float | None, causal: bool, window_size: tuple[int, int],
+                                  softcap: float) -> torch.Tensor | None:
+    """``attention``'s out for a training call on a ``mask`` that a call with these options ran
+    on before (the model's first layer), q, k, v in transformers' ``(batch, heads, n, head_dim)``
+    layout, read in place by the checked call's C launches (``torch_op.repeated_heads_first_training``
+    for calls without a mask); None where no such call's launch takes them, for a call that
+    records no gradient, or under a mode, transform or forward-mode AD."""
+    found = getattr(mask, "_tvmflash_repeats", None)  # (per_mask's: valid at the mask's version and generation)
+    if found is None or found[0] != (mask._version, torch_op.calls_generation):
+        return None
+    repeat = found[1].get((type(softmax_scale), softmax_scale, causal, window_size, softcap))
+    if repeat is None or forward_ad._current_level >= 0 or launch.eager_state(torch_op._NO_MODES, q, k, v) != 1:
+        return None
+    made = repeat.call.heads_first_launches(q, k, v)
+    if made is None or not made[0].accepts(q, k, v):
+        return None
+    return _apply_rows_training(repeat, made, mask, q, k, v)
+
+
+class _RowsTraining(torch.autograd.Function):
+    """``repeated_heads_first_training``'s call: ``torch_op._HeadsFirstTraining`` for row runs, the
+    blind rows' terms added (out in the kernels' layout, gradients in q, k and v's)."""
+
+    @staticmethod
+    def forward(ctx, repeat: _Repeat, launches: tuple, mask, q, k, v):
+        call = repeat.call
+        found = launches[0](q, k, v)
+        if found is None:  # (a steering value changed since the launch took them: the call's Python path)
+            found = call.forward_and_lse(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+        out, lse = found
+        torch_op.add_uniform_means(call, repeat.blind, out, v.transpose(1, 2))
+        ctx.save_for_backward(q, k, v, out, lse, mask)
+        ctx.repeat, ctx.launch = repeat, launches[1]
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse, mask = ctx.saved_tensors
+        repeat, views = ctx.repeat, tuple(t.transpose(1, 2) for t in (q, k, v))
+        grads = None
+        if torch_op._direct_backward():
+            grads = repeat.call.backward_heads_first(ctx.launch, dout, q, k, v, out, lse)
+        if grads is not None:
+            torch_op.add_uniform_gradients(repeat.call, repeat.blind, tuple(g.transpose(1, 2) for g in grads), *views,
+                                           torch_op.kernel_layout(dout))
+        else:  # create_graph, a mode, or what the kernel refused: the backward op (as differentiable_pair's)
+            with torch.no_grad():
+                grads = _padded_ops.backward(torch_op.kernel_layout(dout), *views, out, lse, mask, *repeat.scalars)
+            grads = tuple(g.transpose(1, 2) for g in torch_op.refusing_second_derivatives(grads, *views, dout))
+        return None, None, None, *grads
+
+
+_apply_rows_training = torch_op._c_apply(_RowsTraining)
+
+
 class _Layout:
     """What the op's forward and backward bodies read from the mask (``written_keys``) or the
     documents (``_real_and_documents``): the row runs (or None), the blind rows, the kernels'
-    checked call on the runs (or None: the varlen path, ``plan``); k and v cut to the mask's
-    keys (views), and whether the kernels add the blind rows' terms (no empty slots) or the
-    torch ops over all keys (``uniform_rows``)."""
+    checked call on the runs (or None: the varlen path, ``plan``); the mask's n keys, and
+    whether the kernels add the blind rows' terms (no empty slots) or the torch ops over all keys
+    (``uniform_rows``). It holds no reference to the mask (it is kept on the mask: ``_layout``)."""
 
-    __slots__ = ("mask", "runs", "blind", "call", "window_over_holes", "plan", "k", "v", "kernels_add_blind")
+    __slots__ = ("n", "runs", "blind", "call", "window_over_holes", "plan", "kernels_add_blind")
 
     def __init__(self, q, k, v, keys_seen, softmax_scale: float, window_left: int, window_right: int,
                  softcap: float):
         len_q = q.shape[1]
         mask, documents = _real_and_documents(keys_seen)
-        self.mask = mask = written_keys(mask, len_q)
-        n = mask.shape[1]
-        self.k, self.v = (k, v) if k.shape[1] == n else (k[:, :n], v[:, :n])
+        mask = written_keys(mask, len_q)
+        self.n = n = mask.shape[1]
         self.runs = mask_rows(mask).runs if documents is None else None
         self.blind = blind_rows(mask, len_q, window_left, window_right)
         # (a window over holes counts positions in the row, which packed sequences would not: flex, in place;
@@ -300,23 +397,36 @@ class _Layout:
                                   and (window_left, window_right) not in ((-1, -1), (-1, 0)))
         self.call = self.plan = None
         if self.runs is not None and len_q == n:
-            self.call = torch_op.row_runs_call(q, self.k, self.v, self.runs, softmax_scale=softmax_scale, causal=False,
-                                               window_size=(window_left, window_right), softcap=softcap)
+            self.call = torch_op.row_runs_call(q, *self.keys(k, v), self.runs, softmax_scale=softmax_scale,
+                                               causal=False, window_size=(window_left, window_right), softcap=softcap)
         if documents is not None:
             self.plan = per_mask(keys_seen, "_tvmflash_documents_plan", None, lambda: Unpad.documents(mask, documents))
         elif self.call is None and not self.window_over_holes:
             self.plan = unpad_plan(mask, len_q)
         self.kernels_add_blind = self.call is not None and k.shape[1] == n
 
-    def flex_inputs(self, q, softmax_scale: float, window_left: int, window_right: int, softcap: float) -> tuple:
-        """(q, k, v) as flex_attention's (batch, heads, n, head_dim) views, and its other arguments:
-        the mask and the window as a block mask (one per mask tensor), softcap as a score_mod."""
-        len_q, mask = q.shape[1], self.mask
-        blocks = per_mask(mask, "_tvmflash_window_blocks", (len_q, window_left, window_right),
-                          lambda: _window_block_mask(mask, len_q, window_left, window_right))
-        views = tuple(t.transpose(1, 2) for t in (q, self.k, self.v))
-        return views, {"score_mod": _softcap_mod(softcap, q.device.type) if softcap else None, "block_mask": blocks,
-                       "scale": softmax_scale, "enable_gqa": q.shape[2] != self.k.shape[2]}
+    def keys(self, k, v) -> tuple:
+        """k and v cut to the mask's keys (views)."""
+        n = self.n
+        return (k, v) if k.shape[1] == n else (k[:, :n], v[:, :n])
+
+
+def _written_mask(keys_seen: torch.Tensor, len_q: int) -> torch.Tensor:
+    """The bool mask of ``keys_seen`` without its trailing columns that hold no real key
+    (``written_keys``), as ``_Layout`` reads it."""
+    return written_keys(_real_and_documents(keys_seen)[0], len_q)
+
+
+def _flex_inputs(q, k, v, mask, softmax_scale: float, window_left: int, window_right: int, softcap: float) -> tuple:
+    """(q, k, v: cut to the written ``mask``'s keys) as flex_attention's (batch, heads, n,
+    head_dim) views, and its other arguments: the mask and the window as a block mask (one per
+    mask tensor), softcap as a score_mod."""
+    len_q = q.shape[1]
+    blocks = per_mask(mask, "_tvmflash_window_blocks", (len_q, window_left, window_right),
+                      lambda: _window_block_mask(mask, len_q, window_left, window_right))
+    views = tuple(t.transpose(1, 2) for t in (q, k, v))
+    return views, {"score_mod": _softcap_mod(softcap, q.device.type) if softcap else None, "block_mask": blocks,
+                   "scale": softmax_scale, "enable_gqa": q.shape[2] != k.shape[2]}
 
 
 @functools.lru_cache(maxsize=16)
@@ -393,20 +503,20 @@ def _padded_forward_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys
     """The forward op's body: out like q, lse (batch, heads, n), 0 at padding rows (but the
     blind rows' out: the mean of v). ``keys_seen``: the bool mask, or the positions with -1 at
     padding (``_positions_of_real_tokens``)."""
-    layout = _Layout(q, k, v, keys_seen, softmax_scale, window_left, window_right, softcap)
-    blind = layout.blind
+    layout = _layout(q, k, v, keys_seen, softmax_scale, window_left, window_right, softcap)
+    blind, (k_cut, v_cut) = layout.blind, layout.keys(k, v)
     if layout.call is not None:
-        out, lse = torch_op.row_runs_forward(layout.call, blind if layout.kernels_add_blind else None, q, layout.k,
-                                             layout.v)
+        out, lse = torch_op.row_runs_forward(layout.call, blind if layout.kernels_add_blind else None, q, k_cut, v_cut)
     elif layout.window_over_holes:
+        mask = _written_mask(keys_seen, q.shape[1])
         with torch_op.eager_dispatch():  # (the mask_mod's trace, once per mask: make_fx, in a compiled graph too)
-            views, options = layout.flex_inputs(q, softmax_scale, window_left, window_right, softcap)
+            views, options = _flex_inputs(q, k_cut, v_cut, mask, softmax_scale, window_left, window_right, softcap)
             out, lse = flex_attention(*views, return_lse=True, **options)
         out = out.transpose(1, 2).contiguous()
-        out.masked_fill_(~layout.mask[:, -q.shape[1]:, None, None], 0)  # (padding rows: 0, as on the other paths)
+        out.masked_fill_(~mask[:, -q.shape[1]:, None, None], 0)  # (padding rows: 0, as on the other paths)
     else:
         plan, (batch, len_q, heads, _) = layout.plan, q.shape
-        keys = layout.k[plan.key_index], layout.v[plan.key_index]
+        keys = k_cut[plan.key_index], v_cut[plan.key_index]
         out_real, lse_real = torch_op._forward_impl(q[plan.query_index], *keys, plan.cu_q, plan.cu_k, None,
                                                     softmax_scale, window_left, window_right, softcap, False, False,
                                                     None)
@@ -428,24 +538,25 @@ def _padded_backward_impl(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, 
                           window_right: int, softcap: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """dq, dk, dv of ``_padded_forward_impl`` (the same choice of path, made again from
     ``keys_seen``)."""
-    layout = _Layout(q, k, v, keys_seen, softmax_scale, window_left, window_right, softcap)
-    blind, n = layout.blind, layout.k.shape[1]
+    layout = _layout(q, k, v, keys_seen, softmax_scale, window_left, window_right, softcap)
+    blind, n, (k_cut, v_cut) = layout.blind, layout.n, layout.keys(k, v)
     if layout.call is not None:
         dq, dk, dv = torch_op.row_runs_backward(layout.call, blind if layout.kernels_add_blind else None, dout, q,
-                                                layout.k, layout.v, out, lse)
+                                                k_cut, v_cut, out, lse)
     elif layout.window_over_holes:
-        real_dout = dout.masked_fill(~layout.mask[:, -q.shape[1]:, None, None], 0)  # (out is 0 there)
+        mask = _written_mask(keys_seen, q.shape[1])
+        real_dout = dout.masked_fill(~mask[:, -q.shape[1]:, None, None], 0)  # (out is 0 there)
         with torch_op.eager_dispatch():
-            views, options = layout.flex_inputs(q, softmax_scale, window_left, window_right, softcap)
+            views, options = _flex_inputs(q, k_cut, v_cut, mask, softmax_scale, window_left, window_right, softcap)
             grads = flex_attention_backward(real_dout.transpose(1, 2), *views, out.transpose(1, 2), lse, **options)
         dq, dk, dv = (g.transpose(1, 2).contiguous() for g in grads)
     else:
         plan, queries, keys = layout.plan, layout.plan.query_index, layout.plan.key_index
-        grads = torch_op._backward_impl(dout[queries], q[queries], layout.k[keys], layout.v[keys], out[queries],
+        grads = torch_op._backward_impl(dout[queries], q[queries], k_cut[keys], v_cut[keys], out[queries],
                                         _packed_lse(lse, plan), plan.cu_q, plan.cu_k, None, softmax_scale, window_left,
                                         window_right, softcap, False, False, None)
         dq, dk, dv = (t.new_zeros(t.shape).index_put_(index, g)
-                      for t, index, g in zip((q, layout.k, layout.v), (queries, keys, keys), grads))
+                      for t, index, g in zip((q, k_cut, v_cut), (queries, keys, keys), grads))
     if k.shape[1] > n:  # (the empty slots: no gradient but the blind rows')
         dk, dv = (torch.nn.functional.pad(g, (0, 0, 0, 0, 0, k.shape[1] - n)) for g in (dk, dv))
     if blind is not None and not layout.kernels_add_blind:  # (their rows of dq hold 0; fp32 sums, one rounding)

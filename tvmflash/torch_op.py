@@ -533,29 +533,39 @@ def _checked_row_runs_call(q, k, v, row_runs: tuple, key, *, softmax_scale, caus
 def row_runs_forward(call: _ForwardCall, uniform: UniformRows | None, q, k, v) -> tuple[torch.Tensor, torch.Tensor]:
     """out and lse of ``call`` (a ``row_runs_call``), the ``uniform`` rows' means added to out."""
     out, lse = call.forward_and_lse(q, k, v)
-    if uniform is not None:
-        span = out[:, uniform.first:uniform.end]
-        if not call.kernels.add_uniform_means(span, v, uniform.weight):
-            uniform_rows.add_means(span, v, uniform)
+    add_uniform_means(call, uniform, out, v)
     return out, lse
 
 
 def row_runs_backward(call: _ForwardCall, uniform: UniformRows | None, dout, q, k, v, out, lse) -> tuple:
     """dq, dk, dv of ``row_runs_forward``."""
-    kernels = call.kernels
     grad_out = kernel_layout(dout)
     grads = call.backward(grad_out, q, k, v, out, lse)
     if grads is None:  # what the kernel refused: the checked launch names it
         grads = tuple(call.new_output(t.shape, t.dtype) for t in (q, k, v))
-        kernels.launch_backward(call.dims, grad_out, q, k, v, out, lse, *grads, call.scale, call.window, None,
-                                None, mod_inputs=call.mods, row_runs=call.row_runs)
-    dq, dk, dv = grads
-    if uniform is not None:  # (their rows of dq are outside the runs: 0 so far; fp32 sums, one rounding)
-        span = grad_out[:, uniform.first:uniform.end]
-        if call.softcap or not kernels.add_uniform_grads(dq, dk, dv, q, k, v, span, uniform.first,
-                                                         uniform.weight, call.scale):
-            uniform_rows.add_gradients(dq, dk, dv, q, k, v, span, uniform, call.scale, call.softcap)
-    return dq, dk, dv
+        call.kernels.launch_backward(call.dims, grad_out, q, k, v, out, lse, *grads, call.scale, call.window, None,
+                                     None, mod_inputs=call.mods, row_runs=call.row_runs)
+    add_uniform_gradients(call, uniform, grads, q, k, v, grad_out)
+    return grads
+
+
+def add_uniform_means(call: _ForwardCall, uniform: UniformRows | None, out, v) -> None:
+    """out (kernel layout) += the ``uniform`` rows' means of v: one kernel where ``call``'s kernels
+    have it, else torch ops. Those rows of out must hold 0 (outside ``call``'s row runs)."""
+    if uniform is not None:
+        span = out[:, uniform.first:uniform.end]
+        if not call.kernels.add_uniform_means(span, v, uniform.weight):
+            uniform_rows.add_means(span, v, uniform)
+
+
+def add_uniform_gradients(call: _ForwardCall, uniform: UniformRows | None, grads: tuple, q, k, v, dout) -> None:
+    """dq, dk, dv (``grads``, kernel layout) += the ``uniform`` rows' gradients (their rows of dq
+    hold 0 so far: outside the runs; fp32 sums, one rounding)."""
+    if uniform is not None:
+        span = dout[:, uniform.first:uniform.end]
+        if call.softcap or not call.kernels.add_uniform_grads(*grads, q, k, v, span, uniform.first, uniform.weight,
+                                                              call.scale):
+            uniform_rows.add_gradients(*grads, q, k, v, span, uniform, call.scale, call.softcap)
 
 
 class _NoSecondDerivative(torch.autograd.Function):
@@ -781,8 +791,15 @@ def _remember(key, call: _ForwardCall) -> None:
 
 def forget_calls() -> None:
     """Forget every checked call: the next calls run the full checks."""
+    global calls_generation
     _calls.clear()
     _calls_by_options.clear()
+    calls_generation += 1
+
+
+# how many times forget_calls ran: the checked calls kept elsewhere (padded.py's, on a mask) are
+# kept under it, so that they are forgotten with these
+calls_generation = 0
 
 
 def repeated_heads_first_training(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float | None,
@@ -972,8 +989,6 @@ class _ForwardCall:
         if kind == "backward":
             kv = torch.empty(*self.kv_shape, dtype=dtype)
             outputs, tail = (out, kv, kv), self._backward_tables
-            if heads_first:  # (the gradients in q, k and v's layout)
-                outputs = tuple((g.transpose(1, 2), True) for g in outputs)
             team = n_threads
             inputs = ((example[0], 0, (1 << example[0].dim()) - 1), *((t, 0, 0, heads_first) for t in example[1:4]),
                       *((t, 0, 0) for t in example[4:]))
@@ -988,8 +1003,11 @@ class _ForwardCall:
             function = self.function
         template += tuple(("tensor", torch.from_dlpack(x)) if hasattr(x, "__dlpack__") else ("int", int(x))
                           for x in tail)  # (the tables are TVM's tensors: torch views of them)
-        if self.row_runs is not None:  # (rows outside the runs: 0, as _allocate's)
-            outputs = tuple((t, False, True) for t in outputs)
+        # (heads first: the gradients in q, k and v's layout; row runs: the rows outside them 0, as _allocate's)
+        gradients_heads_first = heads_first and kind == "backward"
+        if gradients_heads_first or self.row_runs is not None:
+            outputs = tuple((t.transpose(1, 2) if gradients_heads_first else t, gradients_heads_first,
+                             self.row_runs is not None) for t in outputs)
         made = launch.make(function, template, inputs, outputs, team=team if self.kernels._on_torch_threads else 0,
                            refuse_grad=kind == "call", guards=compiler.request_guards())
         if made is None or kind != "call" or not self.return_attn_probs:

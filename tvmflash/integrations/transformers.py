@@ -170,9 +170,9 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     head_dim)`` as the model's attention module passes them; returns ``(out, None)`` with out
     ``(batch, seqlen_q, heads, head_dim)``.
     """
-    if (attention_mask is None and not dropout and kwargs.keys() <= _PLAIN_KWARGS
-            and not torch.compiler.is_compiling()):
-        out = _repeated_call(module, query, key, value, scaling, sliding_window, softcap, is_causal, kwargs)
+    if not dropout and kwargs.keys() <= _PLAIN_KWARGS and not torch.compiler.is_compiling():
+        out = _repeated_call(module, query, key, value, attention_mask, scaling, sliding_window, softcap, is_causal,
+                             kwargs)
         if out is not None:
             return out, None
     if dropout:
@@ -236,13 +236,15 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
 _PLAIN_KWARGS = frozenset({"position_ids", "use_cache", "cache_position"})
 
 
-def _repeated_call(module, query, key, value, scaling, sliding_window, softcap, is_causal, kwargs: dict):
-    """The output of a call without a mask like one of the layers and steps before, read in
-    transformers' layout by a C launch without the checks below (they ran at the first such
-    call): generate()'s new tokens (``repeated_heads_first_step``), a training forward's calls
-    (``repeated_heads_first_training``, their backward too); None for any other call."""
+def _repeated_call(module, query, key, value, mask, scaling, sliding_window, softcap, is_causal, kwargs: dict):
+    """The output of a call like one of the layers and steps before, read in transformers' layout
+    by a C launch without the checks below (they ran at the first such call): generate()'s new
+    tokens without a mask (``repeated_heads_first_step``), a training forward's calls
+    (``repeated_heads_first_training``, their backward too; with a padding mask, on the mask the
+    first layer's call ran on: ``padded.repeated_heads_first_training``); None for any other call."""
     n, len_q = key.shape[2], query.shape[2]
-    if len_q != 1 and len_q != n:
+    if len_q != 1 and len_q != n or mask is not None and (len_q == 1 or type(mask) is not torch.Tensor
+                                                          or mask.dtype != torch.bool):
         return None
     causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
     window, softcap = _window(sliding_window, causal, n), float(softcap) if softcap else 0.0
@@ -250,12 +252,14 @@ def _repeated_call(module, query, key, value, scaling, sliding_window, softcap, 
         if n == 1 or torch.is_autocast_enabled("cpu"):  # (decode steps do not follow autocast)
             return None
         return repeated_heads_first_step(query, key, value, n, scaling, causal, window, softcap)
-    if not query.requires_grad or not kwargs.get("use_cache") and documents.documents_from_positions(
+    if not query.requires_grad or mask is None and not kwargs.get("use_cache") and documents.documents_from_positions(
             kwargs.get("position_ids"), query.shape[0], len_q) is not None:
         return None  # (no gradient: flash_attn_func's own repeat; documents packed into rows: documents.attention)
     dtype = _attention_dtype(query)
     if query.dtype != dtype or key.dtype != dtype or value.dtype != dtype:
         query, key, value = query.to(dtype), key.to(dtype), value.to(dtype)
+    if mask is not None:
+        return padded.repeated_heads_first_training(query, key, value, mask, scaling, causal, window, softcap)
     return repeated_heads_first_training(query, key, value, scaling, causal, window, softcap)
 
 
