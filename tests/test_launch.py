@@ -31,6 +31,23 @@ def _repeated(fn, times=3):
     return [fn() for _ in range(times)]
 
 
+def _counted(monkeypatch, module, name: str) -> list:
+    """A list that grows by one at each call of ``module.name``, which still runs."""
+    took, original = [], getattr(module, name)
+    monkeypatch.setattr(module, name, lambda *a: took.append(len(took)) or original(*a))
+    return took
+
+
+def _assert_second_derivative_refused(out, q, dout):
+    """A create_graph backward gives the gradient of a plain one, and differentiating it again
+    raises (the backward op has no autograd formula) rather than dropping the second-order terms."""
+    want, = torch.autograd.grad(out, q, dout, retain_graph=True)
+    dq, = torch.autograd.grad(out, q, dout, create_graph=True)
+    assert torch.equal(dq, want)
+    with pytest.raises(RuntimeError, match="no autograd formula"):
+        (dq.pow(2).sum() + q.sum()).backward()
+
+
 def _training(q, k, v, dout, **options):
     q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
     out = flash_attn_func(q, k, v, **options)
@@ -285,9 +302,7 @@ def test_transformers_training_reads_the_heads_first_layout(gen, seed, dtype, au
             results.append((out.detach(), *torch.autograd.grad(out, leaves, dout)))
         return results
 
-    took = []
-    apply = torch_op._apply_heads_first_training
-    monkeypatch.setattr(torch_op, "_apply_heads_first_training", lambda *a: took.append(len(took)) or apply(*a))
+    took = _counted(monkeypatch, torch_op, "_apply_heads_first_training")
     _fresh_memos()
     fast = run()
     calls = [c for group in torch_op._calls_by_options.values() for c in group]
@@ -320,11 +335,7 @@ def test_transformers_training_reads_the_heads_first_layout(gen, seed, dtype, au
     for _ in range(3):  # (the third: heads-first; a create_graph backward takes the backward op)
         leaves = [t.detach().requires_grad_() for t in (q, k, v)]
         out, _ = tvm_hf.attention_forward(layer, *leaves, None, scaling=0.125)
-    want, = torch.autograd.grad(out, leaves[0], dout, retain_graph=True)
-    dq, = torch.autograd.grad(out, leaves[0], dout, create_graph=True)
-    assert torch.equal(dq, want)
-    with pytest.raises(RuntimeError, match="no autograd formula"):
-        (dq.pow(2).sum() + leaves[0].sum()).backward()
+    _assert_second_derivative_refused(out, leaves[0], dout)
     _fresh_memos()
 
 
@@ -373,9 +384,7 @@ def test_padded_training_layers_repeat_the_first_in_the_heads_first_layout(gen, 
                 results.append((out.detach(), *torch.autograd.grad(out, leaves, dout)))
         return results
 
-    took = []
-    apply = padded._apply_rows_training
-    monkeypatch.setattr(padded, "_apply_rows_training", lambda *a: took.append(len(took)) or apply(*a))
+    took = _counted(monkeypatch, padded, "_apply_rows_training")
     _fresh_memos()
     fast = run()
     assert len(took) == 2 + 2 + 2 + 1  # (each forward's second and third layer; the changed mask's third)
@@ -413,11 +422,7 @@ def test_padded_training_layers_repeat_the_first_in_the_heads_first_layout(gen, 
         leaves = [t.detach().requires_grad_() for t in (q, k, v)]
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
             out, _ = tvm_hf.attention_forward(layer, *leaves, mask, scaling=0.125, softcap=softcap)
-    want, = torch.autograd.grad(out, leaves[0], dout, retain_graph=True)
-    dq, = torch.autograd.grad(out, leaves[0], dout, create_graph=True)
-    assert torch.equal(dq, want)
-    with pytest.raises(RuntimeError, match="no autograd formula"):
-        (dq.pow(2).sum() + leaves[0].sum()).backward()
+    _assert_second_derivative_refused(out, leaves[0], dout)
     _fresh_memos()
 
 
