@@ -11,13 +11,16 @@ flash-attention masks give. What it means for the kernels, found once per mask t
   tokens (holes, or tensors the in-place kernels do not take);
 * ``blind_rows``: the query rows whose every key the mask hides, which transformers' ``eager``
   gives the mean of v (``uniform_rows.py``);
-* ``_window_block_mask``: a window over a mask with holes, as ``flex_attention``'s block mask.
+* ``_window_block_mask``: a window over a mask with holes, as ``flex_attention``'s block mask;
+* ``_layout``: all of it for one checked call (the forward's serves the backward).
 
 A padded call is one op, ``tvmflash::flash_attn_padded_forward`` (``attention``), whose body
 chooses the path from these when it runs; its backward op chooses again from the saved mask.
 Its shapes do not depend on the mask, so ``torch.compile`` traces it in one graph whatever the
 mask (a choice made while tracing would read the mask's values: 27 graph breaks for an 8-layer
-Llama). Eager calls run the same bodies without torch's dispatcher (``torch_op.OpPair``).
+Llama). Eager calls run the same bodies without torch's dispatcher (``torch_op.OpPair``); in a
+training forward, the layers after the first repeat its checked call on their shared mask in
+transformers' layout (``repeated_heads_first_training``).
 """
 
 from __future__ import annotations
