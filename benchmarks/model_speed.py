@@ -25,6 +25,8 @@
 * ``padded``: one layer's attention alone, forward + backward, on ``--batch`` padded rows
   (default 4) of each ``--train-lengths``, through the transformers integration's function
   against transformers' SDPA function with the 4D mask it would get, interleaved call by call;
+* ``--documents K``: training rows packed with K documents each (padding-free training:
+  position_ids restart, no mask; transformers' masks keep each document to itself);
 * ``--train-padding right``: padded training batches (and ``padded``'s rows) padded on the right,
   as tokenizers pad training batches by default (left: as ``generate()`` pads prompts, where the
   padding queries before a row's first token see no key).
@@ -49,6 +51,7 @@ the numbers are preliminary.
     python benchmarks/model_speed.py swap --runs 6 --batch 4 --prompts 40 --train-lengths 40 256
     python benchmarks/model_speed.py in-model --runs 6 --prompts 32 1024 --train-lengths 16 512
     python benchmarks/model_speed.py in-model --runs 6 --batch 4 --prompts --train-lengths 16 40 --train-padding right
+    python benchmarks/model_speed.py swap --runs 6 --prompts --train-lengths 512 2048 --documents 8
     python benchmarks/model_speed.py padded --train-lengths 40 256 1024 --rounds 200
     python benchmarks/model_speed.py compiled --runs 20 --train-lengths 16 512
     python benchmarks/model_speed.py compiled --runs 12 --batch 4 --train-lengths 40 256 --dtypes float32
@@ -353,11 +356,15 @@ def _model_cases(args: argparse.Namespace, names: dict):
         for length in args.train_lengths:
             ids, mask = _padded_batch(length, args.batch, args.train_padding)
             labels = ids.masked_fill(mask == 0, -100)
+            inputs = {"attention_mask": mask}
+            if args.documents > 1:  # (rows packed with documents: no padding, position_ids restart)
+                inputs = _packed_documents(length, args.batch, args.documents)
+                labels = ids.masked_fill(inputs["position_ids"] == 0, -100)  # (no prediction across documents)
 
-            def step(impl, ids=ids, mask=mask, labels=labels):
+            def step(impl, ids=ids, inputs=inputs, labels=labels):
                 model.set_attn_implementation(names[impl])
                 with _autocast(autocast):
-                    loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+                    loss = model(input_ids=ids, **inputs, labels=labels).loss
                 loss.backward()
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
@@ -365,10 +372,26 @@ def _model_cases(args: argparse.Namespace, names: dict):
             yield dtype_name, "train", length, step
 
 
+def _packed_documents(length: int, batch: int, documents: int) -> dict:
+    """A training forward's inputs for ``batch`` rows of ``length`` tokens, each row ``documents``
+    documents of random lengths packed together (transformers' padding-free training, as
+    ``DataCollatorWithFlattening`` packs them): position_ids restart at each document, no mask,
+    no KV cache (transformers' masks then keep each document to itself)."""
+    generator = torch.Generator().manual_seed(length + documents)
+    rows = []
+    for _ in range(batch):
+        cuts = torch.randperm(length - 1, generator=generator)[:documents - 1].add(1).sort().values.tolist()
+        bounds = [0, *cuts, length]
+        rows.append(torch.cat([torch.arange(b - a) for a, b in zip(bounds, bounds[1:])]))
+    return {"position_ids": torch.stack(rows), "use_cache": False}
+
+
 def _case_label(args: argparse.Namespace, dtype_name: str, kind: str, size: int) -> str:
     if kind == "generate":
         return f"{dtype_name} generate(), {'prompt' if args.batch == 1 else f'{args.batch} left-padded prompts'} {size}"
     what = "sequence" if args.batch == 1 else f"{args.batch} {args.train_padding}-padded sequences"
+    if args.documents > 1:
+        what = f"{args.batch} row{'s' if args.batch > 1 else ''} of {args.documents} packed documents,"
     return f"{dtype_name} training step, {what} {size}"
 
 
@@ -661,6 +684,8 @@ def main() -> None:
                         "(padded: --train-padding); padded: rows (default 4)")
     p.add_argument("--train-padding", choices=["left", "right"], default="left",
                    help="the side training sequences and padded's rows are padded on (with --batch)")
+    p.add_argument("--documents", type=int, default=1,
+                   help="swap, in-model: each training row packed with this many documents (position_ids, no mask)")
     p.add_argument("--train-lengths", type=int, nargs="*", default=[16, 512])
     p.add_argument("--train-steps", type=int, default=5)
     p.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32", "autocast"],

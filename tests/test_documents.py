@@ -65,6 +65,44 @@ def test_compiled_and_eager_calls_agree(gen, seed, head_dim):
                                      (-1, 0), seed)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_eager_calls_read_the_documents_in_place(gen, seed, dtype, monkeypatch):
+    """Eager calls read each document as a run of its row (``torch_op.row_runs_call``: no packed
+    copies; position_ids of one row for all, too), with a gradient to record or not, from
+    transposed views as a model passes them: bitwise the packed varlen path's, and against
+    float64 per document (a sliding window counted within each)."""
+    from tvmflash import torch_op
+
+    window = (9, 0)
+    in_place = []
+    original = torch_op.row_runs_call
+    monkeypatch.setattr(torch_op, "row_runs_call", lambda *a, **kw: in_place.append(original(*a, **kw)) or in_place[-1])
+    for rows in (ROWS, ([5, 32],) * 3):
+        q, k, v = (t.transpose(1, 2).detach().requires_grad_() for t in
+                   (torch.randn(3, 4, 37, 32, generator=gen).to(getattr(torch, dtype)),
+                    *(torch.randn(3, 2, 37, 32, generator=gen).to(getattr(torch, dtype)) for _ in range(2))))
+        dout = torch.randn(3, 37, 4, 32, generator=gen).to(q.dtype)
+        positions = _positions(rows) if rows is ROWS else _positions(rows[:1])  # (one row's for all rows)
+
+        def run():
+            out = documents.attention(q, k, v, positions, causal=True, window_size=window)
+            with torch.no_grad():
+                plain = documents.attention(q, k, v, positions, causal=True, window_size=window)
+            return out.detach(), plain, *torch.autograd.grad(out, (q, k, v), dout)
+
+        in_place.clear()
+        ours = run()
+        assert len(in_place) == 2 and all(call is not None for call in in_place)
+        with monkeypatch.context() as m:
+            m.setattr(documents, "_in_rows", lambda *a: None)
+            packed = run()
+        assert all(torch.equal(a, b) for a, b in zip(ours, packed))
+        assert torch.equal(ours[0], ours[1])
+        _, lse, _ = documents._documents_forward(q, k, v, positions, 32 ** -0.5, *window, 0.0)
+        _assert_matches_per_document(f"in place {dtype}", q, k, v, dout, rows, (ours[0], lse, *ours[2:]), window,
+                                     seed)
+
+
 def test_opcheck(gen):
     """The op has no autograd formula (``_DocumentsAttention`` has): inputs without gradients."""
     q, k, v = random_inputs(gen, 2, 29, 29, 4, 2, 16, "float32")

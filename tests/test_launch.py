@@ -384,7 +384,7 @@ def test_padded_training_layers_repeat_the_first_in_the_heads_first_layout(gen, 
                 results.append((out.detach(), *torch.autograd.grad(out, leaves, dout)))
         return results
 
-    took = _counted(monkeypatch, padded, "_apply_rows_training")
+    took = _counted(monkeypatch, torch_op, "_apply_row_runs_training")
     _fresh_memos()
     fast = run()
     assert len(took) == 2 + 2 + 2 + 1  # (each forward's second and third layer; the changed mask's third)
@@ -422,6 +422,76 @@ def test_padded_training_layers_repeat_the_first_in_the_heads_first_layout(gen, 
         leaves = [t.detach().requires_grad_() for t in (q, k, v)]
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
             out, _ = tvm_hf.attention_forward(layer, *leaves, mask, scaling=0.125, softcap=softcap)
+    _assert_second_derivative_refused(out, leaves[0], dout)
+    _fresh_memos()
+
+
+@pytest.mark.parametrize("dtype,autocast", [("float32", False), ("bfloat16", False), ("float32", True)])
+def test_packed_documents_training_layers_repeat_the_first_in_the_heads_first_layout(gen, dtype, autocast,
+                                                                                     monkeypatch):
+    """Padding-free training (documents packed into rows, told apart by position_ids): after a
+    forward's first layer reads the documents in place, the others repeat its call in
+    transformers' layout (``documents.repeated_heads_first_training``): out and the gradients
+    bitwise those of the kernel-layout calls and of the packed varlen path, layer after layer,
+    new position_ids per forward, another length among them, under autocast too; position_ids
+    changed in place between layers are read again; a second derivative still refused."""
+    from tvmflash import documents
+    from tvmflash.integrations import transformers as tvm_hf
+
+    dtype = getattr(torch, dtype)
+    layer = _Layer()
+
+    def positions_of(n, cuts):
+        bounds = [0, *cuts, n]
+        return torch.stack([torch.cat([torch.arange(b - a) for a, b in zip(bounds, bounds[1:])])] * 2)
+
+    forwards = []  # (position_ids, changed in place after the first layer, the layers' q, k, v and dout)
+    for n, cuts, changed in ((29, (5, 17), False), (29, (11,), False), (40, (3, 20, 33), False), (29, (5, 17), True)):
+        draws = []
+        for _ in range(3):
+            q = torch.randn(2, n, 8, 64, generator=gen).to(dtype).transpose(1, 2)  # (the projection's view)
+            k, v = (torch.randn(2, 2, n, 64, generator=gen).to(dtype) for _ in range(2))
+            draws.append(((q, k, v), torch.randn(2, n, 8, 64, generator=gen).to(torch.bfloat16 if autocast else dtype)))
+        forwards.append((positions_of(n, cuts), changed, draws))
+
+    def run():
+        results = []
+        for positions, changed, draws in forwards:
+            positions = positions.clone()  # (a model's: a new tensor per forward)
+            for i, (qkv, dout) in enumerate(draws):
+                if changed and i == 1:
+                    positions[1, 8:] -= 8  # (row 1: a document starts at token 8 too)
+                leaves = [t.detach().requires_grad_() for t in qkv]
+                with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                    out, _ = tvm_hf.attention_forward(layer, *leaves, None, scaling=0.125, position_ids=positions,
+                                                      use_cache=False)
+                results.append((out.detach(), *torch.autograd.grad(out, leaves, dout)))
+        return results
+
+    took, repeat = [], documents.repeated_heads_first_training
+    monkeypatch.setattr(documents, "repeated_heads_first_training",
+                        lambda *a, **kw: (lambda out: took.append(out is not None) or out)(repeat(*a, **kw)))
+    in_place = _counted(monkeypatch, torch_op, "_apply_row_runs_training")
+    _fresh_memos()
+    fast = run()
+    assert sum(took) == 2 + 2 + 2 + 1 and len(in_place) == 4 * 3  # (the changed position_ids' third layer)
+    _fresh_memos()
+    with monkeypatch.context() as m:
+        m.setattr(documents, "repeated_heads_first_training", lambda *args, **kwargs: None)
+        kernel_layout = run()
+        m.setattr(documents, "_in_rows", lambda *args: None)
+        packed = run()
+    _fresh_memos()
+    for ours, in_rows, varlen in zip(fast, kernel_layout, packed):
+        assert all(torch.equal(a, b) and torch.equal(a, c) for a, b, c in zip(ours, in_rows, varlen))
+
+    (q, k, v), dout = forwards[0][2][0]
+    positions = forwards[0][0].clone()
+    for _ in range(2):  # (the second: the repeat; a create_graph backward takes the backward op)
+        leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            out, _ = tvm_hf.attention_forward(layer, *leaves, None, scaling=0.125, position_ids=positions,
+                                              use_cache=False)
     _assert_second_derivative_refused(out, leaves[0], dout)
     _fresh_memos()
 

@@ -3,7 +3,10 @@
 Training often packs documents into the rows of a batch; transformers tells them apart by their
 ``position_ids``: a document starts at the start of a row and wherever a position is not the
 previous one plus 1. Eager calls find the documents (once per ``position_ids`` tensor) and run
-``flash_attn_func`` on the rows or ``flash_attn_varlen_func`` on the documents. Under
+``flash_attn_func`` on the rows, or read each document in place as a run of its row
+(``torch_op.row_runs_call``; ``flash_attn_varlen_func`` on packed copies where those kernels do
+not apply); a training forward's later layers repeat its first layer's call in transformers'
+layout (``repeated_heads_first_training``). Under
 ``torch.compile`` that choice reads the positions' values, which breaks the graph around every
 layer's attention (six graph breaks a layer, and recompiles on the cache attributes). There the
 call is one op, ``tvmflash::flash_attn_documents_forward``, whose body makes the choice when the
@@ -12,9 +15,13 @@ graph runs; its shapes do not depend on it.
 
 from __future__ import annotations
 
-import torch
+from typing import NamedTuple
 
-from . import checks, torch_op
+import torch
+from torch.autograd import forward_ad
+
+from . import checks, launch, torch_op
+from .tensor_memo import per_tensor, remembered
 
 
 def documents_from_positions(position_ids: torch.Tensor | None, batch: int, length: int) -> torch.Tensor | None:
@@ -27,24 +34,17 @@ def documents_from_positions(position_ids: torch.Tensor | None, batch: int, leng
         return None
     if position_ids.shape[0] not in (1, batch):
         return None
-    # inference tensors have no version counter to tell an in-place change: computed per call
-    stamp = None if position_ids.is_inference() else (position_ids._version, batch)
-    cached = getattr(position_ids, "_tvmflash_documents", None)
-    if stamp is not None and cached is not None and cached[0] == stamp:
-        return cached[1]
+    return per_tensor(position_ids, "_tvmflash_documents", batch, lambda: _documents(position_ids, batch, length))
+
+
+def _documents(position_ids: torch.Tensor, batch: int, length: int) -> torch.Tensor | None:
     positions = position_ids.expand(batch, -1)
     starts = torch.ones(batch, length, dtype=torch.bool, device=position_ids.device)
     starts[:, 1:] = positions[:, 1:] != positions[:, :-1] + 1
-    cu = None
-    if bool(starts[:, 1:].any()):
-        first = starts.flatten().nonzero().flatten().to(torch.int32)
-        cu = torch.cat([first, first.new_tensor([batch * length])])
-    if stamp is not None:
-        try:
-            position_ids._tvmflash_documents = (stamp, cu)
-        except (AttributeError, RuntimeError):
-            pass
-    return cu
+    if not bool(starts[:, 1:].any()):
+        return None
+    first = starts.flatten().nonzero().flatten().to(torch.int32)
+    return torch.cat([first, first.new_tensor([batch * length])])
 
 
 def rows_as_documents(q, k, v, cu_q: torch.Tensor, cu_k: torch.Tensor, **options) -> torch.Tensor:
@@ -69,7 +69,8 @@ def attention(q, k, v, position_ids: torch.Tensor | None, *, softmax_scale=None,
         cu = documents_from_positions(position_ids, q.shape[0], q.shape[1])
         if cu is None:
             return torch_op.flash_attn_func(q, k, v, **options)
-        return rows_as_documents(q, k, v, cu, cu, **options)
+        out = _in_rows(q, k, v, position_ids, cu, options)
+        return rows_as_documents(q, k, v, cu, cu, **options) if out is None else out
     if position_ids is None:
         return torch_op.flash_attn_func(q, k, v, **options)
     # torch.compile: the checks read shapes only; the op finds the documents when it runs
@@ -83,6 +84,76 @@ def attention(q, k, v, position_ids: torch.Tensor | None, *, softmax_scale=None,
     q, k, v = (torch_op.kernel_layout(t) for t in (q, k, v))
     out, _, _ = _DocumentsAttention.apply(q, k, v, position_ids, flash.softmax_scale, *flash.window, flash.softcap)
     return out if out.shape[-1] == head_dim else out[..., :head_dim]  # (a view: one autograd node more)
+
+
+# --- documents read in place, as runs of their rows -------------------------------------------------
+class _InRows(NamedTuple):
+    """Documents read in place as runs of their rows: the checked call (``torch_op.row_runs_call``),
+    and the documents' op table and the op's scalars for the backward op (its fallback)."""
+
+    call: torch_op._ForwardCall
+    table: torch.Tensor
+    scalars: tuple
+
+    def backward_op(self, dout, q, k, v, out, lse, table):
+        """The documents' backward op (``torch_op.row_runs_training``'s fallback)."""
+        return _documents_backward(dout, q, k, v, out, lse, table, *self.scalars)
+
+
+def _in_rows(q, k, v, position_ids: torch.Tensor, cu: torch.Tensor, options: dict) -> torch.Tensor | None:
+    """The documents' attention with q, k, v read in place, each document a run of its row
+    (``torch_op.row_runs_call``: no packed copies, and after a model's first layer no checks),
+    or None where that does not apply: other tensors (CUDA, a head dim the kernels pad), an
+    autocast region of another dtype, a mode, transform or forward-mode AD (the varlen path
+    then names or handles them). The call is kept on ``position_ids`` for the next layers'
+    calls in transformers' layout (``repeated_heads_first_training``)."""
+    device = q.device.type
+    if (forward_ad._current_level >= 0 or k.shape[1] != q.shape[1] or torch.is_autocast_enabled(device)
+            and any(t.dtype != torch.get_autocast_dtype(device) for t in (q, k, v))):
+        return None
+    state = launch.eager_state(torch_op._NO_MODES, q, k, v)
+    if state == 2:
+        return None
+    batch, length = q.shape[:2]
+    runs = per_tensor(position_ids, "_tvmflash_document_runs", batch, lambda: _runs(cu, length))
+    call = torch_op.row_runs_call(q, k, v, runs, **options)
+    if call is None:
+        return None
+    if state == 0:  # (no gradient to record)
+        return call.forward_and_lse(q, k, v)[0]
+    kept, key = per_tensor(position_ids, "_tvmflash_in_rows", (batch, torch_op.calls_generation), dict), _options_key(
+        options)
+    in_rows = kept.get(key)
+    if in_rows is None or in_rows.call is not call:
+        in_rows = kept[key] = _InRows(call, _documents_table(cu, batch * length, position_ids.device),
+                                      (call.scale, *call.window, call.softcap))
+    return torch_op.row_runs_training(call, None, in_rows.backward_op, (in_rows.table,), q, k, v)
+
+
+def _runs(cu: torch.Tensor, length: int) -> tuple:
+    """The documents of cu_seqlens over rows of ``length`` tokens as (row, start, end) runs (a
+    row's start is a document's start: none crosses rows)."""
+    bounds = cu.tolist()
+    return tuple((a // length, a % length, a % length + b - a) for a, b in zip(bounds, bounds[1:]))
+
+
+def _options_key(options: dict) -> tuple:
+    softmax_scale = options["softmax_scale"]
+    return type(softmax_scale), softmax_scale, options["causal"], options["window_size"], options["softcap"]
+
+
+def repeated_heads_first_training(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position_ids: torch.Tensor,
+                                  **options) -> torch.Tensor | None:
+    """``attention``'s out for a training call whose ``position_ids`` a call with these options
+    read in place before (the model's first layer), q, k, v in transformers' ``(batch, heads, n,
+    head_dim)`` layout, read by the call's C launches (``torch_op.row_runs_training``); None
+    where no such call's launch takes them, or under a mode, transform or forward-mode AD."""
+    found = remembered(position_ids, "_tvmflash_in_rows", (q.shape[0], torch_op.calls_generation))
+    in_rows = None if found is None else found.get(_options_key(options))
+    if in_rows is None or forward_ad._current_level >= 0 or launch.eager_state(torch_op._NO_MODES, q, k, v) != 1:
+        return None
+    return torch_op.row_runs_training(in_rows.call, None, in_rows.backward_op, (in_rows.table,), q, k, v,
+                                      heads_first=True)
 
 
 def _packed(*tensors):

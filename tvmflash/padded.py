@@ -2,7 +2,7 @@
 
 A ``(batch, n)`` key-padding mask (True: a real token) is what tokenizers and transformers'
 flash-attention masks give. What it means for the kernels, found once per mask tensor
-(``per_mask``; a model's layers share their mask):
+(``per_tensor``; a model's layers share their mask):
 
 * ``mask_rows``: where each row's real tokens lie; where they are one run (left or right
   padding), the kernels read them in place as their sequence table; else the mask has holes
@@ -33,31 +33,12 @@ from torch.autograd import forward_ad
 
 from . import checks, flex_trace, launch, torch_op, uniform_rows
 from .documents import documents_from_positions
+from .tensor_memo import per_tensor, remembered
 from .flex import flex_attention, flex_attention_backward
 from .uniform_rows import UniformRows
 
 
 # --- what a mask says ----------------------------------------------------------------------------
-def per_mask(mask: torch.Tensor, name: str, key, build):
-    """``build()``, computed once per mask tensor and ``key`` (kept on the tensor as ``name``).
-
-    A model builds its masks once per forward and hands the same tensor to every layer of a
-    kind, so the indices (and the device sync for the lengths) are found once, not per layer.
-    """
-    if mask.is_inference():  # no version counter to tell an in-place change: computed per call
-        return build()
-    stamp = (mask._version, key)
-    cached = getattr(mask, name, None)
-    if cached is not None and cached[0] == stamp:
-        return cached[1]
-    found = build()
-    try:
-        setattr(mask, name, (stamp, found))
-    except (AttributeError, RuntimeError):  # tensor subclasses that refuse attributes
-        pass
-    return found
-
-
 class MaskRows:
     """Where each row's real keys lie in a ``(batch, n)`` bool mask: ``count``, ``first`` and
     ``end`` (one past the last; 0 and 0 in a row without any), tuples of ints; ``written``, the
@@ -99,7 +80,7 @@ class MaskRows:
 
 def mask_rows(mask: torch.Tensor) -> MaskRows:
     """``MaskRows`` of a bool mask, found once per mask tensor."""
-    return per_mask(mask, "_tvmflash_rows", None, lambda: MaskRows(mask))
+    return per_tensor(mask, "_tvmflash_rows", None, lambda: MaskRows(mask))
 
 
 class Unpad:
@@ -143,7 +124,7 @@ def _nonzero_and_cu(mask: torch.Tensor):
 
 def unpad_plan(mask: torch.Tensor, len_q: int) -> Unpad:
     """The gather indices and cu_seqlens for ``mask``, computed once per mask tensor."""
-    return per_mask(mask, "_tvmflash_unpad", len_q, lambda: Unpad(mask, len_q))
+    return per_tensor(mask, "_tvmflash_unpad", len_q, lambda: Unpad(mask, len_q))
 
 
 def blind_rows(mask: torch.Tensor, len_q: int, window_left: int, window_right: int) -> UniformRows | None:
@@ -158,7 +139,7 @@ def blind_rows(mask: torch.Tensor, len_q: int, window_left: int, window_right: i
     the layer's keys, and ``eager`` returns the mean of v. Padding queries at these positions
     predict the first real token, so a causal-LM loss sees them.
     """
-    found = per_mask(mask, "_tvmflash_blind_rows", None, dict)
+    found = per_tensor(mask, "_tvmflash_blind_rows", None, dict)
     key = (len_q, window_left, window_right)
     if key not in found:
         n = mask.shape[1]
@@ -253,7 +234,7 @@ def _real_and_documents(keys_seen: torch.Tensor) -> tuple[torch.Tensor, torch.Te
             return mask, None
         return mask, documents_from_positions(keys_seen, *mask.shape)
 
-    return per_mask(keys_seen, "_tvmflash_real_and_documents", None, read)
+    return per_tensor(keys_seen, "_tvmflash_real_and_documents", None, read)
 
 
 def _checks_key(q, k, v, mask, softmax_scale, causal, window_size, softcap) -> tuple | None:
@@ -278,10 +259,10 @@ def written_keys(mask: torch.Tensor, len_q: int) -> torch.Tensor:
         if n == mask.shape[1]:
             return mask
         view = mask[:, :n]
-        per_mask(view, "_tvmflash_rows", None, lambda: rows)  # (the same rows: the cut columns hold none)
+        per_tensor(view, "_tvmflash_rows", None, lambda: rows)  # (the same rows: the cut columns hold none)
         return view
 
-    return per_mask(mask, "_tvmflash_written", len_q, cut)
+    return per_tensor(mask, "_tvmflash_written", len_q, cut)
 
 
 def _layout(q, k, v, keys_seen, softmax_scale: float, window_left: int, window_right: int, softcap: float
@@ -292,7 +273,7 @@ def _layout(q, k, v, keys_seen, softmax_scale: float, window_left: int, window_r
     key = torch_op._call_key(q, k, v, 0.0, softmax_scale, False, (window_left, window_right), softcap, False, False)
     if key is None:
         return _Layout(q, k, v, keys_seen, softmax_scale, window_left, window_right, softcap)
-    found = per_mask(keys_seen, "_tvmflash_layouts", torch_op.calls_generation, dict)
+    found = per_tensor(keys_seen, "_tvmflash_layouts", torch_op.calls_generation, dict)
     layout = found.get(key)
     if layout is None:
         layout = found[key] = _Layout(q, k, v, keys_seen, softmax_scale, window_left, window_right, softcap)
@@ -310,15 +291,19 @@ class _Repeat(NamedTuple):
     blind: UniformRows | None
     scalars: tuple
 
+    def backward_op(self, dout, q, k, v, out, lse, mask):
+        """The padded backward op (``torch_op.row_runs_training``'s fallback)."""
+        return _padded_ops.backward(dout, q, k, v, out, lse, mask, *self.scalars)
+
 
 def _remember_repeat(mask: torch.Tensor, options: tuple, q, k, v, scalars: tuple) -> None:
     """Keep on ``mask`` what a call with these ``options`` (as the caller gave them) repeats, where
     the op's forward read the mask's rows in place and its kernels add the blind rows' terms."""
     generation = torch_op.calls_generation
-    layout = per_mask(mask, "_tvmflash_layouts", generation, dict).get(
+    layout = (remembered(mask, "_tvmflash_layouts", generation) or {}).get(
         torch_op._call_key(q, k, v, 0.0, scalars[0], False, scalars[1:3], scalars[3], False, False))
     if layout is not None and layout.kernels_add_blind:
-        per_mask(mask, "_tvmflash_repeats", generation, dict)[options] = _Repeat(layout.call, layout.blind, scalars)
+        per_tensor(mask, "_tvmflash_repeats", generation, dict)[options] = _Repeat(layout.call, layout.blind, scalars)
 
 
 def repeated_heads_first_training(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
@@ -329,52 +314,12 @@ def repeated_heads_first_training(q: torch.Tensor, k: torch.Tensor, v: torch.Ten
     layout, read in place by the checked call's C launches (``torch_op.repeated_heads_first_training``
     for calls without a mask); None where no such call's launch takes them, for a call that
     records no gradient, or under a mode, transform or forward-mode AD."""
-    found = getattr(mask, "_tvmflash_repeats", None)  # (per_mask's: valid at the mask's version and generation)
-    if found is None or found[0] != (mask._version, torch_op.calls_generation):
-        return None
-    repeat = found[1].get((type(softmax_scale), softmax_scale, causal, window_size, softcap))
+    repeat = (remembered(mask, "_tvmflash_repeats", torch_op.calls_generation) or {}).get(
+        (type(softmax_scale), softmax_scale, causal, window_size, softcap))
     if repeat is None or forward_ad._current_level >= 0 or launch.eager_state(torch_op._NO_MODES, q, k, v) != 1:
         return None
-    made = repeat.call.heads_first_launches(q, k, v)
-    if made is None or not made[0].accepts(q, k, v):
-        return None
-    return _apply_rows_training(repeat, made, mask, q, k, v)
-
-
-class _RowsTraining(torch.autograd.Function):
-    """``repeated_heads_first_training``'s call: ``torch_op._HeadsFirstTraining`` for row runs, the
-    blind rows' terms added (out in the kernels' layout, gradients in q, k and v's)."""
-
-    @staticmethod
-    def forward(ctx, repeat: _Repeat, launches: tuple, mask, q, k, v):
-        call = repeat.call
-        found = launches[0](q, k, v)
-        if found is None:  # (a steering value changed since the launch took them: the call's Python path)
-            found = call.forward_and_lse(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
-        out, lse = found
-        torch_op.add_uniform_means(call, repeat.blind, out, v.transpose(1, 2))
-        ctx.save_for_backward(q, k, v, out, lse, mask)
-        ctx.repeat, ctx.launch = repeat, launches[1]
-        return out
-
-    @staticmethod
-    def backward(ctx, dout):
-        q, k, v, out, lse, mask = ctx.saved_tensors
-        repeat, views = ctx.repeat, tuple(t.transpose(1, 2) for t in (q, k, v))
-        grads = None
-        if torch_op._direct_backward():
-            grads = repeat.call.backward_heads_first(ctx.launch, dout, q, k, v, out, lse)
-        if grads is not None:
-            torch_op.add_uniform_gradients(repeat.call, repeat.blind, tuple(g.transpose(1, 2) for g in grads), *views,
-                                           torch_op.kernel_layout(dout))
-        else:  # create_graph, a mode, or what the kernel refused: the backward op (as differentiable_pair's)
-            with torch.no_grad():
-                grads = _padded_ops.backward(torch_op.kernel_layout(dout), *views, out, lse, mask, *repeat.scalars)
-            grads = tuple(g.transpose(1, 2) for g in torch_op.refusing_second_derivatives(grads, *views, dout))
-        return None, None, None, *grads
-
-
-_apply_rows_training = torch_op._c_apply(_RowsTraining)
+    return torch_op.row_runs_training(repeat.call, repeat.blind, repeat.backward_op, (mask,), q, k, v,
+                                      heads_first=True)
 
 
 class _Layout:
@@ -392,7 +337,8 @@ class _Layout:
         mask, documents = _real_and_documents(keys_seen)
         mask = written_keys(mask, len_q)
         self.n = n = mask.shape[1]
-        self.runs = mask_rows(mask).runs if documents is None else None
+        runs = mask_rows(mask).runs if documents is None else None
+        self.runs = None if runs is None else tuple((b, first, end) for b, (first, end) in enumerate(runs))
         self.blind = blind_rows(mask, len_q, window_left, window_right)
         # (a window over holes counts positions in the row, which packed sequences would not: flex, in place;
         # one within documents counts positions in the document, as the varlen kernels do)
@@ -403,7 +349,7 @@ class _Layout:
             self.call = torch_op.row_runs_call(q, *self.keys(k, v), self.runs, softmax_scale=softmax_scale,
                                                causal=False, window_size=(window_left, window_right), softcap=softcap)
         if documents is not None:
-            self.plan = per_mask(keys_seen, "_tvmflash_documents_plan", None, lambda: Unpad.documents(mask, documents))
+            self.plan = per_tensor(keys_seen, "_tvmflash_documents_plan", None, lambda: Unpad.documents(mask, documents))
         elif self.call is None and not self.window_over_holes:
             self.plan = unpad_plan(mask, len_q)
         self.kernels_add_blind = self.call is not None and k.shape[1] == n
@@ -425,7 +371,7 @@ def _flex_inputs(q, k, v, mask, softmax_scale: float, window_left: int, window_r
     head_dim) views, and its other arguments: the mask and the window as a block mask (one per
     mask tensor), softcap as a score_mod."""
     len_q = q.shape[1]
-    blocks = per_mask(mask, "_tvmflash_window_blocks", (len_q, window_left, window_right),
+    blocks = per_tensor(mask, "_tvmflash_window_blocks", (len_q, window_left, window_right),
                       lambda: _window_block_mask(mask, len_q, window_left, window_right))
     views = tuple(t.transpose(1, 2) for t in (q, k, v))
     return views, {"score_mod": _softcap_mod(softcap, q.device.type) if softcap else None, "block_mask": blocks,

@@ -84,8 +84,9 @@ def super_tile_size(key_tiles: int, heads_k: int) -> int:
 
 
 def sequences(q_starts, q_lens, k_starts, k_lens, *, packed: bool, block_q: int, block_k: int,
-              heads_k: int, diagonal=None) -> Sequences:
-    """The table for sequences at the given rows (packed: all in batch row 0; else batch b)."""
+              heads_k: int, diagonal=None, rows=None) -> Sequences:
+    """The table for sequences at the given rows (packed: all in batch row 0; else sequence b in
+    batch row b, or in ``rows[b]``: several sequences may share a row)."""
     q_lens, k_lens = np.asarray(q_lens, np.int64), np.asarray(k_lens, np.int64)
     count = len(q_lens)
     q_tiles, k_tiles = ceildiv(q_lens, block_q), ceildiv(k_lens, block_k)
@@ -93,7 +94,7 @@ def sequences(q_starts, q_lens, k_starts, k_lens, *, packed: bool, block_q: int,
     size = super_tile_size(key_tiles, heads_k)
     k_supers, q_supers = ceildiv(k_tiles, size), ceildiv(q_tiles, size)
     table = np.zeros((count, TABLE_COLUMNS), np.int64)
-    batch = np.zeros(count, np.int64) if packed else np.arange(count)
+    batch = np.zeros(count, np.int64) if packed else np.arange(count) if rows is None else np.asarray(rows, np.int64)
     table[:, Q_BATCH], table[:, K_BATCH] = batch, batch
     table[:, Q_START], table[:, K_START] = q_starts, k_starts
     table[:, Q_LEN], table[:, K_LEN] = q_lens, k_lens

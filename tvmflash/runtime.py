@@ -183,17 +183,16 @@ class FlashKernels:
     def _sequences(self, kernel: str, batch: int, seqlen_q: int, seqlen_k: int, heads_k: int, cu_seqlens_q,
                    cu_seqlens_k, diagonal=None, like=None, row_runs=None):
         """plan.py's sequence table and tile maps, as tensors where the kernels run (``like``'s
-        device for CUDA kernels). ``row_runs``: a tuple of (start, end) per batch row of batched
-        tensors: sequence b is rows start..end - 1 of row b, queries and keys alike (a padded
-        batch read in place; CPU kernels)."""
+        device for CUDA kernels). ``row_runs``: a tuple of (row, start, end) of batched tensors:
+        a sequence of positions start..end - 1 of that batch row, queries and keys alike (a padded
+        batch read in place, documents packed into rows; CPU kernels)."""
         cfg = self.configs[kernel]
         device = _device_of(like) if self.is_cuda else None
         if row_runs is not None:
-            if self.is_cuda or len(row_runs) != batch or seqlen_q != seqlen_k or cu_seqlens_q is not None:
-                raise ValueError("row runs take CPU kernels, batched tensors with as many queries as keys and "
-                                 "a run per batch row")
-            if any(not 0 <= start <= end <= seqlen_q for start, end in row_runs):
-                raise ValueError(f"row runs must lie within the {seqlen_q} rows, got {row_runs}")
+            if self.is_cuda or seqlen_q != seqlen_k or cu_seqlens_q is not None:
+                raise ValueError("row runs take CPU kernels and batched tensors with as many queries as keys")
+            if any(not (0 <= row < batch and 0 <= start <= end <= seqlen_q) for row, start, end in row_runs):
+                raise ValueError(f"row runs must lie within the {batch} rows of {seqlen_q} positions, got {row_runs}")
             return _row_runs_arrays_cached(tuple(row_runs), cfg.block_q, cfg.block_k, heads_k)
         if cu_seqlens_q is None and cu_seqlens_k is None:
             return _batched_arrays(batch, seqlen_q, seqlen_k, cfg.block_q, cfg.block_k, heads_k, diagonal, device)
@@ -434,10 +433,10 @@ def _varlen_arrays_cached(cu_q: tuple, cu_k: tuple, block_q, block_k, heads_k, d
 
 @functools.lru_cache(maxsize=256)
 def _row_runs_arrays_cached(row_runs: tuple, block_q, block_k, heads_k):
-    starts = [start for start, _ in row_runs]
-    lengths = [end - start for start, end in row_runs]
+    rows, starts, ends = zip(*row_runs) if row_runs else ((), (), ())
+    lengths = [end - start for start, end in zip(starts, ends)]
     seqs = plan.sequences(starts, lengths, starts, lengths, packed=False, block_q=block_q, block_k=block_k,
-                          heads_k=heads_k)
+                          heads_k=heads_k, rows=rows)
     return seqs, [tvm.runtime.tensor(a) for a in seqs.arrays()]
 
 

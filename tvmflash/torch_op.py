@@ -496,11 +496,12 @@ class _EagerAttention(torch.autograd.Function):
 def row_runs_call(q, k, v, row_runs: tuple, *, softmax_scale, causal: bool, window_size, softcap: float
                   ) -> _ForwardCall | None:
     """The kernels' checked call for attention within ``row_runs`` of plain CPU tensors read in
-    place (sequence b is rows ``start_b .. end_b - 1`` of row b, its queries and keys alike: a
-    padded batch, ``padded.py``; no gather into packed sequences and scatter back, which cost more
-    than the kernels: 4 left-padded rows, fp32 forward + backward, 256 tokens 17.6 -> 12.1 ms,
-    1024 140 -> 77), remembered per shapes, options and runs; None where it
-    does not apply (other tensors, head dims the kernels pad)."""
+    place (each run ``(row, start, end)`` a sequence of positions ``start .. end - 1`` of a batch
+    row, its queries and keys alike: a padded batch, ``padded.py``, or documents packed into rows,
+    ``documents.py``; no gather into packed sequences and scatter back, which cost more than the
+    kernels: 4 left-padded rows, fp32 forward + backward, 256 tokens 17.6 -> 12.1 ms, 1024 140 ->
+    77), remembered per shapes, options and runs; None where it does not apply (other tensors,
+    head dims the kernels pad)."""
     row_runs = tuple(row_runs)
     key = _call_key(q, k, v, 0.0, softmax_scale, causal, window_size, softcap, False, False)
     call = _calls.get(key + (row_runs,)) if key is not None else None
@@ -518,7 +519,7 @@ def _checked_row_runs_call(q, k, v, row_runs: tuple, key, *, softmax_scale, caus
     if (any(type(t) is not torch.Tensor or not t.is_cpu or t.dtype != q.dtype or t.stride(-1) != 1 for t in tensors)
             or checks.head_dim_padding([q.shape[-1]]) or q.shape[1] != k.shape[1]):
         return None
-    longest = max((end - start for start, end in row_runs), default=0)
+    longest = max((end - start for _, start, end in row_runs), default=0)
     kernels = kernels_for(q, softcap=options.softcap > 0, seqlens=(longest, longest))
     dims = checks.check_inputs(kernels, q, k, v)
     kernels._check_runs_here()
@@ -843,9 +844,11 @@ class _ForwardCall:
         self.tasks = max(seqs.query_tiles * heads, seqs.key_tiles * heads_k)
         self.seqlen_k, self.op_scalars, self.row_runs = seqlen_k, op_scalars, row_runs
         # rows outside the runs: 0, lse too (a memset of the whole tensor costs less than writing
-        # those rows slice by slice: 2 against 11 us at 4 x 16 tokens, 30 against 18 at 4 x 512)
-        self._allocate = torch.empty if row_runs is None else torch.zeros
-        self._launches = row_runs is None or any(end > start for start, end in row_runs)
+        # those rows slice by slice: 2 against 11 us at 4 x 16 tokens, 30 against 18 at 4 x 512);
+        # none where the runs cover every row (documents packed into rows)
+        self.zeroed = row_runs is not None and sum(end - start for _, start, end in row_runs) < batch * seqlen_q
+        self._allocate = torch.zeros if self.zeroed else torch.empty
+        self._launches = row_runs is None or any(end > start for _, start, end in row_runs)
         self.function = kernels._functions["flash_fwd"]
         self.device = torch.device("cpu")
         self._scratch = threading.local()  # each thread's lse when the caller does not want it
@@ -1005,9 +1008,9 @@ class _ForwardCall:
                           for x in tail)  # (the tables are TVM's tensors: torch views of them)
         # (heads first: the gradients in q, k and v's layout; row runs: the rows outside them 0, as _allocate's)
         gradients_heads_first = heads_first and kind == "backward"
-        if gradients_heads_first or self.row_runs is not None:
-            outputs = tuple((t.transpose(1, 2) if gradients_heads_first else t, gradients_heads_first,
-                             self.row_runs is not None) for t in outputs)
+        if gradients_heads_first or self.zeroed:
+            outputs = tuple((t.transpose(1, 2) if gradients_heads_first else t, gradients_heads_first, self.zeroed)
+                            for t in outputs)
         made = launch.make(function, template, inputs, outputs, team=team if self.kernels._on_torch_threads else 0,
                            refuse_grad=kind == "call", guards=compiler.request_guards())
         if made is None or kind != "call" or not self.return_attn_probs:
@@ -1097,6 +1100,62 @@ class _HeadsFirstTraining(torch.autograd.Function):
                                  lse, None, None, None, *ctx.call.op_scalars)
             grads = tuple(g.transpose(1, 2) for g in grads)
         return None, None, *grads
+
+
+class _RowRunsTraining(torch.autograd.Function):
+    """A row-runs call (``row_runs_call``) that autograd records: its forward and backward launches
+    (``heads_first``: this thread's ``heads_first_launches``, q, k, v and the gradients in
+    transformers' layout; None: ``forward_and_lse`` and ``backward`` on kernel-layout tensors),
+    the ``uniform`` rows' terms added, and where the call's backward cannot run (create_graph, a
+    mode, what the kernel refused) ``fallback(dout, q, k, v, out, lse, *keep)`` in kernel layout:
+    the op that made the call (``keep``: its tensors, saved with the others)."""
+
+    @staticmethod
+    def forward(ctx, call, heads_first, uniform, fallback, keep, q, k, v):
+        views = (q, k, v) if heads_first is None else tuple(t.transpose(1, 2) for t in (q, k, v))
+        found = None if heads_first is None else heads_first[0](q, k, v)
+        out, lse = call.forward_and_lse(*views) if found is None else found
+        add_uniform_means(call, uniform, out, views[2])
+        ctx.save_for_backward(q, k, v, out, lse, *keep)
+        ctx.call, ctx.launch, ctx.uniform, ctx.fallback = call, heads_first and heads_first[1], uniform, fallback
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse, *keep = ctx.saved_tensors
+        call, heads_first = ctx.call, ctx.launch is not None
+        views = tuple(t.transpose(1, 2) for t in (q, k, v)) if heads_first else (q, k, v)
+        grads = None
+        if _direct_backward():
+            grads = (call.backward_heads_first(ctx.launch, dout, q, k, v, out, lse) if heads_first
+                     else call.backward(kernel_layout(dout), q, k, v, out, lse))
+        if grads is not None:
+            add_uniform_gradients(call, ctx.uniform, tuple(g.transpose(1, 2) for g in grads) if heads_first else grads,
+                                  *views, kernel_layout(dout))
+        else:
+            with torch.no_grad():  # (create_graph: the torch ops inside record nothing; the result is refused below)
+                grads = ctx.fallback(kernel_layout(dout), *views, out, lse, *keep)
+            grads = refusing_second_derivatives(grads, *views, dout)
+            if heads_first:
+                grads = tuple(g.transpose(1, 2) for g in grads)
+        return None, None, None, None, None, *grads
+
+
+_apply_row_runs_training = _c_apply(_RowRunsTraining)
+
+
+def row_runs_training(call: _ForwardCall, uniform: UniformRows | None, fallback, keep: tuple, q, k, v,
+                      heads_first: bool = False) -> torch.Tensor | None:
+    """out of a ``row_runs_call`` whose q, k, v autograd records, with ``_RowRunsTraining``'s
+    backward; ``heads_first``: q, k, v in transformers' ``(batch, heads, n, head_dim)`` layout
+    (None where this thread's launches do not take them yet). The caller has checked that no
+    mode, transform or forward-mode AD is active (``launch.eager_state``)."""
+    launches = None
+    if heads_first:
+        launches = call.heads_first_launches(q, k, v)
+        if launches is None or not launches[0].accepts(q, k, v):
+            return None
+    return _apply_row_runs_training(call, launches, uniform, fallback, keep, q, k, v)
 
 
 _apply_repeated_training = _c_apply(_RepeatedTraining)

@@ -71,7 +71,8 @@ from .. import version
 from ..kvcache import flash_attn_with_kvcache, repeated_decode_step, repeated_heads_first_step
 from ..torch_op import define_op, flash_attn_func, flash_attn_varlen_func, repeated_heads_first_training
 from .. import documents, padded
-from ..padded import per_mask, unpad_plan
+from ..padded import unpad_plan
+from ..tensor_memo import per_tensor
 
 NAME = "tvm_attention"
 
@@ -240,8 +241,9 @@ def _repeated_call(module, query, key, value, mask, scaling, sliding_window, sof
     """The output of a call like one of the layers and steps before, read in transformers' layout
     by a C launch without the checks below (they ran at the first such call): generate()'s new
     tokens without a mask (``repeated_heads_first_step``), a training forward's calls
-    (``repeated_heads_first_training``, their backward too; with a padding mask, on the mask the
-    first layer's call ran on: ``padded.repeated_heads_first_training``); None for any other call."""
+    (``repeated_heads_first_training``, their backward too; with a padding mask or documents
+    packed into rows, on the mask or position_ids the first layer's call read:
+    ``padded.`` and ``documents.repeated_heads_first_training``); None for any other call."""
     n, len_q = key.shape[2], query.shape[2]
     if len_q != 1 and len_q != n or mask is not None and (len_q == 1 or type(mask) is not torch.Tensor
                                                           or mask.dtype != torch.bool):
@@ -252,14 +254,18 @@ def _repeated_call(module, query, key, value, mask, scaling, sliding_window, sof
         if n == 1 or torch.is_autocast_enabled("cpu"):  # (decode steps do not follow autocast)
             return None
         return repeated_heads_first_step(query, key, value, n, scaling, causal, window, softcap)
-    if not query.requires_grad or mask is None and not kwargs.get("use_cache") and documents.documents_from_positions(
-            kwargs.get("position_ids"), query.shape[0], len_q) is not None:
-        return None  # (no gradient: flash_attn_func's own repeat; documents packed into rows: documents.attention)
+    if not query.requires_grad:
+        return None  # (no gradient: flash_attn_func's own repeat)
+    position_ids = None if mask is not None or kwargs.get("use_cache") else kwargs.get("position_ids")
+    in_documents = documents.documents_from_positions(position_ids, query.shape[0], len_q) is not None
     dtype = _attention_dtype(query)
     if query.dtype != dtype or key.dtype != dtype or value.dtype != dtype:
         query, key, value = query.to(dtype), key.to(dtype), value.to(dtype)
     if mask is not None:
         return padded.repeated_heads_first_training(query, key, value, mask, scaling, causal, window, softcap)
+    if in_documents:  # (documents packed into rows, as documents.attention reads them)
+        return documents.repeated_heads_first_training(query, key, value, position_ids, softmax_scale=scaling,
+                                                       causal=causal, window_size=window, softcap=softcap)
     return repeated_heads_first_training(query, key, value, scaling, causal, window, softcap)
 
 
@@ -329,7 +335,7 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask
             raise ValueError(f"the padding mask covers {n} keys (shape {tuple(key_mask.shape)}), the layer got "
                              f"{k.shape[1]} keys of {q.shape[0]} sequences (a decode step needs a (batch, n) mask with "
                              f"1 <= n <= {k.shape[1]})")
-        keys = per_mask(key_mask, "_tvmflash_decode_keys", cut_empty_slots,
+        keys = per_tensor(key_mask, "_tvmflash_decode_keys", cut_empty_slots,
                         lambda: _DecodeKeys.of(key_mask, cut_empty_slots))
         n, left_pad = keys.n, keys.left_pad
     else:
