@@ -48,6 +48,29 @@ def _assert_second_derivative_refused(out, q, dout):
         (dq.pow(2).sum() + q.sum()).backward()
 
 
+def _layer_draws(gen, batch: int, n: int, dtype, autocast: bool, layers: int = 3) -> list:
+    """Each layer's (q, k, v) as transformers passes them (q a transposed view of its projection,
+    k and v heads-first; 8 query heads, 2 kv heads, head dim 64) and the gradient of its out."""
+    draws = []
+    for _ in range(layers):
+        q = torch.randn(batch, n, 8, 64, generator=gen).to(dtype).transpose(1, 2)
+        k, v = (torch.randn(batch, 2, n, 64, generator=gen).to(dtype) for _ in range(2))
+        dout = torch.randn(batch, n, 8, 64, generator=gen).to(torch.bfloat16 if autocast else dtype)
+        draws.append(((q, k, v), dout))
+    return draws
+
+
+def _layer_call(layer, qkv, dout, autocast: bool, mask=None, **kwargs) -> tuple:
+    """out and the gradients of q, k, v of the transformers integration's attention function
+    (scaling 0.125) on leaves made from ``qkv``, under bf16 autocast or not."""
+    from tvmflash.integrations import transformers as tvm_hf
+
+    leaves = [t.detach().requires_grad_() for t in qkv]
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        out, _ = tvm_hf.attention_forward(layer, *leaves, mask, scaling=0.125, **kwargs)
+    return (out.detach(), *torch.autograd.grad(out, leaves, dout))
+
+
 def _training(q, k, v, dout, **options):
     q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
     out = flash_attn_func(q, k, v, **options)
@@ -286,21 +309,10 @@ def test_transformers_training_reads_the_heads_first_layout(gen, seed, dtype, au
     dtype = getattr(torch, dtype)
     layer = _Layer()
     lengths = (21, 21, 21, 21, 33, 21, 33, 33)
-    draws = []
-    for n in lengths:
-        q = torch.randn(2, n, 8, 64, generator=gen).to(dtype).transpose(1, 2)  # (the projection's view)
-        k, v = (torch.randn(2, 2, n, 64, generator=gen).to(dtype) for _ in range(2))
-        draws.append(((q, k, v), torch.randn(2, n, 8, 64, generator=gen).to(torch.bfloat16 if autocast else dtype)))
+    draws = [draw for n in lengths for draw in _layer_draws(gen, 2, n, dtype, autocast, layers=1)]
 
     def run():
-        results = []
-        for qkv, dout in draws:
-            leaves = [t.detach().requires_grad_() for t in qkv]
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-                out, _ = tvm_hf.attention_forward(layer, *leaves, None, scaling=0.125, position_ids=None,
-                                                  use_cache=False)
-            results.append((out.detach(), *torch.autograd.grad(out, leaves, dout)))
-        return results
+        return [_layer_call(layer, qkv, dout, autocast, position_ids=None, use_cache=False) for qkv, dout in draws]
 
     took = _counted(monkeypatch, torch_op, "_apply_heads_first_training")
     _fresh_memos()
@@ -364,12 +376,7 @@ def test_padded_training_layers_repeat_the_first_in_the_heads_first_layout(gen, 
 
     forwards = []  # (mask, changed in place after the first layer, the layers' q, k, v and dout)
     for n, side, changed in ((21, "left", False), (21, "right", False), (33, "left", False), (21, "left", True)):
-        draws = []
-        for _ in range(3):
-            q = torch.randn(3, n, 8, 64, generator=gen).to(dtype).transpose(1, 2)  # (the projection's view)
-            k, v = (torch.randn(3, 2, n, 64, generator=gen).to(dtype) for _ in range(2))
-            draws.append(((q, k, v), torch.randn(3, n, 8, 64, generator=gen).to(torch.bfloat16 if autocast else dtype)))
-        forwards.append((mask_of(n, side), changed, draws))
+        forwards.append((mask_of(n, side), changed, _layer_draws(gen, 3, n, dtype, autocast)))
 
     def run():
         results = []
@@ -378,10 +385,7 @@ def test_padded_training_layers_repeat_the_first_in_the_heads_first_layout(gen, 
             for i, (qkv, dout) in enumerate(draws):
                 if changed and i == 1:
                     mask[1, -1] = False
-                leaves = [t.detach().requires_grad_() for t in qkv]
-                with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-                    out, _ = tvm_hf.attention_forward(layer, *leaves, mask, scaling=0.125, softcap=softcap)
-                results.append((out.detach(), *torch.autograd.grad(out, leaves, dout)))
+                results.append(_layer_call(layer, qkv, dout, autocast, mask, softcap=softcap))
         return results
 
     took = _counted(monkeypatch, torch_op, "_apply_row_runs_training")
@@ -447,12 +451,7 @@ def test_packed_documents_training_layers_repeat_the_first_in_the_heads_first_la
 
     forwards = []  # (position_ids, changed in place after the first layer, the layers' q, k, v and dout)
     for n, cuts, changed in ((29, (5, 17), False), (29, (11,), False), (40, (3, 20, 33), False), (29, (5, 17), True)):
-        draws = []
-        for _ in range(3):
-            q = torch.randn(2, n, 8, 64, generator=gen).to(dtype).transpose(1, 2)  # (the projection's view)
-            k, v = (torch.randn(2, 2, n, 64, generator=gen).to(dtype) for _ in range(2))
-            draws.append(((q, k, v), torch.randn(2, n, 8, 64, generator=gen).to(torch.bfloat16 if autocast else dtype)))
-        forwards.append((positions_of(n, cuts), changed, draws))
+        forwards.append((positions_of(n, cuts), changed, _layer_draws(gen, 2, n, dtype, autocast)))
 
     def run():
         results = []
@@ -461,11 +460,7 @@ def test_packed_documents_training_layers_repeat_the_first_in_the_heads_first_la
             for i, (qkv, dout) in enumerate(draws):
                 if changed and i == 1:
                     positions[1, 8:] -= 8  # (row 1: a document starts at token 8 too)
-                leaves = [t.detach().requires_grad_() for t in qkv]
-                with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-                    out, _ = tvm_hf.attention_forward(layer, *leaves, None, scaling=0.125, position_ids=positions,
-                                                      use_cache=False)
-                results.append((out.detach(), *torch.autograd.grad(out, leaves, dout)))
+                results.append(_layer_call(layer, qkv, dout, autocast, position_ids=positions, use_cache=False))
         return results
 
     took, repeat = [], documents.repeated_heads_first_training
