@@ -103,6 +103,37 @@ def test_eager_calls_read_the_documents_in_place(gen, seed, dtype, monkeypatch):
                                      seed)
 
 
+def test_cu_seqlens_of_documents_in_rows_are_read_in_place(gen, monkeypatch):
+    """``rows_as_documents`` (transformers' cu_seq_lens kwargs): documents within rows, as equal
+    tensors or one, are read in place (bitwise the packed varlen path's); documents across rows
+    take the varlen path; cu_seqlens out of order are named by its checks."""
+    from tvmflash import torch_op
+
+    q, k, v = (t.requires_grad_() for t in random_inputs(gen, 2, 19, 19, 4, 2, 32, "float32"))
+    dout = torch.randn(q.shape, generator=gen)
+    in_place = []
+    original = torch_op.row_runs_call
+    monkeypatch.setattr(torch_op, "row_runs_call", lambda *a, **kw: in_place.append(original(*a, **kw)) or in_place[-1])
+
+    def run(cu_q, cu_k):
+        out = documents.rows_as_documents(q, k, v, cu_q, cu_k, causal=True)
+        return out.detach(), *torch.autograd.grad(out, (q, k, v), dout)
+
+    within, across = [0, 7, 19, 30, 38], [0, 7, 25, 38]
+    for bounds, read_in_place in ((within, True), (across, False)):
+        cu = torch.tensor(bounds, dtype=torch.int32)
+        for cu_k in (cu, cu.clone()):
+            in_place.clear()
+            ours = run(cu, cu_k)
+            assert bool(in_place) == read_in_place and all(call is not None for call in in_place)
+            with monkeypatch.context() as m:
+                m.setattr(documents, "_in_rows", lambda *a: None)
+                packed = run(cu, cu_k)
+            assert all(torch.equal(a, b) for a, b in zip(ours, packed))
+    with pytest.raises(ValueError, match="cu_seqlens"):
+        run(*(torch.tensor([0, 19, 7, 38], dtype=torch.int32),) * 2)
+
+
 def test_opcheck(gen):
     """The op has no autograd formula (``_DocumentsAttention`` has): inputs without gradients."""
     q, k, v = random_inputs(gen, 2, 29, 29, 4, 2, 16, "float32")

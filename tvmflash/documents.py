@@ -47,10 +47,17 @@ def _documents(position_ids: torch.Tensor, batch: int, length: int) -> torch.Ten
     return torch.cat([first, first.new_tensor([batch * length])])
 
 
-def rows_as_documents(q, k, v, cu_q: torch.Tensor, cu_k: torch.Tensor, **options) -> torch.Tensor:
-    """``flash_attn_varlen_func`` on the rows of (batch, seqlen, heads, head_dim) tensors
-    flattened into one token stream, cut into sequences by ``cu_q`` / ``cu_k``; the output
-    in the rows' shape."""
+def rows_as_documents(q, k, v, cu_q: torch.Tensor, cu_k: torch.Tensor, holder: torch.Tensor | None = None,
+                      **options) -> torch.Tensor:
+    """Attention within the sequences ``cu_q`` / ``cu_k`` cut from the rows of (batch, seqlen,
+    heads, head_dim) tensors flattened into one token stream; the output in the rows' shape.
+    Queries and keys of the same documents, none across rows: each read in place as a run of its
+    row (``_in_rows``; what it finds kept on ``holder``, default ``cu_q``), else
+    ``flash_attn_varlen_func`` on the packed rows."""
+    if q.shape[1] == k.shape[1] and (cu_q is cu_k or cu_q.shape == cu_k.shape and torch.equal(cu_q, cu_k)):
+        out = _in_rows(q, k, v, cu_q if holder is None else holder, cu_q, {**_DEFAULT_OPTIONS, **options})
+        if out is not None:
+            return out
     batch, len_q, heads, head_dim = q.shape
     len_k = k.shape[1]
     max_q, max_k = int(cu_q.diff().max()), int(cu_k.diff().max())
@@ -69,8 +76,7 @@ def attention(q, k, v, position_ids: torch.Tensor | None, *, softmax_scale=None,
         cu = documents_from_positions(position_ids, q.shape[0], q.shape[1])
         if cu is None:
             return torch_op.flash_attn_func(q, k, v, **options)
-        out = _in_rows(q, k, v, position_ids, cu, options)
-        return rows_as_documents(q, k, v, cu, cu, **options) if out is None else out
+        return rows_as_documents(q, k, v, cu, cu, position_ids, **options)
     if position_ids is None:
         return torch_op.flash_attn_func(q, k, v, **options)
     # torch.compile: the checks read shapes only; the op finds the documents when it runs
@@ -100,13 +106,14 @@ class _InRows(NamedTuple):
         return _documents_backward(dout, q, k, v, out, lse, table, *self.scalars)
 
 
-def _in_rows(q, k, v, position_ids: torch.Tensor, cu: torch.Tensor, options: dict) -> torch.Tensor | None:
+def _in_rows(q, k, v, holder: torch.Tensor, cu: torch.Tensor, options: dict) -> torch.Tensor | None:
     """The documents' attention with q, k, v read in place, each document a run of its row
     (``torch_op.row_runs_call``: no packed copies, and after a model's first layer no checks),
-    or None where that does not apply: other tensors (CUDA, a head dim the kernels pad), an
-    autocast region of another dtype, a mode, transform or forward-mode AD (the varlen path
-    then names or handles them). The call is kept on ``position_ids`` for the next layers'
-    calls in transformers' layout (``repeated_heads_first_training``)."""
+    or None where that does not apply: documents across rows or cu_seqlens out of order, other
+    tensors (CUDA, a head dim the kernels pad), an autocast region of another dtype, a mode,
+    transform or forward-mode AD (the varlen path then names or handles them). The runs and the
+    call are kept on ``holder`` (the position_ids or cu_seqlens the layers share), the call for
+    the next layers' calls in transformers' layout (``repeated_heads_first_training``)."""
     device = q.device.type
     if (forward_ad._current_level >= 0 or k.shape[1] != q.shape[1] or torch.is_autocast_enabled(device)
             and any(t.dtype != torch.get_autocast_dtype(device) for t in (q, k, v))):
@@ -115,26 +122,32 @@ def _in_rows(q, k, v, position_ids: torch.Tensor, cu: torch.Tensor, options: dic
     if state == 2:
         return None
     batch, length = q.shape[:2]
-    runs = per_tensor(position_ids, "_tvmflash_document_runs", batch, lambda: _runs(cu, length))
-    call = torch_op.row_runs_call(q, k, v, runs, **options)
+    runs = per_tensor(holder, "_tvmflash_document_runs", batch, lambda: _runs(cu, batch, length))
+    call = None if runs is None else torch_op.row_runs_call(q, k, v, runs, **options)
     if call is None:
         return None
     if state == 0:  # (no gradient to record)
         return call.forward_and_lse(q, k, v)[0]
-    kept, key = per_tensor(position_ids, "_tvmflash_in_rows", (batch, torch_op.calls_generation), dict), _options_key(
+    kept, key = per_tensor(holder, "_tvmflash_in_rows", (batch, torch_op.calls_generation), dict), _options_key(
         options)
     in_rows = kept.get(key)
     if in_rows is None or in_rows.call is not call:
-        in_rows = kept[key] = _InRows(call, _documents_table(cu, batch * length, position_ids.device),
+        in_rows = kept[key] = _InRows(call, _documents_table(cu, batch * length, cu.device),
                                       (call.scale, *call.window, call.softcap))
     return torch_op.row_runs_training(call, None, in_rows.backward_op, (in_rows.table,), q, k, v)
 
 
-def _runs(cu: torch.Tensor, length: int) -> tuple:
-    """The documents of cu_seqlens over rows of ``length`` tokens as (row, start, end) runs (a
-    row's start is a document's start: none crosses rows)."""
+_DEFAULT_OPTIONS = {"softmax_scale": None, "causal": False, "window_size": (-1, -1), "softcap": 0.0}
+
+
+def _runs(cu: torch.Tensor, batch: int, length: int) -> tuple | None:
+    """The documents of cu_seqlens over ``batch`` rows of ``length`` tokens as (row, start, end)
+    runs, or None where they are not runs of rows (one across rows, or bounds out of order)."""
     bounds = cu.tolist()
-    return tuple((a // length, a % length, a % length + b - a) for a, b in zip(bounds, bounds[1:]))
+    if (not bounds or bounds[0] != 0 or bounds[-1] != batch * length or any(b < a for a, b in zip(bounds, bounds[1:]))
+            or not set(range(0, batch * length, length)) <= set(bounds)):
+        return None
+    return tuple((a // length, a % length, a % length + b - a) for a, b in zip(bounds, bounds[1:]) if b > a)
 
 
 def _options_key(options: dict) -> tuple:
