@@ -114,9 +114,8 @@ def _in_rows(q, k, v, holder: torch.Tensor, cu: torch.Tensor, options: dict) -> 
     transform or forward-mode AD (the varlen path then names or handles them). The runs and the
     call are kept on ``holder`` (the position_ids or cu_seqlens the layers share), the call for
     the next layers' calls in transformers' layout (``repeated_heads_first_training``)."""
-    device = q.device.type
-    if (forward_ad._current_level >= 0 or k.shape[1] != q.shape[1] or torch.is_autocast_enabled(device)
-            and any(t.dtype != torch.get_autocast_dtype(device) for t in (q, k, v))):
+    if (not q.is_cpu or forward_ad._current_level >= 0 or k.shape[1] != q.shape[1] or torch.is_autocast_enabled("cpu")
+            and any(t.dtype != torch.get_autocast_dtype("cpu") for t in (q, k, v))):
         return None
     state = launch.eager_state(torch_op._NO_MODES, q, k, v)
     if state == 2:
@@ -127,7 +126,7 @@ def _in_rows(q, k, v, holder: torch.Tensor, cu: torch.Tensor, options: dict) -> 
     if call is None:
         return None
     if state == 0:  # (no gradient to record)
-        return call.forward_and_lse(q, k, v)[0]
+        return call(q, k, v)
     kept, key = per_tensor(holder, "_tvmflash_in_rows", (batch, torch_op.calls_generation), dict), _options_key(
         options)
     in_rows = kept.get(key)
