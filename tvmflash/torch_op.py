@@ -1104,20 +1104,20 @@ class _HeadsFirstTraining(torch.autograd.Function):
 
 class _RowRunsTraining(torch.autograd.Function):
     """A row-runs call (``row_runs_call``) that autograd records: its forward and backward launches
-    (``heads_first``: this thread's ``heads_first_launches``, q, k, v and the gradients in
+    (``launches``: this thread's ``heads_first_launches``, q, k, v and the gradients in
     transformers' layout; None: ``forward_and_lse`` and ``backward`` on kernel-layout tensors),
     the ``uniform`` rows' terms added, and where the call's backward cannot run (create_graph, a
     mode, what the kernel refused) ``fallback(dout, q, k, v, out, lse, *keep)`` in kernel layout:
     the op that made the call (``keep``: its tensors, saved with the others)."""
 
     @staticmethod
-    def forward(ctx, call, heads_first, uniform, fallback, keep, q, k, v):
-        views = (q, k, v) if heads_first is None else tuple(t.transpose(1, 2) for t in (q, k, v))
-        found = None if heads_first is None else heads_first[0](q, k, v)
+    def forward(ctx, call, launches, uniform, fallback, keep, q, k, v):
+        views = (q, k, v) if launches is None else tuple(t.transpose(1, 2) for t in (q, k, v))
+        found = None if launches is None else launches[0](q, k, v)
         out, lse = call.forward_and_lse(*views) if found is None else found
         add_uniform_means(call, uniform, out, views[2])
         ctx.save_for_backward(q, k, v, out, lse, *keep)
-        ctx.call, ctx.launch, ctx.uniform, ctx.fallback = call, heads_first and heads_first[1], uniform, fallback
+        ctx.call, ctx.launch, ctx.uniform, ctx.fallback = call, launches and launches[1], uniform, fallback
         return out
 
     @staticmethod
