@@ -314,7 +314,7 @@ def test_transformers_training_reads_the_heads_first_layout(gen, seed, dtype, au
     def run():
         return [_layer_call(layer, qkv, dout, autocast, position_ids=None, use_cache=False) for qkv, dout in draws]
 
-    took = _counted(monkeypatch, torch_op, "_apply_heads_first_training")
+    took = _counted(monkeypatch, torch_op, "_apply_launched_training")
     _fresh_memos()
     fast = run()
     calls = [c for group in torch_op._calls_by_options.values() for c in group]
@@ -388,7 +388,7 @@ def test_padded_training_layers_repeat_the_first_in_the_heads_first_layout(gen, 
                 results.append(_layer_call(layer, qkv, dout, autocast, mask, softcap=softcap))
         return results
 
-    took = _counted(monkeypatch, torch_op, "_apply_row_runs_training")
+    took = _counted(monkeypatch, torch_op, "_apply_launched_training")
     _fresh_memos()
     fast = run()
     assert len(took) == 2 + 2 + 2 + 1  # (each forward's second and third layer; the changed mask's third)
@@ -466,7 +466,7 @@ def test_packed_documents_training_layers_repeat_the_first_in_the_heads_first_la
     took, repeat = [], documents.repeated_heads_first_training
     monkeypatch.setattr(documents, "repeated_heads_first_training",
                         lambda *a, **kw: (lambda out: took.append(out is not None) or out)(repeat(*a, **kw)))
-    in_place = _counted(monkeypatch, torch_op, "_apply_row_runs_training")
+    in_place = _counted(monkeypatch, torch_op, "_apply_launched_training")
     _fresh_memos()
     fast = run()
     assert sum(took) == 2 + 2 + 2 + 1 and len(in_place) == 4 * 3  # (the changed position_ids' third layer)

@@ -102,7 +102,7 @@ class _InRows(NamedTuple):
     scalars: tuple
 
     def backward_op(self, dout, q, k, v, out, lse, table):
-        """The documents' backward op (``torch_op.row_runs_training``'s fallback)."""
+        """The documents' backward op (``torch_op.launched_training``'s fallback)."""
         return _documents_backward(dout, q, k, v, out, lse, table, *self.scalars)
 
 
@@ -127,13 +127,13 @@ def _in_rows(q, k, v, holder: torch.Tensor, cu: torch.Tensor, options: dict) -> 
         return None
     if state == 0:  # (no gradient to record)
         return call(q, k, v)
-    kept, key = per_tensor(holder, "_tvmflash_in_rows", (batch, torch_op.calls_generation), dict), _options_key(
-        options)
+    kept = per_tensor(holder, "_tvmflash_in_rows", (batch, torch_op.calls_generation), dict)
+    key = torch_op.options_key(**options)
     in_rows = kept.get(key)
     if in_rows is None or in_rows.call is not call:
         in_rows = kept[key] = _InRows(call, _documents_table(cu, batch * length, cu.device),
                                       (call.scale, *call.window, call.softcap))
-    return torch_op.row_runs_training(call, None, in_rows.backward_op, (in_rows.table,), q, k, v)
+    return torch_op.launched_training(call, None, in_rows.backward_op, (in_rows.table,), q, k, v)
 
 
 _DEFAULT_OPTIONS = {"softmax_scale": None, "causal": False, "window_size": (-1, -1), "softcap": 0.0}
@@ -149,22 +149,18 @@ def _runs(cu: torch.Tensor, batch: int, length: int) -> tuple | None:
     return tuple((a // length, a % length, a % length + b - a) for a, b in zip(bounds, bounds[1:]) if b > a)
 
 
-def _options_key(options: dict) -> tuple:
-    softmax_scale = options["softmax_scale"]
-    return type(softmax_scale), softmax_scale, options["causal"], options["window_size"], options["softcap"]
-
-
 def repeated_heads_first_training(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position_ids: torch.Tensor,
-                                  **options) -> torch.Tensor | None:
+                                  softmax_scale: float | None, causal: bool, window_size: tuple[int, int],
+                                  softcap: float) -> torch.Tensor | None:
     """``attention``'s out for a training call whose ``position_ids`` a call with these options
     read in place before (the model's first layer), q, k, v in transformers' ``(batch, heads, n,
-    head_dim)`` layout, read by the call's C launches (``torch_op.row_runs_training``); None
+    head_dim)`` layout, read by the call's C launches (``torch_op.launched_training``); None
     where no such call's launch takes them, or under a mode, transform or forward-mode AD."""
     found = remembered(position_ids, "_tvmflash_in_rows", (q.shape[0], torch_op.calls_generation))
-    in_rows = None if found is None else found.get(_options_key(options))
+    in_rows = None if found is None else found.get(torch_op.options_key(softmax_scale, causal, window_size, softcap))
     if in_rows is None or forward_ad._current_level >= 0 or launch.eager_state(torch_op._NO_MODES, q, k, v) != 1:
         return None
-    return torch_op.row_runs_training(in_rows.call, None, in_rows.backward_op, (in_rows.table,), q, k, v,
+    return torch_op.launched_training(in_rows.call, None, in_rows.backward_op, (in_rows.table,), q, k, v,
                                       heads_first=True)
 
 

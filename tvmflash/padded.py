@@ -200,7 +200,7 @@ def attention(q, k, v, mask: torch.Tensor, *, position_ids: torch.Tensor | None 
     scalars = (flash.softmax_scale, *flash.window, flash.softcap)
     out, _ = _padded_ops(q, k, v, keys_seen, *scalars)
     if key is not None and out.requires_grad:
-        _remember_repeat(mask, (type(softmax_scale), softmax_scale, causal, window_size, softcap), q, k, v, scalars)
+        _remember_repeat(mask, torch_op.options_key(softmax_scale, causal, window_size, softcap), q, k, v, scalars)
     return out if out.shape[-1] == head_dim else out[..., :head_dim]  # (a view: one autograd node more)
 
 
@@ -292,7 +292,7 @@ class _Repeat(NamedTuple):
     scalars: tuple
 
     def backward_op(self, dout, q, k, v, out, lse, mask):
-        """The padded backward op (``torch_op.row_runs_training``'s fallback)."""
+        """The padded backward op (``torch_op.launched_training``'s fallback)."""
         return _padded_ops.backward(dout, q, k, v, out, lse, mask, *self.scalars)
 
 
@@ -315,10 +315,10 @@ def repeated_heads_first_training(q: torch.Tensor, k: torch.Tensor, v: torch.Ten
     for calls without a mask); None where no such call's launch takes them, for a call that
     records no gradient, or under a mode, transform or forward-mode AD."""
     repeat = (remembered(mask, "_tvmflash_repeats", torch_op.calls_generation) or {}).get(
-        (type(softmax_scale), softmax_scale, causal, window_size, softcap))
+        torch_op.options_key(softmax_scale, causal, window_size, softcap))
     if repeat is None or forward_ad._current_level >= 0 or launch.eager_state(torch_op._NO_MODES, q, k, v) != 1:
         return None
-    return torch_op.row_runs_training(repeat.call, repeat.blind, repeat.backward_op, (mask,), q, k, v,
+    return torch_op.launched_training(repeat.call, repeat.blind, repeat.backward_op, (mask,), q, k, v,
                                       heads_first=True)
 
 

@@ -765,6 +765,13 @@ def _call_key(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, d
             window_size, deterministic, return_attn_probs, compiler.request_state())
 
 
+def options_key(softmax_scale, causal, window_size, softcap) -> tuple:
+    """A call's options as the caller gave them, as a memo key (the scale's exact type: an int
+    and a float of one value are one key otherwise); of the calls that padded.py and
+    documents.py keep on a mask or position_ids for the model's next layers."""
+    return type(softmax_scale), softmax_scale, causal, window_size, softcap
+
+
 def _remember_call(key, dims, q, k, options, return_attn_probs, op_scalars) -> None:
     """Remember a checked call of CPU tensors that the kernels read in place (no copy, no padding);
     ``op_scalars``: the op's arguments after the tensors (a backward the repeat cannot run takes them)."""
@@ -819,9 +826,9 @@ def repeated_heads_first_training(q: torch.Tensor, k: torch.Tensor, v: torch.Ten
     if not calls or forward_ad._current_level >= 0 or launch.eager_state(_NO_MODES, q, k, v) != 1:
         return None
     for call in calls:
-        made = call.heads_first_launches(q, k, v)
-        if made is not None and made[0].accepts(q, k, v):
-            return _apply_heads_first_training(call, made, q, k, v)
+        out = launched_training(call, None, call.flash_backward_op, (), q, k, v, heads_first=True)
+        if out is not None:
+            return out
     return None
 
 
@@ -984,6 +991,11 @@ class _ForwardCall:
         grads = self.backward(dout, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), out, lse)
         return None if grads is None else tuple(g.transpose(1, 2) for g in grads)
 
+    def flash_backward_op(self, dout, q, k, v, out, lse) -> tuple:
+        """The backward op of a ``flash_attn_func`` call with this call's scalars, on kernel-layout
+        tensors (``launched_training``'s fallback; not for calls of row runs)."""
+        return _backward(dout, q, k, v, out, lse, None, None, None, *self.op_scalars)
+
     def _new_launch(self, kind: str, n_threads: int, example: tuple, heads_first: bool = False):
         dtype = example[1 if kind == "backward" else 0].dtype
         out = torch.empty(*self.out_shape, dtype=dtype)
@@ -1074,48 +1086,23 @@ def _c_apply(function: type):
     return found.__get__(None, function) if hasattr(found, "__get__") else function.apply
 
 
-class _HeadsFirstTraining(torch.autograd.Function):
-    """``_RepeatedTrainingOut`` for q, k, v in transformers' layout (``repeated_heads_first_training``),
-    by ``launches`` (the call's heads-first forward, which took them, and backward): out in the
-    kernels' layout, gradients in q, k and v's."""
-
-    @staticmethod
-    def forward(ctx, call, launches, q, k, v):
-        found = launches[0](q, k, v)
-        if found is None:  # (a steering value changed since the launch took them: the call's Python path)
-            found = call.forward_and_lse(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
-        out, lse = found
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.call, ctx.launch = call, launches[1]
-        return out
-
-    @staticmethod
-    def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
-        grads = None
-        if _direct_backward():
-            grads = ctx.call.backward_heads_first(ctx.launch, dout, q, k, v, out, lse)
-        if grads is None:  # (as _RepeatedTraining's)
-            grads = _backward_op(kernel_layout(dout), q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), out,
-                                 lse, None, None, None, *ctx.call.op_scalars)
-            grads = tuple(g.transpose(1, 2) for g in grads)
-        return None, None, *grads
-
-
-class _RowRunsTraining(torch.autograd.Function):
-    """A row-runs call (``row_runs_call``) that autograd records: its forward and backward launches
-    (``launches``: this thread's ``heads_first_launches``, q, k, v and the gradients in
-    transformers' layout; None: ``forward_and_lse`` and ``backward`` on kernel-layout tensors),
-    the ``uniform`` rows' terms added, and where the call's backward cannot run (create_graph, a
-    mode, what the kernel refused) ``fallback(dout, q, k, v, out, lse, *keep)`` in kernel layout:
-    the op that made the call (``keep``: its tensors, saved with the others)."""
+class _LaunchedTraining(torch.autograd.Function):
+    """A checked call (``_ForwardCall``: ``flash_attn_func``'s, or a ``row_runs_call``) that
+    autograd records, by its launches: ``launches``, this thread's ``heads_first_launches`` (q, k,
+    v and the gradients in transformers' layout), or None (``forward_and_lse`` and ``backward`` on
+    kernel-layout tensors); the ``uniform`` rows' terms added; and where the call's backward
+    cannot run (create_graph, a mode, what the kernel refused) ``fallback(dout, q, k, v, out, lse,
+    *keep)`` in kernel layout: the op that made the call (``keep``: its tensors, saved with the
+    others). Kernel-layout views of heads-first tensors are made only where those need them."""
 
     @staticmethod
     def forward(ctx, call, launches, uniform, fallback, keep, q, k, v):
-        views = (q, k, v) if launches is None else tuple(t.transpose(1, 2) for t in (q, k, v))
         found = None if launches is None else launches[0](q, k, v)
-        out, lse = call.forward_and_lse(*views) if found is None else found
-        add_uniform_means(call, uniform, out, views[2])
+        if found is None:  # (kernel layout, or a steering value changed since the launch took them)
+            found = call.forward_and_lse(*_kernel_views(launches, q, k, v))
+        out, lse = found
+        if uniform is not None:
+            add_uniform_means(call, uniform, out, _kernel_views(launches, v)[0])
         ctx.save_for_backward(q, k, v, out, lse, *keep)
         ctx.call, ctx.launch, ctx.uniform, ctx.fallback = call, launches and launches[1], uniform, fallback
         return out
@@ -1123,30 +1110,34 @@ class _RowRunsTraining(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse, *keep = ctx.saved_tensors
-        call, heads_first = ctx.call, ctx.launch is not None
-        views = tuple(t.transpose(1, 2) for t in (q, k, v)) if heads_first else (q, k, v)
+        call, launched = ctx.call, ctx.launch
         grads = None
         if _direct_backward():
-            grads = (call.backward_heads_first(ctx.launch, dout, q, k, v, out, lse) if heads_first
-                     else call.backward(kernel_layout(dout), q, k, v, out, lse))
-        if grads is not None:
-            add_uniform_gradients(call, ctx.uniform, tuple(g.transpose(1, 2) for g in grads) if heads_first else grads,
-                                  *views, kernel_layout(dout))
-        else:
+            grads = (call.backward(kernel_layout(dout), q, k, v, out, lse) if launched is None
+                     else call.backward_heads_first(launched, dout, q, k, v, out, lse))
+        if grads is None:
+            views = _kernel_views(launched, q, k, v)
             with torch.no_grad():  # (create_graph: the torch ops inside record nothing; the result is refused below)
                 grads = ctx.fallback(kernel_layout(dout), *views, out, lse, *keep)
-            grads = refusing_second_derivatives(grads, *views, dout)
-            if heads_first:
-                grads = tuple(g.transpose(1, 2) for g in grads)
+            grads = _kernel_views(launched, *refusing_second_derivatives(grads, *views, dout))
+        elif ctx.uniform is not None:
+            add_uniform_gradients(call, ctx.uniform, _kernel_views(launched, *grads), *_kernel_views(launched, q, k, v),
+                                  kernel_layout(dout))
         return None, None, None, None, None, *grads
 
 
-_apply_row_runs_training = _c_apply(_RowRunsTraining)
+def _kernel_views(launches, *tensors) -> tuple:
+    """``tensors`` as the kernels' layout has them: heads-first ones (``launches`` given)
+    transposed, views of each other's (dimensions 1 and 2 swapped both ways)."""
+    return tensors if launches is None else tuple(t.transpose(1, 2) for t in tensors)
 
 
-def row_runs_training(call: _ForwardCall, uniform: UniformRows | None, fallback, keep: tuple, q, k, v,
+_apply_launched_training = _c_apply(_LaunchedTraining)
+
+
+def launched_training(call: _ForwardCall, uniform: UniformRows | None, fallback, keep: tuple, q, k, v,
                       heads_first: bool = False) -> torch.Tensor | None:
-    """out of a ``row_runs_call`` whose q, k, v autograd records, with ``_RowRunsTraining``'s
+    """out of a checked call whose q, k, v autograd records, with ``_LaunchedTraining``'s
     backward; ``heads_first``: q, k, v in transformers' ``(batch, heads, n, head_dim)`` layout
     (None where this thread's launches do not take them yet). The caller has checked that no
     mode, transform or forward-mode AD is active (``launch.eager_state``)."""
@@ -1155,12 +1146,11 @@ def row_runs_training(call: _ForwardCall, uniform: UniformRows | None, fallback,
         launches = call.heads_first_launches(q, k, v)
         if launches is None or not launches[0].accepts(q, k, v):
             return None
-    return _apply_row_runs_training(call, launches, uniform, fallback, keep, q, k, v)
+    return _apply_launched_training(call, launches, uniform, fallback, keep, q, k, v)
 
 
 _apply_repeated_training = _c_apply(_RepeatedTraining)
 _apply_repeated_training_out = _c_apply(_RepeatedTrainingOut)
-_apply_heads_first_training = _c_apply(_HeadsFirstTraining)
 
 
 def _padded_head_dims(q, k, v):

@@ -264,8 +264,8 @@ def _repeated_call(module, query, key, value, mask, scaling, sliding_window, sof
     if mask is not None:
         return padded.repeated_heads_first_training(query, key, value, mask, scaling, causal, window, softcap)
     if in_documents:  # (documents packed into rows, as documents.attention reads them)
-        return documents.repeated_heads_first_training(query, key, value, position_ids, softmax_scale=scaling,
-                                                       causal=causal, window_size=window, softcap=softcap)
+        return documents.repeated_heads_first_training(query, key, value, position_ids, scaling, causal, window,
+                                                       softcap)
     return repeated_heads_first_training(query, key, value, scaling, causal, window, softcap)
 
 
@@ -336,7 +336,7 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask
                              f"{k.shape[1]} keys of {q.shape[0]} sequences (a decode step needs a (batch, n) mask with "
                              f"1 <= n <= {k.shape[1]})")
         keys = per_tensor(key_mask, "_tvmflash_decode_keys", cut_empty_slots,
-                        lambda: _DecodeKeys.of(key_mask, cut_empty_slots))
+                          lambda: _DecodeKeys.of(key_mask, cut_empty_slots))
         n, left_pad = keys.n, keys.left_pad
     else:
         n, keys, left_pad = k.shape[1], None, None
