@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import tvmflash
-from conftest import assert_flash_rule, random_inputs, reference_attention
+from conftest import assert_flash_rule, random_inputs, reference_attention, reference_magnitudes
 from tvmflash import compiler, flash_attn_func, flash_attn_with_kvcache, kvcache, launch, threads, torch_op
 
 pytestmark = pytest.mark.skipif(launch.module() is None, reason="the C launcher cannot be built here")
@@ -338,9 +338,10 @@ def test_transformers_training_reads_the_heads_first_layout(gen, seed, dtype, au
     same, _ = reference_attention(*plain, True, 0.125, dtype=kernel[0].dtype)
     same_grads = torch.autograd.grad(same, plain, dout)
     ours = fast[-1]
-    assert_flash_rule("out", ours[0], ref, same, kernel[0].dtype, seed)
+    magnitude = reference_magnitudes(*kernel, dout, 0.125, lse=ref_lse.detach())
+    assert_flash_rule("out", ours[0], ref, same, kernel[0].dtype, seed, magnitude=magnitude["out"])
     for name, g, r, p in zip(("dq", "dk", "dv"), ours[1:], ref_grads, same_grads):
-        assert_flash_rule(name, g.transpose(1, 2), r, p, kernel[0].dtype, seed)
+        assert_flash_rule(name, g.transpose(1, 2), r, p, kernel[0].dtype, seed, magnitude=magnitude[name])
 
     monkeypatch.undo()
     _fresh_memos()
@@ -416,8 +417,9 @@ def test_padded_training_layers_repeat_the_first_in_the_heads_first_layout(gen, 
         return out * counted, *torch.autograd.grad(out, leaves, dout.to(dtype) * counted)
 
     ours = (fast[2][0] * counted, fast[2][1].transpose(1, 2), *(g.transpose(1, 2) for g in fast[2][2:]))
+    magnitude = reference_magnitudes(*kernel, dout, 0.125)  # (the size of the terms each result sums)
     for name, got, want, same in zip(("out", "dq", "dk", "dv"), ours, eager(torch.float64), eager(kernel[0].dtype)):
-        assert_flash_rule(name, got, want.detach(), same.detach(), kernel[0].dtype, seed)
+        assert_flash_rule(name, got, want.detach(), same.detach(), kernel[0].dtype, seed, magnitude=magnitude[name])
 
     monkeypatch.undo()
     _fresh_memos()
