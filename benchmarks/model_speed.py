@@ -25,6 +25,8 @@
 * ``padded``: one layer's attention alone, forward + backward, on ``--batch`` padded rows
   (default 4) of each ``--train-lengths``, through the transformers integration's function
   against transformers' SDPA function with the 4D mask it would get, interleaved call by call;
+* ``first-step``: a model's first training steps in a fresh process, tvmflash's on an empty
+  compile cache (a new user's first run: kernels compile at the first call of each size class);
 * ``--documents K``: training rows packed with K documents each (padding-free training:
   position_ids restart, no mask; transformers' masks keep each document to itself);
 * ``--train-padding right``: padded training batches (and ``padded``'s rows) padded on the right,
@@ -66,6 +68,7 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -239,6 +242,21 @@ def worker_generate(precision: str, prompt: int, new_tokens: int, implementation
         start = time.perf_counter()
         model.generate(ids, **kwargs)
     return {"value": batch * new_tokens / (time.perf_counter() - start)}
+
+
+def worker_first_step(precision: str, length: int, implementation: str) -> dict:
+    """Seconds of this process's first training forward and backward (``value``) and of its second (``then``)."""
+    dtype, autocast = _precision(precision)
+    model = _llama(dtype, _implementation(implementation)).train()
+    ids = torch.randint(0, 1024, (1, length), generator=torch.Generator().manual_seed(length))
+    times = []
+    for _ in range(2):
+        start = time.perf_counter()
+        with _autocast(autocast):
+            loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        times.append(time.perf_counter() - start)
+    return {"value": times[0], "then": times[1]}
 
 
 def worker_train(precision: str, length: int, steps: int, implementation: str) -> dict:
@@ -623,15 +641,40 @@ def compiled_generate(args: argparse.Namespace) -> None:
     print("\n".join(rows), flush=True)
 
 
-def _in_own_process(args: argparse.Namespace, worker: list[str]) -> float:
+def _in_own_process(args: argparse.Namespace, worker: list[str], **env) -> dict:
+    """The worker's result (``{"value": ...}``) from a process of its own, ``env`` added to its environment."""
     command = [sys.executable, str(Path(__file__).resolve()), "--worker", *worker]
     if args.threads:
         command += ["--threads", str(args.threads)]
     command += ["--head-dim", str(HEAD_DIM)]
-    done = subprocess.run(command, capture_output=True, text=True, env={**os.environ, "TVMFLASH_QUIET": "1"})
+    done = subprocess.run(command, capture_output=True, text=True, env={**os.environ, "TVMFLASH_QUIET": "1", **env})
     if done.returncode != 0:
         raise RuntimeError(f"{' '.join(command)} failed:\n{done.stdout}\n{done.stderr}")
-    return json.loads(done.stdout.strip().splitlines()[-1])["value"]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def first_steps(args: argparse.Namespace) -> None:
+    """A model's first training steps in a fresh process, tvmflash's on an empty compile cache
+    (what a new user's first run waits for: its kernels compile at the first call of each size
+    class), against SDPA's first steps; processes alternated, medians."""
+    rows = []
+    for dtype in args.dtypes:
+        for length in args.train_lengths:
+            results = {"tvm": [], "sdpa": []}
+            for _ in range(args.runs):
+                for impl in results:
+                    with tempfile.TemporaryDirectory() as cache:
+                        results[impl].append(_in_own_process(args, ["first-step", dtype, str(length), impl, "0", "0",
+                                                                    "1"], TVMFLASH_CACHE_DIR=cache))
+            first, then = ({impl: statistics.median(r[key] for r in runs) for impl, runs in results.items()}
+                           for key in ("value", "then"))
+            rows.append(f"| {dtype} first training step, {length} tokens | {first['tvm']:.2f} | {first['sdpa']:.2f} | "
+                        f"{then['tvm'] * 1e3:.0f} | {then['sdpa'] * 1e3:.0f} |")
+            print(f"  first steps: {rows[-1]}", file=sys.stderr, flush=True)
+    print(f"\nA fresh process's first training steps (forward and backward; tvmflash on an empty compile cache), "
+          f"{_model_name()}, medians of {args.runs} processes each\n\n| case | tvmflash first (s) | SDPA first (s) | "
+          "tvmflash second (ms) | SDPA second (ms) |\n|---|---|---|---|---|")
+    print("\n".join(rows), flush=True)
 
 
 def alternated(args: argparse.Namespace, part: str, cases: list, unit: str, higher_is_faster: bool) -> None:
@@ -643,7 +686,7 @@ def alternated(args: argparse.Namespace, part: str, cases: list, unit: str, high
         for _ in range(args.runs):
             for impl in implementations:
                 values[impl].append(_in_own_process(args, [part, dtype, str(size), impl, str(args.new_tokens),
-                                                           str(args.train_steps), str(args.batch)]))
+                                                           str(args.train_steps), str(args.batch)])["value"])
         medians = {impl: statistics.median(v) for impl, v in values.items()}
         scale = 1 if higher_is_faster else 1e3
         cells = [f"{medians[i] * scale:.1f} ({min(values[i]) * scale:.1f}-{max(values[i]) * scale:.1f})"
@@ -667,6 +710,8 @@ def worker(argv: list[str]) -> None:
     part, dtype, size, implementation, new_tokens, steps, batch = argv
     if part == "generate":
         result = worker_generate(dtype, int(size), int(new_tokens), implementation, int(batch))
+    elif part == "first-step":
+        result = worker_first_step(dtype, int(size), implementation)
     else:
         result = worker_train(dtype, int(size), int(steps), implementation)
     print(json.dumps(result))
@@ -674,7 +719,8 @@ def worker(argv: list[str]) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parts = ["fixed", "linear", "generate", "train", "padded", "swap", "in-model", "compiled", "compiled-generate"]
+    parts = ["fixed", "linear", "generate", "train", "padded", "swap", "in-model", "compiled", "compiled-generate",
+             "first-step"]
     p.add_argument("parts", nargs="*", help=f"of {', '.join(parts)} (default: the first four)")
     p.add_argument("--rounds", type=int, default=1000, help="interleaved rounds per case (fixed, linear)")
     p.add_argument("--prompts", type=int, nargs="*", default=[32, 1024])
@@ -731,6 +777,8 @@ def main() -> None:
         compiled_steps(args)
     if "compiled-generate" in args.parts:
         compiled_generate(args)
+    if "first-step" in args.parts:
+        first_steps(args)
     print(f"\nload average at the end: {os.getloadavg()}")
 
 

@@ -68,8 +68,21 @@ def import_helpers(sch: s_tir.Schedule, loop, lanes: int = 16) -> None:
 
 
 def intrinsic_name(lanes: int, a_dtype: str) -> str:
-    """The intrinsic for ``lanes`` accumulators whose A operand is of ``a_dtype`` (uint16 bits or uint32 words)."""
+    """The intrinsic for ``lanes`` accumulators whose A operand is of ``a_dtype`` (uint16 bits or
+    uint32 words), registering this lane count's on first use. (Not at import: TVMScript's parser
+    calls ``inspect.stack()``, which for each frame of the import machinery scans all of
+    ``sys.modules``; importing this module inside a transformers model's first call took ~10 s.)"""
+    if lanes not in _REGISTERED:
+        _register(lanes)
+        _REGISTERED.add(lanes)
+    return _name(lanes, a_dtype)
+
+
+def _name(lanes: int, a_dtype: str) -> str:
     return f"tvmflash_bf16_dot_{'words_' if a_dtype == 'uint32' else ''}{lanes}"
+
+
+_REGISTERED: set = set()
 
 
 def _dot(lanes: int, acc, a_word, b_words):
@@ -134,9 +147,6 @@ def _register(lanes: int) -> None:
             C[T.ramp(0, 1, lanes)] = _dot(lanes, C.vload([0], vec), T.reinterpret("int32", A[0]),
                                           B.vload([0], f"uint32x{lanes}"))
 
-    TensorIntrin.register(intrinsic_name(lanes, "uint16"), desc, impl, override=True)
-    TensorIntrin.register(intrinsic_name(lanes, "uint32"), desc_words, impl_words, override=True)
+    TensorIntrin.register(_name(lanes, "uint16"), desc, impl, override=True)
+    TensorIntrin.register(_name(lanes, "uint32"), desc_words, impl_words, override=True)
 
-
-for _lanes in (*LANES, ARM_LANES):
-    _register(_lanes)

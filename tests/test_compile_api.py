@@ -118,6 +118,51 @@ def test_second_process_loads_from_disk_cache(tmp_path, monkeypatch):
     assert float(elapsed) < 5.0
 
 
+def test_a_build_runs_from_its_stored_library(tmp_path, monkeypatch):
+    """A build is written to the disk cache and runs from the library loaded back: the module in
+    memory is never asked for its functions (TVM would compile its LLVM code a second time)."""
+    from tvmflash import runtime
+
+    monkeypatch.setenv("TVMFLASH_CACHE_DIR", str(tmp_path))
+    built, wrapped = [], []
+    build = compiler._build
+    monkeypatch.setattr(compiler, "_build", lambda *args, **kwargs: built.append(build(*args, **kwargs)) or built[-1])
+    init = runtime.FlashKernels.__init__
+    monkeypatch.setattr(runtime.FlashKernels, "__init__",
+                        lambda self, module, *args, **kwargs: wrapped.append(module) or init(self, module, *args, **kwargs))
+    config = CPUKernelConfig("forward", 32, 64, 16, tuple((p, RegisterTile(2, 2)) for p in ("scores", "pv")))
+    kern = tvmflash.compile("llvm", head_dim=32, dtype="float32", config=config)  # (no other test's: built here)
+    assert len(built) == 1 and wrapped and not any(module is built[0][0] for module in wrapped)
+    assert kern._library == tmp_path / f"{kern.meta['cache_key']}.so" and kern._library.exists()
+    q = torch.randn(1, 10, 1, 32)
+    out, lse = _poisoned(1, 10, 1, 32), _poisoned(1, 1, 10)
+    kern.forward(q, q, q, out, lse)
+    assert torch.isfinite(out).all()
+
+
+def test_importing_the_code_generators_parses_no_tvmscript():
+    """TVMScript's parser calls ``inspect.stack()``, which scans all of ``sys.modules`` for each
+    frame of the import machinery (~10 s for the bf16 intrinsics, imported inside a transformers
+    model's first call): no module parses a kernel or intrinsic at import; the bf16 intrinsics
+    are registered when a schedule first names them."""
+    script = textwrap.dedent("""
+        import inspect
+        calls = []
+        stack = inspect.stack
+        inspect.stack = lambda *args, **kwargs: calls.append(1) or stack(*args, **kwargs)
+        import tvmflash.build, tvmflash.kernels.cpu, tvmflash.kernels.decode, tvmflash.kernels.uniform_rows
+        import tvmflash.kernels.cuda, tvmflash.schedules.llvm, tvmflash.schedules.cuda, tvmflash.tune
+        assert not calls, f"{len(calls)} TVMScript parses at import"
+        from tvm.s_tir import TensorIntrin
+        from tvmflash.schedules import llvm_bf16
+        name = llvm_bf16.intrinsic_name(16, "uint32")
+        assert calls and TensorIntrin.get(name) is not None
+        print("ok")
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and "ok" in proc.stdout, proc.stderr[-2000:]
+
+
 def test_cache_key_covers_target_config_and_spec():
     target = resolve("llvm")
     spec = AttentionSpec(64, "float32")

@@ -247,20 +247,17 @@ def _compile_spec(target, spec: AttentionSpec, *, causal: bool, config, tuned: b
     key = _key(request)
     meta = {**request, "cache_key": key}
     if not cache:
-        return _build(target, spec, configs, meta).with_causal(causal)
+        lib, source = _build(target, spec, configs, meta)
+        return FlashKernels(lib, meta, source, causal=causal)
 
     def load_or_build() -> FlashKernels:
         found = _load_from_disk(key, request, meta) if _can_load(target) else None
         if found is None:
-            found = _build(target, spec, configs, meta)
-            if _can_load(target):
-                # CPU kernels run from the stored library (threads.py routes a library's parallel
-                # launches); a CUDA library would compile its source again when loaded
-                library, loaded, name = _cache.store(key, request, found._module, found._source, reload=not is_cuda)
-                if loaded is not None:
-                    found = FlashKernels(loaded, meta, found._source, library=library, loaded_as=name)
-                elif library is not None:
-                    found._library = library
+            lib, source = _build(target, spec, configs, meta)
+            if not _can_load(target):
+                return FlashKernels(lib, meta, source)
+            # (a CUDA library would compile its source again when loaded: it keeps the module built)
+            found = _stored(FlashKernels, key, request, meta, lib, source, reload=not is_cuda)
         return found
 
     return _once(_memory_cache, key, load_or_build).with_causal(causal)
@@ -299,6 +296,18 @@ def _load_from_disk(key: str, request: dict, meta: dict) -> FlashKernels | None:
     return FlashKernels(module, meta, source, library=so)
 
 
+def _stored(kernels_class, key: str, request: dict, meta: dict, lib, source: str | None, reload: bool = True):
+    """``kernels_class`` (FlashKernels, DecodeKernels) of a module just built, written to the disk
+    cache first: with ``reload``, CPU kernels run from the stored library (threads.py routes a
+    library's parallel launches), and the module in memory is never asked for its functions (TVM
+    would compile its LLVM code again, ~0.6 s a forward+backward set); else, or where the cache
+    cannot be written, from the module in memory."""
+    library, loaded, name = _cache.store(key, request, lib, source, reload=reload)
+    if loaded is not None:
+        return kernels_class(loaded, meta, source, library=library, loaded_as=name)
+    return kernels_class(lib, meta, source, library=library)
+
+
 def _can_load(target: tvm.target.Target) -> bool:
     """CUDA modules load back only where a GPU driver is present (elsewhere TVM builds a module
     that holds the CUDA source: it exports, for a GPU machine to compile at load, but the disk
@@ -310,7 +319,8 @@ def _can_load(target: tvm.target.Target) -> bool:
 builds = 0
 
 
-def _build(target: tvm.target.Target, spec: AttentionSpec, configs: dict, meta: dict, transform=None) -> FlashKernels:
+def _build(target: tvm.target.Target, spec: AttentionSpec, configs: dict, meta: dict, transform=None) -> tuple:
+    """The built module and its source text (``build.module_source``)."""
     global builds
     builds += 1
     desc = f"{targets.key(target)}, {spec.describe()}" + (", deterministic" if meta["deterministic"] else "")
@@ -324,7 +334,7 @@ def _build(target: tvm.target.Target, spec: AttentionSpec, configs: dict, meta: 
     lib = build.build_module(target, spec, configs, deterministic=meta["deterministic"], transform=transform)
     source_text = build.module_source(target, lib)
     settings.progress(f"compiled in {time.perf_counter() - start:.1f} s")
-    return FlashKernels(lib, meta, source_text)
+    return lib, source_text
 
 
 def build_transformed(spec: AttentionSpec, transform, description: str, target="llvm") -> FlashKernels:
@@ -333,7 +343,8 @@ def build_transformed(spec: AttentionSpec, transform, description: str, target="
     target = targets.resolve(target)
     configs, _ = choose_configs(target, spec, tuned=False)
     meta = {**_request(target, spec, configs, False, None), "variant": description}
-    return _build(target, spec, configs, meta, transform=transform)
+    lib, source = _build(target, spec, configs, meta, transform=transform)
+    return FlashKernels(lib, meta, source)
 
 
 # --- prebuilt kernels: built on one machine, loaded on another with TVM's runtime alone ---------
@@ -559,12 +570,10 @@ def compile_decode(target, spec: AttentionSpec, *, config=None, cache: bool = Tr
         from . import build
 
         lib = build.build_decode_module(target, spec, cfg)
-        found = runtime.DecodeKernels(lib, meta, build.module_source(target, lib))
+        source = build.module_source(target, lib)
         settings.progress(f"compiled in {time.perf_counter() - start:.1f} s")
         if cache:
-            library, loaded, name = _cache.store(key, request, lib, found._source, reload=True)
-            if loaded is not None:
-                found = runtime.DecodeKernels(loaded, meta, found._source, library, loaded_as=name)
-        return found
+            return _stored(runtime.DecodeKernels, key, request, meta, lib, source)
+        return runtime.DecodeKernels(lib, meta, source)
 
     return _once(_memory_cache, key, load_or_build) if cache else load_or_build()
