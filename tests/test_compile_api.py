@@ -124,6 +124,7 @@ def test_a_build_runs_from_its_stored_library(tmp_path, monkeypatch):
     from tvmflash import runtime
 
     monkeypatch.setenv("TVMFLASH_CACHE_DIR", str(tmp_path))
+    compiler.clear_memory_cache()
     built, wrapped = [], []
     build = compiler._build
     monkeypatch.setattr(compiler, "_build", lambda *args, **kwargs: built.append(build(*args, **kwargs)) or built[-1])
@@ -131,7 +132,7 @@ def test_a_build_runs_from_its_stored_library(tmp_path, monkeypatch):
     monkeypatch.setattr(runtime.FlashKernels, "__init__",
                         lambda self, module, *args, **kwargs: wrapped.append(module) or init(self, module, *args, **kwargs))
     config = CPUKernelConfig("forward", 32, 64, 16, tuple((p, RegisterTile(2, 2)) for p in ("scores", "pv")))
-    kern = tvmflash.compile("llvm", head_dim=32, dtype="float32", config=config)  # (no other test's: built here)
+    kern = tvmflash.compile("llvm", head_dim=32, dtype="float32", config=config)
     assert len(built) == 1 and wrapped and not any(module is built[0][0] for module in wrapped)
     assert kern._library == tmp_path / f"{kern.meta['cache_key']}.so" and kern._library.exists()
     q = torch.randn(1, 10, 1, 32)
