@@ -109,8 +109,15 @@ def _row(label: str, ours: float, sdpa: float) -> str:
     return f"| {label} | {ours * 1e6:.1f} | {sdpa * 1e6:.1f} | {ours / sdpa:.2f} |"
 
 
-def _table(title: str, rows: list[str]) -> None:
-    print(f"\n{title}\n\n| case | tvmflash (us) | SDPA (us) | ratio |\n|---|---|---|---|")
+def _report(rows: list[str], part: str, row: str) -> None:
+    """Add a table row, and show it on stderr as it is measured."""
+    rows.append(row)
+    print(f"  {part}: {row}", file=sys.stderr, flush=True)
+
+
+def _table(title: str, rows: list[str], columns=("tvmflash (us)", "SDPA (us)", "ratio")) -> None:
+    """A markdown table of ``rows`` (one line each) under ``title``, a "case" column first."""
+    print(f"\n{title}\n\n| case | {' | '.join(columns)} |\n|{'---|' * (len(columns) + 1)}")
     print("\n".join(rows), flush=True)
 
 
@@ -423,14 +430,12 @@ def swapped(args: argparse.Namespace) -> None:
         medians = {impl: statistics.median(v) for impl, v in times.items()}
         paired = statistics.median(t / s for t, s in zip(times["tvm"], times["sdpa"]))
         unit = f"ms per {args.new_tokens} tokens" if kind == "generate" else "ms per step"
-        rows.append(f"| {_case_label(args, dtype_name, kind, size)} | {medians['tvm'] * 1e3:.1f} | "
-                    f"{medians['sdpa'] * 1e3:.1f} | {unit} | {medians['tvm'] / medians['sdpa']:.3f} | {paired:.3f} | "
-                    f"{min(times['tvm']) / min(times['sdpa']):.3f} |")
-        print(f"  swap: {rows[-1]}", file=sys.stderr, flush=True)
-    print(f"\nOne model per dtype in one process, attention switched between calls (ABBA, {args.runs} rounds):"
-          f" {_model_name()}\n\n| case | tvmflash | SDPA | unit | ratio of medians | median of paired "
-          "ratios | ratio of minima |\n|---|---|---|---|---|---|---|")
-    print("\n".join(rows), flush=True)
+        _report(rows, "swap", f"| {_case_label(args, dtype_name, kind, size)} | {medians['tvm'] * 1e3:.1f} | "
+                f"{medians['sdpa'] * 1e3:.1f} | {unit} | {medians['tvm'] / medians['sdpa']:.3f} | {paired:.3f} | "
+                f"{min(times['tvm']) / min(times['sdpa']):.3f} |")
+    _table(f"One model per dtype in one process, attention switched between calls (ABBA, {args.runs} rounds): "
+           f"{_model_name()}", rows, ("tvmflash", "SDPA", "unit", "ratio of medians", "median of paired ratios",
+                                      "ratio of minima"))
 
 
 def in_model(args: argparse.Namespace) -> None:
@@ -482,14 +487,12 @@ def in_model(args: argparse.Namespace) -> None:
             parts = (("decode", "a new token's call"),) if kind == "generate" else (
                 ("forward", "a forward's call"), ("backward", "its backward"))
             for part, what in parts:
-                rows.append(row(f"{case}: {what}", part))
-                print(f"  in-model: {rows[-1]}", file=sys.stderr, flush=True)
+                _report(rows, "in-model", row(f"{case}: {what}", part))
     finally:
         AttentionInterface.register("sdpa", sdpa_attention_forward)
         AttentionInterface.register(names["tvm"], tvm_hf.attention_forward)
-    print(f"\nThe attention function's time per call inside the model (medians, us; {args.runs} runs each, ABBA): "
-          f"{_model_name()}\n\n| case | tvmflash | SDPA | ratio | calls |\n|---|---|---|---|---|")
-    print("\n".join(rows), flush=True)
+    _table(f"The attention function's time per call inside the model (medians, us; {args.runs} runs each, ABBA): "
+           f"{_model_name()}", rows, ("tvmflash", "SDPA", "ratio", "calls"))
 
 
 def compiled_calls(rounds: int) -> None:
@@ -582,13 +585,11 @@ def compiled_steps(args: argparse.Namespace) -> None:
                 cells.append(f"{statistics.median(ours) * 1e3:.1f} / {statistics.median(theirs) * 1e3:.1f} "
                              f"({paired:.3f})")
             what = "sequence" if args.batch == 1 else f"{args.batch} {args.train_padding}-padded sequences"
-            rows.append(f"| {dtype_name} training step, {what} {length} | " + " | ".join(cells) + " |")
-            print(f"  compiled: {rows[-1]}", file=sys.stderr, flush=True)
+            _report(rows, "compiled", f"| {dtype_name} training step, {what} {length} | " + " | ".join(cells) + " |")
     model = "Llama" if args.sliding_window is None else f"Mistral (sliding window {args.sliding_window})"
-    print(f"\ntorch.compile'd models, ours and SDPA's in a random order each round ({args.runs} rounds): "
-          f"{_model_name().replace('Llama', model)}; ms tvmflash / SDPA (median of the paired ratios)\n\n"
-          "| case | forward | backward | AdamW | step |\n|---|---|---|---|---|")
-    print("\n".join(rows), flush=True)
+    _table(f"torch.compile'd models, ours and SDPA's in a random order each round ({args.runs} rounds): "
+           f"{_model_name().replace('Llama', model)}; ms tvmflash / SDPA (median of the paired ratios)", rows,
+           ("forward", "backward", "AdamW", "step"))
 
 
 def compiled_generate(args: argparse.Namespace) -> None:
@@ -632,13 +633,11 @@ def compiled_generate(args: argparse.Namespace) -> None:
             ours, theirs = (new / statistics.median(times[impl]) for impl in ("tvm", "sdpa"))
             paired = statistics.median(b / a for a, b in zip(times["tvm"], times["sdpa"]))
             what = "prompt" if args.batch == 1 else f"{args.batch} left-padded prompts"
-            rows.append(f"| {dtype_name} {what} of {prompt}, {args.new_tokens} new tokens | {ours:,.0f} | "
-                        f"{theirs:,.0f} | {paired:.3f} | {agree} / {args.runs} |")
-            print(f"  compiled generate: {rows[-1]}", file=sys.stderr, flush=True)
-    print(f"\ngenerate() with a static cache and torch.compile'd forwards, ours and SDPA's in a random order each "
-          f"round ({args.runs} rounds): {_model_name()}; tokens/s\n\n| case | tvmflash | SDPA | "
-          "speed ratio (paired median) | same tokens |\n|---|---|---|---|---|")
-    print("\n".join(rows), flush=True)
+            _report(rows, "compiled generate", f"| {dtype_name} {what} of {prompt}, {args.new_tokens} new tokens | "
+                    f"{ours:,.0f} | {theirs:,.0f} | {paired:.3f} | {agree} / {args.runs} |")
+    _table(f"generate() with a static cache and torch.compile'd forwards, ours and SDPA's in a random order each "
+           f"round ({args.runs} rounds): {_model_name()}; tokens/s", rows,
+           ("tvmflash", "SDPA", "speed ratio (paired median)", "same tokens"))
 
 
 def _in_own_process(args: argparse.Namespace, worker: list[str], **env) -> dict:
@@ -668,13 +667,11 @@ def first_steps(args: argparse.Namespace) -> None:
                                                                     "1"], TVMFLASH_CACHE_DIR=cache))
             first, then = ({impl: statistics.median(r[key] for r in runs) for impl, runs in results.items()}
                            for key in ("value", "then"))
-            rows.append(f"| {dtype} first training step, {length} tokens | {first['tvm']:.2f} | {first['sdpa']:.2f} | "
-                        f"{then['tvm'] * 1e3:.0f} | {then['sdpa'] * 1e3:.0f} |")
-            print(f"  first steps: {rows[-1]}", file=sys.stderr, flush=True)
-    print(f"\nA fresh process's first training steps (forward and backward; tvmflash on an empty compile cache), "
-          f"{_model_name()}, medians of {args.runs} processes each\n\n| case | tvmflash first (s) | SDPA first (s) | "
-          "tvmflash second (ms) | SDPA second (ms) |\n|---|---|---|---|---|")
-    print("\n".join(rows), flush=True)
+            _report(rows, "first steps", f"| {dtype} first training step, {length} tokens | {first['tvm']:.2f} | "
+                    f"{first['sdpa']:.2f} | {then['tvm'] * 1e3:.0f} | {then['sdpa'] * 1e3:.0f} |")
+    _table(f"A fresh process's first training steps (forward and backward; tvmflash on an empty compile cache), "
+           f"{_model_name()}, medians of {args.runs} processes each", rows,
+           ("tvmflash first (s)", "SDPA first (s)", "tvmflash second (ms)", "SDPA second (ms)"))
 
 
 def alternated(args: argparse.Namespace, part: str, cases: list, unit: str, higher_is_faster: bool) -> None:
@@ -695,15 +692,12 @@ def alternated(args: argparse.Namespace, part: str, cases: list, unit: str, high
             ratio = medians["sdpa"] / medians["tvm"] if higher_is_faster else medians["tvm"] / medians["sdpa"]
             cells.append(f"{ratio:.2f}")
         what = "sequence" if part == "train" else "prompt" if args.batch == 1 else f"{args.batch} left-padded prompts"
-        rows.append(f"| {dtype} {what} {size} | {' | '.join(cells)} |")
-        print(f"  {part}: {rows[-1]}", file=sys.stderr, flush=True)
+        _report(rows, part, f"| {dtype} {what} {size} | {' | '.join(cells)} |")
     headers = [f"{impl} {unit} (min-max)" for impl in implementations] + (
         ["tvm / sdpa time"] if len(implementations) == 2 else [])
     title = (f"generate(), {_model_name()}, {args.new_tokens} new tokens" if part == "generate" else
              f"training step (forward, backward, AdamW), {_model_name()}, {args.train_steps} steps")
-    print(f"\n{title}: median of {args.runs} processes per implementation, alternated\n")
-    print(f"| case | {' | '.join(headers)} |\n|{'---|' * (len(headers) + 1)}")
-    print("\n".join(rows), flush=True)
+    _table(f"{title}: median of {args.runs} processes per implementation, alternated", rows, headers)
 
 
 def worker(argv: list[str]) -> None:
