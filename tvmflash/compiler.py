@@ -302,7 +302,9 @@ def _stored(kernels_class, key: str, request: dict, meta: dict, lib, source: str
     library's parallel launches), and the module in memory is never asked for its functions (TVM
     would compile its LLVM code again, ~0.6 s a forward+backward set); else, or where the cache
     cannot be written, from the module in memory."""
-    library, loaded, name = _cache.store(key, request, lib, source, reload=reload)
+    if not reload:  # (the store's answer is then the entry's path alone, or None)
+        return kernels_class(lib, meta, source, library=_cache.store(key, request, lib, source))
+    library, loaded, name = _cache.store(key, request, lib, source, reload=True)
     if loaded is not None:
         return kernels_class(loaded, meta, source, library=library, loaded_as=name)
     return kernels_class(lib, meta, source, library=library)
