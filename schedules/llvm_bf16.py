@@ -78,6 +78,13 @@ def intrinsic_name(lanes: int, a_dtype: str) -> str:
     return _name(lanes, a_dtype)
 
 
+def register_all() -> None:
+    """Every lane count's intrinsics: what replaying a stored schedule trace needs before any
+    schedule has named them (a MetaSchedule database replays its records' traces as it loads)."""
+    for lanes in (*LANES, ARM_LANES):
+        intrinsic_name(lanes, "uint16")
+
+
 def _name(lanes: int, a_dtype: str) -> str:
     return f"tvmflash_bf16_dot_{'words_' if a_dtype == 'uint32' else ''}{lanes}"
 

@@ -129,8 +129,12 @@ def test_a_build_runs_from_its_stored_library(tmp_path, monkeypatch):
     build = compiler._build
     monkeypatch.setattr(compiler, "_build", lambda *args, **kwargs: built.append(build(*args, **kwargs)) or built[-1])
     init = runtime.FlashKernels.__init__
-    monkeypatch.setattr(runtime.FlashKernels, "__init__",
-                        lambda self, module, *args, **kwargs: wrapped.append(module) or init(self, module, *args, **kwargs))
+
+    def recorded_init(self, module, *args, **kwargs):
+        wrapped.append(module)
+        init(self, module, *args, **kwargs)
+
+    monkeypatch.setattr(runtime.FlashKernels, "__init__", recorded_init)
     config = CPUKernelConfig("forward", 32, 64, 16, tuple((p, RegisterTile(2, 2)) for p in ("scores", "pv")))
     kern = tvmflash.compile("llvm", head_dim=32, dtype="float32", config=config)
     assert len(built) == 1 and wrapped and not any(module is built[0][0] for module in wrapped)

@@ -200,6 +200,33 @@ def test_decoded_knobs_reproduce_the_measured_schedule(kernel, products):
     tvm.ir.assert_structural_equal(replayed.mod["main"], sch.mod["main"])
 
 
+def test_a_database_of_bf16_records_loads_in_a_fresh_process(tmp_path):
+    """A MetaSchedule database replays its records' traces as it loads, and a bf16 dot product's
+    trace names our tensor intrinsics: a process that has scheduled nothing yet (the verify step
+    of tune_shipped.sh, a resumed tuning run) registers them first, and finds the record."""
+    from tvm.s_tir import meta_schedule as ms
+
+    tune.stub_tensor_intrin()
+    spec = AttentionSpec(32, "bfloat16")
+    workload = tune.workloads_for(BF16_TARGET, spec, kernels_to_tune=("forward",), **SHAPE)["forward_q64_k64_bf16_dot"]
+    mod = tvm.IRModule({"main": workload.prim_func()})
+    sch = tvm.s_tir.Schedule(mod, seed=3)
+    tune.space_function(sch)
+    database = ms.database.JSONDatabase(work_dir=str(tmp_path))
+    database.commit_tuning_record(ms.database.TuningRecord(sch.trace, database.commit_workload(mod), [1e-3],
+                                                           tvm.target.Target(BF16_TARGET), None))
+    config = tune.decode(ms.database.TuningRecord(sch.trace, database.commit_workload(mod), [1e-3]))
+    script = (f"import json; from pathlib import Path; from tvmflash import tune\n"
+              f"from tvmflash.spec import AttentionSpec\n"
+              f"w = tune.workloads_for({BF16_TARGET!r}, AttentionSpec(32, 'bfloat16'), kernels_to_tune=('forward',), "
+              f"**{SHAPE!r})['forward_q64_k64_bf16_dot']\n"
+              f"found = tune.best_configs(Path({str(tmp_path)!r}), w)\n"
+              f"print(json.dumps(found['forward'][0].to_json() if 'forward' in found else None))")
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert json.loads(run.stdout.strip().splitlines()[-1]) == json.loads(json.dumps(config.to_json()))
+
+
 def test_the_search_space_covers_how_the_products_run():
     """bf16 inputs on an AVX512-BF16 target: a task per tile shape with fp32 FMAs and with bf16
     dot products; without AVX512-BF16 (or for fp16) fp32 FMAs only."""

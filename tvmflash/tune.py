@@ -60,6 +60,7 @@ from .kernels import cpu as cpu_kernels
 from . import target as targets
 from .config import BF16_DOT, FP32_FMA, KERNELS, PRODUCTS, CPUKernelConfig, RegisterTile, default_cpu_config
 from .schedules import llvm as llvm_schedules
+from .schedules import llvm_bf16
 from .spec import UNLIMITED_WINDOW, AttentionSpec
 
 BLOCK_CANDIDATES = ((64, 64), (64, 128), (128, 64))
@@ -520,7 +521,7 @@ def tune(target, spec: AttentionSpec, *, seqlen: int, batch: int, heads: int, he
                                                   mutator_probs={ms.mutator.MutateTileSize(): 1.0})
             # Round robin, one batch per task per round: every tile shape gets trials even on small budgets.
             per_round = max(1, min(16, trials // len(workloads)))
-            database = ms.database.JSONDatabase(work_dir=str(directory))
+            database = _database(directory)
             print(f"measuring the hand-written configs ({len(workloads)} tasks) ...\n"
                   f"  (search times, here and below: MetaSchedule's runner, each task's kernel specialized to "
                   f"this shape, mean of 3 x 3 runs in a worker process; a task is one kernel with one tile shape, "
@@ -549,6 +550,15 @@ def tune(target, spec: AttentionSpec, *, seqlen: int, batch: int, heads: int, he
 # Reading the databases back, and the same-run verification that writes compile()'s records
 
 
+def _database(directory: Path, **kwargs):
+    """The MetaSchedule JSON database in ``directory``. Loading replays each record's trace on its
+    workload, and the traces of bf16 dot products name our tensor intrinsics: registered first."""
+    from tvm.s_tir import meta_schedule as ms
+
+    llvm_bf16.register_all()
+    return ms.database.JSONDatabase(work_dir=str(directory), **kwargs)
+
+
 def best_configs(directory: Path, workload: Workload) -> dict[str, tuple[CPUKernelConfig, float]]:
     """Per kernel: the fastest measured config in a database for this workload's problem (shape,
     mask, threads; any tile shape) and its mean time, in seconds."""
@@ -558,7 +568,7 @@ def best_configs(directory: Path, workload: Workload) -> dict[str, tuple[CPUKern
     if not all(p.exists() for p in db_files):
         return {}
     stub_tensor_intrin()
-    db = ms.database.JSONDatabase(work_dir=str(directory), allow_missing=False)
+    db = _database(directory, allow_missing=False)
     best: dict[str, tuple] = {}
     for record in db.get_all_tuning_records():
         if not record.run_secs:
