@@ -230,6 +230,27 @@ def _llama(dtype, implementation: str, sliding_window: int | None = None):
     return transformers.AutoModelForCausalLM.from_config(config, attn_implementation=implementation, dtype=dtype)
 
 
+def _gpt_oss(dtype):
+    """``_llama``'s model as a gpt-oss (``--model gpt-oss``): attention sinks (``s_aux``; drawn as
+    N(1, 1.5^2), of the size trained ones reach), sliding windows of 128 on every other layer,
+    4 experts of which 2 per token; transformers runs it on ``eager`` attention only (no SDPA;
+    its flex path refuses sinks on CPU)."""
+    import transformers
+
+    hidden = 8 * HEAD_DIM
+    config = transformers.GptOssConfig(
+        vocab_size=1024, hidden_size=hidden, intermediate_size=hidden, num_hidden_layers=8, num_attention_heads=8,
+        num_key_value_heads=2, head_dim=HEAD_DIM, max_position_embeddings=4096, attention_dropout=0.0,
+        sliding_window=128, num_local_experts=4, num_experts_per_tok=2,
+        layer_types=["sliding_attention", "full_attention"] * 4)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager", dtype=dtype)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.sinks.copy_(torch.randn(layer.self_attn.sinks.shape) * 1.5 + 1)
+    return model
+
+
 def _implementation(short: str) -> str:
     if short == "sdpa":
         return "sdpa"
@@ -342,6 +363,64 @@ def padded_attention(args: argparse.Namespace) -> None:
            "(median per call)", rows)
 
 
+def sink_calls(args: argparse.Namespace) -> None:
+    """One gpt-oss layer's attention with sinks, the module's layout: the integration's
+    ``attention_forward`` against gpt-oss's ``eager_attention_forward`` (transformers' only CPU
+    attention for it), interleaved: a training call's forward + backward (one causal sequence of
+    each --train-lengths; eager gets its additive 4D mask) and a decode step against a cache of
+    each --prompts keys (no mask)."""
+    import types
+
+    from transformers.models.gpt_oss.modeling_gpt_oss import eager_attention_forward
+
+    from tvmflash.integrations import transformers as tvm_hf
+
+    heads, heads_k, head_dim = 8, 2, HEAD_DIM
+    scale = head_dim ** -0.5
+    rows = []
+    for dtype_name in args.dtypes:
+        dtype, autocast = _precision(dtype_name)
+        sinks = (torch.randn(heads) * 1.5 + 1).to(dtype).requires_grad_()
+        module = types.SimpleNamespace(is_causal=True, num_key_value_groups=heads // heads_k, training=True,
+                                       sinks=sinks)
+        for length in args.train_lengths:
+            q = torch.randn(1, length, heads, head_dim, dtype=dtype).transpose(1, 2).requires_grad_()
+            k, v = (torch.randn(1, length, heads_k, head_dim, dtype=dtype).transpose(1, 2).requires_grad_()
+                    for _ in range(2))
+            dout = torch.randn(1, length, heads, head_dim, dtype=autocast or dtype)
+            causal = torch.full((length, length), torch.finfo(dtype).min, dtype=dtype).triu(1)[None, None]
+
+            def ours():
+                with _autocast(autocast):
+                    return tvm_hf.attention_forward(module, q, k, v, None, scaling=scale, s_aux=sinks)[0]
+
+            def eager():
+                with _autocast(autocast):
+                    return eager_attention_forward(module, q, k, v, causal, scaling=scale)[0]
+
+            with torch.no_grad():
+                torch.testing.assert_close(ours().float(), eager().float(), atol=2e-2, rtol=2e-2)
+            t = interleaved({"ours": lambda: ours().backward(dout), "eager": lambda: eager().backward(dout)},
+                            args.rounds, warmup=3)
+            _report(rows, "sinks", _row(f"{dtype_name} training call, forward + backward, {length} tokens", t["ours"],
+                                        t["eager"]))
+        for n in args.prompts:
+            q = torch.randn(1, 1, heads, head_dim, dtype=dtype).transpose(1, 2)
+            k, v = (torch.randn(1, n, heads_k, head_dim, dtype=dtype).transpose(1, 2) for _ in range(2))
+            with torch.no_grad(), _autocast(autocast):
+                torch.testing.assert_close(tvm_hf.attention_forward(module, q, k, v, None, scaling=scale,
+                                                                    s_aux=sinks)[0].float(),
+                                           eager_attention_forward(module, q, k, v, None, scaling=scale)[0].float(),
+                                           atol=2e-2, rtol=2e-2)
+                t = interleaved({"ours": lambda: tvm_hf.attention_forward(module, q, k, v, None, scaling=scale,
+                                                                          s_aux=sinks),
+                                 "eager": lambda: eager_attention_forward(module, q, k, v, None, scaling=scale)},
+                                args.rounds * 10)
+            _report(rows, "sinks", _row(f"{dtype_name} decode step, {n}-token cache", t["ours"], t["eager"]))
+    _table(f"One gpt-oss layer's attention with sinks (H{heads}/{heads_k} D{head_dim}), median per call",
+           rows, ("tvmflash (us)", "eager (us)", "ratio"))
+
+
 def _generate_inputs(prompt: int, new_tokens: int, batch: int):
     ids, mask = _padded_batch(prompt, batch)
     return ids, dict(attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
@@ -366,7 +445,7 @@ def _model_cases(args: argparse.Namespace, names: dict):
     attention implementation ``names[impl]``."""
     for dtype_name in args.dtypes:
         dtype, autocast = _precision(dtype_name)
-        model = _llama(dtype, "sdpa").eval()
+        model = (_gpt_oss(dtype) if args.model == "gpt-oss" else _llama(dtype, "sdpa")).eval()
         for prompt in args.prompts:
             ids, kwargs = _generate_inputs(prompt, args.new_tokens, args.batch)
 
@@ -421,21 +500,24 @@ def _case_label(args: argparse.Namespace, dtype_name: str, kind: str, size: int)
 
 
 def swapped(args: argparse.Namespace) -> None:
-    """generate() and training steps on one model per dtype, its attention switched call by call."""
-    names = {"sdpa": "sdpa", "tvm": _implementation("tvm")}
+    """generate() and training steps on one model per dtype, its attention switched call by call
+    (against SDPA; a gpt-oss against eager, its only other CPU attention)."""
+    reference = "eager" if args.model == "gpt-oss" else "sdpa"
+    names = {"ref": reference, "tvm": _implementation("tvm")}
     rows = []
     for dtype_name, kind, size, run in _model_cases(args, names):
         _abba_seconds(run, list(names), 1)  # warm-up: compiles, caches
         times = _abba_seconds(run, list(names), args.runs)
         medians = {impl: statistics.median(v) for impl, v in times.items()}
-        paired = statistics.median(t / s for t, s in zip(times["tvm"], times["sdpa"]))
+        paired = statistics.median(t / s for t, s in zip(times["tvm"], times["ref"]))
         unit = f"ms per {args.new_tokens} tokens" if kind == "generate" else "ms per step"
         _report(rows, "swap", f"| {_case_label(args, dtype_name, kind, size)} | {medians['tvm'] * 1e3:.1f} | "
-                f"{medians['sdpa'] * 1e3:.1f} | {unit} | {medians['tvm'] / medians['sdpa']:.3f} | {paired:.3f} | "
-                f"{min(times['tvm']) / min(times['sdpa']):.3f} |")
+                f"{medians['ref'] * 1e3:.1f} | {unit} | {medians['tvm'] / medians['ref']:.3f} | {paired:.3f} | "
+                f"{min(times['tvm']) / min(times['ref']):.3f} |")
+    model = _model_name().replace("Llama", "gpt-oss, 4 experts, sinks") if args.model == "gpt-oss" else _model_name()
     _table(f"One model per dtype in one process, attention switched between calls (ABBA, {args.runs} rounds): "
-           f"{_model_name()}", rows, ("tvmflash", "SDPA", "unit", "ratio of medians", "median of paired ratios",
-                                      "ratio of minima"))
+           f"{model}", rows, ("tvmflash", reference, "unit", "ratio of medians", "median of paired ratios",
+                              "ratio of minima"))
 
 
 def in_model(args: argparse.Namespace) -> None:
@@ -714,7 +796,7 @@ def worker(argv: list[str]) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parts = ["fixed", "linear", "generate", "train", "padded", "swap", "in-model", "compiled", "compiled-generate",
-             "first-step"]
+             "first-step", "sinks"]
     p.add_argument("parts", nargs="*", help=f"of {', '.join(parts)} (default: the first four)")
     p.add_argument("--rounds", type=int, default=1000, help="interleaved rounds per case (fixed, linear)")
     p.add_argument("--prompts", type=int, nargs="*", default=[32, 1024])
@@ -733,6 +815,8 @@ def main() -> None:
     p.add_argument("--runs", type=int, default=3,
                    help="processes per implementation and case (generate, train); rounds (swap, compiled)")
     p.add_argument("--only", choices=["tvm", "sdpa"], help="generate() / train with one implementation only")
+    p.add_argument("--model", choices=["llama", "gpt-oss"], default="llama",
+                   help="swap: the model (gpt-oss: attention sinks, against eager attention)")
     p.add_argument("--sliding-window", type=int, default=None,
                    help="compiled: the model as a Mistral with this sliding window on every layer")
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
@@ -750,6 +834,8 @@ def main() -> None:
     args.parts = args.parts or parts[:4]
     if set(args.parts) - set(parts):
         p.error(f"unknown parts {sorted(set(args.parts) - set(parts))}: choose from {parts}")
+    if args.model != "llama" and set(args.parts) != {"swap"}:
+        p.error("--model gpt-oss: the swap part only")
     print(f"machine: {machine()}\ntvmflash {tvmflash.__version__}, {torch.get_num_threads()} threads, "
           f"load average at start: {os.getloadavg()}")
     if "fixed" in args.parts:
@@ -773,6 +859,8 @@ def main() -> None:
         compiled_generate(args)
     if "first-step" in args.parts:
         first_steps(args)
+    if "sinks" in args.parts:
+        sink_calls(args)
     print(f"\nload average at the end: {os.getloadavg()}")
 
 

@@ -292,8 +292,10 @@ def test_transformers_decode_fast_path_keeps_autocast_and_masks(gen):
     exact = reference_attention(q.transpose(1, 2), k[:, :, 10:].transpose(1, 2), v[:, :, 10:].transpose(1, 2), True,
                                 0.125)[0]
     assert (masked.double() - exact).abs().max() <= 1e-5
-    with pytest.raises(NotImplementedError, match="s_aux"):
-        tvm_hf.attention_forward(layer, q, k, v, None, scaling=0.125, s_aux=torch.zeros(8))
+    sinks = torch.randn(8, generator=gen)  # (gpt-oss's attention sinks: not a step the fast path knows)
+    with_sinks, _ = tvm_hf.attention_forward(layer, q, k, v, None, scaling=0.125, s_aux=sinks)
+    exact = reference_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), True, 0.125, sinks=sinks)[0]
+    assert (with_sinks.double() - exact).abs().max() <= 1e-5
 
 
 @pytest.mark.parametrize("dtype,autocast", [("float32", False), ("bfloat16", False), ("float32", True)])

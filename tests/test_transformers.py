@@ -41,6 +41,9 @@ def _config(model: str):
                                          attn_logit_softcapping=2.0, final_logit_softcapping=None)
     if model == "qwen2":  # layer 0 full, layer 1 sliding
         return transformers.Qwen2Config(**COMMON, use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1)
+    if model == "gpt_oss":  # attention sinks; layer 0 sliding, layer 1 full; 4 experts, 2 per token
+        return transformers.GptOssConfig(**COMMON, head_dim=16, sliding_window=WINDOW, num_local_experts=4,
+                                         num_experts_per_tok=2, layer_types=["sliding_attention", "full_attention"])
     raise ValueError(model)
 
 
@@ -57,6 +60,10 @@ def _models(model: str, dtype: torch.dtype = torch.float32):
     eager = transformers.AutoModelForCausalLM.from_config(copy.deepcopy(cfg), attn_implementation="eager",
                                                            dtype=dtype)
     ours = transformers.AutoModelForCausalLM.from_config(copy.deepcopy(cfg), attn_implementation=name, dtype=dtype)
+    if model == "gpt_oss":  # sinks of the size trained ones reach (initialized at ~0.1: a share of ~1/n)
+        with torch.no_grad():
+            for layer in eager.model.layers:
+                layer.self_attn.sinks.copy_(torch.randn(layer.self_attn.sinks.shape) * 1.5 + 1)
     ours.load_state_dict(eager.state_dict())
     assert eager.config._attn_implementation == "eager" and ours.config._attn_implementation == name
     return eager, ours
@@ -115,6 +122,73 @@ def _padded_batch(gen: torch.Generator, length: int = 24):
     mask[1, -7:] = 0
     mask[3, :] = 0
     return ids, mask, ids.masked_fill(mask == 0, -100)
+
+
+@pytest.mark.parametrize("batch", ["plain", "padded", "holes", "documents"])
+def test_gpt_oss_attention_sinks_match_eager(batch, gen, monkeypatch):
+    """gpt-oss's attention sinks (``s_aux``; ``sinks.py``): loss and every gradient, the sinks'
+    included, as eager's, on rows without padding, a padded batch (left, right, a row of padding
+    only, whose rows the sink takes whole) and a hole on the sliding layer (flex_attention over
+    the mask); every call on the sinks' op. Documents packed into rows by position_ids: each
+    document's logits as eager's on that document alone (gpt-oss's eager masks do not read
+    position_ids, flash_attention_2's rule, ours, does: its masks let documents see each other)."""
+    calls = []
+    original = padded._sink_ops.__call__
+    monkeypatch.setattr(type(padded._sink_ops), "__call__", lambda self, *a: calls.append(1) or original(*a))
+    if batch == "documents":
+        lengths = ([7, 10, 7], [3, 21], [24])
+        position_ids = torch.stack([torch.cat([torch.arange(n) for n in row]) for row in lengths])
+        ids = torch.randint(0, 128, position_ids.shape, generator=gen)
+        eager, ours = _models("gpt_oss")
+        with torch.no_grad():
+            got = ours.eval()(input_ids=ids, position_ids=position_ids, use_cache=False).logits
+            for row, documents in enumerate(lengths):
+                starts = [sum(documents[:i]) for i in range(len(documents))]
+                for start, n in zip(starts, documents):
+                    want = eager.eval()(input_ids=ids[row:row + 1, start:start + n], use_cache=False).logits[0]
+                    assert _rel(got[row, start:start + n], want) <= LOSS_RTOL, (row, start)
+    elif batch == "plain":
+        ids = torch.randint(0, 128, (2, 21), generator=gen)
+        _assert_matches_eager("gpt_oss", input_ids=ids, labels=ids)
+    else:
+        ids, mask, labels = _padded_batch(gen)
+        if batch == "holes":
+            mask[2, 9] = 0
+            labels[2, 9:11] = -100
+        _assert_matches_eager("gpt_oss", real=mask.bool(), input_ids=ids, attention_mask=mask, labels=labels)
+    assert len(calls) == 2  # (both layers)
+
+
+def test_gpt_oss_generate_matches_eager(gen, monkeypatch):
+    """Greedy generate() with attention sinks from left-padded prompts: scores and tokens as
+    eager's; every new token on the decode kernel (its lse renormalized), past the window."""
+    eager, ours = _models("gpt_oss")
+    ids = torch.randint(1, 128, (3, 10), generator=gen)
+    mask = torch.ones_like(ids)
+    mask[0, :4] = 0
+    mask[2, :1] = 0
+    ids = ids.masked_fill(mask == 0, 0)
+    kernel_calls = []
+    kvcache = tvm_hf.flash_attn_with_kvcache
+    monkeypatch.setattr(tvm_hf, "flash_attn_with_kvcache", lambda *a, **kw: kernel_calls.append(1) or kvcache(*a, **kw))
+    kwargs = dict(attention_mask=mask, max_new_tokens=16, do_sample=False, pad_token_id=0, output_scores=True,
+                  return_dict_in_generate=True)
+    with torch.no_grad():
+        want = eager.eval().generate(ids, **kwargs)
+        got = ours.eval().generate(ids, **kwargs)
+    _assert_same_generation(got, want)
+    assert len(kernel_calls) == 15 * ours.config.num_hidden_layers
+
+
+def test_gpt_oss_compiled_training_is_one_graph(gen):
+    """Attention sinks under torch.compile: one op per layer, fullgraph=True; one graph serves a
+    padded batch and a mask of ones; loss and every gradient as eager's."""
+    eager, ours = _models("gpt_oss")
+    compiled = torch.compile(ours, backend="aot_eager", fullgraph=True)
+    ids, mask, labels = _padded_batch(gen)
+    _assert_one_graph_matches_eager(eager, ours, compiled, [dict(input_ids=ids, attention_mask=mask, labels=labels),
+                                                           dict(input_ids=ids, attention_mask=torch.ones_like(mask),
+                                                                labels=ids.clone())])
 
 
 def test_register_gives_a_usable_name():

@@ -32,6 +32,7 @@ import torch
 from torch.autograd import forward_ad
 
 from . import checks, flex_trace, launch, torch_op, uniform_rows
+from . import sinks as sinks_module
 from .documents import documents_from_positions
 from .tensor_memo import per_tensor, remembered
 from .flex import flex_attention, flex_attention_backward
@@ -154,7 +155,7 @@ def blind_rows(mask: torch.Tensor, len_q: int, window_left: int, window_right: i
 
 # --- one op over the mask (torch.compile) ----------------------------------------------------------
 def attention(q, k, v, mask: torch.Tensor, *, position_ids: torch.Tensor | None = None, softmax_scale=None,
-              causal=False, window_size=(-1, -1), softcap=0.0) -> torch.Tensor:
+              causal=False, window_size=(-1, -1), softcap=0.0, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Attention over the real tokens of a padded batch: (batch, len_q, heads, head_dim) q, k and
     v (batch, n_k, heads_kv, head_dim), ``mask`` (batch, n) True at real keys, len_q <= n <= n_k.
     The queries are the last len_q of the mask's n positions (transformers' flash-attention
@@ -175,6 +176,9 @@ def attention(q, k, v, mask: torch.Tensor, *, position_ids: torch.Tensor | None 
     place on CPU tensors; others are gathered for the varlen kernels, except under a window,
     which the packed sequences would count in packed positions: there ``flex_attention`` takes
     the mask and the window as its block mask, in place (its fused backward in the backward op).
+
+    ``sinks`` (heads,): gpt-oss's attention sinks, a logit per query head in every row's softmax
+    (``sinks.py``; differentiable). Padding query rows then get 0, as ``eager``'s gpt-oss gives them.
     """
     head_dim = q.shape[-1]
     # (a model's layers repeat one call: its checks, which read nothing but these, run once)
@@ -198,6 +202,10 @@ def attention(q, k, v, mask: torch.Tensor, *, position_ids: torch.Tensor | None 
             _checked[key] = flash
     keys_seen = mask if position_ids is None else _positions_of_real_tokens(mask, position_ids, q.shape[1], k.shape[1])
     scalars = (flash.softmax_scale, *flash.window, flash.softcap)
+    if sinks is not None:
+        sinks_module.check(sinks, q.shape[2], q.device)
+        out, _ = _sink_ops(q, k, v, sinks, keys_seen, *scalars)
+        return out if out.shape[-1] == head_dim else out[..., :head_dim]
     out, _ = _padded_ops(q, k, v, keys_seen, *scalars)
     if key is not None and out.requires_grad:
         _remember_repeat(mask, torch_op.options_key(softmax_scale, causal, window_size, softcap), q, k, v, scalars)
@@ -520,3 +528,17 @@ def _padded_backward_fake(dout, q, k, v, out, lse, keys_seen, softmax_scale, win
 # the padded batch's forward op, differentiated by its backward op from the saved mask (or positions)
 _padded_ops = torch_op.OpPair("flash_attn_padded", _padded_forward_impl, _padded_forward_fake, _padded_backward_impl,
                               _padded_backward_fake)
+
+
+def _real_queries(keys_seen: torch.Tensor, len_q: int) -> torch.Tensor | None:
+    """(batch, len_q) bool: the query rows that are real tokens (the last len_q of the written
+    mask's), or None where all are (what the mask says is kept on it: ``mask_rows``)."""
+    mask = _written_mask(keys_seen, len_q)
+    if all(count == mask.shape[1] for count in mask_rows(mask).count):
+        return None
+    return mask[:, -len_q:]
+
+
+# the same with attention sinks (sinks.py): over the padded op's bodies
+_sink_ops = sinks_module.SinkOps("flash_attn_padded_sinks", _padded_forward_impl, _padded_backward_impl,
+                                 _real_queries)

@@ -52,13 +52,16 @@ def alibi_bias(slopes: torch.Tensor, seqlen_q: int, seqlen_k: int, batch: int, d
 
 def reference_attention(q, k, v, causal: bool = False, scale: float | None = None, *, window_size=(-1, -1),
                         softcap: float = 0.0, alibi_slopes=None, score_mod=None, mask=None, diagonal=None,
-                        dtype=torch.float64):
+                        sinks=None, dtype=torch.float64):
     """Plain attention in ``dtype``: out (B, Nq, H, D) and lse (B, H, Nq) (natural log).
 
     q (B, Nq, H, D), k and v (B, Nk, Hk, D) with H % Hk == 0. ``score_mod(scores, b, h, i, j)``
     gets the scaled (and softcapped) scores (B, H, Nq, Nk) and broadcastable index tensors;
     ``mask`` is a bool tensor broadcastable to (B, H, Nq, Nk) (True = keep), applied with the
     window. Rows that see no key: output 0, lse -inf, zero gradients (no NaN in autograd).
+    ``sinks`` (H,): attention sinks as gpt-oss's ``eager`` has them, one more logit per row in the
+    softmax, whose probability is dropped (its value is 0); the lse then counts it (a row that
+    sees no key: lse = its sink).
     """
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     batch, seqlen_q, heads, _ = q.shape
@@ -84,7 +87,14 @@ def reference_attention(q, k, v, causal: bool = False, scale: float | None = Non
     sees_a_key = keep.any(-1, keepdim=True)
     # Rows that see no key: give them finite scores before the softmax and zero their
     # probabilities after, so autograd produces no NaN.
-    scores = scores.masked_fill(~keep, float("-inf")).masked_fill(~sees_a_key, 0.0)
+    scores = scores.masked_fill(~keep, float("-inf"))
+    if sinks is not None:
+        sink = sinks.to(scores.dtype)[None, :, None, None].expand(batch, -1, seqlen_q, 1)
+        scores = torch.cat([scores, sink], dim=-1)
+        probs = torch.softmax(scores, dim=-1)
+        lse = torch.logsumexp(scores.to(torch.promote_types(dtype, torch.float32)), -1)
+        return (probs[..., :-1] @ vt).transpose(1, 2), lse
+    scores = scores.masked_fill(~sees_a_key, 0.0)
     probs = torch.softmax(scores, dim=-1) * sees_a_key
     lse = torch.logsumexp(scores.to(torch.promote_types(dtype, torch.float32)), -1)
     lse = lse.masked_fill(~sees_a_key[..., 0], float("-inf"))

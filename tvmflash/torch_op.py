@@ -384,11 +384,11 @@ def _backward_op(dout, q, k, v, *rest):
     return refusing_second_derivatives(_backward(dout, q, k, v, *rest), q, k, v, dout)
 
 
-def refusing_second_derivatives(grads: tuple, q, k, v, dout) -> tuple:
-    """dq, dk, dv of a backward without an autograd formula. Under create_graph=True they stay
-    connected to what they depend on (``_NoSecondDerivative``), so that differentiating them
-    again raises rather than takes them for constants."""
-    return _NoSecondDerivative.apply(*grads, q, k, v, dout) if torch.is_grad_enabled() else grads
+def refusing_second_derivatives(grads: tuple, *depends_on) -> tuple:
+    """The gradients (dq, dk, dv, ...) of a backward without an autograd formula. Under
+    create_graph=True they stay connected to what they depend on (``_NoSecondDerivative``: q, k,
+    v, dout, ...), so that differentiating them again raises rather than takes them for constants."""
+    return _NoSecondDerivative.apply(len(grads), *grads, *depends_on) if torch.is_grad_enabled() else grads
 
 
 def differentiable_pair(forward, backward, name: str, backward_body=None) -> type:
@@ -570,13 +570,13 @@ def add_uniform_gradients(call: _ForwardCall, uniform: UniformRows | None, grads
 
 
 class _NoSecondDerivative(torch.autograd.Function):
-    """Gradients (dq, dk, dv) that stay connected to what they depend on, so that differentiating
-    them again raises (the backward has no autograd formula) instead of taking them for
-    constants and dropping the second-order terms."""
+    """The first ``count`` tensors (gradients) connected to all of them (what they depend on), so
+    that differentiating them again raises (the backward has no autograd formula) instead of
+    taking them for constants and dropping the second-order terms."""
 
     @staticmethod
-    def forward(dq, dk, dv, q, k, v, dout):
-        return dq, dk, dv
+    def forward(count, *tensors):
+        return tensors[:count]
 
     @staticmethod
     def setup_context(ctx, inputs, output):  # (the form torch.func's transforms need)

@@ -41,6 +41,12 @@ What the attention function handles, with what transformers passes it:
   position p sees keys p - w < j <= p, flash-attn's ``window_size=(w - 1, 0)``;
 * logit softcapping (Gemma2's ``attn_logit_softcapping``) and the module's ``scaling`` (Gemma2's
   ``query_pre_attn_scalar``) as ``softcap`` and ``softmax_scale``;
+* attention sinks (gpt-oss's ``s_aux``, a learned logit per head in every row's softmax; on CPU
+  transformers runs them on ``eager`` only): the padded op's sinks form for every case above
+  (``sinks.py``: from the kernels' out and lse, the sinks' gradient too), a decode step on the
+  decode kernel's out and lse; padding query rows get 0, as eager gives them (the sink takes
+  their weight). Documents packed into rows by position_ids attend within themselves here, by
+  flash_attention_2's rule; gpt-oss's ``eager`` masks do not read position_ids;
 * ``generate()``: the prefill is one of the cases above; every new token then attends to the
   KV cache through :func:`decode_attention`, the one place decode is dispatched. A cache of
   left-padded prompts is read through its key-padding mask, with flash-attn's bottom-right
@@ -55,8 +61,7 @@ cache (``_decode_op``).
 Not supported (a clear error rather than a wrong result): attention dropout > 0 (tvmflash has
 no dropout; ``model.eval()`` or ``attention_dropout=0``), 4D or BlockMask attention masks,
 masks with extra patterns (``or_mask_function``/``and_mask_function``, e.g. bidirectional
-image tokens), attention sinks (``s_aux``), chunked attention (Llama 4) over more keys than one
-chunk. ``block_sequence_ids`` are not detected; models using them need another implementation.
+image tokens), chunked attention (Llama 4) over more keys than one chunk. ``block_sequence_ids`` are not detected; models using them need another implementation.
 """
 
 from __future__ import annotations
@@ -71,6 +76,7 @@ from .. import version
 from ..kvcache import flash_attn_with_kvcache, repeated_decode_step, repeated_heads_first_step
 from ..torch_op import define_op, flash_attn_func, flash_attn_varlen_func, repeated_heads_first_training
 from .. import documents, padded
+from .. import sinks as sinks_module
 from ..padded import unpad_plan
 from ..tensor_memo import per_tensor
 
@@ -180,8 +186,6 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
         raise ValueError(
             f"tvmflash has no attention dropout, but the model asks for dropout={dropout} (training mode with "
             "attention_dropout > 0): set config.attention_dropout = 0.0 or call model.eval()")
-    if kwargs.get("s_aux") is not None:
-        raise NotImplementedError("attention sinks (s_aux) are not supported by tvmflash")
     if kwargs.get("output_attentions"):
         _warn_once("tvmflash does not return attention weights (output_attentions=True gives None)")
     if attention_mask is not None and (not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() != 2):
@@ -206,6 +210,9 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
 
     batch, len_q = q.shape[:2]
     cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
+    if kwargs.get("s_aux") is not None:  # (gpt-oss)
+        out = _attention_with_sinks(q, k, v, attention_mask, kwargs["s_aux"], scaling, causal, window, softcap, kwargs)
+        return (out if v_head_dim == head_dim else out[..., :v_head_dim]), None
     if torch.compiler.is_compiling() and _decode_op_applies(q, k, v, attention_mask, cu_q, cu_k):
         mask = None if attention_mask is None else attention_mask.to(device=q.device, dtype=torch.bool)
         out = _decode_op(q, k, v, mask, scaling, causal, *window, softcap)
@@ -269,6 +276,47 @@ def _repeated_call(module, query, key, value, mask, scaling, sliding_window, sof
     return repeated_heads_first_training(query, key, value, scaling, causal, window, softcap)
 
 
+def _attention_with_sinks(q, k, v, mask: torch.Tensor | None, sinks: torch.Tensor, scaling: float | None, causal: bool,
+                          window: tuple[int, int], softcap: float, kwargs: dict) -> torch.Tensor:
+    """Attention with gpt-oss's sinks (``sinks.py``), every case of ``attention_forward``: a decode
+    step without gradients on the decode kernel (its lse renormalized; a cache read in place,
+    left padding included), else ``padded.attention`` over the mask (or all keys), documents by
+    position_ids or cu_seq_lens included."""
+    opts = {"softmax_scale": scaling, "causal": causal, "window_size": window, "softcap": softcap}
+    if not isinstance(sinks, torch.Tensor):
+        raise TypeError(f"s_aux (attention sinks) must be a tensor, got {type(sinks).__name__}")
+    if q.shape[1] == 1 and not torch.compiler.is_compiling() and _decode_kernel_applies(q, k, v) and not (
+            torch.is_grad_enabled() and sinks.requires_grad):
+        keys = None if mask is None else _decode_keys(q, k, mask, False)
+        if keys is None or keys.left_pad is not None:  # (a cache of one run of keys per row, read in place)
+            sinks_module.check(sinks, q.shape[2], q.device)
+            out, lse = flash_attn_with_kvcache(q, k, v, cache_seqlens=k.shape[1] if keys is None else keys.n,
+                                               cache_leftpad=None if keys is None else keys.left_pad,
+                                               return_softmax_lse=True, **opts)
+            return sinks_module.rescaled(out, sinks_module.keys_share(lse, sinks.detach().float()[:, None]))
+    position_ids = None
+    cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
+    if mask is None and q.shape[1] == k.shape[1] and not kwargs.get("use_cache"):
+        position_ids = kwargs.get("position_ids")
+        if cu_q is not None and cu_k is not None:  # (documents packed into one row: their positions)
+            if q.shape[0] != 1 or not torch.equal(cu_q, cu_k):
+                raise ValueError("cu_seq_lens_q/_k with attention sinks: documents packed into one row, the same "
+                                 "bounds for queries and keys")
+            starts = cu_q[:-1].to(torch.int64).repeat_interleave(cu_q.diff().to(torch.int64))
+            position_ids = (torch.arange(q.shape[1], device=q.device) - starts.to(q.device))[None]
+    if mask is None:
+        mask = (torch.ones(q.shape[0], k.shape[1], dtype=torch.bool, device=q.device) if torch.compiler.is_compiling()
+                else _all_keys(q.shape[0], k.shape[1], q.device))
+    return padded.attention(q, k, v, mask, position_ids=position_ids, sinks=sinks, **opts)
+
+
+@functools.lru_cache(maxsize=16)
+def _all_keys(batch: int, n: int, device: torch.device) -> torch.Tensor:
+    """A mask of ``n`` real keys per row: one tensor per shape, on which what the mask says is
+    found once (``per_tensor``) for a model's layers and steps."""
+    return torch.ones(batch, n, dtype=torch.bool, device=device)
+
+
 def _decode_op_applies(q, k, v, mask: torch.Tensor | None, cu_q, cu_k) -> bool:
     """Whether a call under torch.compile is a decode step that ``_decode_op`` takes: one query
     per row, no gradient to record (the op has none), the mask (if any) within the keys."""
@@ -330,13 +378,7 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask
     gathered real keys.
     """
     if key_mask is not None:
-        if key_mask.dim() != 2 or key_mask.shape[0] != q.shape[0] or not 1 <= key_mask.shape[1] <= k.shape[1]:
-            n = key_mask.shape[-1] if key_mask.dim() else 0
-            raise ValueError(f"the padding mask covers {n} keys (shape {tuple(key_mask.shape)}), the layer got "
-                             f"{k.shape[1]} keys of {q.shape[0]} sequences (a decode step needs a (batch, n) mask with "
-                             f"1 <= n <= {k.shape[1]})")
-        keys = per_tensor(key_mask, "_tvmflash_decode_keys", cut_empty_slots,
-                          lambda: _DecodeKeys.of(key_mask, cut_empty_slots))
+        keys = _decode_keys(q, k, key_mask, cut_empty_slots)
         n, left_pad = keys.n, keys.left_pad
     else:
         n, keys, left_pad = k.shape[1], None, None
@@ -372,6 +414,18 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask
     out = flash_attn_varlen_func(q[:, 0], k[plan.key_index], v[plan.key_index], cu_q, plan.cu_k, 1, plan.max_k,
                                  **opts)
     return out.unsqueeze(1)
+
+
+def _decode_keys(q, k, key_mask: torch.Tensor, cut_empty_slots: bool) -> _DecodeKeys:
+    """What a decode step reads from its padding mask (kept on the mask), or a clear error where
+    the mask does not fit the step."""
+    if key_mask.dim() != 2 or key_mask.shape[0] != q.shape[0] or not 1 <= key_mask.shape[1] <= k.shape[1]:
+        n = key_mask.shape[-1] if key_mask.dim() else 0
+        raise ValueError(f"the padding mask covers {n} keys (shape {tuple(key_mask.shape)}), the layer got "
+                         f"{k.shape[1]} keys of {q.shape[0]} sequences (a decode step needs a (batch, n) mask with "
+                         f"1 <= n <= {k.shape[1]})")
+    return per_tensor(key_mask, "_tvmflash_decode_keys", cut_empty_slots,
+                      lambda: _DecodeKeys.of(key_mask, cut_empty_slots))
 
 
 class _DecodeKeys(NamedTuple):

@@ -1,0 +1,203 @@
+"""Attention sinks (gpt-oss's ``s_aux``, ``tvmflash/sinks.py``): a logit per query head in every
+row's softmax, with no value. Against float64 math with the sink as one more column of the
+softmax (``reference_attention(sinks=...)``, as transformers' eager gpt-oss computes it), on
+every path of the padded op (rows read in place, holes gathered, a window over holes on
+flex_attention, documents by position_ids) and on the decode kernel; padding query rows get
+exactly 0, as eager gives them. The gpt-oss model itself: ``test_transformers.py``."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import assert_flash_rule, random_inputs, reference_magnitudes
+from tvmflash import padded, torch_op
+from tvmflash.reference import reference_attention
+
+BATCH, N, HEADS, HEADS_K = 3, 37, 4, 2  # (no multiple of a tile)
+
+
+def _masks() -> dict[str, torch.Tensor]:
+    every = torch.ones(BATCH, N, dtype=torch.bool)
+    padded_rows = every.clone()
+    padded_rows[0, :9] = False  # left
+    padded_rows[2, -6:] = False  # right
+    holes = padded_rows.clone()
+    holes[1, 12:14] = False
+    return {"every": every, "padded": padded_rows, "holes": holes}
+
+
+def _documents() -> torch.Tensor:
+    """position_ids of documents packed into rows: 3 documents in row 0, 2 in row 1, 1 in row 2."""
+    starts = {0: (0, 10, 29), 1: (0, 21), 2: (0,)}
+    positions = torch.arange(N).repeat(BATCH, 1)
+    for row, bounds in starts.items():
+        for start in bounds:
+            positions[row, start:] = torch.arange(N - start)
+    return positions
+
+
+def _document_mask(positions: torch.Tensor) -> torch.Tensor:
+    """(batch, 1, n, n): query i sees key j of its own document."""
+    document = (positions == 0).cumsum(1)
+    return (document[:, :, None] == document[:, None, :])[:, None]
+
+
+def _reference(q, k, v, sinks, dout, mask4d, real, causal, window, softcap, dtype):
+    """out (real rows; 0 elsewhere) and dq, dk, dv, dsinks in ``dtype`` (the padding rows' dout
+    0), and the size of dsinks' terms: the root sum of squares over the rows of p_sink (dO . out)
+    summed in absolute value (rounding errors of independent rows add as such), the largest head's."""
+    leaves = [t.detach().to(dtype).requires_grad_() for t in (q, k, v, sinks)]
+    out, lse = reference_attention(*leaves[:3], causal, window_size=window, softcap=softcap, mask=mask4d,
+                                   sinks=leaves[3], dtype=dtype)
+    rows = real[:, :, None, None]
+    with torch.no_grad():
+        sink_share = torch.exp(leaves[3][None, :, None] - lse)  # (batch, heads, n)
+        terms = sink_share * (dout * rows * out).abs().sum(-1).transpose(1, 2)
+        size = float(terms.square().sum((0, 2)).sqrt().max())
+    return (out * rows, *torch.autograd.grad(out, leaves, (dout * rows).to(dtype))), size
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("case", ["every causal", "every bidirectional softcap", "padded causal window",
+                                  "holes causal", "holes causal window", "documents causal window"])
+def test_sinks_match_float64(gen, seed, dtype, case):
+    """out on the real rows and dq, dk, dv, dsinks against float64 by the flash-attn rule;
+    padding rows exactly 0. GQA, head dim 64; sinks of a size that takes a real share of the
+    rows' weight (gpt-oss's trained ones reach a few units)."""
+    kind, causal = case.split()[0], "causal" in case
+    window = (6, 0) if "window" in case else (-1, -1)
+    softcap = 3.0 if "softcap" in case else 0.0
+    q, k, v = random_inputs(gen, BATCH, N, N, HEADS, HEADS_K, 64, dtype, requires_grad=True)
+    sinks = (torch.randn(HEADS, generator=gen) * 2 + 1).requires_grad_()
+    positions = None
+    if kind == "documents":
+        positions = _documents()
+        mask, mask4d = torch.ones(BATCH, N, dtype=torch.bool), _document_mask(positions)
+    else:
+        mask = _masks()[kind]
+        mask4d = mask[:, None, None, :]
+    dout = torch.randn(q.shape, generator=gen).to(q.dtype)
+    out = padded.attention(q, k, v, mask, position_ids=positions, causal=causal, window_size=window, softcap=softcap,
+                           sinks=sinks)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    assert torch.equal(out[~mask], torch.zeros_like(out[~mask]))  # padding rows: 0, as eager's
+    ours = (out * mask[:, :, None, None], *torch.autograd.grad(out, (q, k, v, sinks), dout))
+    want, sink_terms = _reference(q, k, v, sinks, dout, mask4d, mask, causal, window, softcap, torch.float64)
+    same, _ = _reference(q, k, v, sinks, dout, mask4d, mask, causal, window, softcap, q.dtype)
+    magnitude = {**reference_magnitudes(q, k, v, dout), "dsinks": sink_terms}
+    for name, got, ref, yardstick in zip(("out", "dq", "dk", "dv", "dsinks"), ours, want, same):
+        # (dsinks in the sinks' fp32, from out and dO in q's dtype: ulps of q's dtype)
+        assert_flash_rule(f"{case} {name}", got, ref.detach(), yardstick.detach(), q.dtype, seed,
+                          magnitude=magnitude[name])
+
+
+def test_sinks_change_the_result_and_a_very_low_sink_changes_nothing(gen):
+    """A guard on the test above: sinks of -inf give plain attention exactly (the renormalization
+    is a no-op), sinks of a few units move every output."""
+    q, k, v = random_inputs(gen, BATCH, N, N, HEADS, HEADS_K, 64, "float32")
+    mask = _masks()["padded"]
+    plain = padded.attention(q, k, v, mask, causal=True)
+    low = padded.attention(q, k, v, mask, causal=True, sinks=torch.full((HEADS,), float("-inf")))
+    high = padded.attention(q, k, v, mask, causal=True, sinks=torch.full((HEADS,), 3.0))
+    real = mask[:, :, None, None].expand_as(plain)
+    assert torch.equal(low[real], plain[real])
+    assert (high - plain)[real].abs().min() > 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("cache", ["full", "left padded", "holes"])
+def test_decode_steps_with_sinks_match_float64(gen, seed, dtype, cache, monkeypatch):
+    """generate()'s new tokens through the transformers integration: one query per row against
+    the cache, on the decode kernel where the cache is full or left-padded (its lse renormalized),
+    on the padded op where the mask has holes; bottom-right aligned, a sliding window."""
+    tvm_hf = pytest.importorskip("tvmflash.integrations.transformers")
+    kernel_calls = []
+    kernel = tvm_hf.flash_attn_with_kvcache
+    monkeypatch.setattr(tvm_hf, "flash_attn_with_kvcache", lambda *a, **kw: kernel_calls.append(1) or kernel(*a, **kw))
+    n = 45
+    q, k, v = (t.transpose(1, 2) for t in random_inputs(gen, 2, 1, n, HEADS, HEADS_K, 64, dtype))
+    sinks = torch.randn(HEADS, generator=gen) * 2 + 1
+    mask = torch.ones(2, n, dtype=torch.bool)
+    if cache != "full":
+        mask[1, :13] = False
+    if cache == "holes":
+        mask[0, 20:23] = False
+    module = torch.nn.Module()
+    module.is_causal = True
+    out, _ = tvm_hf.attention_forward(module, q, k, v, None if cache == "full" else mask, scaling=0.125,
+                                      sliding_window=30, s_aux=sinks)
+    assert len(kernel_calls) == (0 if cache == "holes" else 1)
+    window = torch.arange(n) >= n - 30  # (the window counts positions in the row)
+    keys = (mask & window)[:, None, None, :]
+    want, same = (reference_attention(*(t.transpose(1, 2) for t in (q, k, v)), True, 0.125, mask=keys, sinks=sinks,
+                                      dtype=dt)[0] for dt in (torch.float64, dtype))
+    assert_flash_rule(f"{cache} decode", out, want, same, dtype, seed, magnitude=float(v.abs().max()))
+
+
+def test_autocast_second_derivatives_and_bad_sinks(gen):
+    """Under a CPU autocast region fp32 leaves get gradients (the attention in bf16, sinks fp32);
+    a second derivative raises rather than drops terms; sinks of the wrong shape or kind are
+    named."""
+    q, k, v = random_inputs(gen, 2, 19, 19, HEADS, HEADS_K, 32, "float32", requires_grad=True)
+    sinks = torch.randn(HEADS, generator=gen).requires_grad_()
+    mask = torch.ones(2, 19, dtype=torch.bool)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = padded.attention(q, k, v, mask, causal=True, sinks=sinks)
+    assert out.dtype == torch.bfloat16
+    grads = torch.autograd.grad(out.float().sum(), (q, k, v, sinks))
+    assert all(g is not None and g.dtype == torch.float32 and torch.isfinite(g).all() for g in grads)
+
+    out = padded.attention(q, k, v, mask, causal=True, sinks=sinks)
+    dsinks, = torch.autograd.grad(out.square().sum(), sinks, create_graph=True)
+    with pytest.raises(RuntimeError, match="second derivatives"):
+        dsinks.sum().backward()
+
+    with pytest.raises(ValueError, match=r"shape \(4,\), one logit per query head"):
+        padded.attention(q, k, v, mask, sinks=torch.zeros(2))
+    with pytest.raises(TypeError, match="floating-point"):
+        padded.attention(q, k, v, mask, sinks=torch.zeros(HEADS, dtype=torch.int64))
+
+
+def test_sink_ops_opcheck(gen):
+    """The ops torch.compile's graphs call: fakes agree with the bodies (q, k, v in transformers'
+    layout). The ops have no autograd formula (the Function over them has): inputs without
+    gradients."""
+    q, k, v = (t.transpose(1, 2).contiguous().transpose(1, 2)
+               for t in random_inputs(gen, 2, 21, 21, HEADS, HEADS_K, 32, "float32"))
+    sinks = torch.randn(HEADS, generator=gen)
+    mask = torch.ones(2, 21, dtype=torch.bool)
+    mask[0, :4] = False
+    torch.library.opcheck(padded._sink_ops.forward, (q, k, v, sinks, mask, 0.2, -1, 0, 0.0))
+    out, lse = padded._sink_ops.forward(q, k, v, sinks, mask, 0.2, -1, 0, 0.0)
+    dout = torch.randn(out.shape, generator=gen)
+    torch.library.opcheck(padded._sink_ops.backward, (dout, q, k, v, out, lse, sinks, mask, 0.2, -1, 0, 0.0))
+    # eager calls skip the dispatcher (the bodies): the op's result, bit for bit, and its gradients
+    assert torch_op._eager_path(q, k, v, sinks) == "body"
+    assert torch.equal(padded.attention(q, k, v, mask, softmax_scale=0.2, causal=True, sinks=sinks), out)
+    leaves = [t.detach().requires_grad_() for t in (q, k, v, sinks)]
+    assert torch_op._eager_path(*leaves) == "autograd"
+    eager = padded.attention(*leaves[:3], mask, softmax_scale=0.2, causal=True, sinks=leaves[3])
+    want = padded._sink_ops.backward(dout, q, k, v, out, lse, sinks, mask, 0.2, -1, 0, 0.0)
+    for got, ref in zip(torch.autograd.grad(eager, leaves, dout), want):
+        assert torch.equal(got, ref)
+
+
+def test_documents_by_cu_seq_lens_are_those_of_position_ids(gen):
+    """DataCollatorWithFlattening's cu_seq_lens kwargs with sinks: the documents' positions, the
+    same result as by position_ids, bit for bit, and float64's (each document to itself)."""
+    tvm_hf = pytest.importorskip("tvmflash.integrations.transformers")
+    lengths = [11, 4, 22]
+    positions = torch.cat([torch.arange(n) for n in lengths])[None]
+    cu = torch.tensor([0, 11, 15, 37], dtype=torch.int32)
+    q, k, v = (t.transpose(1, 2) for t in random_inputs(gen, 1, N, N, HEADS, HEADS_K, 64, "float32"))
+    sinks = torch.randn(HEADS, generator=gen)
+    module = torch.nn.Module()
+    by_cu, _ = tvm_hf.attention_forward(module, q, k, v, None, scaling=0.125, s_aux=sinks, cu_seq_lens_q=cu,
+                                        cu_seq_lens_k=cu, max_length_q=22, max_length_k=22)
+    by_positions, _ = tvm_hf.attention_forward(module, q, k, v, None, scaling=0.125, s_aux=sinks,
+                                               position_ids=positions)
+    assert torch.equal(by_cu, by_positions)
+    want, _ = reference_attention(*(t.transpose(1, 2) for t in (q, k, v)), True, 0.125,
+                                  mask=_document_mask(positions), sinks=sinks)
+    assert (by_cu.double() - want).abs().max() <= 1e-5

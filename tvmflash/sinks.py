@@ -1,0 +1,161 @@
+"""Attention sinks (gpt-oss's ``s_aux``): one learned logit per query head that joins every
+row's softmax and carries no value, so that a row can give part of its weight to nothing (all of
+it where the row sees no key).
+
+Exact from an attention's out and fp32 lse, with no kernel of its own (rows i, keys j, head h)::
+
+    lse'_i  = logaddexp(lse_i, sink_h)               the row's log-sum-exp with the sink (fp32)
+    out'_i  = out_i exp(lse_i - lse'_i)              the keys' share of the row's weight
+    dq, dk, dv = the attention's backward on (out', lse', dO')
+    dsink_h = -sum_i exp(sink_h - lse'_i) Delta'_i,  Delta'_i = rowsum(dO'_i out'_i)
+
+The backward recomputes P'_ij = exp(S_ij - lse'_i) = P_ij exp(lse_i - lse'_i), the probabilities
+with the sink, and Delta' = sum_j P'_ij dP_ij: with the sink's value 0 its dP is 0, so dS = P'
+(dP - Delta') is the gradient with the sink, and the sink's own is its probability times (0 -
+Delta'). The rescale is one rounding more of out than the kernel's (out' <= out: half an ulp).
+
+Query rows that are padding get 0 (lse' = the sink alone), as transformers' ``eager`` gpt-oss
+gives them: their keys masked to the dtype's minimum, the sink takes their whole weight.
+
+``SinkOps`` makes the two ops of an attention with sinks from its forward and backward bodies
+(``padded.py``'s, which serve every mask, documents and decode step): differentiable, seen by
+torch.compile as ops, eager calls without torch's dispatcher (``torch_op.OpPair``'s rule).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import torch_op
+
+
+def check(sinks, heads: int, device: torch.device) -> None:
+    """A clear error unless ``sinks`` is a floating (heads,) tensor on ``device``."""
+    if not isinstance(sinks, torch.Tensor) or not sinks.is_floating_point():
+        raise TypeError(f"sinks must be a floating-point tensor of shape ({heads},), one logit per query head, got "
+                        f"{type(sinks).__name__ if not isinstance(sinks, torch.Tensor) else sinks.dtype}")
+    if tuple(sinks.shape) != (heads,):
+        raise ValueError(f"sinks must have shape ({heads},), one logit per query head, got {tuple(sinks.shape)}")
+    if sinks.device != device:
+        raise ValueError(f"sinks are on {sinks.device}, q on {device}")
+
+
+def renormalized(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor, real_rows: torch.Tensor | None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out', lse') of the module docstring, out' in place of ``out`` (the attention's own new
+    tensor; fp32 products, one rounding): out (batch, n, heads, head_dim), lse (batch, heads, n)
+    fp32, sinks (heads,); ``real_rows`` (batch, n) bool, False at padding query rows, or None."""
+    sink = sinks.detach().to(torch.float32)[None, :, None]
+    share, with_sink = keys_share(lse, sink), torch.logaddexp(lse, sink)
+    if real_rows is not None:
+        real = real_rows[:, None, :]
+        share, with_sink = share * real, torch.where(real, with_sink, sink)
+    return rescaled(out, share), with_sink
+
+
+def keys_share(lse: torch.Tensor, sink: torch.Tensor) -> torch.Tensor:
+    """exp(lse - lse') = sigmoid(lse - sink): the share of a row's weight its keys keep."""
+    return torch.sigmoid(lse - sink)
+
+
+def rescaled(out: torch.Tensor, share: torch.Tensor) -> torch.Tensor:
+    """out (batch, n, heads, head_dim) times the (batch, heads, n) ``share``, in place."""
+    # (the share in out's layout: the product's strides follow its inputs', out's must stay out's)
+    return out.mul_(share.transpose(1, 2).contiguous()[..., None])
+
+
+def sink_gradient(dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+    """dsinks from dO', out' and lse' (the module docstring), in the sinks' dtype."""
+    delta = (dout.float() * out.float()).sum(-1).transpose(1, 2)  # (batch, heads, n)
+    sink_share = torch.exp(sinks.detach().to(torch.float32)[None, :, None] - lse)
+    return (-(sink_share * delta).sum((0, 2))).to(sinks.dtype)
+
+
+class SinkOps:
+    """``tvmflash::<name>_forward (q, k, v, sinks, keys_seen, softmax_scale, window_left,
+    window_right, softcap) -> (out', lse')`` and ``_backward (dout, q, k, v, out', lse', sinks,
+    keys_seen, ...) -> (dq, dk, dv, dsinks)`` over an attention's bodies: ``forward_body (q, k, v,
+    keys_seen, ...) -> (out, lse)``, ``backward_body (dout, q, k, v, out, lse, keys_seen, ...) ->
+    (dq, dk, dv)``, and ``real_rows (keys_seen, n_queries)``, the query rows that are not padding
+    ((batch, n) bool, or None). Called like ``torch_op.OpPair``."""
+
+    def __init__(self, name: str, forward_body, backward_body, real_rows):
+        def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor, keys_seen: torch.Tensor,
+                    softmax_scale: float, window_left: int, window_right: int, softcap: float
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+            scalars = (softmax_scale, window_left, window_right, softcap)
+            out, lse = forward_body(q, k, v, keys_seen, *scalars)
+            return renormalized(out, lse, sinks, real_rows(keys_seen, q.shape[1]))
+
+        def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                     lse: torch.Tensor, sinks: torch.Tensor, keys_seen: torch.Tensor, softmax_scale: float,
+                     window_left: int, window_right: int, softcap: float
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+            real = real_rows(keys_seen, q.shape[1])
+            if real is not None:  # (a padding row's out' is 0 and carries no gradient)
+                dout = dout.masked_fill(~real[:, :, None, None], 0)
+            grads = backward_body(dout, q, k, v, out, lse, keys_seen, softmax_scale, window_left, window_right, softcap)
+            return *grads, sink_gradient(dout, out, lse, sinks)
+
+        def forward_fake(q, k, v, sinks, keys_seen, softmax_scale, window_left, window_right, softcap):
+            batch, n, heads, _ = q.shape
+            return torch.empty(q.shape, dtype=q.dtype, device=q.device), q.new_empty((batch, heads, n), dtype=torch.float32)
+
+        def backward_fake(dout, q, k, v, out, lse, sinks, keys_seen, softmax_scale, window_left, window_right,
+                          softcap):
+            return *(torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v)), torch.empty_like(sinks)
+
+        self._forward_body, self._backward_body = forward, backward
+        self.forward = torch_op.define_op(f"{name}_forward", forward, forward_fake)
+        self.backward = torch_op.define_op(f"{name}_backward", backward, backward_fake)
+        title = "".join(word.title() for word in name.split("_"))
+        self._through_ops = self._function(f"_{title}", self.forward, self.backward)
+        self._through_bodies = self._function(f"_{title}Eager", forward, self.backward, backward)
+
+    def __call__(self, q, k, v, sinks, keys_seen, softmax_scale: float, window_left: int, window_right: int,
+                 softcap: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """(out', lse') of kernel-layout q, k, v (``torch_op.kernel_layout``)."""
+        args = (keys_seen, softmax_scale, window_left, window_right, softcap)
+        if torch_op._cpu_autocast_applies(q, k, v):
+            return torch_op._with_autocast_applied("cpu", self, q, k, v, sinks, *args)
+        path = torch_op._eager_path(q, k, v, sinks)
+        if path == "body":
+            return self._forward_body(q, k, v, sinks, *args)
+        return (self._through_bodies if path == "autograd" else self._through_ops).apply(q, k, v, sinks, *args)
+
+    @staticmethod
+    def _function(name: str, forward, backward_op, backward_body=None) -> type:
+        """The autograd.Function over ``forward`` and the backward op (its body where no mode must
+        see it and no second derivative is recorded: ``torch_op._direct_backward``)."""
+
+        def forward_fn(q, k, v, sinks, keys_seen, softmax_scale, window_left, window_right, softcap):
+            return forward(q, k, v, sinks, keys_seen, softmax_scale, window_left, window_right, softcap)
+
+        def setup_context(ctx, inputs, output):
+            q, k, v, sinks, keys_seen, *scalars = inputs
+            out, lse = output
+            ctx.save_for_backward(q, k, v, out, lse, sinks, keys_seen)
+            ctx.scalars = scalars
+            ctx.mark_non_differentiable(lse)
+            ctx.set_materialize_grads(False)
+
+        def backward_fn(ctx, dout, _dlse):
+            if dout is None:
+                return (None,) * 9
+            q, k, v, out, lse, sinks, keys_seen = ctx.saved_tensors
+            direct = backward_body is not None and torch_op._direct_backward()
+            with torch.no_grad():
+                grads = (backward_body if direct else backward_op)(torch_op.kernel_layout(dout), q, k, v, out, lse,
+                                                                   sinks, keys_seen, *ctx.scalars)
+            return *torch_op.refusing_second_derivatives(grads, q, k, v, sinks, dout), None, None, None, None, None
+
+        if backward_body is None:  # (over the ops: the form that dynamo and torch.func's transforms trace)
+            methods = {"forward": forward_fn, "setup_context": setup_context, "backward": backward_fn}
+        else:  # (over the bodies, eager only: the ctx form; the other binds its arguments by inspect, ~30 us a call)
+            def forward_with_ctx(ctx, *inputs):
+                output = forward(*inputs)
+                setup_context(ctx, inputs, output)
+                return output
+
+            methods = {"forward": forward_with_ctx, "backward": backward_fn}
+        return type(name, (torch.autograd.Function,), {key: staticmethod(f) for key, f in methods.items()})
