@@ -110,7 +110,8 @@ def test_sinks_change_the_result_and_a_very_low_sink_changes_nothing(gen):
 def test_decode_steps_with_sinks_match_float64(gen, seed, dtype, cache, monkeypatch):
     """generate()'s new tokens through the transformers integration: one query per row against
     the cache, on the decode kernel where the cache is full or left-padded (its lse renormalized),
-    on the padded op where the mask has holes; bottom-right aligned, a sliding window."""
+    on the padded op where the mask has holes; bottom-right aligned, a sliding window; the same
+    under torch.compile (its decode op)."""
     tvm_hf = pytest.importorskip("tvmflash.integrations.transformers")
     kernel_calls = []
     kernel = tvm_hf.flash_attn_with_kvcache
@@ -128,6 +129,10 @@ def test_decode_steps_with_sinks_match_float64(gen, seed, dtype, cache, monkeypa
     out, _ = tvm_hf.attention_forward(module, q, k, v, None if cache == "full" else mask, scaling=0.125,
                                       sliding_window=30, s_aux=sinks)
     assert len(kernel_calls) == (0 if cache == "holes" else 1)
+    # the op a compiled generate() calls: the same paths, bit for bit
+    op_out = tvm_hf._decode_sinks_op(*(t.transpose(1, 2) for t in (q, k, v)), None if cache == "full" else mask, sinks,
+                                     0.125, True, 29, 0, 0.0)
+    assert torch.equal(op_out, out)
     window = torch.arange(n) >= n - 30  # (the window counts positions in the row)
     keys = (mask & window)[:, None, None, :]
     want, same = (reference_attention(*(t.transpose(1, 2) for t in (q, k, v)), True, 0.125, mask=keys, sinks=sinks,

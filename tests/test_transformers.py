@@ -180,6 +180,27 @@ def test_gpt_oss_generate_matches_eager(gen, monkeypatch):
     assert len(kernel_calls) == 15 * ours.config.num_hidden_layers
 
 
+def test_gpt_oss_compiled_generate_with_static_cache_matches_eager(gen, monkeypatch):
+    """Attention sinks in transformers' fast-generation recipe (static cache, compiled forward,
+    fullgraph=True): each new token the decode op with sinks, on the decode kernel (left padding
+    read in place, the cache's empty slots cut when it runs). Tokens and scores as eager's."""
+    torch._dynamo.reset()  # (the other tests' compiles of these code objects count towards dynamo's recompile limit)
+    eager, ours = _models("gpt_oss")
+    compiled = copy.deepcopy(ours).eval()
+    compiled.forward = torch.compile(compiled.forward, backend="aot_eager", fullgraph=True)
+    kernel_calls = []
+    kvcache = tvm_hf.flash_attn_with_kvcache
+    monkeypatch.setattr(tvm_hf, "flash_attn_with_kvcache", lambda *a, **kw: kernel_calls.append(1) or kvcache(*a, **kw))
+    ids = torch.randint(1, 128, (2, 9), generator=gen)
+    mask = torch.tensor([[0, 0, 0] + [1] * 6, [1] * 9])
+    kwargs = dict(attention_mask=mask, max_new_tokens=10, do_sample=False, pad_token_id=0,
+                  cache_implementation="static", output_scores=True, return_dict_in_generate=True)
+    with torch.no_grad():
+        got, want = compiled.generate(ids * mask, **kwargs), eager.eval().generate(ids * mask, **kwargs)
+    _assert_same_generation(got, want)
+    assert len(kernel_calls) == 9 * ours.config.num_hidden_layers  # (the op's body: when the graph runs)
+
+
 def test_gpt_oss_compiled_training_is_one_graph(gen):
     """Attention sinks under torch.compile: one op per layer, fullgraph=True; one graph serves a
     padded batch and a mask of ones; loss and every gradient as eager's."""
@@ -522,8 +543,10 @@ def test_decode_op_opcheck(gen):
     holes = left.clone()
     holes[1, 8] = False
     fixed = torch.nn.functional.pad(left, (0, 4))
+    sinks = torch.randn(4, generator=gen)
     for mask in (None, left, holes, fixed):
         torch.library.opcheck(tvm_hf._decode_op, (q, k, v, mask, None, True, -1, 0, 0.0))
+        torch.library.opcheck(tvm_hf._decode_sinks_op, (q, k, v, mask, sinks, None, True, -1, 0, 0.0))
     want = tvm_hf.decode_attention(q, k, v, left, softmax_scale=None, causal=True, window_size=(-1, 0), softcap=0.0)
     assert torch.equal(tvm_hf._decode_op(q, k, v, fixed, None, True, -1, 0, 0.0), want)
 

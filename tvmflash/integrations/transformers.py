@@ -285,17 +285,17 @@ def _attention_with_sinks(q, k, v, mask: torch.Tensor | None, sinks: torch.Tenso
     opts = {"softmax_scale": scaling, "causal": causal, "window_size": window, "softcap": softcap}
     if not isinstance(sinks, torch.Tensor):
         raise TypeError(f"s_aux (attention sinks) must be a tensor, got {type(sinks).__name__}")
-    if q.shape[1] == 1 and not torch.compiler.is_compiling() and _decode_kernel_applies(q, k, v) and not (
-            torch.is_grad_enabled() and sinks.requires_grad):
-        keys = None if mask is None else _decode_keys(q, k, mask, False)
-        if keys is None or keys.left_pad is not None:  # (a cache of one run of keys per row, read in place)
-            sinks_module.check(sinks, q.shape[2], q.device)
-            out, lse = flash_attn_with_kvcache(q, k, v, cache_seqlens=k.shape[1] if keys is None else keys.n,
-                                               cache_leftpad=None if keys is None else keys.left_pad,
-                                               return_softmax_lse=True, **opts)
-            return sinks_module.rescaled(out, sinks_module.keys_share(lse, sinks.detach().float()[:, None]))
-    position_ids = None
     cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
+    if q.shape[1] == 1 and not (torch.is_grad_enabled() and sinks.requires_grad):
+        if torch.compiler.is_compiling():
+            if _decode_op_applies(q, k, v, mask, cu_q, cu_k):
+                mask = None if mask is None else mask.to(device=q.device, dtype=torch.bool)
+                return _decode_sinks_op(q, k, v, mask, sinks, scaling, causal, *window, softcap)
+        else:
+            out = _decode_kernel_with_sinks(q, k, v, mask, sinks, opts, cut_empty_slots=False)
+            if out is not None:
+                return out
+    position_ids = None
     if mask is None and q.shape[1] == k.shape[1] and not kwargs.get("use_cache"):
         position_ids = kwargs.get("position_ids")
         if cu_q is not None and cu_k is not None:  # (documents packed into one row: their positions)
@@ -315,6 +315,45 @@ def _all_keys(batch: int, n: int, device: torch.device) -> torch.Tensor:
     """A mask of ``n`` real keys per row: one tensor per shape, on which what the mask says is
     found once (``per_tensor``) for a model's layers and steps."""
     return torch.ones(batch, n, dtype=torch.bool, device=device)
+
+
+def _decode_kernel_with_sinks(q, k, v, key_mask: torch.Tensor | None, sinks: torch.Tensor, opts: dict,
+                              cut_empty_slots: bool) -> torch.Tensor | None:
+    """A decode step with sinks on the decode kernel, its out rescaled by its lse (``sinks.py``),
+    where the kernel reads the cache in place (one run of real keys per row: full or left-padded;
+    ``cut_empty_slots`` as ``decode_attention``'s), else None."""
+    if not _decode_kernel_applies(q, k, v):
+        return None
+    keys = None if key_mask is None else _decode_keys(q, k, key_mask, cut_empty_slots)
+    if keys is not None and keys.left_pad is None:  # (holes)
+        return None
+    sinks_module.check(sinks, q.shape[2], q.device)
+    out, lse = flash_attn_with_kvcache(q, k, v, cache_seqlens=k.shape[1] if keys is None else keys.n,
+                                       cache_leftpad=None if keys is None else keys.left_pad, return_softmax_lse=True,
+                                       **opts)
+    return sinks_module.rescaled(out, sinks_module.keys_share(lse, sinks.detach().float()[:, None]))
+
+
+def _decode_sinks_op_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor | None,
+                          sinks: torch.Tensor, softmax_scale: float | None, causal: bool, window_left: int,
+                          window_right: int, softcap: float) -> torch.Tensor:
+    """``_decode_op`` with sinks (torch.compile's graphs: generate() with a compiled forward): the
+    decode kernel where it reads the cache in place, else the padded op with sinks. Forward only."""
+    opts = {"softmax_scale": softmax_scale, "causal": causal, "window_size": (window_left, window_right),
+            "softcap": softcap}
+    out = _decode_kernel_with_sinks(q, k, v, key_mask, sinks, opts, cut_empty_slots=True)
+    if out is not None:
+        return out
+    if key_mask is None:
+        key_mask = torch.ones(q.shape[0], k.shape[1], dtype=torch.bool, device=q.device)
+    return padded.attention(q, k, v, key_mask, sinks=sinks, **opts)
+
+
+def _decode_sinks_op_fake(q, k, v, key_mask, sinks, softmax_scale, causal, window_left, window_right, softcap):
+    return torch.empty(q.shape, dtype=q.dtype, device=q.device)
+
+
+_decode_sinks_op = define_op("transformers_decode_sinks", _decode_sinks_op_impl, _decode_sinks_op_fake)
 
 
 def _decode_op_applies(q, k, v, mask: torch.Tensor | None, cu_q, cu_k) -> bool:
