@@ -164,7 +164,7 @@ def test_autocast_second_derivatives_and_bad_sinks(gen):
         padded.attention(q, k, v, mask, sinks=torch.zeros(HEADS, dtype=torch.int64))
 
 
-def test_sink_ops_opcheck(gen):
+def test_sink_ops_opcheck(gen, monkeypatch):
     """The ops torch.compile's graphs call: fakes agree with the bodies (q, k, v in transformers'
     layout). The ops have no autograd formula (the Function over them has): inputs without
     gradients."""
@@ -186,6 +186,12 @@ def test_sink_ops_opcheck(gen):
     want = padded._sink_ops.backward(dout, q, k, v, out, lse, sinks, mask, 0.2, -1, 0, 0.0)
     for got, ref in zip(torch.autograd.grad(eager, leaves, dout), want):
         assert torch.equal(got, ref)
+    # a module's sinks are an nn.Parameter: still the bodies, not the ops (the dispatcher)
+    monkeypatch.setattr(padded._sink_ops, "_through_ops", None)
+    param = torch.nn.Parameter(sinks.clone())
+    by_module = padded.attention(*leaves[:3], mask, softmax_scale=0.2, causal=True, sinks=param)
+    assert torch.equal(by_module, eager)
+    assert torch.equal(torch.autograd.grad(by_module, param, dout)[0], want[3])
 
 
 def test_documents_by_cu_seq_lens_are_those_of_position_ids(gen):

@@ -98,6 +98,15 @@ def _assert_matches_eager(model: str, real: torch.Tensor | None = None, **inputs
     return loss_err, grad_errs[worst]
 
 
+def _with_compiled_forward(model: str):
+    """(eager, ours, a copy of ours whose forward is compiled with fullgraph=True), in eval mode."""
+    torch._dynamo.reset()  # (the other tests' compiles of these code objects count towards dynamo's recompile limit)
+    eager, ours = _models(model)
+    compiled = copy.deepcopy(ours).eval()
+    compiled.forward = torch.compile(compiled.forward, backend="aot_eager", fullgraph=True)
+    return eager.eval(), ours, compiled
+
+
 def _assert_same_generation(got, want) -> None:
     """greedy ``generate()`` outputs (``return_dict_in_generate``, ``output_scores``) against
     eager's: the scores of each step up to the first new token that differs within LOSS_RTOL,
@@ -184,10 +193,7 @@ def test_gpt_oss_compiled_generate_with_static_cache_matches_eager(gen, monkeypa
     """Attention sinks in transformers' fast-generation recipe (static cache, compiled forward,
     fullgraph=True): each new token the decode op with sinks, on the decode kernel (left padding
     read in place, the cache's empty slots cut when it runs). Tokens and scores as eager's."""
-    torch._dynamo.reset()  # (the other tests' compiles of these code objects count towards dynamo's recompile limit)
-    eager, ours = _models("gpt_oss")
-    compiled = copy.deepcopy(ours).eval()
-    compiled.forward = torch.compile(compiled.forward, backend="aot_eager", fullgraph=True)
+    eager, ours, compiled = _with_compiled_forward("gpt_oss")
     kernel_calls = []
     kvcache = tvm_hf.flash_attn_with_kvcache
     monkeypatch.setattr(tvm_hf, "flash_attn_with_kvcache", lambda *a, **kw: kernel_calls.append(1) or kvcache(*a, **kw))
@@ -196,7 +202,7 @@ def test_gpt_oss_compiled_generate_with_static_cache_matches_eager(gen, monkeypa
     kwargs = dict(attention_mask=mask, max_new_tokens=10, do_sample=False, pad_token_id=0,
                   cache_implementation="static", output_scores=True, return_dict_in_generate=True)
     with torch.no_grad():
-        got, want = compiled.generate(ids * mask, **kwargs), eager.eval().generate(ids * mask, **kwargs)
+        got, want = compiled.generate(ids * mask, **kwargs), eager.generate(ids * mask, **kwargs)
     _assert_same_generation(got, want)
     assert len(kernel_calls) == 9 * ours.config.num_hidden_layers  # (the op's body: when the graph runs)
 
@@ -513,11 +519,7 @@ def test_compiled_generate_with_static_cache_matches_eager(gen, monkeypatch):
     empty slots after it), each new token the decode op, which reads the mask when it runs: a
     mask of the cache's fixed length where generate() drops an all-ones one. Tokens and scores
     as eager's."""
-    torch._dynamo.reset()  # (the other tests' compiles of these code objects count towards dynamo's recompile limit)
-    eager, ours = _models("llama")
-    eager.eval()
-    compiled = copy.deepcopy(ours).eval()
-    compiled.forward = torch.compile(compiled.forward, backend="aot_eager", fullgraph=True)
+    eager, ours, compiled = _with_compiled_forward("llama")
     decode_calls = []
     decode = tvm_hf.decode_attention
     monkeypatch.setattr(tvm_hf, "decode_attention", lambda *a, **kw: decode_calls.append(1) or decode(*a, **kw))

@@ -118,7 +118,11 @@ class SinkOps:
         args = (keys_seen, softmax_scale, window_left, window_right, softcap)
         if torch_op._cpu_autocast_applies(q, k, v):
             return torch_op._with_autocast_applied("cpu", self, q, k, v, sinks, *args)
-        path = torch_op._eager_path(q, k, v, sinks)
+        path = torch_op._eager_path(q, k, v)
+        if type(sinks) not in (torch.Tensor, torch.nn.Parameter):  # (a module's sinks are its Parameter)
+            path = None
+        elif path == "body" and torch_op._records_grad((sinks,)):
+            path = "autograd"
         if path == "body":
             return self._forward_body(q, k, v, sinks, *args)
         return (self._through_bodies if path == "autograd" else self._through_ops).apply(q, k, v, sinks, *args)
@@ -149,13 +153,5 @@ class SinkOps:
                                                                    sinks, keys_seen, *ctx.scalars)
             return *torch_op.refusing_second_derivatives(grads, q, k, v, sinks, dout), None, None, None, None, None
 
-        if backward_body is None:  # (over the ops: the form that dynamo and torch.func's transforms trace)
-            methods = {"forward": forward_fn, "setup_context": setup_context, "backward": backward_fn}
-        else:  # (over the bodies, eager only: the ctx form; the other binds its arguments by inspect, ~30 us a call)
-            def forward_with_ctx(ctx, *inputs):
-                output = forward(*inputs)
-                setup_context(ctx, inputs, output)
-                return output
-
-            methods = {"forward": forward_with_ctx, "backward": backward_fn}
-        return type(name, (torch.autograd.Function,), {key: staticmethod(f) for key, f in methods.items()})
+        return torch_op.function_class(name, forward_fn, setup_context, backward_fn,
+                                       ctx_form=backward_body is not None)

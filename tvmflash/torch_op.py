@@ -422,15 +422,23 @@ def differentiable_pair(forward, backward, name: str, backward_body=None) -> typ
                                                             *ctx.scalars)
         return *refusing_second_derivatives(grads, q, k, v, dout), None, None, None, None, None
 
-    if backward_body is None:  # (over the ops: the form that dynamo and torch.func's transforms trace)
-        methods = {"forward": forward_fn, "setup_context": setup_context, "backward": backward_fn}
-    else:  # (over the bodies, eager only: the ctx form; the other binds its arguments by inspect, ~30 us a call)
+    return function_class(name, forward_fn, setup_context, backward_fn, ctx_form=backward_body is not None)
+
+
+def function_class(name: str, forward, setup_context, backward, *, ctx_form: bool) -> type:
+    """An autograd.Function of ``forward(*inputs)``, ``setup_context(ctx, inputs, output)`` and
+    ``backward(ctx, *grads)``: with ``ctx_form`` as ``forward(ctx, *inputs)`` (over op bodies,
+    eager only; the setup_context form binds its arguments by inspect, ~30 us a call), else in
+    the setup_context form that dynamo and torch.func's transforms trace (over ops)."""
+    if not ctx_form:
+        methods = {"forward": forward, "setup_context": setup_context, "backward": backward}
+    else:
         def forward_with_ctx(ctx, *inputs):
             output = forward(*inputs)
             setup_context(ctx, inputs, output)
             return output
 
-        methods = {"forward": forward_with_ctx, "backward": backward_fn}
+        methods = {"forward": forward_with_ctx, "backward": backward}
     return type(name, (torch.autograd.Function,), {key: staticmethod(f) for key, f in methods.items()})
 
 

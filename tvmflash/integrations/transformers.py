@@ -61,7 +61,8 @@ cache (``_decode_op``).
 Not supported (a clear error rather than a wrong result): attention dropout > 0 (tvmflash has
 no dropout; ``model.eval()`` or ``attention_dropout=0``), 4D or BlockMask attention masks,
 masks with extra patterns (``or_mask_function``/``and_mask_function``, e.g. bidirectional
-image tokens), chunked attention (Llama 4) over more keys than one chunk. ``block_sequence_ids`` are not detected; models using them need another implementation.
+image tokens), chunked attention (Llama 4) over more keys than one chunk. ``block_sequence_ids``
+are not detected; models using them need another implementation.
 """
 
 from __future__ import annotations
