@@ -215,15 +215,18 @@ def _model_name() -> str:
     return f"8-layer Llama (GQA 8/2, D{HEAD_DIM}, hidden {8 * HEAD_DIM})"
 
 
+def _dims() -> dict:
+    """The models' shared dimensions (``_model_name``): 8 layers, GQA 8/2, hidden 8 x head dim."""
+    return dict(vocab_size=1024, hidden_size=8 * HEAD_DIM, num_hidden_layers=8, num_attention_heads=8,
+                num_key_value_heads=2, head_dim=HEAD_DIM, max_position_embeddings=4096, attention_dropout=0.0)
+
+
 def _llama(dtype, implementation: str, sliding_window: int | None = None):
     """The 8-layer Llama of every part (``_model_name``); with ``sliding_window``, the same model
     as a Mistral (a window on every layer)."""
     import transformers
 
-    hidden = 8 * HEAD_DIM
-    dims = dict(vocab_size=1024, hidden_size=hidden, intermediate_size=hidden * 11 // 4, num_hidden_layers=8,
-                num_attention_heads=8, num_key_value_heads=2, head_dim=HEAD_DIM, max_position_embeddings=4096,
-                attention_dropout=0.0)
+    dims = {**_dims(), "intermediate_size": 8 * HEAD_DIM * 11 // 4}
     config = (transformers.LlamaConfig(**dims) if sliding_window is None
               else transformers.MistralConfig(**dims, sliding_window=sliding_window))
     torch.manual_seed(0)
@@ -237,12 +240,9 @@ def _gpt_oss(dtype):
     its flex path refuses sinks on CPU)."""
     import transformers
 
-    hidden = 8 * HEAD_DIM
-    config = transformers.GptOssConfig(
-        vocab_size=1024, hidden_size=hidden, intermediate_size=hidden, num_hidden_layers=8, num_attention_heads=8,
-        num_key_value_heads=2, head_dim=HEAD_DIM, max_position_embeddings=4096, attention_dropout=0.0,
-        sliding_window=128, num_local_experts=4, num_experts_per_tok=2,
-        layer_types=["sliding_attention", "full_attention"] * 4)
+    config = transformers.GptOssConfig(**_dims(), intermediate_size=8 * HEAD_DIM, sliding_window=128,
+                                       num_local_experts=4, num_experts_per_tok=2,
+                                       layer_types=["sliding_attention", "full_attention"] * 4)
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager", dtype=dtype)
     with torch.no_grad():
@@ -407,15 +407,16 @@ def sink_calls(args: argparse.Namespace) -> None:
         for n in args.prompts:
             q = torch.randn(1, 1, heads, head_dim, dtype=dtype).transpose(1, 2)
             k, v = (torch.randn(1, n, heads_k, head_dim, dtype=dtype).transpose(1, 2) for _ in range(2))
+
+            def ours_step():
+                return tvm_hf.attention_forward(module, q, k, v, None, scaling=scale, s_aux=sinks)[0]
+
+            def eager_step():
+                return eager_attention_forward(module, q, k, v, None, scaling=scale)[0]
+
             with torch.no_grad(), _autocast(autocast):
-                torch.testing.assert_close(tvm_hf.attention_forward(module, q, k, v, None, scaling=scale,
-                                                                    s_aux=sinks)[0].float(),
-                                           eager_attention_forward(module, q, k, v, None, scaling=scale)[0].float(),
-                                           atol=2e-2, rtol=2e-2)
-                t = interleaved({"ours": lambda: tvm_hf.attention_forward(module, q, k, v, None, scaling=scale,
-                                                                          s_aux=sinks),
-                                 "eager": lambda: eager_attention_forward(module, q, k, v, None, scaling=scale)},
-                                args.rounds * 10)
+                torch.testing.assert_close(ours_step().float(), eager_step().float(), atol=2e-2, rtol=2e-2)
+                t = interleaved({"ours": ours_step, "eager": eager_step}, args.rounds * 10)
             _report(rows, "sinks", _row(f"{dtype_name} decode step, {n}-token cache", t["ours"], t["eager"]))
     _table(f"One gpt-oss layer's attention with sinks (H{heads}/{heads_k} D{head_dim}), median per call",
            rows, ("tvmflash (us)", "eager (us)", "ratio"))

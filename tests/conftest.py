@@ -55,6 +55,13 @@ def assert_flash_rule(name: str, ours, ref64, same_dtype, dtype: torch.dtype, se
                           f"{ulps} ulp(={result['bound']:.3g}) (seed {seed})")
 
 
+def count_calls(monkeypatch, owner, name: str) -> list:
+    """``owner.name`` replaced by a wrapper that calls it and appends 1 to the returned list."""
+    calls, original = [], getattr(owner, name)
+    monkeypatch.setattr(owner, name, lambda *args, **kwargs: calls.append(1) or original(*args, **kwargs))
+    return calls
+
+
 def random_inputs(gen: torch.Generator, batch, seqlen_q, seqlen_k, heads, heads_k, head_dim, dtype,
                   requires_grad=False):
     def draw(*shape):

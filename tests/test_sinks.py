@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import assert_flash_rule, random_inputs, reference_magnitudes
+from conftest import assert_flash_rule, count_calls, random_inputs, reference_magnitudes
 from tvmflash import padded, torch_op
 from tvmflash.reference import reference_attention
 
@@ -113,9 +113,7 @@ def test_decode_steps_with_sinks_match_float64(gen, seed, dtype, cache, monkeypa
     on the padded op where the mask has holes; bottom-right aligned, a sliding window; the same
     under torch.compile (its decode op)."""
     tvm_hf = pytest.importorskip("tvmflash.integrations.transformers")
-    kernel_calls = []
-    kernel = tvm_hf.flash_attn_with_kvcache
-    monkeypatch.setattr(tvm_hf, "flash_attn_with_kvcache", lambda *a, **kw: kernel_calls.append(1) or kernel(*a, **kw))
+    kernel_calls = count_calls(monkeypatch, tvm_hf, "flash_attn_with_kvcache")
     n = 45
     q, k, v = (t.transpose(1, 2) for t in random_inputs(gen, 2, 1, n, HEADS, HEADS_K, 64, dtype))
     sinks = torch.randn(HEADS, generator=gen) * 2 + 1

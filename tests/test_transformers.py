@@ -17,6 +17,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+from conftest import count_calls  # noqa: E402
 from tvmflash import documents, padded, torch_op  # noqa: E402
 from tvmflash.integrations import transformers as tvm_hf  # noqa: E402
 
@@ -177,9 +178,7 @@ def test_gpt_oss_generate_matches_eager(gen, monkeypatch):
     mask[0, :4] = 0
     mask[2, :1] = 0
     ids = ids.masked_fill(mask == 0, 0)
-    kernel_calls = []
-    kvcache = tvm_hf.flash_attn_with_kvcache
-    monkeypatch.setattr(tvm_hf, "flash_attn_with_kvcache", lambda *a, **kw: kernel_calls.append(1) or kvcache(*a, **kw))
+    kernel_calls = count_calls(monkeypatch, tvm_hf, "flash_attn_with_kvcache")
     kwargs = dict(attention_mask=mask, max_new_tokens=16, do_sample=False, pad_token_id=0, output_scores=True,
                   return_dict_in_generate=True)
     with torch.no_grad():
@@ -194,9 +193,7 @@ def test_gpt_oss_compiled_generate_with_static_cache_matches_eager(gen, monkeypa
     fullgraph=True): each new token the decode op with sinks, on the decode kernel (left padding
     read in place, the cache's empty slots cut when it runs). Tokens and scores as eager's."""
     eager, ours, compiled = _with_compiled_forward("gpt_oss")
-    kernel_calls = []
-    kvcache = tvm_hf.flash_attn_with_kvcache
-    monkeypatch.setattr(tvm_hf, "flash_attn_with_kvcache", lambda *a, **kw: kernel_calls.append(1) or kvcache(*a, **kw))
+    kernel_calls = count_calls(monkeypatch, tvm_hf, "flash_attn_with_kvcache")
     ids = torch.randint(1, 128, (2, 9), generator=gen)
     mask = torch.tensor([[0, 0, 0] + [1] * 6, [1] * 9])
     kwargs = dict(attention_mask=mask, max_new_tokens=10, do_sample=False, pad_token_id=0,
@@ -436,9 +433,7 @@ def test_generate_greedy_matches_eager(model, gen, monkeypatch):
         return decode(q, k, v, key_mask, **kw)
 
     monkeypatch.setattr(tvm_hf, "decode_attention", counting_decode)
-    kernel_calls = []
-    kvcache = tvm_hf.flash_attn_with_kvcache
-    monkeypatch.setattr(tvm_hf, "flash_attn_with_kvcache", lambda *a, **kw: kernel_calls.append(1) or kvcache(*a, **kw))
+    kernel_calls = count_calls(monkeypatch, tvm_hf, "flash_attn_with_kvcache")
     repeated = tvm_hf.repeated_decode_step  # (steps like one checked before: the kernel without the checks)
     monkeypatch.setattr(tvm_hf, "repeated_decode_step",
                         lambda *a: (lambda out: out if out is None else kernel_calls.append(1) or out)(repeated(*a)))
@@ -520,9 +515,7 @@ def test_compiled_generate_with_static_cache_matches_eager(gen, monkeypatch):
     mask of the cache's fixed length where generate() drops an all-ones one. Tokens and scores
     as eager's."""
     eager, ours, compiled = _with_compiled_forward("llama")
-    decode_calls = []
-    decode = tvm_hf.decode_attention
-    monkeypatch.setattr(tvm_hf, "decode_attention", lambda *a, **kw: decode_calls.append(1) or decode(*a, **kw))
+    decode_calls = count_calls(monkeypatch, tvm_hf, "decode_attention")
     ids = torch.randint(1, 128, (2, 9), generator=gen)
     for mask in (torch.ones_like(ids), torch.tensor([[0, 0, 0] + [1] * 6, [1] * 9])):
         kwargs = dict(attention_mask=mask, max_new_tokens=10, do_sample=False, pad_token_id=0,

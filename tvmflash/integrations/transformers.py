@@ -284,8 +284,7 @@ def _attention_with_sinks(q, k, v, mask: torch.Tensor | None, sinks: torch.Tenso
     left padding included), else ``padded.attention`` over the mask (or all keys), documents by
     position_ids or cu_seq_lens included."""
     opts = {"softmax_scale": scaling, "causal": causal, "window_size": window, "softcap": softcap}
-    if not isinstance(sinks, torch.Tensor):
-        raise TypeError(f"s_aux (attention sinks) must be a tensor, got {type(sinks).__name__}")
+    sinks_module.check(sinks, q.shape[2], q.device)
     cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
     if q.shape[1] == 1 and not (torch.is_grad_enabled() and sinks.requires_grad):
         if torch.compiler.is_compiling():
@@ -328,7 +327,6 @@ def _decode_kernel_with_sinks(q, k, v, key_mask: torch.Tensor | None, sinks: tor
     keys = None if key_mask is None else _decode_keys(q, k, key_mask, cut_empty_slots)
     if keys is not None and keys.left_pad is None:  # (holes)
         return None
-    sinks_module.check(sinks, q.shape[2], q.device)
     out, lse = flash_attn_with_kvcache(q, k, v, cache_seqlens=k.shape[1] if keys is None else keys.n,
                                        cache_leftpad=None if keys is None else keys.left_pad, return_softmax_lse=True,
                                        **opts)
