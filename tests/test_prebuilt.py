@@ -35,6 +35,12 @@ for mods in ({}, {"softcap": 3.0, "alibi_slopes": slopes}):  # the plain library
     errors += [(out.double() - ref).abs().max().item()] + [(a.double() - b).abs().max().item()
                                                            for a, b in zip(grads, ref_grads)]
 assert max(errors) < 1e-5, errors
+# bf16 inputs, fp32 results (ring attention's and attention sinks' forward): their own library
+bf16 = [t.detach().bfloat16() for t in (q, k, v)]
+out32, _ = torch.ops.tvmflash.flash_attn_forward(*bf16, None, None, None, 32 ** -0.5, -1, 0, 0.0, False, True, None)
+assert out32.dtype == torch.float32
+error = (out32.double() - reference_attention(*(t.double() for t in bf16), True)[0]).abs().max().item()
+assert error < 0.02, error
 from test_architecture import LAYERS, layer_of
 generators = [m for m in sys.modules if m.startswith("tvmflash.")
               and LAYERS[layer_of(m)].name in ("code generation", "mod tracing")]
@@ -45,10 +51,13 @@ print("ok", errors)
 
 def test_prebuilt_cpu_kernels_run_with_the_tvm_runtime_alone(tmp_path, seed):
     written = tvmflash.prebuild(tmp_path, "llvm", head_dims=(32,), dtypes=("float32",),
-                                score_mods=("none", "softcap+alibi"))
-    # kernels take the mask per call: one library serves causal and full attention
-    stem = f"{written[0].name.split('-d32')[0]}-d32-float32"
-    assert [p.name for p in written] == [f"{stem}.so", f"{stem}-softcap+alibi.so"]
+                                score_mods=("none", "softcap+alibi"), fp32_results=(False, True))
+    written += tvmflash.prebuild(tmp_path, "llvm", head_dims=(32,), dtypes=("bfloat16",), fp32_results=(True,))
+    # kernels take the mask per call: one library serves causal and full attention; float32's
+    # results are float32 (no second library)
+    stem = f"{written[0].name.split('-d32')[0]}-d32"
+    assert [p.name for p in written] == [f"{stem}-float32.so", f"{stem}-float32-softcap+alibi.so",
+                                         f"{stem}-bfloat16-fp32-results.so"]
     env = dict(os.environ, TVM_USE_RUNTIME_LIB="1", TVMFLASH_PREBUILT=str(tmp_path))
     run = subprocess.run([sys.executable, "-c", RUNTIME_ONLY_CHECK, str(Path(__file__).parent), str(seed)],
                          env=env, capture_output=True, text=True, timeout=600)
@@ -140,8 +149,11 @@ RUNTIME_ONLY_MISSING = r"""
 import torch
 from tvmflash import flash_attn_func, flash_attn_with_kvcache
 q = torch.randn(1, 20, 2, 32)
+qb = q.bfloat16()
 for call in (lambda: flash_attn_func(q, q, q), lambda: flash_attn_func(q, q, q, softcap=5.0),
-             lambda: flash_attn_with_kvcache(q[:, :1], q, q)):
+             lambda: flash_attn_with_kvcache(q[:, :1], q, q),
+             lambda: torch.ops.tvmflash.flash_attn_forward(qb, qb, qb, None, None, None, 0.2, -1, -1, 0.0, False, True,
+                                                           None)):
     try:
         call()
     except RuntimeError as e:
@@ -155,9 +167,11 @@ def test_runtime_only_without_a_matching_prebuilt_kernel_says_what_to_prebuild(t
     run = subprocess.run([sys.executable, "-c", RUNTIME_ONLY_MISSING], env=env, capture_output=True, text=True,
                          timeout=600)
     errors = [line for line in run.stdout.splitlines() if line.startswith("ERROR")]
-    assert len(errors) == 3, run.stdout + run.stderr[-3000:]
-    plain, softcap, decode = errors
+    assert len(errors) == 4, run.stdout + run.stderr[-3000:]
+    plain, softcap, decode, fp32_results = errors
     assert "tvmflash.prebuild(DIR, {'kind': 'llvm'}, head_dims=(32,), dtypes=('float32',))" in plain
     assert f"no kernel in $TVMFLASH_PREBUILT={tmp_path} matches" in plain
     assert "score_mods=('softcap',)) and point $TVMFLASH_PREBUILT at DIR" in softcap
     assert "decode" in decode and "llvm_get_system_cpu" not in run.stdout + run.stderr
+    # (fp32 results of bf16 inputs: ring attention's, and attention sinks' forward, rounded once after the rescale)
+    assert "dtypes=('bfloat16',), fp32_results=(True,)) and point $TVMFLASH_PREBUILT at DIR" in fp32_results

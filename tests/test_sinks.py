@@ -7,11 +7,14 @@ exactly 0, as eager gives them. The gpt-oss model itself: ``test_transformers.py
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
 from conftest import assert_flash_rule, count_calls, random_inputs, reference_magnitudes
-from tvmflash import padded, torch_op
+from tvmflash import flash_attn_with_kvcache, padded, torch_op
+from tvmflash.flex import flex_attention_forward
 from tvmflash.reference import reference_attention
 
 BATCH, N, HEADS, HEADS_K = 3, 37, 4, 2  # (no multiple of a tile)
@@ -136,6 +139,71 @@ def test_decode_steps_with_sinks_match_float64(gen, seed, dtype, cache, monkeypa
     want, same = (reference_attention(*(t.transpose(1, 2) for t in (q, k, v)), True, 0.125, mask=keys, sinks=sinks,
                                       dtype=dt)[0] for dt in (torch.float64, dtype))
     assert_flash_rule(f"{cache} decode", out, want, same, dtype, seed, magnitude=float(v.abs().max()))
+
+
+def _rounded_once_error(ours: torch.Tensor, exact: torch.Tensor) -> float:
+    """The largest |ours - exact| in units of half an ulp of ``exact`` in ours' dtype (1: the
+    correctly rounded value; a second rounding gives up to 2)."""
+    bits = 1 - round(math.log2(torch.finfo(ours.dtype).eps))  # (significant bits: 8 in bf16)
+    exponent = torch.frexp(exact.abs().clamp_min(torch.finfo(ours.dtype).tiny))[1]  # (exact = m 2^e, m in [1/2, 1))
+    half_ulp = torch.ldexp(torch.ones_like(exact), exponent - bits - 1)
+    return float(((ours.double() - exact).abs() / half_ulp).max())
+
+
+def _fp32_attention(q, k, v, mask, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """out (float32, 0 at padding) and lse of causal attention over each row's real tokens, from
+    the varlen op with fp32 results (ring attention's): the kernels' fp32 values, before any
+    rounding to q's dtype."""
+    lengths = mask.sum(1, dtype=torch.int32)
+    cu = torch.nn.functional.pad(lengths.cumsum(0, dtype=torch.int32), (1, 0))
+    out, lse = torch.ops.tvmflash.flash_attn_forward(q[mask], k[mask], v[mask], cu, cu, None, scale, -1, 0, 0.0,
+                                                     False, True, None)
+    full = out.new_zeros(q.shape)
+    full[mask] = out
+    rows = lse.new_full((q.shape[0], q.shape[1], q.shape[2]), float("-inf"))
+    rows[mask] = lse.T
+    return full, rows.transpose(1, 2)
+
+
+@pytest.mark.parametrize("case", ["every", "padded", "holes", "holes window", "decode"])
+def test_sinks_round_out_once(gen, case):
+    """Rule 3: out' = out sigmoid(lse - sink) is rounded to bf16 once, from the fp32 accumulator's
+    out (the kernels' fp32 results: the varlen op's that ring attention calls; a decode step's
+    from ``flash_attn_with_kvcache(fp32_results=True)``), not the kernel's bf16 out rounded
+    again: every element is the correctly rounded value of the exact product (ties aside: the
+    kernels' fp32 values on other tiles differ in the last bits)."""
+    scale = 0.125
+    sinks = torch.randn(HEADS, generator=gen) * 2 + 1
+    if case == "decode":
+        tvm_hf = pytest.importorskip("tvmflash.integrations.transformers")
+        n = 45
+        q, k, v = random_inputs(gen, 2, 1, n, HEADS, HEADS_K, 64, "bfloat16")
+        mask = torch.ones(2, n, dtype=torch.bool)
+        mask[1, :13] = False
+        module = torch.nn.Module()
+        module.is_causal = True
+        ours = tvm_hf.attention_forward(module, *(t.transpose(1, 2) for t in (q, k, v)), mask, scaling=scale,
+                                        s_aux=sinks)[0]
+        # (the decode kernel's fp32 values: its products differ from the varlen kernel's)
+        out32, lse = flash_attn_with_kvcache(q, k, v, cache_leftpad=torch.tensor([0, 13], dtype=torch.int32),
+                                             softmax_scale=scale, return_softmax_lse=True, fp32_results=True)
+        real = torch.ones(2, 1, dtype=torch.bool)
+    else:
+        q, k, v = random_inputs(gen, BATCH, N, N, HEADS, HEADS_K, 64, "bfloat16")
+        real = _masks()[case.split()[0]]
+        window = (6, 0) if "window" in case else (-1, 0)
+        with torch.no_grad():
+            ours = padded.attention(q, k, v, real, window_size=window, softmax_scale=scale, sinks=sinks)
+        if "window" in case:  # (a window over holes: flex_attention's forward, its fp32 results)
+            views, options = padded._flex_inputs(q, k, v, real, scale, *window, 0.0)
+            out32, lse = flex_attention_forward(*views, fp32_results=True, **options)
+            out32 = out32.transpose(1, 2) * real[:, :, None, None]
+        else:
+            out32, lse = _fp32_attention(q, k, v, real, scale)
+    assert out32.dtype == torch.float32 and not torch.equal(out32, out32.bfloat16().float())  # (not rounded yet)
+    share = torch.sigmoid(lse.double() - sinks.double()[None, :, None]).transpose(1, 2)[..., None]
+    exact = out32.double() * share
+    assert _rounded_once_error(ours[real], exact[real]) <= 1.001  # (a second rounding: up to 2)
 
 
 def test_autocast_second_derivatives_and_bad_sinks(gen):

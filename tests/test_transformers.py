@@ -249,7 +249,7 @@ def test_padded_batch_loss_and_gradients_match_eager(model, gen, monkeypatch, ho
     layers flex_attention with the mask (the window counts positions in the row, as eager's
     does)."""
     in_place, repeated, over_holes = [], [], []
-    for module, name, seen in ((torch_op, "row_runs_forward", in_place), (padded, "flex_attention", over_holes),
+    for module, name, seen in ((torch_op, "row_runs_forward", in_place), (padded, "flex_attention_forward", over_holes),
                                (padded, "repeated_heads_first_training", repeated)):
         original = getattr(module, name)
         monkeypatch.setattr(module, name, lambda *a, original=original, seen=seen, **kw:

@@ -354,7 +354,7 @@ PREBUILD_MODS = {"none": (), "softcap": (Softcap(),), "alibi": (Alibi(),), "soft
 
 
 def prebuild(directory, target="cuda", head_dims=(64, 128), dtypes=("float16", "bfloat16"),
-             deterministic=(False,), score_mods=("none",)) -> list[Path]:
+             deterministic=(False,), score_mods=("none",), fp32_results=(False,)) -> list[Path]:
     """Compile and export every combination into ``directory`` (``<target>-d<D>-<dtype>...so``).
 
     Point ``$TVMFLASH_PREBUILT`` at the directory and ``compile()`` (hence the torch op) loads
@@ -362,8 +362,10 @@ def prebuild(directory, target="cuda", head_dims=(64, 128), dtypes=("float16", "
     (``TVM_USE_RUNTIME_LIB=1``, or a runtime-only TVM) can then run them. Kernels take the mask
     per call (causal, windows, varlen), so one library serves every mask. ``score_mods``: which
     of flash-attn's built-in mods, keys of ``PREBUILD_MODS`` ("none", "softcap", "alibi",
-    "softcap+alibi"). Not covered: flex_attention's traced mods and block masks, the decode
-    kernel of flash_attn_with_kvcache, ring attention's fp32-result kernels. CUDA kernels built
+    "softcap+alibi"). ``fp32_results``: (True,) or (False, True) for 16-bit dtypes' kernels
+    whose out and gradients are float32 (``-fp32-results``: ring attention's, and attention
+    sinks' forward, which scales out before rounding it once). Not covered: flex_attention's
+    traced mods and block masks, the decode kernel of flash_attn_with_kvcache. CUDA kernels built
     on a machine without a GPU hold their CUDA source, which TVM with its compiler compiles when
     they load; for TVM's runtime alone, which cannot, each is also compiled here with nvcc into a
     binary beside it (``cuda_binaries``; returned with the libraries).
@@ -376,20 +378,24 @@ def prebuild(directory, target="cuda", head_dims=(64, 128), dtypes=("float16", "
     written = []
     is_cuda = targets.resolve(target).kind.name == "cuda"
     cuda_source = is_cuda and not _can_load(targets.resolve(target))  # (no GPU here: the libraries hold source)
+    variants = [(mods, det, fp32) for mods in score_mods for det in (deterministic if is_cuda else (False,))
+                for fp32 in dict.fromkeys(checks.require_bool("fp32_results", f) for f in fp32_results)]
     for head_dim in head_dims:
         for dtype in dtypes:
-            for mods in score_mods:
-                for det in (deterministic if is_cuda else (False,)):
-                    checks.check_kernel_params(head_dim, dtype)
-                    spec = AttentionSpec(checks.head_dim_value(head_dim), str(dtype), score_mods=PREBUILD_MODS[mods])
-                    kern = compile_spec(target, spec, deterministic=det, cache=True)
-                    name = (f"{targets.key(kern.meta['target'])}-d{head_dim}-{dtype}"
-                            + ("" if mods == "none" else f"-{mods}")
-                            + ("-deterministic" if kern.deterministic else "") + ".so")
-                    kern.export_library(directory / name)
-                    written.append(directory / name)
-                    if cuda_source:
-                        written += _prebuild_cuda_binary(directory, kern)
+            for mods, det, fp32 in variants:
+                checks.check_kernel_params(head_dim, dtype)
+                if fp32 and dtype == "float32":  # (float32 kernels' results are float32)
+                    continue
+                spec = AttentionSpec(checks.head_dim_value(head_dim), str(dtype), "float32" if fp32 else str(dtype),
+                                     score_mods=PREBUILD_MODS[mods])
+                kern = compile_spec(target, spec, deterministic=det, cache=True)
+                name = (f"{targets.key(kern.meta['target'])}-d{head_dim}-{dtype}"
+                        + ("" if mods == "none" else f"-{mods}")
+                        + ("-deterministic" if kern.deterministic else "") + ("-fp32-results" if fp32 else "") + ".so")
+                kern.export_library(directory / name)
+                written.append(directory / name)
+                if cuda_source:
+                    written += _prebuild_cuda_binary(directory, kern)
     return written
 
 
@@ -412,13 +418,14 @@ def _nothing_prebuilt(target, spec: AttentionSpec, deterministic: bool) -> str:
     found = f"no kernel in $TVMFLASH_PREBUILT={where} matches" if where else "$TVMFLASH_PREBUILT is not set for"
     asked = f"{wish} {spec.describe()}" + (", deterministic" if deterministic else "")
     mods = next((name for name, m in PREBUILD_MODS.items() if m == spec.score_mods), None)
-    if mods is None or spec.mask_mod is not None or spec.block_sparse or spec.out_dtype != spec.dtype:
+    if mods is None or spec.mask_mod is not None or spec.block_sparse:
         how = ("prebuild() covers flash-attn's functions only (with softcap and ALiBi), not flex_attention's mods or "
-               "block masks nor ring attention's fp32-result kernels: run this on a machine with TVM's compiler")
+               "block masks: run this on a machine with TVM's compiler")
     else:
         how = (f"on a machine with TVM's compiler run tvmflash.prebuild(DIR, {wish!r}, head_dims=({spec.head_dim},), "
                f"dtypes=({spec.dtype!r},){', deterministic=(True,)' if deterministic else ''}"
-               f"{'' if mods == 'none' else f', score_mods=({mods!r},)'}) and point $TVMFLASH_PREBUILT at DIR")
+               f"{'' if mods == 'none' else f', score_mods=({mods!r},)'}"
+               f"{', fp32_results=(True,)' if spec.out_dtype != spec.dtype else ''}) and point $TVMFLASH_PREBUILT at DIR")
     return f"TVM's runtime alone cannot compile kernels, and {found} {asked}; {how}"
 
 

@@ -182,7 +182,7 @@ def _flex_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, captured: l
                   tile_state: torch.Tensor | None, kv_range: torch.Tensor | None, scale: float,
                   spec_key: str) -> tuple[torch.Tensor, torch.Tensor]:
     batch, heads, seqlen_q, _ = q.shape
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    out = torch.empty(q.shape, dtype=_out_dtype(spec_key), device=q.device)
     lse = torch.empty((batch, heads, seqlen_q), dtype=torch.float32, device=q.device)
     kernels = _kernels(q, spec_key)
     kernels.forward(_layout(q), _layout(k), _layout(v), out.transpose(1, 2), lse, scale,
@@ -194,7 +194,11 @@ def _flex_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, captured: l
 @_flex_forward.register_fake
 def _(q, k, v, captured, tile_state, kv_range, scale, spec_key):
     # contiguous, as the op returns them (empty_like would copy the strides of a transposed q)
-    return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=torch.float32)
+    return q.new_empty(q.shape, dtype=_out_dtype(spec_key)), q.new_empty(q.shape[:3], dtype=torch.float32)
+
+
+def _out_dtype(spec_key: str) -> torch.dtype:
+    return getattr(torch, _specs[spec_key].out_dtype)
 
 
 @torch.library.custom_op("tvmflash::flex_backward", mutates_args=())
@@ -465,18 +469,20 @@ def _torch_noop_mask():
 
 
 def _prepare(score_mod, mask_mod, block_sparse: bool, head_dim: int, dtype: torch.dtype, device: str, scale,
-             under_dynamo: bool = False) -> tuple:
+             under_dynamo: bool = False, fp32_results: bool = False) -> tuple:
     """What the kernels need that no tensor's data or size decides: the traced mods, the spec
     (compiled here), the softmax scale, the tile size. Returns (spec key, scale, tile (block_q,
-    block_k), {name: captured tensor} in the kernel's input order)."""
+    block_k), {name: captured tensor} in the kernel's input order). ``fp32_results``: out in
+    float32 (``flex_attention_forward``'s)."""
     scale = checks.softmax_scale(scale, head_dim)
     if mask_mod is _torch_noop_mask():  # torch's "attend everywhere" (a block mask made without one)
         mask_mod = None
     traced_score = _traced("score_mod", score_mod, device, under_dynamo)
     traced_mask = _traced("mask_mod", mask_mod, device, under_dynamo)
     score_mods = (traced_score,) if traced_score is not None and not traced_score.is_identity else ()
-    spec = AttentionSpec(head_dim, str(dtype).removeprefix("torch."), score_mods=score_mods, mask_mod=traced_mask,
-                         block_sparse=block_sparse)
+    dtype = str(dtype).removeprefix("torch.")
+    spec = AttentionSpec(head_dim, dtype, "float32" if fp32_results else dtype, score_mods=score_mods,
+                         mask_mod=traced_mask, block_sparse=block_sparse)
     spec_key = _register_spec(spec)
     kernels = _kernels_for_device(device, spec_key)
     forward_cfg, backward_cfg = kernels.configs["forward"], kernels.configs["backward"]
@@ -554,6 +560,26 @@ def _tile_maps(block_mask, query, key, block_q: int, block_k: int) -> tuple:
     return tuple(t.to(query.device) for t in tile_maps(block_mask, query.shape[2], key.shape[2], block_q, block_k))
 
 
+def flex_attention_forward(query, key, value, score_mod=None, block_mask=None, scale=None, enable_gqa=False, *,
+                           fp32_results: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """``flex_attention(..., return_lse=True)``'s (out, lse), the fused forward alone (no
+    autograd), for eager code that keeps out and lse itself (an op's body, with
+    ``flex_attention_backward``). ``fp32_results``: out in float32 for 16-bit inputs, for a
+    caller that scales it before rounding it once (attention sinks, ``sinks.py``)."""
+    if torch.compiler.is_compiling():
+        raise RuntimeError("flex_attention_forward runs eagerly (an op's body); under torch.compile, call "
+                           "flex_attention")
+    _check_inputs(query, key, value, block_mask, enable_gqa, True)
+    mask_mod = None if block_mask is None else block_mask.mask_mod
+    spec_key, scale, (block_q, block_k), by_name = _prepare(score_mod, mask_mod, block_mask is not None,
+                                                            query.shape[-1], query.dtype, query.device.type, scale,
+                                                            fp32_results=fp32_results)
+    captured = [t.to(query.device) for t in by_name.values()]
+    tile_state, kv_range = _tile_maps(block_mask, query, key, block_q, block_k)
+    with torch.no_grad():
+        return _flex_forward(query, key, value, captured, tile_state, kv_range, scale, spec_key)
+
+
 def flex_attention_backward(grad_out, query, key, value, out, lse, score_mod=None, block_mask=None, scale=None,
                             enable_gqa=False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The gradients to query, key and value of ``flex_attention(query, key, value, score_mod,
@@ -575,4 +601,5 @@ def flex_attention_backward(grad_out, query, key, value, out, lse, score_mod=Non
     return dq, dk, dv
 
 
-__all__ = ["create_block_mask", "flex_attention", "flex_attention_backward", "query_ranges", "tile_maps"]
+__all__ = ["create_block_mask", "flex_attention", "flex_attention_backward", "flex_attention_forward", "query_ranges",
+           "tile_maps"]

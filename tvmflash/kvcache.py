@@ -45,13 +45,15 @@ _steering_values = settings.EnvironmentValues(*_STEERING_ENV)
 _kernels: dict[tuple, object] = {}
 
 
-def decode_kernels(head_dim: int, dtype: str, *, softcap: bool = False, alibi: bool = False):
-    """The compiled decode kernel for this CPU (cached per process, and on disk)."""
-    request = (head_dim, dtype, softcap, alibi, *_steering_values())
+def decode_kernels(head_dim: int, dtype: str, *, softcap: bool = False, alibi: bool = False,
+                   fp32_results: bool = False):
+    """The compiled decode kernel for this CPU (cached per process, and on disk); ``fp32_results``:
+    its out in float32."""
+    request = (head_dim, dtype, softcap, alibi, fp32_results, *_steering_values())
     found = _kernels.get(request)
     if found is None:
         mods = (Softcap(),) * softcap + (Alibi(),) * alibi
-        spec = AttentionSpec(head_dim, dtype, score_mods=mods)
+        spec = AttentionSpec(head_dim, dtype, "float32" if fp32_results else dtype, score_mods=mods)
         found = _kernels[request] = compiler.compile_decode({"kind": "llvm"}, spec)
     return found
 
@@ -97,7 +99,8 @@ def _int_vector(name: str, t, batch: int) -> list[int]:
 def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None,
                             cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None, block_table=None,
                             softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
-                            rotary_interleaved=True, alibi_slopes=None, num_splits=0, return_softmax_lse=False):
+                            rotary_interleaved=True, alibi_slopes=None, num_splits=0, return_softmax_lse=False, *,
+                            fp32_results=False):
     """Attention of a few new queries per sequence against a KV cache, updating it in place.
 
     q: (batch, seqlen_q, nheads, headdim), headdim up to 256 (other than multiples of 8 zero-
@@ -113,6 +116,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     num_splits: key splits per sequence (0: chosen from the problem and the thread count).
     Returns out (batch, seqlen_q, nheads, headdim), and
     softmax_lse (batch, nheads, seqlen_q) fp32 if ``return_softmax_lse``. Forward only.
+    ``fp32_results`` (not flash-attn's): out in float32 whatever q's dtype, for a caller that
+    scales it before it rounds it once (attention sinks, ``sinks.py``).
     """
     if (k is None and v is None and rotary_cos is None and rotary_sin is None and cache_batch_idx is None
             and block_table is None and alibi_slopes is None):
@@ -120,12 +125,12 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         options = None
         if type(cache_seqlens) is int and cache_leftpad is None:
             options = _options_key(True, softmax_scale, causal, window_size, softcap, num_splits, rotary_interleaved,
-                                   return_softmax_lse)
+                                   return_softmax_lse, fp32_results)
             result = _launched_step(options, q, k_cache, v_cache, cache_seqlens, None, None)
             if result is not None:
                 return result
         key = _step_key(q, k_cache, v_cache, cache_seqlens, cache_leftpad, softmax_scale, causal, window_size,
-                        softcap, rotary_interleaved, num_splits, return_softmax_lse)
+                        softcap, rotary_interleaved, num_splits, return_softmax_lse, fp32_results)
         step = _steps.get(key) if key is not None else None
         if step is not None:
             result = step(q, k_cache, v_cache, cache_seqlens, cache_leftpad)
@@ -142,7 +147,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
             cache_seqlens=cache_seqlens, cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad,
             block_table=block_table, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
             softcap=softcap, rotary_interleaved=rotary_interleaved, alibi_slopes=alibi_slopes, num_splits=num_splits,
-            return_softmax_lse=return_softmax_lse)
+            return_softmax_lse=return_softmax_lse, fp32_results=fp32_results)
     dtype = q.dtype
     dtype_name = str(dtype).removeprefix("torch.")
     if dtype_name not in SUPPORTED_DTYPES:
@@ -173,7 +178,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     if isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 0:
         raise ValueError(f"num_splits must be an integer >= 0 (0: automatic), got {num_splits!r}")
 
-    kernels = decode_kernels(head_dim, dtype_name, softcap=softcap > 0, alibi=alibi_slopes is not None)
+    fp32_results = checks.require_bool("fp32_results", fp32_results)
+    kernels = decode_kernels(head_dim, dtype_name, softcap=softcap > 0, alibi=alibi_slopes is not None,
+                             fp32_results=fp32_results)
     block_k = kernels.config.block_k
 
     # --- the cache layout: dense rows or pages -------------------------------------------------
@@ -284,14 +291,14 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     group = plan.decode_head_group(heads_k, block_k, head_dim, q.element_size())
     seq_info, units = plan.decode_units(starts, ends, seqlen_q=seqlen_q, window=window, block_k=block_k,
                                         heads_k=heads_k, threads=threads, num_splits=num_splits, head_group=group)
-    out = torch.empty(batch, seqlen_q, heads, head_dim, dtype=dtype)
+    out = torch.empty(batch, seqlen_q, heads, head_dim, dtype=torch.float32 if fp32_results else dtype)
     lse = torch.empty(batch, heads, seqlen_q, dtype=torch.float32)
     kernels.decode(q_in, k_cache, v_cache, out, lse, scale, window, threads, torch.from_numpy(seq_info),
                    torch.from_numpy(units), pages, mods)
     if (not seqlen_new and not paged and cache_batch_idx is None and alibi_slopes is None and q_in is q
             and (cache_leftpad is None or type(cache_leftpad) is torch.Tensor)):
         key = _step_key(q, k_cache, v_cache, cache_seqlens, cache_leftpad, softmax_scale, causal, window_size,
-                        softcap, rotary_interleaved, num_splits, return_softmax_lse)
+                        softcap, rotary_interleaved, num_splits, return_softmax_lse, fp32_results)
         if key is not None:
             if len(_steps) >= _MAX_STEPS:
                 forget_steps()
@@ -376,7 +383,7 @@ def forget_steps() -> None:
 
 
 def _step_key(q, k_cache, v_cache, cache_seqlens, cache_leftpad, softmax_scale, causal, window_size, softcap,
-              rotary_interleaved, num_splits, return_lse) -> tuple | None:
+              rotary_interleaved, num_splits, return_lse, fp32_results) -> tuple | None:
     """What the checks of a call without new tokens, rotary, paging, cache_batch_idx and ALiBi
     depend on beyond the kernel's own argument checks; None for arguments of unusual types (the
     checks see them)."""
@@ -384,7 +391,7 @@ def _step_key(q, k_cache, v_cache, cache_seqlens, cache_leftpad, softmax_scale, 
             or not (softmax_scale is None or type(softmax_scale) is float) or type(causal) is not bool
             or type(window_size) is not tuple or len(window_size) != 2 or type(window_size[0]) is not int
             or type(window_size[1]) is not int or type(softcap) not in (float, int) or type(num_splits) is not int
-            or type(rotary_interleaved) is not bool or type(return_lse) is not bool):
+            or type(rotary_interleaved) is not bool or type(return_lse) is not bool or type(fp32_results) is not bool):
         return None
     if cache_seqlens is None or type(cache_seqlens) is int:
         lengths = type(cache_seqlens)
@@ -397,18 +404,19 @@ def _step_key(q, k_cache, v_cache, cache_seqlens, cache_leftpad, softmax_scale, 
     if len(k_cache.shape) != 4:
         return None
     return _key(q, k_cache, lengths, cache_leftpad, softmax_scale, causal, window_size, softcap, num_splits,
-                rotary_interleaved, return_lse)
+                rotary_interleaved, return_lse, fp32_results)
 
 
 def _key(q, k_cache, lengths, cache_leftpad, softmax_scale, causal, window_size, softcap, num_splits,
-         rotary_interleaved, return_lse) -> tuple:
+         rotary_interleaved, return_lse, fp32_results) -> tuple:
     """The step key from arguments of the types the checks want (``lengths``: the kind of
     cache_seqlens). The caches' length is not in it: a growing cache changes it every step, and
     each call compares it with the lengths."""
     cache_shape = k_cache.shape
     starts = None if cache_leftpad is None else _vector_kind(cache_leftpad)
     return (q.shape, q.dtype, cache_shape[0], cache_shape[2], lengths, starts, softmax_scale, causal, window_size,
-            softcap, num_splits, rotary_interleaved, return_lse, *_steering_values())  # (decode_kernels' memo too)
+            softcap, num_splits, rotary_interleaved, return_lse, fp32_results,
+            *_steering_values())  # (decode_kernels' memo too)
 
 
 def _vector_kind(t: torch.Tensor) -> tuple:
@@ -427,12 +435,12 @@ def repeated_decode_step(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     None, the window a tuple of two ints, softcap a float, as the checks want them).
     ``starts``: cache_leftpad's values as a tuple, where the caller holds them (the layers of a
     model share one cache_leftpad, which it need not read again)."""
-    options = _options_key(cache_leftpad is None, softmax_scale, causal, window_size, softcap, 0, True, False)
+    options = _options_key(cache_leftpad is None, softmax_scale, causal, window_size, softcap, 0, True, False, False)
     result = _launched_step(options, q, k_cache, v_cache, cache_seqlens, cache_leftpad, starts)
     if result is not None:
         return result
     step = _steps.get(_key(q, k_cache, int, cache_leftpad, softmax_scale, causal, window_size, softcap, 0, True,
-                           False))
+                           False, False))
     result = None if step is None else step(q, k_cache, v_cache, cache_seqlens, cache_leftpad, starts)
     if result is not None:
         _remember_options(options, step)
@@ -447,7 +455,7 @@ def repeated_heads_first_step(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     head_dim)``, read in place by a C launch that transposes them in its view (three transposed
     views cost ~10 us where the model's products have just evicted the interpreter's data); out
     ``(batch, 1, heads, head_dim)``. None where no step checked before has a launch for them."""
-    options = _options_key(True, softmax_scale, causal, window_size, softcap, 0, True, False)
+    options = _options_key(True, softmax_scale, causal, window_size, softcap, 0, True, False, False)
     for step in _steps_by_options.get(options, ()):
         scratch = step._scratch
         if not hasattr(scratch, "heads_first"):  # (made from the first call that the step's own launch takes)
@@ -470,13 +478,14 @@ _STEPS_PER_OPTIONS = 4
 
 
 def _options_key(no_leftpad, softmax_scale, causal, window_size, softcap, num_splits, rotary_interleaved,
-                 return_lse) -> tuple | None:
+                 return_lse, fp32_results) -> tuple | None:
     if (not (softmax_scale is None or type(softmax_scale) is float) or type(causal) is not bool
             or type(window_size) is not tuple or len(window_size) != 2 or type(window_size[0]) is not int
             or type(window_size[1]) is not int or type(softcap) not in (float, int) or type(num_splits) is not int
-            or type(rotary_interleaved) is not bool or type(return_lse) is not bool):
+            or type(rotary_interleaved) is not bool or type(return_lse) is not bool or type(fp32_results) is not bool):
         return None
-    return (no_leftpad, softmax_scale, causal, window_size, softcap, num_splits, rotary_interleaved, return_lse)
+    return (no_leftpad, softmax_scale, causal, window_size, softcap, num_splits, rotary_interleaved, return_lse,
+            fp32_results)
 
 
 def _launched_step(options, q, k_cache, v_cache, cache_seqlens: int, cache_leftpad, starts):
@@ -513,6 +522,7 @@ class _DecodeStep:
     def __init__(self, kernels, lse_shape, scale, window, group, num_splits, pages, mods, return_lse, batch, seqlen_q):
         # plain tuples: torch.empty(*shape) parses ~2x faster than a torch.Size (~2-3 us a call)
         self.kernels, self.lse_shape = kernels, tuple(lse_shape)
+        self.out_dtype = getattr(torch, kernels.out_dtype)  # (q's, or fp32 results)
         self.device = torch.device("cpu")  # (not the default device, which a user may have set)
         self.scale, self.window, self.group, self.num_splits = scale, window, group, num_splits
         self.pages, self.mods, self.return_lse = pages, mods, return_lse
@@ -566,7 +576,7 @@ class _DecodeStep:
                     ("tensor", tables.units), ("tensor", self.pages), *(("tensor", m) for m in self.mods))
         every_dim = (1 << q.dim()) - 1  # (strides: the kernel's own argument checks read them)
         cache = (1 << self._KEYS, every_dim)
-        outputs = (torch.empty(q.transpose(1, 2).shape if heads_first else q.shape, dtype=q.dtype),)
+        outputs = (torch.empty(q.transpose(1, 2).shape if heads_first else q.shape, dtype=self.out_dtype),)
         if self.return_lse:
             outputs += (torch.empty(*self.lse_shape, dtype=torch.float32),)
         inputs = ((q, 0, every_dim, heads_first), (k_cache, *cache, heads_first), (v_cache, *cache, heads_first))
@@ -629,7 +639,7 @@ class _DecodeStep:
         if v_cache.shape != shape or max(ends) > shape[1]:
             return None
         _, seq_info, units, team, _ = tables
-        out = torch.empty_like(q)  # (q's shape and dtype; the kernel writes any strides)
+        out = torch.empty_like(q, dtype=self.out_dtype)  # (q's shape; the kernel writes any strides)
         lse = torch.empty(*self.lse_shape, dtype=torch.float32, device=self.device) if self.return_lse else (
             self._scratch.lse)
         # (DecodeKernels.decode without its checks: the first call of this step made them, and the

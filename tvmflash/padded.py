@@ -35,7 +35,7 @@ from . import checks, flex_trace, launch, torch_op, uniform_rows
 from . import sinks as sinks_module
 from .documents import documents_from_positions
 from .tensor_memo import per_tensor, remembered
-from .flex import flex_attention, flex_attention_backward
+from .flex import flex_attention_backward, flex_attention_forward
 from .uniform_rows import UniformRows
 
 
@@ -337,7 +337,7 @@ class _Layout:
     whether the kernels add the blind rows' terms (no empty slots) or the torch ops over all keys
     (``uniform_rows``). It holds no reference to the mask (it is kept on the mask: ``_layout``)."""
 
-    __slots__ = ("n", "runs", "blind", "call", "window_over_holes", "plan", "kernels_add_blind")
+    __slots__ = ("n", "runs", "blind", "call", "window_over_holes", "plan", "kernels_add_blind", "_fp32_call")
 
     def __init__(self, q, k, v, keys_seen, softmax_scale: float, window_left: int, window_right: int,
                  softcap: float):
@@ -352,7 +352,7 @@ class _Layout:
         # one within documents counts positions in the document, as the varlen kernels do)
         self.window_over_holes = (self.runs is None and documents is None
                                   and (window_left, window_right) not in ((-1, -1), (-1, 0)))
-        self.call = self.plan = None
+        self.call = self.plan = self._fp32_call = None
         if self.runs is not None and len_q == n:
             self.call = torch_op.row_runs_call(q, *self.keys(k, v), self.runs, softmax_scale=softmax_scale,
                                                causal=False, window_size=(window_left, window_right), softcap=softcap)
@@ -366,6 +366,17 @@ class _Layout:
         """k and v cut to the mask's keys (views)."""
         n = self.n
         return (k, v) if k.shape[1] == n else (k[:, :n], v[:, :n])
+
+    def forward_call(self, q, k, v, scalars: tuple, fp32_results: bool) -> torch_op._ForwardCall:
+        """``call``, or with ``fp32_results`` its twin whose out is float32 (made at its first use)."""
+        if not fp32_results or q.dtype == torch.float32:
+            return self.call
+        if self._fp32_call is None:
+            softmax_scale, window_left, window_right, softcap = scalars
+            self._fp32_call = torch_op.row_runs_call(q, *self.keys(k, v), self.runs, softmax_scale=softmax_scale,
+                                                     causal=False, window_size=(window_left, window_right),
+                                                     softcap=softcap, fp32_results=True)
+        return self._fp32_call
 
 
 def _written_mask(keys_seen: torch.Tensor, len_q: int) -> torch.Tensor:
@@ -460,24 +471,38 @@ def _padded_forward_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys
     """The forward op's body: out like q, lse (batch, heads, n), 0 at padding rows (but the
     blind rows' out: the mean of v). ``keys_seen``: the bool mask, or the positions with -1 at
     padding (``_positions_of_real_tokens``)."""
+    return _padded_forward(q, k, v, keys_seen, softmax_scale, window_left, window_right, softcap, fp32_results=False)
+
+
+def _padded_forward_fp32(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys_seen: torch.Tensor,
+                         softmax_scale: float, window_left: int, window_right: int, softcap: float
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``_padded_forward_impl`` with out in float32 (for a caller that scales it, then rounds it
+    once: ``sinks.py``)."""
+    return _padded_forward(q, k, v, keys_seen, softmax_scale, window_left, window_right, softcap, fp32_results=True)
+
+
+def _padded_forward(q, k, v, keys_seen, softmax_scale: float, window_left: int, window_right: int, softcap: float, *,
+                    fp32_results: bool) -> tuple[torch.Tensor, torch.Tensor]:
     layout = _layout(q, k, v, keys_seen, softmax_scale, window_left, window_right, softcap)
     blind, (k_cut, v_cut) = layout.blind, layout.keys(k, v)
     if layout.call is not None:
-        out, lse = torch_op.row_runs_forward(layout.call, blind if layout.kernels_add_blind else None, q, k_cut, v_cut)
+        call = layout.forward_call(q, k, v, (softmax_scale, window_left, window_right, softcap), fp32_results)
+        out, lse = torch_op.row_runs_forward(call, blind if layout.kernels_add_blind else None, q, k_cut, v_cut)
     elif layout.window_over_holes:
         mask = _written_mask(keys_seen, q.shape[1])
         with torch_op.eager_dispatch():  # (the mask_mod's trace, once per mask: make_fx, in a compiled graph too)
             views, options = _flex_inputs(q, k_cut, v_cut, mask, softmax_scale, window_left, window_right, softcap)
-            out, lse = flex_attention(*views, return_lse=True, **options)
+            out, lse = flex_attention_forward(*views, fp32_results=fp32_results, **options)
         out = out.transpose(1, 2).contiguous()
         out.masked_fill_(~mask[:, -q.shape[1]:, None, None], 0)  # (padding rows: 0, as on the other paths)
     else:
         plan, (batch, len_q, heads, _) = layout.plan, q.shape
         keys = k_cut[plan.key_index], v_cut[plan.key_index]
         out_real, lse_real = torch_op._forward_impl(q[plan.query_index], *keys, plan.cu_q, plan.cu_k, None,
-                                                    softmax_scale, window_left, window_right, softcap, False, False,
-                                                    None)
-        out = q.new_zeros(q.shape).index_put_(plan.query_index, out_real)
+                                                    softmax_scale, window_left, window_right, softcap, False,
+                                                    fp32_results, None)
+        out = out_real.new_zeros(q.shape).index_put_(plan.query_index, out_real)
         lse = lse_real.new_zeros(batch, len_q, heads).index_put_(plan.query_index, lse_real.T).transpose(1, 2)
         lse = lse.contiguous()
     if blind is not None and not layout.kernels_add_blind:  # (their rows of out hold 0)
@@ -540,5 +565,5 @@ def _real_queries(keys_seen: torch.Tensor, len_q: int) -> torch.Tensor | None:
 
 
 # the same with attention sinks (sinks.py): over the padded op's bodies
-_sink_ops = sinks_module.SinkOps("flash_attn_padded_sinks", _padded_forward_impl, _padded_backward_impl,
+_sink_ops = sinks_module.SinkOps("flash_attn_padded_sinks", _padded_forward_fp32, _padded_backward_impl,
                                  _real_queries)

@@ -12,13 +12,15 @@ Exact from an attention's out and fp32 lse, with no kernel of its own (rows i, k
 The backward recomputes P'_ij = exp(S_ij - lse'_i) = P_ij exp(lse_i - lse'_i), the probabilities
 with the sink, and Delta' = sum_j P'_ij dP_ij: with the sink's value 0 its dP is 0, so dS = P'
 (dP - Delta') is the gradient with the sink, and the sink's own is its probability times (0 -
-Delta'). The rescale is one rounding more of out than the kernel's (out' <= out: half an ulp).
+Delta'). out' is rounded to the storage dtype once (rule 3): the forward body gives out in
+float32 for 16-bit inputs (its fp32 accumulator divided by the row's sum), which the rescale
+multiplies in float32 before the one cast.
 
 Query rows that are padding get 0 (lse' = the sink alone), as transformers' ``eager`` gpt-oss
 gives them: their keys masked to the dtype's minimum, the sink takes their whole weight.
 
 ``SinkOps`` makes the two ops of an attention with sinks from its forward and backward bodies
-(``padded.py``'s, which serve every mask, documents and decode step): differentiable, seen by
+(``padded.py``'s, which serve every mask and documents): differentiable, seen by
 torch.compile as ops, eager calls without torch's dispatcher (``torch_op.OpPair``'s rule).
 """
 
@@ -40,17 +42,18 @@ def check(sinks, heads: int, device: torch.device) -> None:
         raise ValueError(f"sinks are on {sinks.device}, q on {device}")
 
 
-def renormalized(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor, real_rows: torch.Tensor | None
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(out', lse') of the module docstring, out' in place of ``out`` (the attention's own new
-    tensor; fp32 products, one rounding): out (batch, n, heads, head_dim), lse (batch, heads, n)
-    fp32, sinks (heads,); ``real_rows`` (batch, n) bool, False at padding query rows, or None."""
+def renormalized(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor, real_rows: torch.Tensor | None,
+                 dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out', lse') of the module docstring, out' in ``dtype``: out (batch, n, heads, head_dim)
+    float32 (the attention's own new tensor: scaled in place, then rounded once), lse (batch,
+    heads, n) fp32, sinks (heads,); ``real_rows`` (batch, n) bool, False at padding query rows,
+    or None."""
     sink = sinks.detach().to(torch.float32)[None, :, None]
     share, with_sink = keys_share(lse, sink), torch.logaddexp(lse, sink)
     if real_rows is not None:
         real = real_rows[:, None, :]
         share, with_sink = share * real, torch.where(real, with_sink, sink)
-    return rescaled(out, share), with_sink
+    return rescaled(out, share, dtype), with_sink
 
 
 def keys_share(lse: torch.Tensor, sink: torch.Tensor) -> torch.Tensor:
@@ -58,10 +61,14 @@ def keys_share(lse: torch.Tensor, sink: torch.Tensor) -> torch.Tensor:
     return torch.sigmoid(lse - sink)
 
 
-def rescaled(out: torch.Tensor, share: torch.Tensor) -> torch.Tensor:
-    """out (batch, n, heads, head_dim) times the (batch, heads, n) ``share``, in place."""
+def rescaled(out: torch.Tensor, share: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """out (batch, n, heads, head_dim, float32) times the (batch, heads, n) ``share``, in place,
+    then rounded once to ``dtype``."""
+    if out.dtype != torch.float32:
+        raise TypeError(f"out must be float32 (the kernels' fp32 results), got {out.dtype}: a 16-bit out would be "
+                        "rounded twice")
     # (the share in out's layout: the product's strides follow its inputs', out's must stay out's)
-    return out.mul_(share.transpose(1, 2).contiguous()[..., None])
+    return out.mul_(share.transpose(1, 2).contiguous()[..., None]).to(dtype)
 
 
 def sink_gradient(dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
@@ -75,9 +82,9 @@ class SinkOps:
     """``tvmflash::<name>_forward (q, k, v, sinks, keys_seen, softmax_scale, window_left,
     window_right, softcap) -> (out', lse')`` and ``_backward (dout, q, k, v, out', lse', sinks,
     keys_seen, ...) -> (dq, dk, dv, dsinks)`` over an attention's bodies: ``forward_body (q, k, v,
-    keys_seen, ...) -> (out, lse)``, ``backward_body (dout, q, k, v, out, lse, keys_seen, ...) ->
-    (dq, dk, dv)``, and ``real_rows (keys_seen, n_queries)``, the query rows that are not padding
-    ((batch, n) bool, or None). Called like ``torch_op.OpPair``."""
+    keys_seen, ...) -> (out, lse)``, out in float32, ``backward_body (dout, q, k, v, out, lse,
+    keys_seen, ...) -> (dq, dk, dv)``, and ``real_rows (keys_seen, n_queries)``, the query rows
+    that are not padding ((batch, n) bool, or None). Called like ``torch_op.OpPair``."""
 
     def __init__(self, name: str, forward_body, backward_body, real_rows):
         def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor, keys_seen: torch.Tensor,
@@ -85,7 +92,7 @@ class SinkOps:
                     ) -> tuple[torch.Tensor, torch.Tensor]:
             scalars = (softmax_scale, window_left, window_right, softcap)
             out, lse = forward_body(q, k, v, keys_seen, *scalars)
-            return renormalized(out, lse, sinks, real_rows(keys_seen, q.shape[1]))
+            return renormalized(out, lse, sinks, real_rows(keys_seen, q.shape[1]), q.dtype)
 
         def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                      lse: torch.Tensor, sinks: torch.Tensor, keys_seen: torch.Tensor, softmax_scale: float,

@@ -501,25 +501,29 @@ class _EagerAttention(torch.autograd.Function):
         return None, *_input_grads(ctx, dout, _backward_impl if direct else _backward_op), *(None,) * 10
 
 
-def row_runs_call(q, k, v, row_runs: tuple, *, softmax_scale, causal: bool, window_size, softcap: float
-                  ) -> _ForwardCall | None:
+def row_runs_call(q, k, v, row_runs: tuple, *, softmax_scale, causal: bool, window_size, softcap: float,
+                  fp32_results: bool = False) -> _ForwardCall | None:
     """The kernels' checked call for attention within ``row_runs`` of plain CPU tensors read in
     place (each run ``(row, start, end)`` a sequence of positions ``start .. end - 1`` of a batch
     row, its queries and keys alike: a padded batch, ``padded.py``, or documents packed into rows,
     ``documents.py``; no gather into packed sequences and scatter back, which cost more than the
     kernels: 4 left-padded rows, fp32 forward + backward, 256 tokens 17.6 -> 12.1 ms, 1024 140 ->
     77), remembered per shapes, options and runs; None where it does not apply (other tensors,
-    head dims the kernels pad)."""
+    head dims the kernels pad). ``fp32_results``: as ``kernels_for``'s (out and the gradients in
+    float32)."""
     row_runs = tuple(row_runs)
     key = _call_key(q, k, v, 0.0, softmax_scale, causal, window_size, softcap, False, False)
-    call = _calls.get(key + (row_runs,)) if key is not None else None
+    if key is not None:
+        key += (row_runs, fp32_results)
+    call = _calls.get(key) if key is not None else None
     if call is None:
         call = _checked_row_runs_call(q, k, v, row_runs, key, softmax_scale=softmax_scale, causal=causal,
-                                      window_size=window_size, softcap=softcap)
+                                      window_size=window_size, softcap=softcap, fp32_results=fp32_results)
     return call
 
 
-def _checked_row_runs_call(q, k, v, row_runs: tuple, key, *, softmax_scale, causal, window_size, softcap):
+def _checked_row_runs_call(q, k, v, row_runs: tuple, key, *, softmax_scale, causal, window_size, softcap,
+                           fp32_results: bool):
     """``row_runs_call``'s checks and plan (remembered under ``key`` + the runs), or None."""
     options = checks.flash_options(q.shape[-1], softmax_scale=softmax_scale, causal=causal, window_size=window_size,
                                    softcap=softcap)
@@ -528,14 +532,14 @@ def _checked_row_runs_call(q, k, v, row_runs: tuple, key, *, softmax_scale, caus
             or checks.head_dim_padding([q.shape[-1]]) or q.shape[1] != k.shape[1]):
         return None
     longest = max((end - start for _, start, end in row_runs), default=0)
-    kernels = kernels_for(q, softcap=options.softcap > 0, seqlens=(longest, longest))
+    kernels = kernels_for(q, softcap=options.softcap > 0, fp32_results=fp32_results, seqlens=(longest, longest))
     dims = checks.check_inputs(kernels, q, k, v)
     kernels._check_runs_here()
     call = _ForwardCall(kernels, dims, k.shape[1], checks.softmax_scale(options.softmax_scale, kernels.head_dim),
                         checks.window(options.window, False), _mod_inputs(q, options.softcap, None),
                         row_runs=row_runs, softcap=options.softcap)
     if key is not None:
-        _remember(key + (row_runs,), call)
+        _remember(key, call)
     return call
 
 
@@ -551,7 +555,7 @@ def row_runs_backward(call: _ForwardCall, uniform: UniformRows | None, dout, q, 
     grad_out = kernel_layout(dout)
     grads = call.backward(grad_out, q, k, v, out, lse)
     if grads is None:  # what the kernel refused: the checked launch names it
-        grads = tuple(call.new_output(t.shape, t.dtype) for t in (q, k, v))
+        grads = tuple(call.new_output(t.shape, call.out_dtype) for t in (q, k, v))
         call.kernels.launch_backward(call.dims, grad_out, q, k, v, out, lse, *grads, call.scale, call.window, None,
                                      None, mod_inputs=call.mods, row_runs=call.row_runs)
     add_uniform_gradients(call, uniform, grads, q, k, v, grad_out)
@@ -852,6 +856,7 @@ class _ForwardCall:
         seqs, tables = kernels._sequences("forward", batch, seqlen_q, seqlen_k, heads_k, None, None, row_runs=row_runs)
         # plain tuples: torch.empty(*shape) parses ~2x faster than a torch.Size (~2-3 us a call)
         self.kernels, self.dims = kernels, tuple(dims)
+        self.out_dtype = getattr(torch, kernels.out_dtype)  # (of out and the gradients: q's, or fp32 results)
         self.out_shape, self.lse_shape = (batch, seqlen_q, heads, kernels.head_dim), (batch, heads, seqlen_q)
         self.kv_shape = (batch, seqlen_k, heads_k, kernels.head_dim)
         self.scale, self.window, self.softcap = scale, window, softcap
@@ -899,7 +904,7 @@ class _ForwardCall:
     def forward(self, q, k, v, lse: torch.Tensor) -> torch.Tensor:
         """out, with the row statistics written into ``lse``."""
         kernels = self.kernels
-        out = self.new_output(self.out_shape, q.dtype)
+        out = self.new_output(self.out_shape, self.out_dtype)
         if not self._launches:  # (row runs all empty)
             return out
         n_threads = kernels.plan_threads()
@@ -918,9 +923,9 @@ class _ForwardCall:
             if grads is not None:
                 return grads
         dout = kernel_layout(dout)
-        dq = self.new_output(self.out_shape, q.dtype)
-        dk = self.new_output(self.kv_shape, q.dtype)
-        dv = self.new_output(self.kv_shape, q.dtype)
+        dq = self.new_output(self.out_shape, self.out_dtype)
+        dk = self.new_output(self.kv_shape, self.out_dtype)
+        dv = self.new_output(self.kv_shape, self.out_dtype)
         if not self._launches:
             return dq, dk, dv
         n_threads = kernels.plan_threads()
@@ -1005,7 +1010,7 @@ class _ForwardCall:
         return _backward(dout, q, k, v, out, lse, None, None, None, *self.op_scalars)
 
     def _new_launch(self, kind: str, n_threads: int, example: tuple, heads_first: bool = False):
-        dtype = example[1 if kind == "backward" else 0].dtype
+        dtype = self.out_dtype
         out = torch.empty(*self.out_shape, dtype=dtype)
         lse = torch.empty(*self.lse_shape, dtype=torch.float32)
         scalars = (("float", self.scale), *(("int", w) for w in self.window), ("int", n_threads))
