@@ -33,6 +33,7 @@ import numpy as np
 import torch
 
 from . import checks, compiler, launch, plan, settings, version
+from . import sinks as sinks_module
 from . import threads as threads_module
 from .spec import SUPPORTED_DTYPES, UNLIMITED_WINDOW, Alibi, AttentionSpec, Softcap
 
@@ -100,7 +101,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                             cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None, block_table=None,
                             softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
                             rotary_interleaved=True, alibi_slopes=None, num_splits=0, return_softmax_lse=False, *,
-                            fp32_results=False):
+                            sinks=None, fp32_results=False):
     """Attention of a few new queries per sequence against a KV cache, updating it in place.
 
     q: (batch, seqlen_q, nheads, headdim), headdim up to 256 (other than multiples of 8 zero-
@@ -116,9 +117,17 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     num_splits: key splits per sequence (0: chosen from the problem and the thread count).
     Returns out (batch, seqlen_q, nheads, headdim), and
     softmax_lse (batch, nheads, seqlen_q) fp32 if ``return_softmax_lse``. Forward only.
-    ``fp32_results`` (not flash-attn's): out in float32 whatever q's dtype, for a caller that
-    scales it before it rounds it once (attention sinks, ``sinks.py``).
+    Not flash-attn 2's: ``sinks`` (nheads,): gpt-oss's attention sinks, a logit per query head in
+    every row's softmax with no value (``sinks.py``; out from the kernel's fp32 results, rounded
+    once; softmax_lse with the sink). ``fp32_results``: out in float32 whatever q's dtype.
     """
+    if sinks is not None:
+        return _with_sinks(sinks, q, k_cache, v_cache, k=k, v=v, rotary_cos=rotary_cos, rotary_sin=rotary_sin,
+                           cache_seqlens=cache_seqlens, cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad,
+                           block_table=block_table, softmax_scale=softmax_scale, causal=causal,
+                           window_size=window_size, softcap=softcap, rotary_interleaved=rotary_interleaved,
+                           alibi_slopes=alibi_slopes, num_splits=num_splits, return_softmax_lse=return_softmax_lse,
+                           fp32_results=fp32_results)
     if (k is None and v is None and rotary_cos is None and rotary_sin is None and cache_batch_idx is None
             and block_table is None and alibi_slopes is None):
         # a decode step of the kind every model makes (shapes and options seen before): checked once
@@ -308,6 +317,18 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
 
 
 @functools.lru_cache(maxsize=64)
+def _with_sinks(sinks, q, k_cache, v_cache, *, return_softmax_lse, fp32_results, **options):
+    """``flash_attn_with_kvcache`` with attention sinks: the kernel's fp32 out and lse, out scaled
+    by the keys' share of each row's weight and rounded once, lse with the sink (``sinks.py``)."""
+    if not isinstance(q, torch.Tensor) or q.dim() != 4:
+        q = _tensor("q", q, 4)  # (its error)
+    sinks_module.check(sinks, q.shape[2], q.device)
+    out, lse = flash_attn_with_kvcache(q, k_cache, v_cache, return_softmax_lse=True, fp32_results=True, **options)
+    sink = sinks.detach().to(torch.float32)[:, None]
+    out = sinks_module.rescaled(out, sinks_module.keys_share(lse, sink), torch.float32 if fp32_results else q.dtype)
+    return (out, torch.logaddexp(lse, sink)) if return_softmax_lse else out
+
+
 def _first_rows(batch: int) -> torch.Tensor:
     """The cache rows 0 .. batch - 1 as the kernel's (batch, 1) table (read only; a decode step
     would otherwise build it every token)."""

@@ -319,18 +319,16 @@ def _all_keys(batch: int, n: int, device: torch.device) -> torch.Tensor:
 
 def _decode_kernel_with_sinks(q, k, v, key_mask: torch.Tensor | None, sinks: torch.Tensor, opts: dict,
                               cut_empty_slots: bool) -> torch.Tensor | None:
-    """A decode step with sinks on the decode kernel, its fp32 out rescaled by its lse and rounded
-    once (``sinks.py``), where the kernel reads the cache in place (one run of real keys per row:
-    full or left-padded; ``cut_empty_slots`` as ``decode_attention``'s), else None."""
+    """A decode step with sinks on the decode kernel (``flash_attn_with_kvcache``'s sinks), where
+    it reads the cache in place (one run of real keys per row: full or left-padded;
+    ``cut_empty_slots`` as ``decode_attention``'s), else None."""
     if not _decode_kernel_applies(q, k, v):
         return None
     keys = None if key_mask is None else _decode_keys(q, k, key_mask, cut_empty_slots)
     if keys is not None and keys.left_pad is None:  # (holes)
         return None
-    out, lse = flash_attn_with_kvcache(q, k, v, cache_seqlens=k.shape[1] if keys is None else keys.n,
-                                       cache_leftpad=None if keys is None else keys.left_pad, return_softmax_lse=True,
-                                       fp32_results=True, **opts)
-    return sinks_module.rescaled(out, sinks_module.keys_share(lse, sinks.detach().float()[:, None]), q.dtype)
+    return flash_attn_with_kvcache(q, k, v, cache_seqlens=k.shape[1] if keys is None else keys.n,
+                                   cache_leftpad=None if keys is None else keys.left_pad, sinks=sinks, **opts)
 
 
 def _decode_sinks_op_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor | None,
