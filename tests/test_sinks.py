@@ -145,23 +145,27 @@ def test_decode_steps_with_sinks_match_float64(gen, seed, dtype, cache, monkeypa
 def test_kvcache_with_sinks_matches_float64(gen, seed, dtype):
     """``flash_attn_with_kvcache(sinks=)``: new tokens written at per-row lengths, three queries
     per row (causal at each row's length), GQA, softcap; out and softmax_lse (the sink counted)
-    against float64, the caches updated as without sinks; bad sinks named."""
+    against float64, the caches updated as without sinks; the same call again on q's new values
+    (a decode loop's next step reads them); bad sinks named."""
     batch, capacity, new, lengths = 2, 50, 3, (17, 41)
     q, k_new, v_new = random_inputs(gen, batch, new, new, HEADS, HEADS_K, 64, dtype)
     k_cache, v_cache = (torch.randn(batch, capacity, HEADS_K, 64, generator=gen).to(dtype) for _ in range(2))
     sinks = torch.randn(HEADS, generator=gen) * 2 + 1
     seqlens = torch.tensor(lengths, dtype=torch.int32)
-    out, lse = flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new, cache_seqlens=seqlens, causal=True,
-                                       softcap=3.0, return_softmax_lse=True, sinks=sinks)
-    assert out.dtype == dtype and lse.dtype == torch.float32
     ends = torch.tensor(lengths)[:, None, None, None] + new  # (each row's keys after the update)
     key, query = torch.arange(capacity), torch.arange(new)[:, None]
     keys = (key < ends) & (key <= query + ends - new)  # (bottom-right causal at the row's length)
-    assert torch.equal(k_cache[0, 17:20], k_new[0]) and torch.equal(v_cache[1, 41:44], v_new[1])
-    want, same = (reference_attention(q, k_cache, v_cache, False, softcap=3.0, mask=keys, sinks=sinks, dtype=dt)
-                  for dt in (torch.float64, dtype))
-    assert_flash_rule("kvcache out", out, want[0], same[0], dtype, seed, magnitude=float(v_cache.abs().max()))
-    assert (lse - want[1]).abs().max() < 1e-5 * want[1].abs().max()  # (fp32 row statistics)
+    for step in ("first", "again"):
+        out, lse = flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new, cache_seqlens=seqlens, causal=True,
+                                           softcap=3.0, return_softmax_lse=True, sinks=sinks)
+        assert out.dtype == dtype and lse.dtype == torch.float32
+        assert torch.equal(k_cache[0, 17:20], k_new[0]) and torch.equal(v_cache[1, 41:44], v_new[1])
+        want, same = (reference_attention(q, k_cache, v_cache, False, softcap=3.0, mask=keys, sinks=sinks, dtype=dt)
+                      for dt in (torch.float64, dtype))
+        assert_flash_rule(f"kvcache out, {step}", out, want[0], same[0], dtype, seed,
+                          magnitude=float(v_cache.abs().max()))
+        assert (lse - want[1]).abs().max() < 1e-5 * want[1].abs().max()  # (fp32 row statistics)
+        q.neg_()
     with pytest.raises(ValueError, match=r"shape \(4,\), one logit per query head"):
         flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens, sinks=torch.zeros(HEADS_K))
 

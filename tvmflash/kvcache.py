@@ -316,7 +316,6 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     return (out, lse) if return_softmax_lse else out
 
 
-@functools.lru_cache(maxsize=64)
 def _with_sinks(sinks, q, k_cache, v_cache, *, return_softmax_lse, fp32_results, **options):
     """``flash_attn_with_kvcache`` with attention sinks: the kernel's fp32 out and lse, out scaled
     by the keys' share of each row's weight and rounded once, lse with the sink (``sinks.py``)."""
@@ -329,6 +328,7 @@ def _with_sinks(sinks, q, k_cache, v_cache, *, return_softmax_lse, fp32_results,
     return (out, torch.logaddexp(lse, sink)) if return_softmax_lse else out
 
 
+@functools.lru_cache(maxsize=64)
 def _first_rows(batch: int) -> torch.Tensor:
     """The cache rows 0 .. batch - 1 as the kernel's (batch, 1) table (read only; a decode step
     would otherwise build it every token)."""
