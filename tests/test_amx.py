@@ -22,12 +22,13 @@ import pytest
 import torch
 
 import tvmflash
-from conftest import assert_matches_reference, random_inputs
+from conftest import assert_flash_rule, assert_matches_reference, random_inputs
 from test_bf16_products import _kernels_calling
-from tvmflash import amx, compiler, product_rates
+from tvmflash import amx, compiler, padded, product_rates
 from tvmflash import target as targets
 from tvmflash.config import AMX, BF16_DOT, FP32_FMA, CPUKernelConfig, default_cpu_config
 from tvmflash.product_rates import ProductRates
+from tvmflash.reference import reference_attention
 from tvmflash.schedules import llvm_amx
 from tvmflash.spec import AttentionSpec
 
@@ -56,6 +57,15 @@ def test_both_kernels_multiply_on_tiles(head_dim, tiles):
     asm = kernels.assembly()
     assert len(re.findall(r"^\s*tdpbf16ps\s", asm, re.M)) >= 7  # two forward products, five backward
     assert re.search(r"^\s*ldtilecfg\s", asm, re.M) and "vdpbf16ps" not in asm
+
+
+def test_fp32_result_kernels_multiply_on_tiles():
+    """bf16 inputs with fp32 results (ring attention's blocks, attention sinks' forward, which
+    scales out before its one rounding) on AMX: the same products, out stored as float32."""
+    spec = AttentionSpec(64, "bfloat16", "float32")
+    kernels = compiler.compile_spec(SAPPHIRE_RAPIDS, spec, config=_amx_configs(64), cache=False)
+    assert kernels.out_dtype == "float32"
+    assert _kernels_calling(kernels.source(), "llvm.x86.tdpbf16ps.internal") == {"flash_fwd", "flash_bwd"}
 
 
 def test_helper_ir_follows_the_name():
@@ -176,6 +186,13 @@ def test_amx_through_the_torch_api(gen, seed, monkeypatch):
         if n:
             single = tvmflash.flash_attn_func(qv[rows][None], kv[rows][None], vv[rows][None], causal=True)[0]
             assert torch.equal(packed[rows], single), f"sequence {b} (seed {seed})"
+    # attention sinks: the fp32-result forward on AMX, rounded once after the rescale
+    sinks = torch.randn(4, generator=gen) * 2 + 1
+    with torch.no_grad():
+        out = padded.attention(q, k, v, torch.ones(2, 170, dtype=torch.bool), causal=True, sinks=sinks)
+        want, same = (reference_attention(q, k, v, True, sinks=sinks, dtype=dt)[0]
+                      for dt in (torch.float64, torch.bfloat16))
+        assert_flash_rule("amx sinks", out, want, same, torch.bfloat16, seed, magnitude=float(v.abs().max()))
 
 
 def test_amx_flex_score_mod_and_block_mask(gen, seed, monkeypatch):
