@@ -566,16 +566,9 @@ def flex_attention_forward(query, key, value, score_mod=None, block_mask=None, s
     autograd), for eager code that keeps out and lse itself (an op's body, with
     ``flex_attention_backward``). ``fp32_results``: out in float32 for 16-bit inputs, for a
     caller that scales it before rounding it once (attention sinks, ``sinks.py``)."""
-    if torch.compiler.is_compiling():
-        raise RuntimeError("flex_attention_forward runs eagerly (an op's body); under torch.compile, call "
-                           "flex_attention")
-    _check_inputs(query, key, value, block_mask, enable_gqa, True)
-    mask_mod = None if block_mask is None else block_mask.mask_mod
-    spec_key, scale, (block_q, block_k), by_name = _prepare(score_mod, mask_mod, block_mask is not None,
-                                                            query.shape[-1], query.dtype, query.device.type, scale,
-                                                            fp32_results=fp32_results)
-    captured = [t.to(query.device) for t in by_name.values()]
-    tile_state, kv_range = _tile_maps(block_mask, query, key, block_q, block_k)
+    spec_key, scale, captured, tile_state, kv_range = _eager_call("flex_attention_forward", "call flex_attention",
+                                                                  query, key, value, score_mod, block_mask, scale,
+                                                                  enable_gqa, fp32_results)
     with torch.no_grad():
         return _flex_forward(query, key, value, captured, tile_state, kv_range, scale, spec_key)
 
@@ -587,18 +580,27 @@ def flex_attention_backward(grad_out, query, key, value, out, lse, score_mod=Non
     out's gradient: the fused backward alone, each P tile recomputed once. For eager code that
     keeps out and lse itself (the backward op of an op whose forward called ``flex_attention``).
     Tensors the mods capture get no gradient here; ``lse`` none either."""
-    if torch.compiler.is_compiling():
-        raise RuntimeError("flex_attention_backward runs eagerly (an op's body); under torch.compile, differentiate "
-                           "flex_attention itself")
-    _check_inputs(query, key, value, block_mask, enable_gqa, False)
-    mask_mod = None if block_mask is None else block_mask.mask_mod
-    spec_key, scale, (block_q, block_k), by_name = _prepare(score_mod, mask_mod, block_mask is not None,
-                                                            query.shape[-1], query.dtype, query.device.type, scale)
-    captured = [t.to(query.device) for t in by_name.values()]
-    tile_state, _ = _tile_maps(block_mask, query, key, block_q, block_k)
+    spec_key, scale, captured, tile_state, _ = _eager_call("flex_attention_backward",
+                                                           "differentiate flex_attention itself", query, key, value,
+                                                           score_mod, block_mask, scale, enable_gqa, False)
     dq, dk, dv, _ = _flex_backward(grad_out.contiguous(), query, key, value, out, lse, captured, tile_state, scale,
                                    spec_key)
     return dq, dk, dv
+
+
+def _eager_call(name: str, compiled_instead: str, query, key, value, score_mod, block_mask, scale, enable_gqa,
+                fp32_results: bool) -> tuple:
+    """What an eager forward or backward alone passes its op: (spec key, scale, captured tensors,
+    tile state, kv range), the inputs checked."""
+    if torch.compiler.is_compiling():
+        raise RuntimeError(f"{name} runs eagerly (an op's body); under torch.compile, {compiled_instead}")
+    _check_inputs(query, key, value, block_mask, enable_gqa, False)
+    mask_mod = None if block_mask is None else block_mask.mask_mod
+    spec_key, scale, (block_q, block_k), by_name = _prepare(score_mod, mask_mod, block_mask is not None,
+                                                            query.shape[-1], query.dtype, query.device.type, scale,
+                                                            fp32_results=fp32_results)
+    captured = [t.to(query.device) for t in by_name.values()]
+    return spec_key, scale, captured, *_tile_maps(block_mask, query, key, block_q, block_k)
 
 
 __all__ = ["create_block_mask", "flex_attention", "flex_attention_backward", "flex_attention_forward", "query_ranges",
