@@ -319,11 +319,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
 def _with_sinks(sinks, q, k_cache, v_cache, *, return_softmax_lse, fp32_results, **options):
     """``flash_attn_with_kvcache`` with attention sinks: the kernel's fp32 out and lse, out scaled
     by the keys' share of each row's weight and rounded once, lse with the sink (``sinks.py``)."""
-    if not isinstance(q, torch.Tensor) or q.dim() != 4:
-        q = _tensor("q", q, 4)  # (its error)
-    sinks_module.check(sinks, q.shape[2], q.device)
+    sinks_module.check(sinks, _tensor("q", q, 4).shape[2], q.device)
     out, lse = flash_attn_with_kvcache(q, k_cache, v_cache, return_softmax_lse=True, fp32_results=True, **options)
-    sink = sinks.detach().to(torch.float32)[:, None]
+    sink = sinks_module.logits(sinks)
     out = sinks_module.rescaled(out, sinks_module.keys_share(lse, sink), torch.float32 if fp32_results else q.dtype)
     return (out, torch.logaddexp(lse, sink)) if return_softmax_lse else out
 

@@ -42,13 +42,19 @@ def check(sinks, heads: int, device: torch.device) -> None:
         raise ValueError(f"sinks are on {sinks.device}, q on {device}")
 
 
+def logits(sinks: torch.Tensor) -> torch.Tensor:
+    """The sinks as a detached fp32 (heads, 1) column, which broadcasts against (batch, heads, n)
+    row statistics."""
+    return sinks.detach().to(torch.float32)[:, None]
+
+
 def renormalized(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor, real_rows: torch.Tensor | None,
                  dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """(out', lse') of the module docstring, out' in ``dtype``: out (batch, n, heads, head_dim)
     float32 (the attention's own new tensor: scaled in place, then rounded once), lse (batch,
     heads, n) fp32, sinks (heads,); ``real_rows`` (batch, n) bool, False at padding query rows,
     or None."""
-    sink = sinks.detach().to(torch.float32)[None, :, None]
+    sink = logits(sinks)
     share, with_sink = keys_share(lse, sink), torch.logaddexp(lse, sink)
     if real_rows is not None:
         real = real_rows[:, None, :]
@@ -74,7 +80,7 @@ def rescaled(out: torch.Tensor, share: torch.Tensor, dtype: torch.dtype) -> torc
 def sink_gradient(dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
     """dsinks from dO', out' and lse' (the module docstring), in the sinks' dtype."""
     delta = (dout.float() * out.float()).sum(-1).transpose(1, 2)  # (batch, heads, n)
-    sink_share = torch.exp(sinks.detach().to(torch.float32)[None, :, None] - lse)
+    sink_share = torch.exp(logits(sinks) - lse)
     return (-(sink_share * delta).sum((0, 2))).to(sinks.dtype)
 
 

@@ -341,8 +341,8 @@ def _decode_sinks_op_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key
     out = _decode_kernel_with_sinks(q, k, v, key_mask, sinks, opts, cut_empty_slots=True)
     if out is not None:
         return out
-    if key_mask is None:
-        key_mask = torch.ones(q.shape[0], k.shape[1], dtype=torch.bool, device=q.device)
+    if key_mask is None:  # (one mask per shape: what it says is found once, not at every step)
+        key_mask = _all_keys(q.shape[0], k.shape[1], q.device)
     return padded.attention(q, k, v, key_mask, sinks=sinks, **opts)
 
 
