@@ -282,7 +282,8 @@ _KEY_SERVER = textwrap.dedent("""
         import_closure.digest.cache_clear()
         requests = (compiler._request(cpu, fp32, cpu_configs, False, None),
                     compiler._request(cuda, fp16, cuda_configs, False, None),
-                    compiler._decode_request(cpu, fp32, compiler.choose_decode_config(cpu, fp32)))
+                    compiler._module_request("decode", cpu, fp32, compiler.choose_decode_config(cpu, fp32).to_json()),
+                    compiler._module_request("sinks", cpu, fp32, None))
         print(*map(compiler._key, requests), flush=True)
 """)
 
@@ -313,13 +314,13 @@ def test_an_edit_in_the_closure_changes_the_cache_key_and_one_outside_does_not(t
                 if original is not None:
                     (installed / edit).write_text(original)
 
-        base = key_after()  # CPU, CUDA, decode
-        assert len(base) == 3 and all(re.fullmatch(r"[0-9a-f]{24}", key) for key in base), base
+        base = key_after()  # CPU, CUDA, decode, sinks
+        assert len(base) == 4 and all(re.fullmatch(r"[0-9a-f]{24}", key) for key in base), base
         # plan.py (the sequence tables every kernel reads) and llvm_bf16.py (imported by the CPU
         # schedules, also the decode kernel's) were missing from hand-kept lists once
         for deep in ("tvmflash/plan.py", "tvmflash/schedules/llvm_bf16.py"):
             changed = [new != old for new, old in zip(key_after(deep), base)]
-            assert all(changed), f"an edit of {deep} left (CPU, CUDA, decode) keys unchanged: {changed}"
+            assert all(changed), f"an edit of {deep} left (CPU, CUDA, decode, sinks) keys unchanged: {changed}"
         for outside in ("tvmflash/torch_op.py", "tvmflash/runtime.py"):
             assert key_after(outside) == base, f"an edit of {outside} (no code generator imports it) changed a key"
         assert key_after() == base

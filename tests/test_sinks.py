@@ -14,6 +14,8 @@ import torch
 
 from conftest import assert_flash_rule, count_calls, random_inputs, reference_magnitudes
 from tvmflash import flash_attn_with_kvcache, padded, torch_op
+from tvmflash import sinks as sinks_module
+from tvmflash.runtime import SinkKernels
 from tvmflash.flex import flex_attention_forward
 from tvmflash.reference import reference_attention
 
@@ -61,13 +63,25 @@ def _reference(q, k, v, sinks, dout, mask4d, real, causal, window, softcap, dtyp
     return (out * rows, *torch.autograd.grad(out, leaves, (dout * rows).to(dtype))), size
 
 
+def _formulation(monkeypatch, formulation: str) -> dict[str, list]:
+    """The sink math as ``formulation`` says: "kernels" (CPU's, ``kernels/sinks.py``) or "torch ops"
+    (CUDA's and TVM's runtime alone's: no sink kernels); the kernels' calls, counted."""
+    if formulation == "torch ops":
+        monkeypatch.setattr(sinks_module, "kernels", lambda dtype, head_dim: None)
+    return {name: count_calls(monkeypatch, SinkKernels, name) for name in ("rescale", "gradient")}
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("case", ["every causal", "every bidirectional softcap", "padded causal window",
-                                  "holes causal", "holes causal window", "documents causal window"])
-def test_sinks_match_float64(gen, seed, dtype, case):
+                                  "holes causal", "holes causal window", "documents causal window",
+                                  "padded causal, torch ops", "holes causal window, torch ops"])
+def test_sinks_match_float64(gen, seed, dtype, case, monkeypatch):
     """out on the real rows and dq, dk, dv, dsinks against float64 by the flash-attn rule;
     padding rows exactly 0. GQA, head dim 64; sinks of a size that takes a real share of the
-    rows' weight (gpt-oss's trained ones reach a few units)."""
+    rows' weight (gpt-oss's trained ones reach a few units). The sink math on its CPU kernels,
+    and as torch ops (", torch ops")."""
+    formulation = "torch ops" if case.endswith("torch ops") else "kernels"
+    kernel_calls = _formulation(monkeypatch, formulation)
     kind, causal = case.split()[0], "causal" in case
     window = (6, 0) if "window" in case else (-1, -1)
     softcap = 3.0 if "softcap" in case else 0.0
@@ -93,6 +107,8 @@ def test_sinks_match_float64(gen, seed, dtype, case):
         # (dsinks in the sinks' fp32, from out and dO in q's dtype: ulps of q's dtype)
         assert_flash_rule(f"{case} {name}", got, ref.detach(), yardstick.detach(), q.dtype, seed,
                           magnitude=magnitude[name])
+    ran = 1 if formulation == "kernels" else 0
+    assert {name: len(calls) for name, calls in kernel_calls.items()} == {"rescale": ran, "gradient": ran}
 
 
 def test_sinks_change_the_result_and_a_very_low_sink_changes_nothing(gen):
@@ -194,13 +210,15 @@ def _fp32_attention(q, k, v, mask, scale: float) -> tuple[torch.Tensor, torch.Te
     return full, rows.transpose(1, 2)
 
 
+@pytest.mark.parametrize("formulation", ["kernels", "torch ops"])
 @pytest.mark.parametrize("case", ["every", "padded", "holes", "holes window", "decode"])
-def test_sinks_round_out_once(gen, case):
+def test_sinks_round_out_once(gen, case, formulation, monkeypatch):
     """Rule 3: out' = out sigmoid(lse - sink) is rounded to bf16 once, from the fp32 accumulator's
     out (the kernels' fp32 results: the varlen op's that ring attention calls; a decode step's
     from ``flash_attn_with_kvcache(fp32_results=True)``), not the kernel's bf16 out rounded
     again: every element is the correctly rounded value of the exact product (ties aside: the
     kernels' fp32 values on other tiles differ in the last bits)."""
+    kernel_calls = _formulation(monkeypatch, formulation)["rescale"]
     scale = 0.125
     sinks = torch.randn(HEADS, generator=gen) * 2 + 1
     if case == "decode":
@@ -233,6 +251,7 @@ def test_sinks_round_out_once(gen, case):
     share = torch.sigmoid(lse.double() - sinks.double()[None, :, None]).transpose(1, 2)[..., None]
     exact = out32.double() * share
     assert _rounded_once_error(ours[real], exact[real]) <= 1.001  # (a second rounding: up to 2)
+    assert len(kernel_calls) == (formulation == "kernels")
 
 
 def test_autocast_second_derivatives_and_bad_sinks(gen):

@@ -175,3 +175,12 @@ def build_decode_module(target: tvm.target.Target, spec: AttentionSpec, cfg) -> 
     func = llvm_decode.schedule_decode(sch, cfg, spec.head_dim).mod["main"]
     with tvm.transform.PassContext(config={"tirx.disable_cse_tir": True}):
         return tvm.compile(tvm.IRModule({"flash_decode": func}), target=target)
+
+
+# --- attention sinks (kernels/sinks.py, sinks.py) ---------------------------------------------------
+def build_sink_module(target: tvm.target.Target, spec: AttentionSpec) -> tvm.runtime.Module:
+    """The attention sinks' ``sink_rescale`` and ``sink_gradient`` (``kernels/sinks.py``) compiled
+    (no caching; loops that need no schedule)."""
+    from .kernels.sinks import sink_kernels
+
+    return tvm.compile(tvm.IRModule(sink_kernels(spec)), target=target)

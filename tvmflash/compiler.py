@@ -539,16 +539,16 @@ def choose_decode_config(target: tvm.target.Target, spec: AttentionSpec, config=
     return config
 
 
-def _decode_request(target: tvm.target.Target, spec: AttentionSpec, cfg) -> dict:
-    """Everything the decode kernel's build depends on (JSON): its cache key and metadata."""
+def _module_request(kind: str, target: tvm.target.Target, spec: AttentionSpec, config: dict | None) -> dict:
+    """Everything a one-kernel module's build depends on (JSON): its cache key and metadata."""
     return {
-        "kernel": "decode",
+        "kernel": kind,
         "versions": {"tvmflash": __version__, "tvm": tvm.__version__, "tvm_ffi": tvm_ffi.__version__,
                      "sources": sources_digest()},
         "target": targets.code_json(target),
         "isa_features": targets.isa_features(target),
         "spec": spec.to_json(),
-        "config": cfg.to_json(),
+        "config": config,
     }
 
 
@@ -560,29 +560,68 @@ def compile_decode(target, spec: AttentionSpec, *, config=None, cache: bool = Tr
         raise RuntimeError(f"TVM's runtime alone cannot compile kernels, and prebuild() does not cover the decode "
                            f"kernel ({spec.describe()}) of flash_attn_with_kvcache: use it where TVM's compiler is "
                            "installed")
+    target = _cpu_target(target, "flash_attn_with_kvcache")
+    cfg = choose_decode_config(target, spec, config)
+
+    def build_module():
+        from . import build
+
+        return build.build_decode_module(target, spec, cfg)
+
+    return _cpu_module("decode", "flash decode", target, spec, cfg.to_json(), build_module, runtime.DecodeKernels,
+                       cache)
+
+
+def can_compile() -> bool:
+    """Whether TVM's compiler is here (not its runtime alone, which loads prebuilt kernels only)."""
+    return not tvm.base._RUNTIME_ONLY
+
+
+def compile_sinks(target, spec: AttentionSpec) -> runtime.SinkKernels:
+    """The attention sinks' rescale and gradient kernels (``kernels/sinks.py``) for a CPU target,
+    head dim and dtype (of out'), from the memory or disk cache or built (~0.2 s)."""
+    if not can_compile():
+        raise RuntimeError("TVM's runtime alone cannot compile the sink kernels (sinks.py keeps its torch ops)")
+    target = _cpu_target(target, "the sink kernels")
+
+    def build_module():
+        from . import build
+
+        return build.build_sink_module(target, spec)
+
+    return _cpu_module("sinks", "the sink kernels", target, spec, None, build_module, runtime.SinkKernels, True)
+
+
+def _cpu_target(target, what: str) -> tvm.target.Target:
     target = targets.resolve(target)
     if target.kind.name != "llvm":
-        raise NotImplementedError("flash_attn_with_kvcache runs on CPUs only so far")
-    cfg = choose_decode_config(target, spec, config)
-    request = _decode_request(target, spec, cfg)
+        raise NotImplementedError(f"{what} run on CPUs only so far")
+    return target
+
+
+def _cpu_module(kind: str, title: str, target: tvm.target.Target, spec: AttentionSpec, config: dict | None,
+                build_module, kernels_class, cache: bool):
+    """``kernels_class`` of a small CPU module (``kind``: the request's name for it), loaded
+    from the memory or disk cache, or ``build_module()`` (then stored)."""
+    request = _module_request(kind, target, spec, config)
     key = _key(request)
     meta = {**request, "cache_key": key}
 
-    def load_or_build() -> runtime.DecodeKernels:
+    def load_or_build():
         if cache:
-            loaded = _cache.load(key, request, runtime.DECODE_FUNCTIONS)
+            loaded = _cache.load(key, request, kernels_class.FUNCTIONS)
             if loaded is not None:
                 module, source, so = loaded
-                return runtime.DecodeKernels(module, meta, source, library=so)
-        settings.progress(f"compiling flash decode ({targets.key(target)}, {spec.describe()}) ...")
+                return kernels_class(module, meta, source, library=so)
+        settings.progress(f"compiling {title} ({targets.key(target)}, {spec.describe()}) ...")
         start = time.perf_counter()
         from . import build
 
-        lib = build.build_decode_module(target, spec, cfg)
+        lib = build_module()
         source = build.module_source(target, lib)
         settings.progress(f"compiled in {time.perf_counter() - start:.1f} s")
         if cache:
-            return _stored(runtime.DecodeKernels, key, request, meta, lib, source)
-        return runtime.DecodeKernels(lib, meta, source)
+            return _stored(kernels_class, key, request, meta, lib, source)
+        return kernels_class(lib, meta, source)
 
     return _once(_memory_cache, key, load_or_build) if cache else load_or_build()

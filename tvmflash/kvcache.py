@@ -321,9 +321,8 @@ def _with_sinks(sinks, q, k_cache, v_cache, *, return_softmax_lse, fp32_results,
     by the keys' share of each row's weight and rounded once, lse with the sink (``sinks.py``)."""
     sinks_module.check(sinks, _tensor("q", q, 4).shape[2], q.device)
     out, lse = flash_attn_with_kvcache(q, k_cache, v_cache, return_softmax_lse=True, fp32_results=True, **options)
-    sink = sinks_module.logits(sinks)
-    out = sinks_module.rescaled(out, sinks_module.keys_share(lse, sink), torch.float32 if fp32_results else q.dtype)
-    return (out, torch.logaddexp(lse, sink)) if return_softmax_lse else out
+    out, lse = sinks_module.renormalized(out, lse, sinks, None, torch.float32 if fp32_results else q.dtype)
+    return (out, lse) if return_softmax_lse else out
 
 
 @functools.lru_cache(maxsize=64)

@@ -537,16 +537,13 @@ def _load_cuda_runtime() -> None:
                            "libcudart.so.13 must be loadable") from err
 
 
-# --- decoding against a KV cache ------------------------------------------------------------------
-DECODE_FUNCTIONS = ("flash_decode",)
+# --- small CPU modules: decoding against a KV cache, attention sinks -------------------------------
+class _CPUModule:
+    """A small compiled CPU module (``compiler._cpu_module``): its ``FUNCTIONS`` on torch's
+    threads where its library's parallel launches are routed there (else TVM's pool:
+    ``fork_safe``), its metadata and source."""
 
-
-class DecodeKernels:
-    """The compiled ``flash_decode`` kernel (``kernels/decode.py``) for one CPU and spec.
-
-    ``decode`` launches it on prepared arguments; ``tvmflash.flash_attn_with_kvcache`` (the
-    PyTorch function, ``kvcache.py``) checks the inputs, updates the cache and plans the splits.
-    """
+    FUNCTIONS: tuple[str, ...] = ()
 
     def __init__(self, module, meta: dict, source_text: str | None = None, library: Path | None = None,
                  loaded_as: Path | None = None):
@@ -555,13 +552,13 @@ class DecodeKernels:
         self.meta = meta
         spec = meta["spec"]
         self.head_dim, self.dtype, self.out_dtype = spec["head_dim"], spec["dtype"], spec["out_dtype"]
-        self.score_mods = tuple(spec["score_mods"])
         self._source = source_text
         self._on_torch_threads = threads.route(loaded_as or library)  # else TVM's pool: fork_safe
-        self._function = module["flash_decode"] if self._on_torch_threads else fork_safe(module["flash_decode"])
+        self._functions = {name: module[name] if self._on_torch_threads else fork_safe(module[name])
+                           for name in self.FUNCTIONS}
 
     def plan_threads(self) -> int:
-        """The thread count to plan splits for: torch's when the kernel runs on torch's threads."""
+        """The thread count to plan the work for: torch's when the kernels run on torch's threads."""
         return threads.torch_threads() if self._on_torch_threads else settings.num_threads()
 
     @functools.cached_property
@@ -569,6 +566,31 @@ class DecodeKernels:
         from .target import missing_for_cpu_kernels
 
         return missing_for_cpu_kernels(self.meta["target"], self.meta.get("isa_features", []))
+
+    def _check_runs_here(self, what: str) -> None:
+        if self._missing_features:
+            raise RuntimeError(f"{what} was compiled for {self.meta['target'].get('mcpu')} and uses instructions "
+                               f"this CPU lacks ({', '.join(self._missing_features)}): it would crash here")
+
+    def source(self) -> str:
+        if self._source is None:
+            raise RuntimeError("this module was loaded without its source")
+        return self._source
+
+
+class DecodeKernels(_CPUModule):
+    """The compiled ``flash_decode`` kernel (``kernels/decode.py``) for one CPU and spec.
+
+    ``decode`` launches it on prepared arguments; ``tvmflash.flash_attn_with_kvcache`` (the
+    PyTorch function, ``kvcache.py``) checks the inputs, updates the cache and plans the splits.
+    """
+
+    FUNCTIONS = ("flash_decode",)
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.score_mods = tuple(self.meta["spec"]["score_mods"])
+        self._function = self._functions["flash_decode"]
 
     @functools.cached_property
     def config(self):
@@ -585,17 +607,36 @@ class DecodeKernels:
     def decode(self, q, k_cache, v_cache, out, lse, softmax_scale: float, window: tuple[int, int], num_threads: int,
                seq_info, units, block_table, mod_inputs=()) -> None:
         """out, lse = attention of q against the cache (see ``kernels/decode.py`` for the tables)."""
-        if self._missing_features:
-            raise RuntimeError(f"this decode kernel was compiled for {self.meta['target'].get('mcpu')} and uses "
-                               f"instructions this CPU lacks ({', '.join(self._missing_features)}): it would crash "
-                               "here")
+        self._check_runs_here("this decode kernel")
         if self._on_torch_threads:  # no more threads than units
             num_threads = min(num_threads, max(1, int(units.shape[0])))
             threads.limit(num_threads)
         self._function(q, k_cache, v_cache, out, lse, softmax_scale, window[0], window[1], num_threads, seq_info,
                        units, block_table, *mod_inputs)
 
-    def source(self) -> str:
-        if self._source is None:
-            raise RuntimeError("this module was loaded without its source")
-        return self._source
+
+class SinkKernels(_CPUModule):
+    """The attention sinks' kernels (``kernels/sinks.py``) for one CPU, head dim and dtype (of
+    out' and dO): ``sinks.py``'s rescale and gradient, one launch each."""
+
+    FUNCTIONS = ("sink_rescale", "sink_gradient")
+
+    def __repr__(self):
+        from .target import key
+
+        return f"SinkKernels({key(self.meta['target'])}, head_dim={self.head_dim}, {self.dtype})"
+
+    def rescale(self, out32, lse, sinks, real, out, lse_out) -> None:
+        """out, lse_out = out32 scaled by its keys' share, lse with the sink; padding rows (real
+        0) out 0, lse_out the sink (``kernels/sinks.py``)."""
+        self._launch("sink_rescale", out32.shape[0] * out32.shape[1], out32, lse, sinks, real, out, lse_out)
+
+    def gradient(self, dout, out, lse, sinks, dsinks) -> None:
+        """dsinks (heads,) float32 from dO', out' and lse' (``kernels/sinks.py``)."""
+        self._launch("sink_gradient", sinks.shape[0], dout, out, lse, sinks, dsinks)
+
+    def _launch(self, name: str, tasks: int, *args) -> None:
+        self._check_runs_here("this sink kernel")
+        if self._on_torch_threads:
+            threads.limit(min(self.plan_threads(), max(1, tasks)))
+        self._functions[name](*args)

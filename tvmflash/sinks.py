@@ -2,7 +2,7 @@
 row's softmax and carries no value, so that a row can give part of its weight to nothing (all of
 it where the row sees no key).
 
-Exact from an attention's out and fp32 lse, with no kernel of its own (rows i, keys j, head h)::
+Exact from an attention's out and fp32 lse, the attention kernels unchanged (rows i, keys j, head h)::
 
     lse'_i  = logaddexp(lse_i, sink_h)               the row's log-sum-exp with the sink (fp32)
     out'_i  = out_i exp(lse_i - lse'_i)              the keys' share of the row's weight
@@ -19,6 +19,10 @@ multiplies in float32 before the one cast.
 Query rows that are padding get 0 (lse' = the sink alone), as transformers' ``eager`` gpt-oss
 gives them: their keys masked to the dtype's minimum, the sink takes their whole weight.
 
+On CPU tensors the rescale and dsink are one kernel each (``kernels/sinks.py``: ~10 small torch
+ops apiece, whose cost is per op); CUDA tensors and TVM's runtime alone (prebuilt kernels) take
+the same formulas as torch ops.
+
 ``SinkOps`` makes the two ops of an attention with sinks from its forward and backward bodies
 (``padded.py``'s, which serve every mask and documents): differentiable, seen by
 torch.compile as ops, eager calls without torch's dispatcher (``torch_op.OpPair``'s rule).
@@ -28,7 +32,8 @@ from __future__ import annotations
 
 import torch
 
-from . import torch_op
+from . import compiler, torch_op
+from .spec import AttentionSpec
 
 
 def check(sinks, heads: int, device: torch.device) -> None:
@@ -48,12 +53,47 @@ def logits(sinks: torch.Tensor) -> torch.Tensor:
     return sinks.detach().to(torch.float32)[:, None]
 
 
+def kernels(dtype: torch.dtype, head_dim: int):
+    """The sink kernels (``runtime.SinkKernels``) for CPU tensors of ``dtype`` (out' and dO) and
+    ``head_dim``, compiled at the first use (~0.2 s) and cached; None where TVM's compiler is
+    absent (its runtime alone: prebuilt kernels)."""
+    key = (dtype, head_dim, compiler.request_state())
+    found = _kernels.get(key, False)
+    if found is False:
+        found = _kernels[key] = (compiler.compile_sinks(torch_op.device_target(torch.device("cpu")),
+                                                        AttentionSpec(head_dim, str(dtype).removeprefix("torch.")))
+                                 if compiler.can_compile() else None)
+    return found
+
+
+_kernels: dict[tuple, object] = {}
+_EVERY_ROW = torch.ones((1, 1), dtype=torch.uint8)  # (expanded: every query row is real)
+
+
+def _launched(name: str, dtype: torch.dtype, tensors: tuple, *outputs) -> bool:
+    """Whether the sink kernel ``name`` (``runtime.SinkKernels``' method) for ``dtype`` ran on
+    these CPU tensors, writing ``outputs``; False where it cannot (then nothing was written)."""
+    found = kernels(dtype, tensors[0].shape[-1])
+    if found is None:
+        return False
+    try:  # (the generated function's argument checks run before it writes anything)
+        getattr(found, name)(*tensors, *outputs)
+    except (ValueError, TypeError):
+        return False
+    return True
+
+
 def renormalized(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor, real_rows: torch.Tensor | None,
                  dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """(out', lse') of the module docstring, out' in ``dtype``: out (batch, n, heads, head_dim)
     float32 (the attention's own new tensor: scaled in place, then rounded once), lse (batch,
     heads, n) fp32, sinks (heads,); ``real_rows`` (batch, n) bool, False at padding query rows,
     or None."""
+    if out.dtype == torch.float32 and out.is_cpu:
+        real = _EVERY_ROW.expand(out.shape[:2]) if real_rows is None else real_rows.view(torch.uint8)
+        scaled, with_sink = torch.empty(out.shape, dtype=dtype), torch.empty(lse.shape, dtype=torch.float32)
+        if _launched("rescale", dtype, (out, lse, sinks.detach().to(torch.float32), real), scaled, with_sink):
+            return scaled, with_sink
     sink = logits(sinks)
     share, with_sink = keys_share(lse, sink), torch.logaddexp(lse, sink)
     if real_rows is not None:
@@ -79,6 +119,10 @@ def rescaled(out: torch.Tensor, share: torch.Tensor, dtype: torch.dtype) -> torc
 
 def sink_gradient(dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
     """dsinks from dO', out' and lse' (the module docstring), in the sinks' dtype."""
+    if dout.is_cpu and dout.dtype == out.dtype:
+        dsinks = torch.empty(sinks.shape, dtype=torch.float32)
+        if _launched("gradient", out.dtype, (dout, out, lse, sinks.detach().to(torch.float32)), dsinks):
+            return dsinks.to(sinks.dtype)
     delta = (dout.float() * out.float()).sum(-1).transpose(1, 2)  # (batch, heads, n)
     sink_share = torch.exp(logits(sinks) - lse)
     return (-(sink_share * delta).sum((0, 2))).to(sinks.dtype)
