@@ -579,7 +579,7 @@ def can_compile() -> bool:
 
 def compile_sinks(target, spec: AttentionSpec) -> runtime.SinkKernels:
     """The attention sinks' rescale and gradient kernels (``kernels/sinks.py``) for a CPU target,
-    head dim and dtype (of out'), from the memory or disk cache or built (~0.2 s)."""
+    head dim and dtype (of out'), from the memory or disk cache or built (~0.1 s)."""
     if not can_compile():
         raise RuntimeError("TVM's runtime alone cannot compile the sink kernels (sinks.py keeps its torch ops)")
     target = _cpu_target(target, "the sink kernels")
