@@ -65,7 +65,10 @@ CASES = {  # (mask over the keys (batch, n), keys past the mask, the call)
 @pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("softcap", [0.0, 2.5])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("dim", [24, 64])  # (without softcap: head_dim-square products at 24, through the scores at 64)
+# (without softcap, the torch ops: head_dim-square products at 24, through the scores at 64; the kernels
+# choose per batch row: at 24 row 0's 5 x 3 rows through the scores, rows 1 and 3 the products; at 64 rows
+# 0 and 1 through the scores, row 3's 111 rows (over ROWS_THROUGH_SCORES) the products)
+@pytest.mark.parametrize("dim", [24, 64])
 def test_uniform_rows_match_eager_in_float64(gen, seed, monkeypatch, case, softcap, dtype, dim):
     if case.endswith("torch ops"):
         monkeypatch.setattr(FlashKernels, "_uniform", lambda *args: False)

@@ -16,17 +16,26 @@ Each head of a GQA group is a row of its kv head. Per (batch row b, kv head hk):
 
     uniform_grads(q, k, v, dout_span, W, dq, dk, dv, first, scale/n, 1/n):
       for (b, hk) in parallel:
-        mean = sum_j v_j / n
-        M[e, d] = sum_j u_j[e] k_j[d]                                 (D x D, fp32)
-        A^T[e, d] = sum_r dO_r[e] q_r[d],  s[d] = sum_r dO_r[d]       (rows with W != 0)
-        for each key j:   dk_j += scale/n  A u_j          dv_j += s / n
-        for each row r:   dq_r += scale/n  M^T dO_r       (rows with W != 0)
+        mean = sum_j v_j / n,  s[d] = sum_r dO_r[d]                   (rows r with W != 0, fp32)
+        R' = the rows' count (each head of hk's group a row)
+        if 3 R' n < 2 D (R' + n) and R' <= ROWS_THROUGH_SCORES:       [through the scores]
+          for each key j:
+            for each row r:  ds = dO_r . u_j;  dk_acc += ds q_r;  dq_acc[r] += ds k_j
+            dk_j += scale/n dk_acc          dv_j += s / n
+          for each row r:    dq_r += scale/n dq_acc[r]
+        else:                                                         [head_dim x head_dim products]
+          M[e, d] = sum_j u_j[e] k_j[d],  A^T[e, d] = sum_r dO_r[e] q_r[d]     (D x D, fp32)
+          for each key j:    dk_j += scale/n A u_j          dv_j += s / n
+          for each row r:    dq_r += scale/n M^T dO_r
 
-No (rows x keys) scores: products of head_dim x head_dim matrices, so long sequences cost
-O((rows + keys) D^2), and the whole thing is one launch instead of ~15 torch ops (whose cost at
-a few tens of tokens is per op, not per FLOP: DEVELOPING.md). Sums in fp32; each gradient is
-read, added to and rounded to its dtype once (rule 3). Softcap's derivative weighs each score:
-it keeps the torch formulation (``uniform_rows.py``).
+The D x D products cost O((rows + keys) D^2), 4 D^2 (R' + n) FLOPs against the scores' 6 R' n D:
+long sequences take them, a few rows or keys the scores (6 padding rows of a GQA group of 4 at 16
+keys, D 64: 4.4x fewer FLOPs; the kernel 1.6x faster), whose dq sums for at most
+ROWS_THROUGH_SCORES rows stay in the task's buffer, dk's in registers, so that each gradient is
+still rounded once. Either way one launch instead of ~15 torch ops (whose cost at a few tens of
+tokens is per op, not per FLOP: DEVELOPING.md). Sums in fp32; each gradient is read, added to
+and rounded to its dtype once (rule 3). Softcap's derivative weighs each score: it keeps the
+torch formulation (``uniform_rows.py``).
 """
 
 from __future__ import annotations
@@ -38,6 +47,8 @@ from ..spec import AttentionSpec
 from .common import io_buffer
 
 F32 = "float32"
+ROWS_THROUGH_SCORES = 64  # (three rows x head_dim fp32 buffers per task: 48 KB at head dim 64)
+LANES = 16  # rows of one dS vector
 
 
 def uniform_kernels(spec: AttentionSpec) -> dict[str, tirx.PrimFunc]:
@@ -68,6 +79,105 @@ def uniform_kernels(spec: AttentionSpec) -> dict[str, tirx.PrimFunc]:
         count[0] = T.float32(0)
         for r in range(R):
             count[0] = count[0] + W[b, r]
+
+    @T.macro
+    def grads_through_products(Q, K, V, dO, W, dQ, dK, dV, mean, s, b, hk, G, R, N, first, alpha, inv_n):
+        """dq, dk, dv through M = U^T K and A = Q^T dO (head_dim x head_dim), E rows at a time."""
+        acc = T.decl_buffer((E, D), F32)  # register tile: E rows of a product
+        M = T.decl_buffer((D, D), F32)  # M[e, d] = sum_j u_j[e] k_j[d]
+        At = T.decl_buffer((D, D), F32)  # A^T[e, d] = sum_r dO_r[e] q_r[d]
+        for e0 in range(D // E):
+            for ei in T.unroll(E):
+                for d in T.vectorized(D):
+                    acc[ei, d] = T.float32(0)
+            for j in range(N):
+                for ei in T.unroll(E):
+                    for d in T.vectorized(D):
+                        acc[ei, d] = acc[ei, d] + (f32(V[b, j, hk, e0 * E + ei]) - mean[e0 * E + ei]) * f32(
+                            K[b, j, hk, d])
+            for ei in T.unroll(E):
+                for d in T.vectorized(D):
+                    M[e0 * E + ei, d] = acc[ei, d]
+                    acc[ei, d] = T.float32(0)
+            for r, g in T.grid(R, G):
+                if W[b, r] != T.float32(0):
+                    for ei in T.unroll(E):
+                        for d in T.vectorized(D):
+                            acc[ei, d] = acc[ei, d] + f32(dO[b, r, hk * G + g, e0 * E + ei]) * f32(
+                                Q[b, first + r, hk * G + g, d])
+            for ei in T.unroll(E):
+                for d in T.vectorized(D):
+                    At[e0 * E + ei, d] = acc[ei, d]
+        # dk_j += scale/n A u_j, dv_j += s / n
+        for j in range(N):
+            for d in T.vectorized(D):
+                acc[0, d] = T.float32(0)
+            for e in range(D):
+                for d in T.vectorized(D):
+                    acc[0, d] = acc[0, d] + (f32(V[b, j, hk, e]) - mean[e]) * At[e, d]
+            for d in T.vectorized(D):
+                dK[b, j, hk, d] = cast(f32(dK[b, j, hk, d]) + alpha * acc[0, d])
+                dV[b, j, hk, d] = cast(f32(dV[b, j, hk, d]) + s[d] * inv_n)
+        # dq_r += scale/n M^T dO_r at the uniform rows
+        for r, g in T.grid(R, G):
+            if W[b, r] != T.float32(0):
+                for d in T.vectorized(D):
+                    acc[0, d] = T.float32(0)
+                for e in range(D):
+                    for d in T.vectorized(D):
+                        acc[0, d] = acc[0, d] + f32(dO[b, r, hk * G + g, e]) * M[e, d]
+                for d in T.vectorized(D):
+                    dQ[b, first + r, hk * G + g, d] = cast(f32(dQ[b, first + r, hk * G + g, d]) + alpha * acc[0, d])
+
+    @T.macro
+    def grads_through_scores(Q, K, V, dO, W, dQ, dK, dV, mean, s, b, hk, G, R, N, first, alpha, inv_n):
+        """dq, dk, dv through each score's dS = dO_r . u_j, key by key: the uniform rows gathered
+        first (dO transposed, so that a key's dS for 16 rows is one vector: no horizontal sums;
+        q in fp32), dk_j's sum over the rows in registers, the rows' dq sums in the task's buffer."""
+        dOt = T.decl_buffer((D, ROWS_THROUGH_SCORES), F32)  # dOt[d, row] (rows past the count: 0)
+        qs = T.decl_buffer((ROWS_THROUGH_SCORES, D), F32)
+        dq_acc = T.decl_buffer((ROWS_THROUGH_SCORES, D), F32)
+        u = T.decl_buffer((D,), F32)  # u_j = v_j - mean
+        k32 = T.decl_buffer((D,), F32)
+        dk_acc = T.decl_buffer((D,), F32)
+        ds = T.decl_buffer((ROWS_THROUGH_SCORES,), F32)
+        count = T.decl_buffer((1,), "int32")  # the uniform rows gathered so far
+        count[0] = 0
+        for r, g in T.grid(R, G):
+            if W[b, r] != T.float32(0):
+                for d in T.vectorized(D):
+                    dOt[d, count[0]] = f32(dO[b, r, hk * G + g, d])
+                    qs[count[0], d] = f32(Q[b, first + r, hk * G + g, d])
+                    dq_acc[count[0], d] = T.float32(0)
+                count[0] = count[0] + 1
+        blocks: T.let[T.int32] = (count[0] + LANES - 1) // LANES
+        for d, i in T.grid(D, blocks * LANES - count[0]):  # (the last block's rows past the count: dS 0)
+            dOt[d, count[0] + i] = T.float32(0)
+        for j in range(N):
+            for d in T.vectorized(D):
+                u[d] = f32(V[b, j, hk, d]) - mean[d]
+                k32[d] = f32(K[b, j, hk, d])
+                dk_acc[d] = T.float32(0)
+            for c in range(blocks):  # dS of the rows, LANES at a time
+                for l in T.vectorized(LANES):
+                    ds[c * LANES + l] = T.float32(0)
+                for d in range(D):
+                    for l in T.vectorized(LANES):
+                        ds[c * LANES + l] = ds[c * LANES + l] + dOt[d, c * LANES + l] * u[d]
+            for i in range(count[0]):
+                for d in T.vectorized(D):
+                    dk_acc[d] = dk_acc[d] + ds[i] * qs[i, d]
+                    dq_acc[i, d] = dq_acc[i, d] + ds[i] * k32[d]
+            for d in T.vectorized(D):
+                dK[b, j, hk, d] = cast(f32(dK[b, j, hk, d]) + alpha * dk_acc[d])
+                dV[b, j, hk, d] = cast(f32(dV[b, j, hk, d]) + s[d] * inv_n)
+        count[0] = 0
+        for r, g in T.grid(R, G):
+            if W[b, r] != T.float32(0):
+                for d in T.vectorized(D):
+                    dQ[b, first + r, hk * G + g, d] = cast(f32(dQ[b, first + r, hk * G + g, d])
+                                                           + alpha * dq_acc[count[0], d])
+                count[0] = count[0] + 1
 
     @T.prim_func
     def uniform_means(v_h: T.handle, o_h: T.handle, w_h: T.handle, inv_n: T.float32):
@@ -121,9 +231,6 @@ def uniform_kernels(spec: AttentionSpec) -> dict[str, tirx.PrimFunc]:
             if count[0] != T.float32(0):
                 mean = T.decl_buffer((D,), F32)
                 s = T.decl_buffer((D,), F32)  # sum of the rows' dO
-                acc = T.decl_buffer((E, D), F32)  # register tile: E rows of a product
-                M = T.decl_buffer((D, D), F32)  # M[e, d] = sum_j u_j[e] k_j[d]
-                At = T.decl_buffer((D, D), F32)  # A^T[e, d] = sum_r dO_r[e] q_r[d]
                 # mean of v; s = sum of the uniform rows' dO
                 mean_of_v(mean, V, b, hk, N, inv_n)
                 for d in T.vectorized(D):
@@ -132,48 +239,11 @@ def uniform_kernels(spec: AttentionSpec) -> dict[str, tirx.PrimFunc]:
                     if W[b, r] != T.float32(0):
                         for d in T.vectorized(D):
                             s[d] = s[d] + f32(dO[b, r, hk * G + g, d])
-                # M and A^T, E rows at a time (the rows' accumulators stay in registers)
-                for e0 in range(D // E):
-                    for ei in T.unroll(E):
-                        for d in T.vectorized(D):
-                            acc[ei, d] = T.float32(0)
-                    for j in range(N):
-                        for ei in T.unroll(E):
-                            for d in T.vectorized(D):
-                                acc[ei, d] = acc[ei, d] + (f32(V[b, j, hk, e0 * E + ei]) - mean[e0 * E + ei]) * f32(
-                                    K[b, j, hk, d])
-                    for ei in T.unroll(E):
-                        for d in T.vectorized(D):
-                            M[e0 * E + ei, d] = acc[ei, d]
-                            acc[ei, d] = T.float32(0)
-                    for r, g in T.grid(R, G):
-                        if W[b, r] != T.float32(0):
-                            for ei in T.unroll(E):
-                                for d in T.vectorized(D):
-                                    acc[ei, d] = acc[ei, d] + f32(dO[b, r, hk * G + g, e0 * E + ei]) * f32(
-                                        Q[b, first + r, hk * G + g, d])
-                    for ei in T.unroll(E):
-                        for d in T.vectorized(D):
-                            At[e0 * E + ei, d] = acc[ei, d]
-                # dk_j += scale/n A u_j, dv_j += s / n
-                for j in range(N):
-                    for d in T.vectorized(D):
-                        acc[0, d] = T.float32(0)
-                    for e in range(D):
-                        for d in T.vectorized(D):
-                            acc[0, d] = acc[0, d] + (f32(V[b, j, hk, e]) - mean[e]) * At[e, d]
-                    for d in T.vectorized(D):
-                        dK[b, j, hk, d] = cast(f32(dK[b, j, hk, d]) + alpha * acc[0, d])
-                        dV[b, j, hk, d] = cast(f32(dV[b, j, hk, d]) + s[d] * inv_n)
-                # dq_r += scale/n M^T dO_r at the uniform rows
-                for r, g in T.grid(R, G):
-                    if W[b, r] != T.float32(0):
-                        for d in T.vectorized(D):
-                            acc[0, d] = T.float32(0)
-                        for e in range(D):
-                            for d in T.vectorized(D):
-                                acc[0, d] = acc[0, d] + f32(dO[b, r, hk * G + g, e]) * M[e, d]
-                        for d in T.vectorized(D):
-                            dQ[b, first + r, hk * G + g, d] = cast(f32(dQ[b, first + r, hk * G + g, d]) + alpha * acc[0, d])
+                rows: T.let[T.float32] = count[0] * T.Cast(F32, G)  # R': each head of the group a row
+                keys: T.let[T.float32] = T.Cast(F32, N)
+                if rows <= T.float32(ROWS_THROUGH_SCORES) and T.float32(3) * rows * keys < T.float32(2 * D) * (rows + keys):
+                    grads_through_scores(Q, K, V, dO, W, dQ, dK, dV, mean, s, b, hk, G, R, N, first, alpha, inv_n)
+                else:
+                    grads_through_products(Q, K, V, dO, W, dQ, dK, dV, mean, s, b, hk, G, R, N, first, alpha, inv_n)
 
     return {"uniform_means": uniform_means, "uniform_grads": uniform_grads}
