@@ -169,6 +169,7 @@ class SinkOps:
         title = "".join(word.title() for word in name.split("_"))
         self._through_ops = self._function(f"_{title}", self.forward, self.backward)
         self._through_bodies = self._function(f"_{title}Eager", forward, self.backward, backward)
+        self._apply_bodies = torch_op._c_apply(self._through_bodies)  # (the "autograd" path: no mode or transform)
 
     def __call__(self, q, k, v, sinks, keys_seen, softmax_scale: float, window_left: int, window_right: int,
                  softcap: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -183,7 +184,7 @@ class SinkOps:
             path = "autograd"
         if path == "body":
             return self._forward_body(q, k, v, sinks, *args)
-        return (self._through_bodies if path == "autograd" else self._through_ops).apply(q, k, v, sinks, *args)
+        return (self._apply_bodies if path == "autograd" else self._through_ops.apply)(q, k, v, sinks, *args)
 
     @staticmethod
     def _function(name: str, forward, backward_op, backward_body=None) -> type:

@@ -456,6 +456,7 @@ class OpPair:
         title = "".join(word.title() for word in name.split("_"))
         self._through_ops = differentiable_pair(self.forward, self.backward, f"_{title}")
         self._through_bodies = differentiable_pair(forward_body, self.backward, f"_{title}Eager", backward_body)
+        self._apply_bodies = _c_apply(self._through_bodies)  # (_eager_path's "autograd": no mode or transform)
 
     def __call__(self, q, k, v, keys_seen, softmax_scale: float, window_left: int, window_right: int,
                  softcap: float) -> tuple:
@@ -466,7 +467,7 @@ class OpPair:
         path = _eager_path(q, k, v)
         if path == "body":
             return self._forward_body(q, k, v, *args)
-        return (self._through_bodies if path == "autograd" else self._through_ops).apply(q, k, v, *args)
+        return (self._apply_bodies if path == "autograd" else self._through_ops.apply)(q, k, v, *args)
 
 
 def _op_attention(*args):
