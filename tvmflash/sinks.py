@@ -87,9 +87,9 @@ def _launched(name: str, dtype: torch.dtype, tensors: tuple, *outputs) -> bool:
 def renormalized(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor, real_rows: torch.Tensor | None,
                  dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """(out', lse') of the module docstring, out' in ``dtype``: out (batch, n, heads, head_dim)
-    float32 (the attention's own new tensor: scaled in place, then rounded once), lse (batch,
-    heads, n) fp32, sinks (heads,); ``real_rows`` (batch, n) bool, False at padding query rows,
-    or None."""
+    float32 (the attention's own new tensor, which the torch ops scale in place; rounded once
+    either way), lse (batch, heads, n) fp32, sinks (heads,); ``real_rows`` (batch, n) bool,
+    False at padding query rows, or None."""
     if out.dtype == torch.float32 and out.is_cpu:
         real = _EVERY_ROW.expand(out.shape[:2]) if real_rows is None else real_rows.view(torch.uint8)
         scaled, with_sink = torch.empty(out.shape, dtype=dtype), torch.empty(lse.shape, dtype=torch.float32)
