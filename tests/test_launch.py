@@ -38,15 +38,6 @@ def _counted(monkeypatch, module, name: str) -> list:
     return took
 
 
-def _counted_heads_first(monkeypatch) -> list:
-    """A list that grows by one at each training call launched on q, k, v in transformers'
-    layout (``_LaunchedTraining`` given heads-first launches; kernel-layout repeats take it too)."""
-    took, original = [], torch_op._apply_launched_training
-    monkeypatch.setattr(torch_op, "_apply_launched_training",
-                        lambda *a: (a[1] is not None and took.append(len(took))) or original(*a))
-    return took
-
-
 def _assert_second_derivative_refused(out, q, dout):
     """A create_graph backward gives the gradient of a plain one, and differentiating it again
     raises (the backward op has no autograd formula) rather than dropping the second-order terms."""
@@ -325,7 +316,7 @@ def test_transformers_training_reads_the_heads_first_layout(gen, seed, dtype, au
     def run():
         return [_layer_call(layer, qkv, dout, autocast, position_ids=None, use_cache=False) for qkv, dout in draws]
 
-    took = _counted_heads_first(monkeypatch)
+    took = _counted(monkeypatch, torch_op, "_apply_launched_training")
     _fresh_memos()
     fast = run()
     calls = [c for group in torch_op._calls_by_options.values() for c in group]
