@@ -229,13 +229,18 @@ def clear_memory_cache() -> None:
         _request_memo.clear()
 
 
+def can_compile() -> bool:
+    """Whether TVM's compiler is here (not its runtime alone, which loads prebuilt kernels only)."""
+    return not tvm.base._RUNTIME_ONLY
+
+
 def _compile_spec(target, spec: AttentionSpec, *, causal: bool, config, tuned: bool, seqlen: int | None,
                   cache: bool, deterministic: bool) -> FlashKernels:
     if cache:
         prebuilt = _find_prebuilt(target, spec, deterministic, config, tuned)
         if prebuilt is not None:
             return prebuilt.with_causal(causal)
-    if tvm.base._RUNTIME_ONLY:
+    if not can_compile():
         raise RuntimeError(_nothing_prebuilt(target, spec, deterministic))
     target = targets.resolve(target)
     is_cuda = target.kind.name == "cuda"
@@ -556,25 +561,14 @@ def compile_decode(target, spec: AttentionSpec, *, config=None, cache: bool = Tr
     """The ``flash_decode`` kernel (``kernels/decode.py``) for a CPU target and spec, from the
     memory or disk cache or built. One kernel serves every batch, cache layout (dense or
     paged), length, split and window; the spec fixes head dim, dtype and softcap / ALiBi."""
-    if tvm.base._RUNTIME_ONLY:
+    if not can_compile():
         raise RuntimeError(f"TVM's runtime alone cannot compile kernels, and prebuild() does not cover the decode "
                            f"kernel ({spec.describe()}) of flash_attn_with_kvcache: use it where TVM's compiler is "
                            "installed")
     target = _cpu_target(target, "flash_attn_with_kvcache")
     cfg = choose_decode_config(target, spec, config)
-
-    def build_module():
-        from . import build
-
-        return build.build_decode_module(target, spec, cfg)
-
-    return _cpu_module("decode", "flash decode", target, spec, cfg.to_json(), build_module, runtime.DecodeKernels,
-                       cache)
-
-
-def can_compile() -> bool:
-    """Whether TVM's compiler is here (not its runtime alone, which loads prebuilt kernels only)."""
-    return not tvm.base._RUNTIME_ONLY
+    return _cpu_module("decode", "flash decode", target, spec, cfg.to_json(),
+                       lambda build: build.build_decode_module(target, spec, cfg), runtime.DecodeKernels, cache)
 
 
 def compile_sinks(target, spec: AttentionSpec) -> runtime.SinkKernels:
@@ -583,13 +577,8 @@ def compile_sinks(target, spec: AttentionSpec) -> runtime.SinkKernels:
     if not can_compile():
         raise RuntimeError("TVM's runtime alone cannot compile the sink kernels (sinks.py keeps its torch ops)")
     target = _cpu_target(target, "the sink kernels")
-
-    def build_module():
-        from . import build
-
-        return build.build_sink_module(target, spec)
-
-    return _cpu_module("sinks", "the sink kernels", target, spec, None, build_module, runtime.SinkKernels, True)
+    return _cpu_module("sinks", "the sink kernels", target, spec, None,
+                       lambda build: build.build_sink_module(target, spec), runtime.SinkKernels, True)
 
 
 def _cpu_target(target, what: str) -> tvm.target.Target:
@@ -602,7 +591,8 @@ def _cpu_target(target, what: str) -> tvm.target.Target:
 def _cpu_module(kind: str, title: str, target: tvm.target.Target, spec: AttentionSpec, config: dict | None,
                 build_module, kernels_class, cache: bool):
     """``kernels_class`` of a small CPU module (``kind``: the request's name for it), loaded
-    from the memory or disk cache, or ``build_module()`` (then stored)."""
+    from the memory or disk cache, or ``build_module(build)`` (the code generators' module,
+    imported on a miss only; then stored)."""
     request = _module_request(kind, target, spec, config)
     key = _key(request)
     meta = {**request, "cache_key": key}
@@ -617,7 +607,7 @@ def _cpu_module(kind: str, title: str, target: tvm.target.Target, spec: Attentio
         start = time.perf_counter()
         from . import build
 
-        lib = build_module()
+        lib = build_module(build)
         source = build.module_source(target, lib)
         settings.progress(f"compiled in {time.perf_counter() - start:.1f} s")
         if cache:

@@ -48,9 +48,9 @@ def check(sinks, heads: int, device: torch.device) -> None:
 
 
 def logits(sinks: torch.Tensor) -> torch.Tensor:
-    """The sinks as a detached fp32 (heads, 1) column, which broadcasts against (batch, heads, n)
-    row statistics."""
-    return sinks.detach().to(torch.float32)[:, None]
+    """The sinks as detached fp32 (heads,) logits (the kernels' input; ``[:, None]`` broadcasts
+    them against (batch, heads, n) row statistics)."""
+    return sinks.detach().to(torch.float32)
 
 
 def kernels(dtype: torch.dtype, head_dim: int):
@@ -93,9 +93,9 @@ def renormalized(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor, real
     if out.dtype == torch.float32 and out.is_cpu:
         real = _EVERY_ROW.expand(out.shape[:2]) if real_rows is None else real_rows.view(torch.uint8)
         scaled, with_sink = torch.empty(out.shape, dtype=dtype), torch.empty(lse.shape, dtype=torch.float32)
-        if _launched("rescale", dtype, (out, lse, sinks.detach().to(torch.float32), real), scaled, with_sink):
+        if _launched("rescale", dtype, (out, lse, logits(sinks), real), scaled, with_sink):
             return scaled, with_sink
-    sink = logits(sinks)
+    sink = logits(sinks)[:, None]
     share, with_sink = keys_share(lse, sink), torch.logaddexp(lse, sink)
     if real_rows is not None:
         real = real_rows[:, None, :]
@@ -122,10 +122,10 @@ def sink_gradient(dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, sink
     """dsinks from dO', out' and lse' (the module docstring), in the sinks' dtype."""
     if dout.is_cpu and dout.dtype == out.dtype:
         dsinks = torch.empty(sinks.shape, dtype=torch.float32)
-        if _launched("gradient", out.dtype, (dout, out, lse, sinks.detach().to(torch.float32)), dsinks):
+        if _launched("gradient", out.dtype, (dout, out, lse, logits(sinks)), dsinks):
             return dsinks.to(sinks.dtype)
     delta = (dout.float() * out.float()).sum(-1).transpose(1, 2)  # (batch, heads, n)
-    sink_share = torch.exp(logits(sinks) - lse)
+    sink_share = torch.exp(logits(sinks)[:, None] - lse)
     return (-(sink_share * delta).sum((0, 2))).to(sinks.dtype)
 
 
