@@ -8,12 +8,13 @@ exactly 0, as eager gives them. The gpt-oss model itself: ``test_transformers.py
 from __future__ import annotations
 
 import math
+import threading
 
 import pytest
 import torch
 
 from conftest import assert_flash_rule, count_calls, random_inputs, reference_magnitudes
-from tvmflash import flash_attn_with_kvcache, padded, torch_op
+from tvmflash import flash_attn_with_kvcache, kvcache, padded, torch_op
 from tvmflash import sinks as sinks_module
 from tvmflash.runtime import SinkKernels
 from tvmflash.flex import flex_attention_forward
@@ -64,23 +65,35 @@ def _reference(q, k, v, sinks, dout, mask4d, real, causal, window, softcap, dtyp
 
 
 def _formulation(monkeypatch, formulation: str) -> dict[str, list]:
-    """The sink math as ``formulation`` says: "kernels" (CPU's, ``kernels/sinks.py``) or "torch ops"
-    (CUDA's and TVM's runtime alone's: no sink kernels); the kernels' calls, counted."""
+    """The sink math as ``formulation`` says: "kernels" (CPU's, ``kernels/sinks.py``, launched
+    from C), "packed calls" (the kernels without the C launcher) or "torch ops" (CUDA's and TVM's
+    runtime alone's: no sink kernels); the kernels' runs, counted by name."""
     if formulation == "torch ops":
         monkeypatch.setattr(sinks_module, "kernels", lambda dtype, head_dim: None)
-    return {name: count_calls(monkeypatch, SinkKernels, name) for name in ("rescale", "gradient")}
+    if formulation == "packed calls":
+        monkeypatch.setattr(sinks_module, "_thread_launch", lambda *args: None)
+    runs, original = {"rescale": [], "gradient": []}, sinks_module._ran
+
+    def counted(name, *args):
+        found = original(name, *args)
+        runs[name] += [] if found is None else [1]
+        return found
+
+    monkeypatch.setattr(sinks_module, "_ran", counted)
+    return runs
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("case", ["every causal", "every bidirectional softcap", "padded causal window",
                                   "holes causal", "holes causal window", "documents causal window",
-                                  "padded causal, torch ops", "holes causal window, torch ops"])
+                                  "padded causal, torch ops", "holes causal window, torch ops",
+                                  "padded causal window, packed calls"])
 def test_sinks_match_float64(gen, seed, dtype, case, monkeypatch):
     """out on the real rows and dq, dk, dv, dsinks against float64 by the flash-attn rule;
     padding rows exactly 0. GQA, head dim 64; sinks of a size that takes a real share of the
-    rows' weight (gpt-oss's trained ones reach a few units). The sink math on its CPU kernels,
-    and as torch ops (", torch ops")."""
-    formulation = "torch ops" if case.endswith("torch ops") else "kernels"
+    rows' weight (gpt-oss's trained ones reach a few units). The sink math on its CPU kernels
+    (launched from C, or by packed calls: ", packed calls"), and as torch ops (", torch ops")."""
+    formulation = case.split(", ")[1] if ", " in case else "kernels"
     kernel_calls = _formulation(monkeypatch, formulation)
     kind, causal = case.split()[0], "causal" in case
     window = (6, 0) if "window" in case else (-1, -1)
@@ -107,8 +120,78 @@ def test_sinks_match_float64(gen, seed, dtype, case, monkeypatch):
         # (dsinks in the sinks' fp32, from out and dO in q's dtype: ulps of q's dtype)
         assert_flash_rule(f"{case} {name}", got, ref.detach(), yardstick.detach(), q.dtype, seed,
                           magnitude=magnitude[name])
-    ran = 1 if formulation == "kernels" else 0
+    ran = 0 if formulation == "torch ops" else 1
     assert {name: len(calls) for name, calls in kernel_calls.items()} == {"rescale": ran, "gradient": ran}
+
+
+@pytest.mark.parametrize("dtype, case", [(dtype, case) for case in ("every", "padded window", "padded window create_graph")
+                                         for dtype in ("float32", "bfloat16")] + [("float32", "every autocast")])
+def test_repeated_training_calls_match_float64(gen, seed, dtype, case, monkeypatch):
+    """A model's later layers repeat its first layer's checked call with sinks (the integration's
+    ``_repeated_call``: C launches on transformers' layout, ``sinks.repeated_training``): the
+    first call and a repeat on new inputs each give out and dq, dk, dv, dsinks within the
+    flash-attn rule of float64, padding rows exactly 0 (their dO NaN, ignored). With ``create_graph`` the repeat's
+    backward is the op's (the same values; a second derivative raises); under autocast the
+    call runs in bf16 on fp32 leaves."""
+    from tvmflash.integrations import transformers as tvm_hf
+
+    kind, create_graph, autocast = case.split()[0], "create_graph" in case, "autocast" in case
+    window = (6, 0) if "window" in case else (-1, -1)
+    mask = _masks()[kind]
+    module = type("Attention", (), {"is_causal": True})()
+    ops = count_calls(monkeypatch, type(padded._sink_ops), "__call__")
+    repeats = count_calls(monkeypatch, sinks_module, "repeated_training")
+    torch_op.forget_calls()  # (the mask of all keys is one tensor per shape: no earlier case's call to repeat)
+    for layer in range(2):
+        q, k, v = random_inputs(gen, BATCH, N, N, HEADS, HEADS_K, 64, dtype, requires_grad=True)
+        sinks = (torch.randn(HEADS, generator=gen) * 2 + 1).requires_grad_()
+        dout = torch.randn(q.shape, generator=gen).to(torch.bfloat16 if autocast else q.dtype)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            out, _ = tvm_hf.attention_forward(module, *(t.transpose(1, 2) for t in (q, k, v)),
+                                              None if kind == "every" else mask, scaling=0.125,
+                                              sliding_window=7 if window[0] > 0 else None, s_aux=sinks)
+        assert out.shape == q.shape and out.dtype == dout.dtype
+        assert torch.equal(out[~mask], torch.zeros_like(out[~mask]))
+        # (padding rows carry no gradient, whatever their dO holds)
+        poisoned = dout.masked_fill(~mask[:, :, None, None], float("nan"))
+        grads = torch.autograd.grad(out, (q, k, v, sinks), poisoned, create_graph=create_graph)
+        assert [g.dtype for g in grads] == [t.dtype for t in (q, k, v, sinks)]
+        if autocast:  # (the attention's inputs as autocast casts them)
+            q, k, v = (t.to(torch.bfloat16) for t in (q, k, v))
+        ours = (out * mask[:, :, None, None], *grads)
+        args = (q, k, v, sinks, dout, mask[:, None, None, :], mask, True, window, 0.0)
+        (want, sink_terms), (same, _) = _reference(*args, torch.float64), _reference(*args, q.dtype)
+        magnitude = {**reference_magnitudes(q, k, v, dout), "dsinks": sink_terms}
+        for name, got, ref, yardstick in zip(("out", "dq", "dk", "dv", "dsinks"), ours, want, same):
+            assert_flash_rule(f"{case} layer {layer} {name}", got.to(q.dtype if name != "dsinks" else got.dtype),
+                              ref.detach(), yardstick.detach(), q.dtype, seed, magnitude=magnitude[name])
+        if create_graph:
+            with pytest.raises(RuntimeError, match="second derivatives"):
+                grads[3].sum().backward()
+    # (the first layer's call on the op; under autocast it calls itself again, with the region off)
+    assert (len(ops), len(repeats)) == (2 if autocast else 1, 1)
+
+
+def test_launched_sink_kernels_write_what_packed_calls_write(gen, monkeypatch):
+    """The sink kernels launched from C (this thread's launch for the shapes, every stride free)
+    write what their packed calls write, bitwise, on strided views too; another shape gets a
+    launch of its own."""
+    monkeypatch.setattr(sinks_module, "_threads", threading.local())  # (no launch of earlier tests)
+    packed = count_calls(monkeypatch, SinkKernels, "rescale")
+    made = count_calls(monkeypatch, sinks_module.launch, "make")
+    for n in (N, N, 9):
+        out32 = torch.randn(BATCH, HEADS, n, 64, generator=gen).transpose(1, 2)  # (strided)
+        lse = torch.randn(BATCH, HEADS, n, generator=gen)
+        sinks, real = torch.randn(HEADS, generator=gen), _masks()["padded"][:, :n]
+        scaled, with_sink = sinks_module.renormalized(out32, lse, sinks, real, torch.bfloat16)
+        dout = torch.randn(scaled.shape, generator=gen).bfloat16()
+        dsinks = sinks_module.sink_gradient(dout, scaled, with_sink, sinks)
+        found = sinks_module.kernels(torch.bfloat16, 64)
+        want = torch.empty_like(scaled), torch.empty_like(with_sink), torch.empty(HEADS)
+        found.rescale(out32, lse, sinks, real.view(torch.uint8), *want[:2])
+        found.gradient(dout, scaled, with_sink, sinks, want[2])
+        assert torch.equal(scaled, want[0]) and torch.equal(with_sink, want[1]) and torch.equal(dsinks, want[2])
+    assert len(packed) == 3 and len(made) == 4  # (the test's own packed calls; launches: 2 kernels x 2 shapes)
 
 
 def test_sinks_change_the_result_and_a_very_low_sink_changes_nothing(gen):
@@ -130,31 +213,42 @@ def test_decode_steps_with_sinks_match_float64(gen, seed, dtype, cache, monkeypa
     """generate()'s new tokens through the transformers integration: one query per row against
     the cache, on the decode kernel where the cache is full or left-padded (its lse renormalized),
     on the padded op where the mask has holes; bottom-right aligned, a sliding window; the same
-    under torch.compile (its decode op)."""
+    under torch.compile (its decode op). A full cache grows by a token a step, as generate()'s
+    does: later steps repeat the first's launch (``repeated_heads_first_step``'s fp32 out and lse)."""
     tvm_hf = pytest.importorskip("tvmflash.integrations.transformers")
     kernel_calls = count_calls(monkeypatch, tvm_hf, "flash_attn_with_kvcache")
-    n = 45
-    q, k, v = (t.transpose(1, 2) for t in random_inputs(gen, 2, 1, n, HEADS, HEADS_K, 64, dtype))
-    sinks = torch.randn(HEADS, generator=gen) * 2 + 1
-    mask = torch.ones(2, n, dtype=torch.bool)
-    if cache != "full":
-        mask[1, :13] = False
-    if cache == "holes":
-        mask[0, 20:23] = False
+    repeated, original = [], tvm_hf.repeated_heads_first_step
+    monkeypatch.setattr(tvm_hf, "repeated_heads_first_step",
+                        lambda *a, **kw: (lambda out: repeated.append(out is not None) or out)(original(*a, **kw)))
+    kvcache.forget_steps()  # (no earlier test's step to repeat)
     module = torch.nn.Module()
     module.is_causal = True
-    out, _ = tvm_hf.attention_forward(module, q, k, v, None if cache == "full" else mask, scaling=0.125,
-                                      sliding_window=30, s_aux=sinks)
-    assert len(kernel_calls) == (0 if cache == "holes" else 1)
-    # the op a compiled generate() calls: the same paths, bit for bit
-    op_out = tvm_hf._decode_sinks_op(*(t.transpose(1, 2) for t in (q, k, v)), None if cache == "full" else mask, sinks,
-                                     0.125, True, 29, 0, 0.0)
-    assert torch.equal(op_out, out)
-    window = torch.arange(n) >= n - 30  # (the window counts positions in the row)
-    keys = (mask & window)[:, None, None, :]
-    want, same = (reference_attention(*(t.transpose(1, 2) for t in (q, k, v)), True, 0.125, mask=keys, sinks=sinks,
-                                      dtype=dt)[0] for dt in (torch.float64, dtype))
-    assert_flash_rule(f"{cache} decode", out, want, same, dtype, seed, magnitude=float(v.abs().max()))
+    steps = 4 if cache == "full" else 1
+    for step in range(steps):
+        n = 45 + step
+        q, k, v = (t.transpose(1, 2) for t in random_inputs(gen, 2, 1, n, HEADS, HEADS_K, 64, dtype))
+        sinks = torch.randn(HEADS, generator=gen) * 2 + 1
+        mask = torch.ones(2, n, dtype=torch.bool)
+        if cache != "full":
+            mask[1, :13] = False
+        if cache == "holes":
+            mask[0, 20:23] = False
+        out, _ = tvm_hf.attention_forward(module, q, k, v, None if cache == "full" else mask, scaling=0.125,
+                                          sliding_window=30, s_aux=sinks)
+        # the op a compiled generate() calls: the same paths, bit for bit
+        op_out = tvm_hf._decode_sinks_op(*(t.transpose(1, 2) for t in (q, k, v)), None if cache == "full" else mask,
+                                         sinks, 0.125, True, 29, 0, 0.0)
+        assert torch.equal(op_out, out)
+        window = torch.arange(n) >= n - 30  # (the window counts positions in the row)
+        keys = (mask & window)[:, None, None, :]
+        want, same = (reference_attention(*(t.transpose(1, 2) for t in (q, k, v)), True, 0.125, mask=keys,
+                                          sinks=sinks, dtype=dt)[0] for dt in (torch.float64, dtype))
+        assert_flash_rule(f"{cache} decode, step {step}", out, want, same, dtype, seed,
+                          magnitude=float(v.abs().max()))
+    took = sum(repeated)
+    # (from the second step: the first's two calls checked the step and made its launch)
+    assert took == (steps - 1 if cache == "full" else 0)
+    assert len(kernel_calls) == (0 if cache == "holes" else 2 * steps - took)  # (the op's calls too)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -210,7 +304,7 @@ def _fp32_attention(q, k, v, mask, scale: float) -> tuple[torch.Tensor, torch.Te
     return full, rows.transpose(1, 2)
 
 
-@pytest.mark.parametrize("formulation", ["kernels", "torch ops"])
+@pytest.mark.parametrize("formulation", ["kernels", "packed calls", "torch ops"])
 @pytest.mark.parametrize("case", ["every", "padded", "holes", "holes window", "decode"])
 def test_sinks_round_out_once(gen, case, formulation, monkeypatch):
     """Rule 3: out' = out sigmoid(lse - sink) is rounded to bf16 once, from the fp32 accumulator's
@@ -251,7 +345,7 @@ def test_sinks_round_out_once(gen, case, formulation, monkeypatch):
     share = torch.sigmoid(lse.double() - sinks.double()[None, :, None]).transpose(1, 2)[..., None]
     exact = out32.double() * share
     assert _rounded_once_error(ours[real], exact[real]) <= 1.001  # (a second rounding: up to 2)
-    assert len(kernel_calls) == (formulation == "kernels")
+    assert len(kernel_calls) == (formulation != "torch ops")
 
 
 def test_autocast_second_derivatives_and_bad_sinks(gen):

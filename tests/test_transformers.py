@@ -1,10 +1,10 @@
 """tvmflash as a Hugging Face transformers attention implementation, checked against ``eager``.
 
-Small models (2 layers, hidden 64, 4 heads, 2 KV heads, head_dim 16, vocab 128) built from
-configs with random weights; each test builds the same weights twice, once with ``eager`` (the
-reference: it implements every mask, window and softcap) and once with tvmflash. fp32: loss
-within 1e-4 relative, every parameter gradient within 1e-3 relative norm, greedy ``generate()``
-the same tokens (and its scores within 1e-4).
+Small models (2 layers, gpt-oss 4: its two kinds in turn; hidden 64, 4 heads, 2 KV heads,
+head_dim 16, vocab 128) built from configs with random weights; each test builds the same
+weights twice, once with ``eager`` (the reference: it implements every mask, window and
+softcap) and once with tvmflash. fp32: loss within 1e-4 relative, every parameter gradient
+within 1e-3 relative norm, greedy ``generate()`` the same tokens (and its scores within 1e-4).
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ transformers = pytest.importorskip("transformers")
 
 from conftest import count_calls  # noqa: E402
 from tvmflash import documents, padded, torch_op  # noqa: E402
+from tvmflash import sinks as sinks_module  # noqa: E402
 from tvmflash.integrations import transformers as tvm_hf  # noqa: E402
 
 LOSS_RTOL = 1e-4
@@ -42,9 +43,10 @@ def _config(model: str):
                                          attn_logit_softcapping=2.0, final_logit_softcapping=None)
     if model == "qwen2":  # layer 0 full, layer 1 sliding
         return transformers.Qwen2Config(**COMMON, use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1)
-    if model == "gpt_oss":  # attention sinks; layer 0 sliding, layer 1 full; 4 experts, 2 per token
-        return transformers.GptOssConfig(**COMMON, head_dim=16, sliding_window=WINDOW, num_local_experts=4,
-                                         num_experts_per_tok=2, layer_types=["sliding_attention", "full_attention"])
+    if model == "gpt_oss":  # attention sinks; sliding and full layers in turn (each kind twice); 4 experts, 2 per token
+        return transformers.GptOssConfig(**{**COMMON, "num_hidden_layers": 4}, head_dim=16, sliding_window=WINDOW,
+                                         num_local_experts=4, num_experts_per_tok=2,
+                                         layer_types=["sliding_attention", "full_attention"] * 2)
     raise ValueError(model)
 
 
@@ -145,6 +147,7 @@ def test_gpt_oss_attention_sinks_match_eager(batch, gen, monkeypatch):
     calls = []
     original = padded._sink_ops.__call__
     monkeypatch.setattr(type(padded._sink_ops), "__call__", lambda self, *a: calls.append(1) or original(*a))
+    repeats = count_calls(monkeypatch, sinks_module, "repeated_training")
     if batch == "documents":
         lengths = ([7, 10, 7], [3, 21], [24])
         position_ids = torch.stack([torch.cat([torch.arange(n) for n in row]) for row in lengths])
@@ -166,12 +169,15 @@ def test_gpt_oss_attention_sinks_match_eager(batch, gen, monkeypatch):
             mask[2, 9] = 0
             labels[2, 9:11] = -100
         _assert_matches_eager("gpt_oss", real=mask.bool(), input_ids=ids, attention_mask=mask, labels=labels)
-    assert len(calls) == 2  # (both layers)
+    # (a training forward's second layer of a kind repeats the first's call, where its rows were read in place)
+    repeated = 2 if batch in ("plain", "padded") else 0
+    assert (len(calls), len(repeats)) == (4 - repeated, repeated)
 
 
 def test_gpt_oss_generate_matches_eager(gen, monkeypatch):
     """Greedy generate() with attention sinks from left-padded prompts: scores and tokens as
-    eager's; every new token on the decode kernel (its lse renormalized), past the window."""
+    eager's; every new token on the decode kernel (its lse renormalized), past the window: the
+    sliding layers' steps whose window holds no padding repeat a checked step's launch."""
     eager, ours = _models("gpt_oss")
     ids = torch.randint(1, 128, (3, 10), generator=gen)
     mask = torch.ones_like(ids)
@@ -179,13 +185,16 @@ def test_gpt_oss_generate_matches_eager(gen, monkeypatch):
     mask[2, :1] = 0
     ids = ids.masked_fill(mask == 0, 0)
     kernel_calls = count_calls(monkeypatch, tvm_hf, "flash_attn_with_kvcache")
+    repeated, original = [], tvm_hf.repeated_heads_first_step
+    monkeypatch.setattr(tvm_hf, "repeated_heads_first_step", lambda *a, **kw: (
+        lambda out: repeated.extend([1] if out is not None else []) or out)(original(*a, **kw)))
     kwargs = dict(attention_mask=mask, max_new_tokens=16, do_sample=False, pad_token_id=0, output_scores=True,
                   return_dict_in_generate=True)
     with torch.no_grad():
         want = eager.eval().generate(ids, **kwargs)
         got = ours.eval().generate(ids, **kwargs)
     _assert_same_generation(got, want)
-    assert len(kernel_calls) == 15 * ours.config.num_hidden_layers
+    assert len(kernel_calls) + len(repeated) == 15 * ours.config.num_hidden_layers and repeated
 
 
 def test_gpt_oss_compiled_generate_with_static_cache_matches_eager(gen, monkeypatch):
@@ -225,15 +234,17 @@ def test_register_gives_a_usable_name():
         tvm_hf.register("my_flash_attention")
 
 
-@pytest.mark.parametrize("model", MODELS)
+@pytest.mark.parametrize("model", [*MODELS, "gpt_oss"])
 def test_repeated_training_steps_match_eager(model, gen, monkeypatch):
     """Training steps after the first: the layers' calls read q, k, v in transformers' layout
     (``repeated_heads_first_training``, forward and backward; sliding windows, Gemma 2's
-    softcap), loss and gradients as eager's step after step."""
+    softcap; gpt-oss's sinks: ``padded``'s on the mask of all keys), loss and gradients as
+    eager's step after step."""
     took = []
-    original = tvm_hf.repeated_heads_first_training
-    monkeypatch.setattr(tvm_hf, "repeated_heads_first_training",
-                        lambda *a: (lambda out: took.append(out is not None) or out)(original(*a)))
+    for module in (tvm_hf, padded):
+        original = module.repeated_heads_first_training
+        monkeypatch.setattr(module, "repeated_heads_first_training", lambda *a, original=original: (
+            lambda out: took.append(out is not None) or out)(original(*a)))
     for _ in range(3):
         ids = torch.randint(0, 128, (2, 21), generator=gen)
         _assert_matches_eager(model, input_ids=ids, labels=ids)
@@ -241,7 +252,7 @@ def test_repeated_training_steps_match_eager(model, gen, monkeypatch):
 
 
 @pytest.mark.parametrize("holes", [False, True])
-@pytest.mark.parametrize("model", MODELS)
+@pytest.mark.parametrize("model", [*MODELS, "gpt_oss"])
 def test_padded_batch_loss_and_gradients_match_eager(model, gen, monkeypatch, holes):
     """Rows of one run of real tokens each are read in place (the padded op's row runs; after
     the first layer of a kind, its repeat: ``padded.repeated_heads_first_training``); a pad

@@ -467,13 +467,14 @@ def repeated_decode_step(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
 
 def repeated_heads_first_step(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cache_seqlens: int,
                               softmax_scale: float | None, causal: bool, window_size: tuple[int, int],
-                              softcap: float) -> torch.Tensor | None:
+                              softcap: float, fp32_and_lse: bool = False) -> torch.Tensor | tuple | None:
     """``repeated_decode_step`` (no left padding) for q, k, v as transformers' attention
     functions get them: q ``(batch, heads, 1, head_dim)``, the caches ``(batch, heads_k, n,
     head_dim)``, read in place by a C launch that transposes them in its view (three transposed
     views cost ~10 us where the model's products have just evicted the interpreter's data); out
-    ``(batch, 1, heads, head_dim)``. None where no step checked before has a launch for them."""
-    options = _options_key(True, softmax_scale, causal, window_size, softcap, 0, True, False, False)
+    ``(batch, 1, heads, head_dim)``; with ``fp32_and_lse`` (out in float32, lse), as a step
+    with sinks asks (``_with_sinks``). None where no step checked before has a launch for them."""
+    options = _options_key(True, softmax_scale, causal, window_size, softcap, 0, True, fp32_and_lse, fp32_and_lse)
     for step in _steps_by_options.get(options, ()):
         scratch = step._scratch
         if not hasattr(scratch, "heads_first"):  # (made from the first call that the step's own launch takes)

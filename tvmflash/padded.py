@@ -205,10 +205,11 @@ def attention(q, k, v, mask: torch.Tensor, *, position_ids: torch.Tensor | None 
     if sinks is not None:
         sinks_module.check(sinks, q.shape[2], q.device)
         out, _ = _sink_ops(q, k, v, sinks, keys_seen, *scalars)
-        return out if out.shape[-1] == head_dim else out[..., :head_dim]
-    out, _ = _padded_ops(q, k, v, keys_seen, *scalars)
+    else:
+        out, _ = _padded_ops(q, k, v, keys_seen, *scalars)
     if key is not None and out.requires_grad:
-        _remember_repeat(mask, torch_op.options_key(softmax_scale, causal, window_size, softcap), q, k, v, scalars)
+        _remember_repeat(mask, torch_op.options_key(softmax_scale, causal, window_size, softcap), q, k, v, scalars,
+                         sinks is not None)
     return out if out.shape[-1] == head_dim else out[..., :head_dim]  # (a view: one autograd node more)
 
 
@@ -304,30 +305,63 @@ class _Repeat(NamedTuple):
         return _padded_ops.backward(dout, q, k, v, out, lse, mask, *self.scalars)
 
 
-def _remember_repeat(mask: torch.Tensor, options: tuple, q, k, v, scalars: tuple) -> None:
-    """Keep on ``mask`` what a call with these ``options`` (as the caller gave them) repeats, where
-    the op's forward read the mask's rows in place and its kernels add the blind rows' terms."""
+class _SinksRepeat(NamedTuple):
+    """``_Repeat`` of a call with sinks: the checked calls of its forward (float32 out where q is
+    16-bit: ``_Layout.forward_call``) and backward; whether some query rows are padding (the
+    mask then says which are real); the op's scalars."""
+
+    calls: tuple[torch_op._ForwardCall, torch_op._ForwardCall]
+    padding: bool
+    scalars: tuple
+
+    def backward_op(self, dout, q, k, v, out, lse, sinks, mask):
+        """The padded backward op with sinks (``sinks.repeated_training``'s fallback)."""
+        return _sink_ops.backward(dout, q, k, v, out, lse, sinks, mask, *self.scalars)
+
+
+def _remember_repeat(mask: torch.Tensor, options: tuple, q, k, v, scalars: tuple, sinks: bool) -> None:
+    """Keep on ``mask`` what a call with these ``options`` (as the caller gave them; with
+    ``sinks`` or without) repeats, where the op's forward read the mask's rows in place and its
+    kernels add the blind rows' terms."""
     generation = torch_op.calls_generation
     layout = (remembered(mask, "_tvmflash_layouts", generation) or {}).get(
         torch_op._call_key(q, k, v, 0.0, scalars[0], False, scalars[1:3], scalars[3], False, False))
-    if layout is not None and layout.kernels_add_blind:
-        per_tensor(mask, "_tvmflash_repeats", generation, dict)[options] = _Repeat(layout.call, layout.blind, scalars)
+    if layout is None or not layout.kernels_add_blind:
+        return
+    repeats = per_tensor(mask, "_tvmflash_repeats", generation, dict)
+    if sinks:  # (the blind rows are padding rows there, whose out' is 0: the kernels add nothing to them)
+        calls = (layout.forward_call(q, k, v, scalars, fp32_results=True), layout.call)
+        repeats[options, "sinks"] = _SinksRepeat(calls, _real_queries(mask, q.shape[1]) is not None, scalars)
+    else:
+        repeats[options] = _Repeat(layout.call, layout.blind, scalars)
 
 
 def repeated_heads_first_training(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
                                   softmax_scale: float | None, causal: bool, window_size: tuple[int, int],
-                                  softcap: float) -> torch.Tensor | None:
-    """``attention``'s out for a training call on a ``mask`` that a call with these options ran
-    on before (the model's first layer), q, k, v in transformers' ``(batch, heads, n, head_dim)``
-    layout, read in place by the checked call's C launches (``torch_op.repeated_heads_first_training``
-    for calls without a mask); None where no such call's launch takes them, for a call that
-    records no gradient, or under a mode, transform or forward-mode AD."""
-    repeat = (remembered(mask, "_tvmflash_repeats", torch_op.calls_generation) or {}).get(
-        torch_op.options_key(softmax_scale, causal, window_size, softcap))
+                                  softcap: float, sinks: torch.Tensor | None = None) -> torch.Tensor | None:
+    """``attention``'s out for a training call on a ``mask`` that a call with these options (and
+    ``sinks`` or none) ran on before (the model's first layer), q, k, v in transformers' ``(batch,
+    heads, n, head_dim)`` layout, read in place by the checked call's C launches
+    (``torch_op.repeated_heads_first_training`` for calls without a mask); None where no such
+    call's launch takes them, for a call that records no gradient, or under a mode, transform or
+    forward-mode AD."""
+    options = torch_op.options_key(softmax_scale, causal, window_size, softcap)
+    repeats = remembered(mask, "_tvmflash_repeats", torch_op.calls_generation) or {}
+    repeat = repeats.get(options) if sinks is None else repeats.get((options, "sinks"))
     if repeat is None or forward_ad._current_level >= 0 or launch.eager_state(torch_op._NO_MODES, q, k, v) != 1:
         return None
-    return torch_op.launched_training(repeat.call, repeat.blind, repeat.backward_op, (mask,), q, k, v,
-                                      heads_first=True)
+    if sinks is None:
+        return torch_op.launched_training(repeat.call, repeat.blind, repeat.backward_op, (mask,), q, k, v,
+                                          heads_first=True)
+    sinks_module.check(sinks, q.shape[1], q.device)
+    if type(sinks) not in (torch.Tensor, torch.nn.Parameter):  # (a subclass: the op, which modes see)
+        return None
+    launches = repeat.calls[0].heads_first_launches(q, k, v, backward=repeat.calls[1])
+    if launches is None or not launches[0].accepts(q, k, v):
+        return None
+    # (the mask is the real query rows: training calls have as many queries as keys)
+    return sinks_module.repeated_training(repeat.calls, launches, mask if repeat.padding else None,
+                                          repeat.backward_op, (mask,), q, k, v, sinks)
 
 
 class _Layout:

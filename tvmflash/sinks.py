@@ -30,9 +30,11 @@ torch.compile as ops, eager calls without torch's dispatcher (``torch_op.OpPair`
 
 from __future__ import annotations
 
+import threading
+
 import torch
 
-from . import compiler, torch_op
+from . import compiler, launch, torch_op
 from .spec import AttentionSpec
 
 
@@ -69,19 +71,52 @@ def kernels(dtype: torch.dtype, head_dim: int):
 
 _kernels: dict[tuple, object] = {}
 _EVERY_ROW = torch.ones((1, 1), dtype=torch.uint8)  # (expanded: every query row is real)
+_FUNCTIONS = {"rescale": "sink_rescale", "gradient": "sink_gradient"}  # (SinkKernels' method: its function)
 
 
-def _launched(name: str, dtype: torch.dtype, tensors: tuple, *outputs) -> bool:
-    """Whether the sink kernel ``name`` (``runtime.SinkKernels``' method) for ``dtype`` ran on
-    these CPU tensors, writing ``outputs``; False where it cannot (then nothing was written)."""
+def _ran(name: str, dtype: torch.dtype, tensors: tuple, outputs: tuple, tasks: int) -> tuple | None:
+    """The outputs of the sink kernel ``name`` (``runtime.SinkKernels``' method) for ``dtype`` on
+    these CPU tensors, ``outputs`` ((shape, dtype), ...) as it writes them; None where it cannot
+    run (then nothing was written). Launched from C by this thread's launch for their shapes (a
+    decode step's and a training call's repeat theirs), made at the first such call, else a
+    packed call (~15 us more a call: Python's argument packing and allocations)."""
     found = kernels(dtype, tensors[0].shape[-1])
     if found is None:
-        return False
+        return None
+    made = _thread_launch(found, name, tensors, outputs, tasks)
+    result = None if made is None else made(*tensors)
+    if result is not None:
+        return result if isinstance(result, tuple) else (result,)
+    written = tuple(torch.empty(shape, dtype=dt) for shape, dt in outputs)
     try:  # (the generated function's argument checks run before it writes anything)
-        getattr(found, name)(*tensors, *outputs)
+        getattr(found, name)(*tensors, *written)
     except (ValueError, TypeError):
-        return False
-    return True
+        return None
+    return written
+
+
+_threads = threading.local()  # (a C launch belongs to one thread: launch.py)
+
+
+def _thread_launch(found, name: str, tensors: tuple, outputs: tuple, tasks: int):
+    """This thread's C launch of ``found``'s kernel ``name`` for tensors of these shapes (every
+    stride free: the kernel's own argument checks read them), or None without the C launcher."""
+    n_threads = found.plan_threads()
+    key = (found, name, tensors[0].shape, n_threads)
+    launches = getattr(_threads, "launches", None)
+    if launches is None:
+        launches = _threads.launches = {}
+    made = launches.get(key, False)
+    if made is False:
+        if len(launches) >= 16:  # (shapes that keep changing)
+            launches.clear()
+        found._check_runs_here(f"the sink kernel {name}")  # (the packed call checks it on every call)
+        template = (*(("in", i) for i in range(len(tensors))), *(("out", j) for j in range(len(outputs))))
+        made = launches[key] = launch.make(
+            found._functions[_FUNCTIONS[name]], template, tuple((t, 0, (1 << t.dim()) - 1) for t in tensors),
+            tuple(torch.empty(shape, dtype=dt) for shape, dt in outputs),
+            team=min(n_threads, max(1, tasks)) if found._on_torch_threads else 0, refuse_grad=False, guards=())
+    return made
 
 
 def renormalized(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor, real_rows: torch.Tensor | None,
@@ -92,9 +127,10 @@ def renormalized(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor, real
     False at padding query rows, or None."""
     if out.dtype == torch.float32 and out.is_cpu:
         real = _EVERY_ROW.expand(out.shape[:2]) if real_rows is None else real_rows.view(torch.uint8)
-        scaled, with_sink = torch.empty(out.shape, dtype=dtype), torch.empty(lse.shape, dtype=torch.float32)
-        if _launched("rescale", dtype, (out, lse, logits(sinks), real), scaled, with_sink):
-            return scaled, with_sink
+        found = _ran("rescale", dtype, (out, lse, logits(sinks), real),
+                     ((out.shape, dtype), (lse.shape, torch.float32)), out.shape[0] * out.shape[1])
+        if found is not None:
+            return found
     sink = logits(sinks)[:, None]
     share, with_sink = keys_share(lse, sink), torch.logaddexp(lse, sink)
     if real_rows is not None:
@@ -121,12 +157,61 @@ def rescaled(out: torch.Tensor, share: torch.Tensor, dtype: torch.dtype) -> torc
 def sink_gradient(dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
     """dsinks from dO', out' and lse' (the module docstring), in the sinks' dtype."""
     if dout.is_cpu and dout.dtype == out.dtype:
-        dsinks = torch.empty(sinks.shape, dtype=torch.float32)
-        if _launched("gradient", out.dtype, (dout, out, lse, logits(sinks)), dsinks):
-            return dsinks.to(sinks.dtype)
+        found = _ran("gradient", out.dtype, (dout, out, lse, logits(sinks)), ((sinks.shape, torch.float32),),
+                     sinks.shape[0])
+        if found is not None:
+            return found[0].to(sinks.dtype)
     delta = (dout.float() * out.float()).sum(-1).transpose(1, 2)  # (batch, heads, n)
     sink_share = torch.exp(logits(sinks)[:, None] - lse)
     return (-(sink_share * delta).sum((0, 2))).to(sinks.dtype)
+
+
+class _RepeatedTraining(torch.autograd.Function):
+    """A training call with sinks like a checked one before it (``padded.repeated_heads_first_training``):
+    q, k, v in transformers' ``(batch, heads, n, head_dim)`` layout, read in place by ``launches``
+    (``torch_op._ForwardCall.heads_first_launches`` of ``calls``, (the forward's, float32 out,
+    the backward's)); out' in the kernels' ``(batch, n, heads, head_dim)``, the gradients in q,
+    k and v's layout. ``real``: (batch, n) bool, False at padding query rows, or None (every row
+    real). ``fallback(dout, q, k, v, out', lse', sinks, *keep)`` on kernel-layout tensors: the
+    backward op that made the call, where the launches' cannot run (create_graph, a mode, what
+    the kernel refused). What the op's forward and backward bodies do, without their lookups and
+    the transposed views' autograd nodes (~100 us a call of 16 tokens, bf16)."""
+
+    @staticmethod
+    def forward(ctx, calls, launches, real, fallback, keep, q, k, v, sinks):
+        found = launches[0](q, k, v)
+        if found is None:  # (a steering value changed since the launch took them)
+            found = calls[0].forward_and_lse(*_kernel_views(q, k, v))
+        # (rows outside the row runs, the padding, hold 0: no blind rows' means, which out' zeroes)
+        out, lse = renormalized(*found, sinks, real, q.dtype)
+        ctx.save_for_backward(q, k, v, out, lse, sinks, *keep)
+        ctx.call, ctx.launch, ctx.real, ctx.fallback = calls[1], launches[1], real, fallback
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse, sinks, *keep = ctx.saved_tensors
+        if ctx.real is not None:  # (a padding row's out' is 0 and carries no gradient)
+            dout = dout.masked_fill(~ctx.real[:, :, None, None], 0)
+        grads = None
+        if torch_op._direct_backward():
+            grads = ctx.call.backward_heads_first(ctx.launch, dout, q, k, v, out, lse)
+        if grads is None:
+            views = _kernel_views(q, k, v)
+            with torch.no_grad():  # (create_graph: the torch ops inside record nothing; the result is refused below)
+                found = ctx.fallback(torch_op.kernel_layout(dout), *views, out, lse, sinks, *keep)
+            *grads, dsinks = torch_op.refusing_second_derivatives(found, *views, sinks, dout)
+            return None, None, None, None, None, *_kernel_views(*grads), dsinks
+        dsinks = sink_gradient(dout, out, lse, sinks) if ctx.needs_input_grad[8] else None
+        return None, None, None, None, None, *grads, dsinks
+
+
+def _kernel_views(*tensors) -> tuple:
+    """Heads-first tensors as the kernels' layout has them (dimensions 1 and 2 swapped)."""
+    return tuple(t.transpose(1, 2) for t in tensors)
+
+
+repeated_training = torch_op._c_apply(_RepeatedTraining)
 
 
 class SinkOps:

@@ -972,27 +972,33 @@ class _ForwardCall:
             scratch.lse = self.new_lse()
         return launches
 
-    def heads_first_launches(self, q, k, v) -> tuple | None:
+    def heads_first_launches(self, q, k, v, backward: _ForwardCall | None = None) -> tuple | None:
         """This thread's (forward, backward) launches for q, k, v in transformers' ``(batch,
         heads, n, head_dim)`` layout (``repeated_heads_first_training``): made from the first q,
         k, v whose kernel-layout views the thread's own forward launch (made from a checked
         call) takes, the backward's for dout, q, k, v, out, lse then, planned ahead (its
         lookup would cost another ~15 us where a model's backward has evicted the interpreter's
         data); None until then, or without the C launcher. (The backward's may run on another
-        thread, as autograd's engine may: a launch that is never ``set`` can be shared.)"""
+        thread, as autograd's engine may: a launch that is never ``set`` can be shared.)
+        ``backward``: the call whose backward launch pairs with this call's forward (default
+        this call): one of the same checked tensors whose gradients are in q's dtype, where
+        this call's out is float32 (``fp32_results``: ``sinks.py`` scales it, then rounds it
+        once); its out and lse are then q's dtype and float32."""
         n_threads = self.kernels.plan_threads()
         launches = self._thread_launches()
-        key = ("heads first", n_threads)
+        backward = backward or self
+        key = ("heads first", n_threads, backward is self)
         if key not in launches:
             own = launches.get(("forward", n_threads))
             if own is None or not own.accepts(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)):
                 return None
             if len(launches) >= 8:
                 launches.clear()
-            self._plan_backward(q)
+            backward._plan_backward(q)
             out = torch.empty(*self.out_shape, dtype=q.dtype)  # (the forward's: contiguous)
             made = (self._new_launch("forward", n_threads, (q, k, v), heads_first=True),
-                    self._new_launch("backward", n_threads, (out, q, k, v, out, self.new_lse()), heads_first=True))
+                    backward._new_launch("backward", n_threads, (out, q, k, v, out, backward.new_lse()),
+                                         heads_first=True))
             launches[key] = None if None in made else made
         return launches[key]
 

@@ -241,8 +241,9 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     return out, None
 
 
-# what a call may carry besides the arguments _repeated_call reads
-_PLAIN_KWARGS = frozenset({"position_ids", "use_cache", "cache_position"})
+# what a call may carry besides the arguments _repeated_call reads (gpt-oss's s_aux: its sinks;
+# output_router_logits: its experts' flag, passed along to every layer's modules)
+_PLAIN_KWARGS = frozenset({"position_ids", "use_cache", "cache_position", "s_aux", "output_router_logits"})
 
 
 def _repeated_call(module, query, key, value, mask, scaling, sliding_window, softcap, is_causal, kwargs: dict):
@@ -251,17 +252,25 @@ def _repeated_call(module, query, key, value, mask, scaling, sliding_window, sof
     tokens without a mask (``repeated_heads_first_step``), a training forward's calls
     (``repeated_heads_first_training``, their backward too; with a padding mask or documents
     packed into rows, on the mask or position_ids the first layer's call read:
-    ``padded.`` and ``documents.repeated_heads_first_training``); None for any other call."""
+    ``padded.`` and ``documents.repeated_heads_first_training``; with gpt-oss's sinks, on the mask
+    or ``_all_keys``, as ``_attention_with_sinks`` runs them); None for any other call."""
     n, len_q = key.shape[2], query.shape[2]
     if len_q != 1 and len_q != n or mask is not None and (len_q == 1 or type(mask) is not torch.Tensor
                                                           or mask.dtype != torch.bool):
         return None
+    sinks = kwargs.get("s_aux")
     causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
     window, softcap = _window(sliding_window, causal, n), float(softcap) if softcap else 0.0
     if len_q == 1:
         if n == 1 or torch.is_autocast_enabled("cpu"):  # (decode steps do not follow autocast)
             return None
-        return repeated_heads_first_step(query, key, value, n, scaling, causal, window, softcap)
+        if sinks is None:
+            return repeated_heads_first_step(query, key, value, n, scaling, causal, window, softcap)
+        sinks_module.check(sinks, query.shape[1], query.device)
+        if torch.is_grad_enabled() and sinks.requires_grad:
+            return None  # (the padded op, differentiable: _attention_with_sinks)
+        found = repeated_heads_first_step(query, key, value, n, scaling, causal, window, softcap, fp32_and_lse=True)
+        return None if found is None else sinks_module.renormalized(*found, sinks, None, query.dtype)[0]
     if not query.requires_grad:
         return None  # (no gradient: flash_attn_func's own repeat)
     position_ids = None if mask is not None or kwargs.get("use_cache") else kwargs.get("position_ids")
@@ -269,6 +278,11 @@ def _repeated_call(module, query, key, value, mask, scaling, sliding_window, sof
     dtype = _attention_dtype(query)
     if query.dtype != dtype or key.dtype != dtype or value.dtype != dtype:
         query, key, value = query.to(dtype), key.to(dtype), value.to(dtype)
+    if sinks is not None:
+        if in_documents:
+            return None
+        mask = _all_keys(query.shape[0], n, query.device) if mask is None else mask
+        return padded.repeated_heads_first_training(query, key, value, mask, scaling, causal, window, softcap, sinks)
     if mask is not None:
         return padded.repeated_heads_first_training(query, key, value, mask, scaling, causal, window, softcap)
     if in_documents:  # (documents packed into rows, as documents.attention reads them)
@@ -298,6 +312,8 @@ def _attention_with_sinks(q, k, v, mask: torch.Tensor | None, sinks: torch.Tenso
     position_ids = None
     if mask is None and q.shape[1] == k.shape[1] and not kwargs.get("use_cache"):
         position_ids = kwargs.get("position_ids")
+        if not torch.compiler.is_compiling() and documents.documents_from_positions(position_ids, *q.shape[:2]) is None:
+            position_ids = None  # (one sequence per row: the checked call on _all_keys, which later layers repeat)
         if cu_q is not None and cu_k is not None:  # (documents packed into one row: their positions)
             if q.shape[0] != 1 or not torch.equal(cu_q, cu_k):
                 raise ValueError("cu_seq_lens_q/_k with attention sinks: documents packed into one row, the same "
