@@ -124,15 +124,16 @@ def test_sinks_match_float64(gen, seed, dtype, case, monkeypatch):
     assert {name: len(calls) for name, calls in kernel_calls.items()} == {"rescale": ran, "gradient": ran}
 
 
-@pytest.mark.parametrize("dtype, case", [(dtype, case) for case in ("every", "padded window", "padded window create_graph")
+@pytest.mark.parametrize("dtype, case", [(dtype, case) for case in ("every", "padded window",
+                                                                     "padded window create_graph")
                                          for dtype in ("float32", "bfloat16")] + [("float32", "every autocast")])
 def test_repeated_training_calls_match_float64(gen, seed, dtype, case, monkeypatch):
     """A model's later layers repeat its first layer's checked call with sinks (the integration's
     ``_repeated_call``: C launches on transformers' layout, ``sinks.repeated_training``): the
     first call and a repeat on new inputs each give out and dq, dk, dv, dsinks within the
-    flash-attn rule of float64, padding rows exactly 0 (their dO NaN, ignored). With ``create_graph`` the repeat's
-    backward is the op's (the same values; a second derivative raises); under autocast the
-    call runs in bf16 on fp32 leaves."""
+    flash-attn rule of float64, padding rows exactly 0 (their dO NaN, ignored). With
+    ``create_graph`` the repeat's backward is the op's (the same values; a second derivative
+    raises); under autocast the call runs in bf16 on fp32 leaves."""
     from tvmflash.integrations import transformers as tvm_hf
 
     kind, create_graph, autocast = case.split()[0], "create_graph" in case, "autocast" in case
