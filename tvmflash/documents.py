@@ -158,7 +158,7 @@ def repeated_heads_first_training(q: torch.Tensor, k: torch.Tensor, v: torch.Ten
     where no such call's launch takes them, or under a mode, transform or forward-mode AD."""
     found = remembered(position_ids, "_tvmflash_in_rows", (q.shape[0], torch_op.calls_generation))
     in_rows = None if found is None else found.get(torch_op.options_key(softmax_scale, causal, window_size, softcap))
-    if in_rows is None or forward_ad._current_level >= 0 or launch.eager_state(torch_op._NO_MODES, q, k, v) != 1:
+    if in_rows is None or not torch_op.repeat_records(q, k, v):
         return None
     return torch_op.launched_training(in_rows.call, None, in_rows.backward_op, (in_rows.table,), q, k, v,
                                       heads_first=True)

@@ -29,9 +29,8 @@ import functools
 from typing import NamedTuple
 
 import torch
-from torch.autograd import forward_ad
 
-from . import checks, flex_trace, launch, torch_op, uniform_rows
+from . import checks, flex_trace, torch_op, uniform_rows
 from . import sinks as sinks_module
 from .documents import documents_from_positions
 from .tensor_memo import per_tensor, remembered
@@ -348,7 +347,7 @@ def repeated_heads_first_training(q: torch.Tensor, k: torch.Tensor, v: torch.Ten
     options = torch_op.options_key(softmax_scale, causal, window_size, softcap)
     repeats = remembered(mask, "_tvmflash_repeats", torch_op.calls_generation) or {}
     repeat = repeats.get(options) if sinks is None else repeats.get((options, "sinks"))
-    if repeat is None or forward_ad._current_level >= 0 or launch.eager_state(torch_op._NO_MODES, q, k, v) != 1:
+    if repeat is None or not torch_op.repeat_records(q, k, v):
         return None
     if sinks is None:
         return torch_op.launched_training(repeat.call, repeat.blind, repeat.backward_op, (mask,), q, k, v,

@@ -823,6 +823,12 @@ def forget_calls() -> None:
 calls_generation = 0
 
 
+def repeat_records(q, k, v) -> bool:
+    """Whether a repeated training call of q, k, v may run from C (``launched_training``):
+    autograd records it, and no mode, transform or forward-mode AD must see it."""
+    return forward_ad._current_level < 0 and launch.eager_state(_NO_MODES, q, k, v) == 1
+
+
 def repeated_heads_first_training(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float | None,
                                   causal: bool, window_size: tuple[int, int], softcap: float) -> torch.Tensor | None:
     """``flash_attn_func``'s out for a call that autograd records, like one checked before, with
@@ -836,7 +842,7 @@ def repeated_heads_first_training(q: torch.Tensor, k: torch.Tensor, v: torch.Ten
     ``_attention``'s autocast rule would.)"""
     calls = _calls_by_options.get((float, 0.0, type(softmax_scale), softmax_scale, type(softcap), softcap, causal,
                                    window_size, False, False))
-    if not calls or forward_ad._current_level >= 0 or launch.eager_state(_NO_MODES, q, k, v) != 1:
+    if not calls or not repeat_records(q, k, v):
         return None
     for call in calls:
         out = launched_training(call, None, call.flash_backward_op, (), q, k, v, heads_first=True)
