@@ -177,17 +177,15 @@ def test_gpt_oss_attention_sinks_match_eager(batch, gen, monkeypatch):
 def test_gpt_oss_generate_matches_eager(gen, monkeypatch):
     """Greedy generate() with attention sinks from left-padded prompts: scores and tokens as
     eager's; every new token on the decode kernel (its lse renormalized), past the window: the
-    sliding layers' steps whose window holds no padding repeat a checked step's launch."""
+    steps after the first of their kind repeat the checked step (the fp32 out and lse, then the
+    rescale)."""
     eager, ours = _models("gpt_oss")
     ids = torch.randint(1, 128, (3, 10), generator=gen)
     mask = torch.ones_like(ids)
     mask[0, :4] = 0
     mask[2, :1] = 0
     ids = ids.masked_fill(mask == 0, 0)
-    kernel_calls = count_calls(monkeypatch, tvm_hf, "flash_attn_with_kvcache")
-    repeated, original = [], tvm_hf.repeated_heads_first_step
-    monkeypatch.setattr(tvm_hf, "repeated_heads_first_step", lambda *a, **kw: (
-        lambda out: repeated.extend([1] if out is not None else []) or out)(original(*a, **kw)))
+    kernel_calls, repeated = _decode_steps(monkeypatch)
     kwargs = dict(attention_mask=mask, max_new_tokens=16, do_sample=False, pad_token_id=0, output_scores=True,
                   return_dict_in_generate=True)
     with torch.no_grad():
@@ -197,12 +195,23 @@ def test_gpt_oss_generate_matches_eager(gen, monkeypatch):
     assert len(kernel_calls) + len(repeated) == 15 * ours.config.num_hidden_layers and repeated
 
 
+def _decode_steps(monkeypatch) -> tuple[list, list]:
+    """The integration's decode steps, counted: (those of ``flash_attn_with_kvcache``, the checked
+    path; those that repeat a checked step: ``repeated_heads_first_step`` and
+    ``repeated_decode_step`` returning a result)."""
+    kernel_calls, repeated = count_calls(monkeypatch, tvm_hf, "flash_attn_with_kvcache"), []
+    for name in ("repeated_heads_first_step", "repeated_decode_step"):
+        monkeypatch.setattr(tvm_hf, name, lambda *a, original=getattr(tvm_hf, name), **kw: (
+            lambda out: repeated.extend([] if out is None else [1]) or out)(original(*a, **kw)))
+    return kernel_calls, repeated
+
+
 def test_gpt_oss_compiled_generate_with_static_cache_matches_eager(gen, monkeypatch):
     """Attention sinks in transformers' fast-generation recipe (static cache, compiled forward,
     fullgraph=True): each new token the decode op with sinks, on the decode kernel (left padding
     read in place, the cache's empty slots cut when it runs). Tokens and scores as eager's."""
     eager, ours, compiled = _with_compiled_forward("gpt_oss")
-    kernel_calls = count_calls(monkeypatch, tvm_hf, "flash_attn_with_kvcache")
+    kernel_calls, repeated = _decode_steps(monkeypatch)
     ids = torch.randint(1, 128, (2, 9), generator=gen)
     mask = torch.tensor([[0, 0, 0] + [1] * 6, [1] * 9])
     kwargs = dict(attention_mask=mask, max_new_tokens=10, do_sample=False, pad_token_id=0,
@@ -210,7 +219,8 @@ def test_gpt_oss_compiled_generate_with_static_cache_matches_eager(gen, monkeypa
     with torch.no_grad():
         got, want = compiled.generate(ids * mask, **kwargs), eager.generate(ids * mask, **kwargs)
     _assert_same_generation(got, want)
-    assert len(kernel_calls) == 9 * ours.config.num_hidden_layers  # (the op's body: when the graph runs)
+    # (the op's body, when the graph runs: the first step of each kind checked, the others repeat it)
+    assert len(kernel_calls) + len(repeated) == 9 * ours.config.num_hidden_layers and repeated
 
 
 def test_gpt_oss_compiled_training_is_one_graph(gen):

@@ -444,21 +444,23 @@ def _vector_kind(t: torch.Tensor) -> tuple:
 
 def repeated_decode_step(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cache_seqlens: int,
                          softmax_scale: float | None, causal: bool, window_size: tuple[int, int], softcap: float,
-                         cache_leftpad: torch.Tensor | None = None, starts: tuple | None = None
-                         ) -> torch.Tensor | None:
+                         cache_leftpad: torch.Tensor | None = None, starts: tuple | None = None,
+                         fp32_and_lse: bool = False) -> torch.Tensor | tuple | None:
     """``flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=cache_seqlens,
     cache_leftpad=cache_leftpad, ...)`` if a call with the same key passed its checks before,
     else None: an integration's decode step (one new token per sequence against dense caches,
     each layer and token) without the checks and the keyword arguments (the scale a float or
     None, the window a tuple of two ints, softcap a float, as the checks want them).
     ``starts``: cache_leftpad's values as a tuple, where the caller holds them (the layers of a
-    model share one cache_leftpad, which it need not read again)."""
-    options = _options_key(cache_leftpad is None, softmax_scale, causal, window_size, softcap, 0, True, False, False)
+    model share one cache_leftpad, which it need not read again). ``fp32_and_lse``: (out in
+    float32, lse), as a step with sinks asks (``_with_sinks``)."""
+    options = _options_key(cache_leftpad is None, softmax_scale, causal, window_size, softcap, 0, True, fp32_and_lse,
+                           fp32_and_lse)
     result = _launched_step(options, q, k_cache, v_cache, cache_seqlens, cache_leftpad, starts)
     if result is not None:
         return result
     step = _steps.get(_key(q, k_cache, int, cache_leftpad, softmax_scale, causal, window_size, softcap, 0, True,
-                           False, False))
+                           fp32_and_lse, fp32_and_lse))
     result = None if step is None else step(q, k_cache, v_cache, cache_seqlens, cache_leftpad, starts)
     if result is not None:
         _remember_options(options, step)

@@ -343,8 +343,13 @@ def _decode_kernel_with_sinks(q, k, v, key_mask: torch.Tensor | None, sinks: tor
     keys = None if key_mask is None else _decode_keys(q, k, key_mask, cut_empty_slots)
     if keys is not None and keys.left_pad is None:  # (holes)
         return None
-    return flash_attn_with_kvcache(q, k, v, cache_seqlens=k.shape[1] if keys is None else keys.n,
-                                   cache_leftpad=None if keys is None else keys.left_pad, sinks=sinks, **opts)
+    n, left_pad = (k.shape[1], None) if keys is None else (keys.n, keys.left_pad)
+    sinks_module.check(sinks, q.shape[2], q.device)
+    found = repeated_decode_step(q, k, v, n, opts["softmax_scale"], opts["causal"], opts["window_size"],
+                                 opts["softcap"], left_pad, None if keys is None else keys.starts, fp32_and_lse=True)
+    if found is not None:  # (a step like one checked before: the layers and tokens after the first)
+        return sinks_module.renormalized(*found, sinks, None, q.dtype)[0]
+    return flash_attn_with_kvcache(q, k, v, cache_seqlens=n, cache_leftpad=left_pad, sinks=sinks, **opts)
 
 
 def _decode_sinks_op_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor | None,
