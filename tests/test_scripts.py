@@ -32,6 +32,19 @@ def test_demo_checks_itself():
     assert "GiB, standard" in out
 
 
+def test_issue23_session_script_names_what_model_speed_takes():
+    """benchmarks/issue23_session.sh (a session's worth of model_speed.py runs) parses, and each
+    part it runs is one of model_speed.py's."""
+    import re
+
+    script = ROOT / "benchmarks" / "issue23_session.sh"
+    subprocess.run(["bash", "-n", str(script)], check=True)
+    parts = set(re.findall(r'"([a-z-]+)"', re.search(r"parts = \[(.*?)\]", (ROOT / "benchmarks" / "model_speed.py")
+                                                   .read_text(), re.S).group(1)))
+    named = re.findall(r'"\$\{speed\[@\]\}" ([a-z -]+?) --', script.read_text())
+    assert len(named) == 6 and parts >= {p for line in named for p in line.split()}, named
+
+
 def test_model_speed_benchmark_quick():
     """model_speed.py's in-process parts (fixed cost per call; one layer's attention on
     left-padded rows; the attention calls timed inside a model): its cases still match SDPA (each
