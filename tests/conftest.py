@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import secrets
+import threading
 
 import pytest
 import torch
@@ -53,6 +54,15 @@ def assert_flash_rule(name: str, ours, ref64, same_dtype, dtype: torch.dtype, se
     assert "error" not in result, f"{name}: {result.get('error')} (seed {seed})"
     assert result["ok"], (f"{name}: max error {result['err']:.3g} > 2 x PyTorch's {result['err_torch']:.3g} + "
                           f"{ulps} ulp(={result['bound']:.3g}) (seed {seed})")
+
+
+def in_two_threads(run) -> None:
+    """run(0) and run(1) at once, each on a thread of its own."""
+    workers = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
 
 
 def count_calls(monkeypatch, owner, name: str) -> list:

@@ -4,12 +4,11 @@ full path, and every input the full path refuses must still be refused after suc
 
 from __future__ import annotations
 
-import threading
 
 import pytest
 import torch
 
-from conftest import assert_flash_rule, random_inputs, reference_attention, reference_magnitudes
+from conftest import assert_flash_rule, in_two_threads, random_inputs, reference_attention, reference_magnitudes
 from tvmflash import checks, flash_attn_func, flash_attn_with_kvcache, kvcache, torch_op
 
 
@@ -17,16 +16,6 @@ def _decode_inputs(gen, capacity=300, dtype=torch.float32):
     k_cache = torch.randn(2, capacity, 2, 64, generator=gen).to(dtype)
     v_cache = torch.randn(2, capacity, 2, 64, generator=gen).to(dtype)
     return torch.randn(2, 1, 8, 64, generator=gen).to(dtype), k_cache, v_cache
-
-
-def _in_two_threads(run) -> None:
-    """run(0) and run(1) at once, each on a thread of its own."""
-
-    workers = [threading.Thread(target=run, args=(i,)) for i in range(2)]
-    for w in workers:
-        w.start()
-    for w in workers:
-        w.join()
 
 
 def _full_path(fn, *args, **kwargs):
@@ -85,7 +74,7 @@ def test_decode_steps_from_two_threads_keep_their_own_lengths(gen):
                     out = flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=n)
                     errors.append(float((out.double() - want[n]).abs().max()))
 
-    _in_two_threads(run)
+    in_two_threads(run)
     assert len(errors) == 120 and max(errors) <= 1e-5
 
 
@@ -296,7 +285,7 @@ def test_forward_repeats_from_two_threads_keep_their_own_results(gen):
                 out = flash_attn_func(*inputs[i], causal=True)
                 errors.append(float((out.double() - want[i]).abs().max()))
 
-    _in_two_threads(run)
+    in_two_threads(run)
     assert len(errors) == 60 and max(errors) <= 1e-5
 
 

@@ -13,7 +13,7 @@ import threading
 import pytest
 import torch
 
-from conftest import assert_flash_rule, count_calls, random_inputs, reference_magnitudes
+from conftest import assert_flash_rule, count_calls, in_two_threads, random_inputs, reference_magnitudes
 from tvmflash import flash_attn_with_kvcache, kvcache, padded, torch_op
 from tvmflash import sinks as sinks_module
 from tvmflash.runtime import SinkKernels
@@ -171,6 +171,44 @@ def test_repeated_training_calls_match_float64(gen, seed, dtype, case, monkeypat
                 grads[3].sum().backward()
     # (the first layer's call on the op; under autocast it calls itself again, with the region off)
     assert (len(ops), len(repeats)) == (2 if autocast else 1, 1)
+
+
+def test_repeated_calls_with_sinks_from_two_threads_keep_their_own_results(gen, monkeypatch):
+    """The repeats' launches are each thread's own (the attention's and the sink kernels'): two
+    threads repeating training calls and decode steps with sinks at once each get what their
+    inputs gave alone, bitwise (the CPU kernels are deterministic)."""
+    tvm_hf = pytest.importorskip("tvmflash.integrations.transformers")
+    module = type("Attention", (), {"is_causal": True})()
+
+    def inputs(n_q, n_k):
+        q, k, v = (t.transpose(1, 2) for t in random_inputs(gen, 2, n_q, n_k, HEADS, HEADS_K, 64, "bfloat16"))
+        return q, k, v, (torch.randn(HEADS, generator=gen) * 2 + 1).bfloat16(), torch.randn(2, n_q, HEADS, 64,
+                                                                                          generator=gen).bfloat16()
+
+    def call(q, k, v, sinks, dout):
+        if q.shape[2] == 1:
+            with torch.no_grad():
+                return tvm_hf.attention_forward(module, q, k, v, None, scaling=0.125, s_aux=sinks)[0],
+        leaves = [t.detach().requires_grad_() for t in (q, k, v, sinks)]
+        out = tvm_hf.attention_forward(module, *leaves[:3], None, scaling=0.125, s_aux=leaves[3])[0]
+        return out.detach(), *torch.autograd.grad(out, leaves, dout)
+
+    cases = [[inputs(n, n), inputs(1, n)] for n in (29, 41)]  # (each thread its own shapes and values)
+    alone = [[call(*case) for case in thread] for thread in cases]
+    alone = [[call(*case) for case in thread] for thread in cases]  # (the repeats')
+    mismatches, finished = [], []
+    repeats = count_calls(monkeypatch, sinks_module, "repeated_training")
+
+    def run(i):
+        for _ in range(10):
+            for case, want in zip(cases[i], alone[i]):
+                got = call(*case)
+                mismatches.extend(j for j, (a, b) in enumerate(zip(got, want)) if not torch.equal(a, b))
+        finished.append(i)
+
+    in_two_threads(run)
+    # (a thread's first call is checked, on the op: it makes that thread's launches)
+    assert not mismatches and sorted(finished) == [0, 1] and len(repeats) == 18
 
 
 def test_launched_sink_kernels_write_what_packed_calls_write(gen, monkeypatch):
