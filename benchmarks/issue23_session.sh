@@ -32,7 +32,7 @@ step() {  # step NAME SECONDS COMMAND...: run with a limit into OUT_DIR/NAME.txt
 peak_binary=$(mktemp /tmp/bf16_peak.XXXXXX)
 trap 'rm -f "$peak_binary"' EXIT
 step machine 60 bash -c "lscpu; grep -o -w -e 'amx_[a-z0-9]*' -e avx512_bf16 /proc/cpuinfo | sort -u;
-    cd benchmarks && $python -c 'from tvmflash import target; from common import machine; print(machine());
+    PYTHONPATH=benchmarks $python -c 'from tvmflash import target; from common import machine; print(machine());
 print(target.key(target.host_target()))'"
 step peaks 120 bash -c "gcc -O2 -fopenmp benchmarks/bf16_peak.c -o $peak_binary && $peak_binary 2 5"
 step fixed 600 "$python" "${speed[@]}" fixed linear --rounds 2000
