@@ -2,7 +2,7 @@
 # Issue 23's measurements (speed inside real models) in one run, for a session on a machine whose
 # figures BENCHMARKS.md lacks or has old (an Intel Xeon with AMX): from the repository root, with
 # the README's environment installed,
-#     bash benchmarks/issue23_session.sh OUT_DIR        (about 40 minutes on 2 cores)
+#     bash benchmarks/issue23_session.sh OUT_DIR        (10 minutes on the Zen 4; the limits allow 68)
 # Each step has a time limit and a log of its own (OUT_DIR/<step>.txt), so a slow or failing step
 # leaves the others' results; the tables to paste are at the end of each log. The steps, in the
 # order of the issue's bars:
