@@ -181,7 +181,7 @@ class _RepeatedTraining(torch.autograd.Function):
     def forward(ctx, calls, launches, real, fallback, keep, q, k, v, sinks):
         found = launches[0](q, k, v)
         if found is None:  # (a steering value changed since the launch took them)
-            found = calls[0].forward_and_lse(*_kernel_views(q, k, v))
+            found = calls[0].forward_and_lse(*torch_op._kernel_views(launches, q, k, v))
         # (rows outside the row runs, the padding, hold 0: no blind rows' means, which out' zeroes)
         out, lse = renormalized(*found, sinks, real, q.dtype)
         ctx.save_for_backward(q, k, v, out, lse, sinks, *keep)
@@ -197,18 +197,13 @@ class _RepeatedTraining(torch.autograd.Function):
         if torch_op._direct_backward():
             grads = ctx.call.backward_heads_first(ctx.launch, dout, q, k, v, out, lse)
         if grads is None:
-            views = _kernel_views(q, k, v)
+            views = torch_op._kernel_views(ctx.launch, q, k, v)
             with torch.no_grad():  # (create_graph: the torch ops inside record nothing; the result is refused below)
                 found = ctx.fallback(torch_op.kernel_layout(dout), *views, out, lse, sinks, *keep)
             *grads, dsinks = torch_op.refusing_second_derivatives(found, *views, sinks, dout)
-            return None, None, None, None, None, *_kernel_views(*grads), dsinks
+            return None, None, None, None, None, *torch_op._kernel_views(ctx.launch, *grads), dsinks
         dsinks = sink_gradient(dout, out, lse, sinks) if ctx.needs_input_grad[8] else None
         return None, None, None, None, None, *grads, dsinks
-
-
-def _kernel_views(*tensors) -> tuple:
-    """Heads-first tensors as the kernels' layout has them (dimensions 1 and 2 swapped)."""
-    return tuple(t.transpose(1, 2) for t in tensors)
 
 
 repeated_training = torch_op._c_apply(_RepeatedTraining)

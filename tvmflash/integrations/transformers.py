@@ -337,14 +337,13 @@ def _decode_kernel_with_sinks(q, k, v, key_mask: torch.Tensor | None, sinks: tor
                               cut_empty_slots: bool) -> torch.Tensor | None:
     """A decode step with sinks on the decode kernel (``flash_attn_with_kvcache``'s sinks), where
     it reads the cache in place (one run of real keys per row: full or left-padded;
-    ``cut_empty_slots`` as ``decode_attention``'s), else None."""
+    ``cut_empty_slots`` as ``decode_attention``'s), else None. The callers have checked the sinks."""
     if not _decode_kernel_applies(q, k, v):
         return None
     keys = None if key_mask is None else _decode_keys(q, k, key_mask, cut_empty_slots)
     if keys is not None and keys.left_pad is None:  # (holes)
         return None
     n, left_pad = (k.shape[1], None) if keys is None else (keys.n, keys.left_pad)
-    sinks_module.check(sinks, q.shape[2], q.device)
     found = repeated_decode_step(q, k, v, n, opts["softmax_scale"], opts["causal"], opts["window_size"],
                                  opts["softcap"], left_pad, None if keys is None else keys.starts, fp32_and_lse=True)
     if found is not None:  # (a step like one checked before: the layers and tokens after the first)
@@ -357,6 +356,7 @@ def _decode_sinks_op_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key
                           window_right: int, softcap: float) -> torch.Tensor:
     """``_decode_op`` with sinks (torch.compile's graphs: generate() with a compiled forward): the
     decode kernel where it reads the cache in place, else the padded op with sinks. Forward only."""
+    sinks_module.check(sinks, q.shape[2], q.device)  # (a direct call of the op: _attention_with_sinks checks its own)
     opts = {"softmax_scale": softmax_scale, "causal": causal, "window_size": (window_left, window_right),
             "softcap": softcap}
     out = _decode_kernel_with_sinks(q, k, v, key_mask, sinks, opts, cut_empty_slots=True)
