@@ -57,7 +57,7 @@ LAYERS = (
                                         "tvmflash.score_mods", "tvmflash.attention_te", "tvmflash.schedules"}),
           torch=False),
     Layer("runtime", frozenset({"tvmflash.runtime", "tvmflash.threads", "tvmflash.cache", "tvmflash.cuda_binaries",
-                                "tvmflash.product_rates"}), torch=False),
+                                "tvmflash.product_rates", "tvmflash.libraries"}), torch=False),
     Layer("base", frozenset({"tvmflash.spec", "tvmflash.config", "tvmflash.plan", "tvmflash.checks", "tvmflash.target",
                              "tvmflash.settings", "tvmflash.import_closure", "tvmflash.version", "tvmflash.amx"}),
           torch=False),

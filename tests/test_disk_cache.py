@@ -13,7 +13,9 @@ import pytest
 import torch
 
 import tvmflash
-from tvmflash import cache, compiler
+from tvmflash import cache, compiler, records
+from tvmflash import target as targets
+from tvmflash.spec import AttentionSpec
 from tvmflash.settings import TvmflashWarning
 
 
@@ -126,3 +128,129 @@ def test_failing_cache_write_is_a_warning(tmp_path, monkeypatch):
     kern.forward(q, q, q, out, lse)  # the kernels are used all the same
     assert torch.isfinite(out).all()
     assert not list(tmp_path.glob("*.so"))
+
+
+# --- warm starts: a request resolved in an earlier process, loaded without TVM's compiler -------------
+_WARM_SCRIPT = """
+import sys, torch
+import tvmflash
+from tvmflash import flash_attn_func, flash_attn_with_kvcache
+q, k, v, dout, qd, k_cache, v_cache = torch.load(sys.argv[1])
+imported_before = "tvm" in sys.modules
+q, k, v = (t.requires_grad_() for t in (q, k, v))
+out = flash_attn_func(q, k, v, causal=True)
+out.backward(dout)
+decoded = flash_attn_with_kvcache(qd, k_cache, v_cache)
+torch.save({"out": out.detach(), "grads": [t.grad for t in (q, k, v)], "decoded": decoded,
+            "tvm imported": (imported_before, "tvm" in sys.modules)}, sys.argv[2])
+"""
+
+
+def _run_warm_script(tmp_path, inputs, n: int) -> tuple[dict, str]:
+    results = tmp_path / f"results{n}.pt"
+    env = {**os.environ, "TVMFLASH_CACHE_DIR": str(tmp_path / "cache"), "TVMFLASH_QUIET": "0"}
+    run = subprocess.run([sys.executable, "-c", _WARM_SCRIPT, str(inputs), str(results)], capture_output=True,
+                         text=True, env=env, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return torch.load(results), run.stderr
+
+
+def test_a_warm_start_runs_cached_kernels_without_importing_tvm(tmp_path, gen, seed):
+    """The second process asks the questions the first answered: it loads the same entries with
+    TVM's runtime library alone (``import tvm`` never runs) and computes the same results, which
+    meet the flash-attn rule against float64 (fp32 training call, bf16 decode step)."""
+    from conftest import assert_flash_rule
+    from tvmflash.reference import reference_attention
+
+    n, heads, heads_k, d = 37, 4, 2, 32
+    q, dout = (torch.randn(2, n, heads, d, generator=gen) for _ in range(2))
+    k, v = (torch.randn(2, n, heads_k, d, generator=gen) for _ in range(2))
+    qd = torch.randn(1, 1, heads, d, generator=gen).to(torch.bfloat16)
+    k_cache, v_cache = (torch.randn(1, 45, heads_k, d, generator=gen).to(torch.bfloat16) for _ in range(2))
+    inputs = tmp_path / "inputs.pt"
+    torch.save((q, k, v, dout, qd, k_cache, v_cache), inputs)
+
+    cold, cold_log = _run_warm_script(tmp_path, inputs, 1)
+    warm, warm_log = _run_warm_script(tmp_path, inputs, 2)
+    assert "compiling" in cold_log and cold["tvm imported"] == (False, True)
+    assert "compiling" not in warm_log and warm["tvm imported"] == (False, False), warm_log[-2000:]
+    assert torch.equal(warm["out"], cold["out"]) and torch.equal(warm["decoded"], cold["decoded"])
+    assert all(torch.equal(a, b) for a, b in zip(warm["grads"], cold["grads"]))
+
+    q64, k64, v64 = (t.double().requires_grad_() for t in (q, k, v))
+    ref64, _ = reference_attention(q64, k64, v64, causal=True)
+    ref64.backward(dout.double())
+    qf, kf, vf = (t.clone().requires_grad_() for t in (q, k, v))
+    same, _ = reference_attention(qf, kf, vf, causal=True, dtype=torch.float32)
+    same.backward(dout)
+    assert_flash_rule("out", warm["out"], ref64, same, torch.float32, seed)
+    for name, ours, ref, plain in zip("qkv", warm["grads"], (q64, k64, v64), (qf, kf, vf)):
+        assert_flash_rule(f"d{name}", ours, ref.grad, plain.grad, torch.float32, seed)
+    dec64, _ = reference_attention(qd, k_cache, v_cache)
+    dec16, _ = reference_attention(qd, k_cache, v_cache, dtype=torch.bfloat16)
+    assert_flash_rule("decode", warm["decoded"], dec64, dec16, torch.bfloat16, seed)
+
+
+def test_an_answer_holds_while_the_files_it_read_do(tmp_path, monkeypatch):
+    """A recorded answer names its entry only while every file the resolution read (tuning
+    records, product rates) holds what it held, absent ones included; and only an entry's name."""
+    monkeypatch.setenv("TVMFLASH_CACHE_DIR", str(tmp_path / "cache"))
+    records, absent, key = tmp_path / "records.json", tmp_path / "absent.json", "0123456789abcdef01234567"
+    records.write_text("{}")
+    cache.remember_answer("q1", key, [records, absent])
+    assert cache.answer("q1") == key and cache.answer("q2") is None
+    records.write_text('{"forward": {}}')
+    assert cache.answer("q1") is None
+    cache.remember_answer("q1", key, [records, absent])
+    assert cache.answer("q1") == key
+    absent.write_text("{}")
+    assert cache.answer("q1") is None
+    absent.unlink()
+    records.unlink()
+    assert cache.answer("q1") is None
+    (tmp_path / "cache" / "answers" / "q1.json").write_text("not json")
+    assert cache.answer("q1") is None
+    cache.remember_answer("q1", "../../elsewhere/library", [])
+    assert cache.answer("q1") is None
+
+
+def test_an_answer_others_can_write_is_refused(tmp_path, monkeypatch):
+    monkeypatch.setenv("TVMFLASH_CACHE_DIR", str(tmp_path / "cache"))
+    cache.remember_answer("q1", "0123456789abcdef01234567", [])
+    path = tmp_path / "cache" / "answers" / "q1.json"
+    assert oct(path.stat().st_mode & 0o777) == oct(0o600)
+    os.chmod(path, 0o666)
+    with pytest.raises(cache.UnsafeCacheError, match="will not read"):
+        cache.answer("q1")
+
+
+def test_compiles_take_recorded_answers_and_resolve_again_when_records_change(tmp_path, monkeypatch):
+    """In process: a cleared memory cache takes the recorded answer (no resolution, the same
+    entry); a tuning-record file written since makes it resolve again; an answer pointing at an
+    entry of another spec is not taken (the request is resolved, and the answer rewritten)."""
+    monkeypatch.setenv("TVMFLASH_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("TVMFLASH_TUNE_LOGS", str(tmp_path / "logs"))
+    compiler.clear_memory_cache()
+    resolved = []
+    real = compiler._compile_spec
+    monkeypatch.setattr(compiler, "_compile_spec", lambda *a, **kw: resolved.append(a) or real(*a, **kw))
+    first = tvmflash.compile("llvm", head_dim=32, dtype="float32")
+    other = tvmflash.compile("llvm", head_dim=16, dtype="float32")
+    assert len(resolved) == 2
+    compiler.clear_memory_cache()
+    again = tvmflash.compile("llvm", head_dim=32, dtype="float32", causal=True)
+    assert len(resolved) == 2 and again.meta == first.meta and again.causal
+
+    answers = {json.loads(path.read_text())["key"]: path for path in (tmp_path / "cache" / "answers").iterdir()}
+    first_answer = answers[first.meta["cache_key"]]
+    first_answer.write_text(first_answer.read_text().replace(first.meta["cache_key"], other.meta["cache_key"]))
+    compiler.clear_memory_cache()
+    assert tvmflash.compile("llvm", head_dim=32, dtype="float32").meta == first.meta and len(resolved) == 3
+    assert json.loads(first_answer.read_text())["key"] == first.meta["cache_key"]
+
+    spec = AttentionSpec(32, "float32")
+    record = records.record_path(records.user_root(), targets.key(first.meta["target"]), spec)
+    record.parent.mkdir(parents=True)
+    record.write_text("{}")  # (a record of no kernel: the configs stay, the resolution runs again)
+    compiler.clear_memory_cache()
+    assert tvmflash.compile("llvm", head_dim=32, dtype="float32").meta == first.meta and len(resolved) == 4

@@ -151,8 +151,8 @@ def test_every_file_of_a_cache_entry_is_checked_and_rebuilt(tmp_path, monkeypatc
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert cache.store(key, request, stored_kernels._module, stored_kernels._source) is not None
-        module, source, so = cache.load(key, request, functions)
-    assert source == stored_kernels._source and so.is_file()
+        entry = cache.load(key, request, functions)
+    assert entry.source == stored_kernels._source and entry.library.is_file() and entry.request == request
 
 
 # --- 7. kernels compiled for another CPU refuse to run ------------------------------------------------
@@ -471,4 +471,6 @@ def test_full_tmpdir_or_cache_directory_does_not_end_the_process(tmp_path, full_
     assert run.stdout.splitlines() == ["compiled and stored with a full TMPDIR", "full cache directory: a warning",
                                        "full export directory: OSError"]
     assert sorted(p.name for p in full_filesystem.rglob("*")) == ["cache"]  # nothing left behind
-    assert {p.suffix for p in (tmp_path / "cache").iterdir()} == {".so", ".json", ".src"}
+    stored = tmp_path / "cache"
+    assert {p.suffix for p in stored.iterdir() if p.name != "answers"} == {".so", ".json", ".src"}
+    assert [p.suffix for p in (stored / "answers").iterdir()] == [".json"]  # (compile's answer)

@@ -32,6 +32,14 @@ def test_demo_checks_itself():
     assert "GiB, standard" in out
 
 
+def test_startup_script_measures_a_warm_start():
+    """benchmarks/startup.py: a fresh process's import and first calls, tvmflash's without ``tvm``."""
+    out = _run("benchmarks/startup.py", "--runs", "1")
+    for row in ("`import torch`", "`import tvmflash` (after torch)", "first training call", "first decode step"):
+        assert f"| {row}" in out
+    assert "`tvm` imported by tvmflash's processes: [False]; tvmflash from [" in out
+
+
 def test_issue23_session_script_names_what_model_speed_takes():
     """benchmarks/issue23_session.sh (a session's worth of model_speed.py runs) parses, and each
     part it runs is one of model_speed.py's."""

@@ -27,12 +27,15 @@ import errno
 import hashlib
 import json
 import os
+import re
 import shutil
 import stat
 import subprocess
 import tempfile
 from pathlib import Path
+from typing import NamedTuple
 
+from .libraries import load_library
 from .settings import cache_dir, warn
 
 
@@ -142,10 +145,19 @@ def _check_file(path: Path, digest: str) -> None:
         raise _BrokenEntry(f"{path.name} does not match its recorded checksum (truncated or modified)")
 
 
-def load(key: str, request: dict, functions: tuple[str, ...]):
-    """(module, source text or None, path of the .so) of a valid entry for ``request``, or None."""
-    import tvm
+class Entry(NamedTuple):
+    module: object
+    source: str | None
+    library: Path  # the entry's .so
+    request: dict  # what it was built for (its cache key's input)
 
+
+def load(key: str, request, functions: tuple[str, ...]) -> Entry | None:
+    """A valid entry built for ``request``, or None (a broken entry with a warning: the caller
+    builds it again). ``request`` may instead be a function that says whether the request an
+    entry records will do (a warm start: its caller resolves the request on any None, and warns
+    there if need be, so this one never warns). CPU libraries load with TVM's runtime alone."""
+    quiet = callable(request)
     directory = safe_directory(create=False)
     if directory is None:
         return None
@@ -165,7 +177,7 @@ def load(key: str, request: dict, functions: tuple[str, ...]):
             digests[".so"]
         except (OSError, ValueError, KeyError, TypeError) as err:
             raise _BrokenEntry(f"its metadata {meta_path.name} is missing or unreadable") from err
-        if stored_request != request:
+        if not (request(stored_request) if quiet else stored_request == request):
             raise _BrokenEntry("it was built for another request")
         _check_file(so, digests[".so"])
         source = None
@@ -173,18 +185,16 @@ def load(key: str, request: dict, functions: tuple[str, ...]):
             _check_file(src, digests[".src"])
             source = src.read_bytes().decode("utf-8", errors="replace")
         try:
-            module = tvm.runtime.load_module(str(so))
+            module = load_library(so, stored_request["target"]["kind"])
             for name in functions:
                 module[name]
-        except (OSError, ValueError, RuntimeError, AttributeError) as err:
+        except (OSError, ValueError, RuntimeError, AttributeError, KeyError, TypeError) as err:
             raise _BrokenEntry(f"it does not load ({err})") from err
-    except OSError as err:  # unreadable files (a directory, EIO, ...)
-        warn(f"rebuilding cache entry {so.name}: {err}")
+    except (OSError, _BrokenEntry) as err:  # (OSError: unreadable files, a directory, EIO, ...)
+        if not quiet:
+            warn(f"rebuilding cache entry {so.name}: {err}")
         return None
-    except _BrokenEntry as err:
-        warn(f"rebuilding cache entry {so.name}: {err}")
-        return None
-    return module, source, so
+    return Entry(module, source, so, stored_request)
 
 
 def _replace(tmp: Path, path: Path) -> None:
@@ -203,8 +213,6 @@ def store(key: str, request: dict, module, source: str | None, reload: bool = Fa
     library, even after the file was replaced), and rewriting the entry in place (damage, a
     test) cannot change code this process has mapped. ``threads.route`` uses the loaded name.
     """
-    import tvm
-
     try:
         directory = safe_directory()
         with tempfile.TemporaryDirectory(dir=directory) as tmp:
@@ -221,7 +229,7 @@ def store(key: str, request: dict, module, source: str | None, reload: bool = Fa
             _replace(Path(tmp) / "kernels.json", directory / f"{key}.json")
             loaded, entry_so = None, tmp_so
             if reload:  # this process maps its own copy, which nothing can rewrite under it
-                loaded = tvm.runtime.load_module(str(tmp_so))
+                loaded = load_library(tmp_so, request["target"]["kind"])
                 entry_so = Path(tmp) / "entry.so"
                 shutil.copyfile(tmp_so, entry_so)
             _replace(entry_so, directory / f"{key}.so")  # last: its presence marks a complete entry
@@ -229,6 +237,60 @@ def store(key: str, request: dict, module, source: str | None, reload: bool = Fa
     except (OSError, RuntimeError, UnsafeCacheError) as err:  # TVM reports export failures as RuntimeError
         warn(f"could not write the compile cache in {cache_dir()} ({err}); continuing without it")
         return (None, None, None) if reload else None
+
+
+# --- answers: which entry a request resolved to, for the next process ------------------------------
+# ``compiler`` names a request as asked (its ``question``: a digest) and records the entry it
+# resolved to, with the digests of the files the resolution read (tuning records, product rates).
+# An answer only names an entry: ``load`` still checks the entry itself.
+def _answer_path(question: str) -> Path | None:
+    directory = safe_directory(create=False)
+    return None if directory is None else directory / "answers" / f"{question}.json"
+
+
+def _read_digest(path: str) -> str | None:
+    try:
+        return _digest(Path(path))
+    except OSError:  # (missing: the resolution saw none)
+        return None
+
+
+def answer(question: str) -> str | None:
+    """The entry key recorded for ``question`` if every file its resolution read still has the
+    recorded digest, else None."""
+    path = _answer_path(question)
+    if path is None or not path.exists():
+        return None
+    reason = _unsafe_reason(path, path.stat())
+    if reason:
+        raise UnsafeCacheError(f"tvmflash will not read {path}: {reason}. Delete it (or the cache directory) "
+                               "and it will be written again.")
+    try:
+        recorded = json.loads(path.read_text(encoding="utf-8"))
+        key, reads = str(recorded["key"]), dict(recorded["reads"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None  # (a damaged answer: resolved again, and rewritten)
+    if not re.fullmatch(r"[0-9a-f]{24}", key):  # (an entry's name, never a path)
+        return None
+    return key if all(_read_digest(file) == digest for file, digest in reads.items()) else None
+
+
+def remember_answer(question: str, key: str, reads: list[Path]) -> None:
+    """Record that ``question`` resolved to entry ``key`` while ``reads`` held what they hold now.
+    Nothing is recorded where the cache directory cannot be written (no warning: the entry's own
+    store warned)."""
+    text = json.dumps({"key": key, "reads": {str(file): _read_digest(str(file)) for file in reads}})
+    temporary = None
+    try:
+        directory = safe_directory() / "answers"
+        directory.mkdir(mode=0o700, exist_ok=True)
+        with tempfile.NamedTemporaryFile("w", dir=directory, suffix=".tmp", delete=False, encoding="utf-8") as f:
+            temporary = Path(f.name)  # (mode 0600: mkstemp)
+            f.write(text)
+        os.replace(temporary, directory / f"{question}.json")
+    except (OSError, UnsafeCacheError):
+        if temporary is not None:
+            temporary.unlink(missing_ok=True)
 
 
 # --- prebuilt kernels ($TVMFLASH_PREBUILT): the same rules, for a directory someone filled -------------

@@ -5,6 +5,15 @@ Layering: this module decides *what* to build (target, spec, the configs chosen 
 (``$TVMFLASH_PREBUILT``), the disk cache (``cache.py``), or a build. Only a build imports the
 code generators (``build.py``), so cached and prebuilt kernels load with TVM's runtime alone.
 
+**Warm starts.** Resolving a request (this CPU's target from LLVM, the configs) needs TVM's
+compiler, and ``import tvm`` takes ~1.3 s. So each resolution is recorded in the disk cache
+under its *question*: the request as asked, and what else decides its answer that can be read
+without TVM (versions, the kernel code's digest, this CPU, the steering environment), with the
+digests of the files it read (tuning records, product rates). A later process asking the same
+question loads the recorded entry with TVM's runtime library alone (``libraries``) after
+checking it against the question; ``import tvmflash`` and a call whose kernels are cached never
+import ``tvm``.
+
 Every kernel build is keyed by a request: versions of tvmflash, TVM and tvm-ffi, a hash of the
 code that generates kernels (every module a build runs, found from the imports), the full target, the spec, the configs (and
 for CUDA the mask and determinism it builds in). A change to any of them builds anew.
@@ -12,15 +21,17 @@ for CUDA the mask and determinism it builds in). A change to any of them builds 
 
 from __future__ import annotations
 
+import functools
 import hashlib
+import importlib.metadata
 import json
 import os
 import shutil
 import threading
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import tvm
 import tvm_ffi
 
 from . import cache, checks, cuda_binaries, import_closure, product_rates, records, runtime, settings
@@ -30,6 +41,9 @@ from .config import (AMX, AMX_TILE, BF16_DOT, KERNELS, TILE_EDGES, CPUKernelConf
 from .runtime import FlashKernels
 from .spec import Alibi, AttentionSpec, Softcap
 from .version import __version__
+
+if TYPE_CHECKING:
+    import tvm
 
 # The modules that generate kernels: a build runs them and everything they import, and the disk
 # cache keys hash exactly that (``import_closure``): a change to any of it builds anew. ``build``
@@ -134,11 +148,10 @@ def _request(target: tvm.target.Target, spec: AttentionSpec, configs: dict, dete
     kind = target.kind.name
     is_cuda = kind == "cuda"
     meta = {
-        "versions": {"tvmflash": __version__, "tvm": tvm.__version__, "tvm_ffi": tvm_ffi.__version__,
-                     "sources": sources_digest()},
+        "versions": _versions(),
         "target": targets.code_json(target),
         "spec": spec.to_json(),
-        "mod_inputs": [[i.name, list(i.shape), i.dtype, i.requires_grad] for i in spec.mod_inputs],
+        "mod_inputs": _mod_inputs(spec),
         "configs": {kernel: cfg.to_json() for kernel, cfg in configs.items()},
         # kernels take the mask per call; an export records its object's default (runtime.py)
         "causal": False,
@@ -148,6 +161,20 @@ def _request(target: tvm.target.Target, spec: AttentionSpec, configs: dict, dete
     if not is_cuda:
         meta["isa_features"] = targets.isa_features(target)
     return meta
+
+
+def _mod_inputs(spec: AttentionSpec) -> list:
+    return [[i.name, list(i.shape), i.dtype, i.requires_grad] for i in spec.mod_inputs]
+
+
+def _versions(tvm_version: str | None = None) -> dict:
+    """What a request records of the code that builds it (``tvm_version``: TVM's, when already
+    known; else ``import tvm`` asks it)."""
+    if tvm_version is None:
+        import tvm
+
+        tvm_version = tvm.__version__
+    return {"tvmflash": __version__, "tvm": tvm_version, "tvm_ffi": tvm_ffi.__version__, "sources": sources_digest()}
 
 
 def _key(request: dict) -> str:
@@ -214,11 +241,17 @@ def compile_spec(target, spec: AttentionSpec, *, causal: bool = False, config=No
             found = _request_memo.get(memo)
         if found is not None:
             return found
-    kernels_obj = _compile_spec(target, spec, causal=causal, config=config, tuned=tuned, seqlen=seqlen, cache=cache,
-                                deterministic=deterministic)
-    if memo is not None:
-        with _lock:
-            _request_memo[memo] = kernels_obj
+    if memo is None:
+        return _compile_spec(target, spec, causal=causal, config=config, tuned=tuned, seqlen=seqlen, cache=cache,
+                             deterministic=deterministic)
+    def resolve() -> FlashKernels:
+        return _compile_spec(target, spec, causal=False, config=None, tuned=tuned, seqlen=seqlen, cache=True,
+                             deterministic=deterministic)
+
+    kernels_obj = _answered("flash", target, [spec.digest(), _mod_inputs(spec), deterministic, tuned, seqlen], spec,
+                            runtime.CPU_FUNCTIONS, FlashKernels, resolve, tuned).with_causal(causal)
+    with _lock:
+        _request_memo[memo] = kernels_obj
     return kernels_obj
 
 
@@ -231,6 +264,8 @@ def clear_memory_cache() -> None:
 
 def can_compile() -> bool:
     """Whether TVM's compiler is here (not its runtime alone, which loads prebuilt kernels only)."""
+    import tvm
+
     return not tvm.base._RUNTIME_ONLY
 
 
@@ -293,12 +328,79 @@ def _once(memo: dict, key, make):
     return found
 
 
-def _load_from_disk(key: str, request: dict, meta: dict) -> FlashKernels | None:
-    loaded = cache.load(key, request, runtime.functions_of(meta))
-    if loaded is None:
+# --- warm starts: requests answered in an earlier process (module docstring) ---------------------
+def _answered(kind: str, target, asked: list, spec: AttentionSpec, functions: tuple[str, ...], kernels_class,
+              resolve, tuned: bool = False):
+    """``kernels_class`` for a request: the entry an earlier process resolved the same question to,
+    loaded without TVM's compiler; else ``resolve()`` (the kernels, from the disk cache or built),
+    whose answer is recorded with the files the resolution read: the tuning records (``tuned``)
+    and, for bf16, the measured product rates."""
+    question = _question(kind, target, asked, spec)
+    if question is not None:
+        key = cache.answer(question)
+        if key is not None:
+            found = _once(_memory_cache, key, lambda: _load_answer(key, kind, spec, functions, kernels_class))
+            if found is not None:
+                return found
+    kernels = resolve()
+    key = None if kernels is None else kernels.meta.get("cache_key")
+    if question is not None and key is not None:
+        reads = _records_read(kernels.meta, spec) if tuned else []
+        if spec.dtype == "bfloat16":
+            reads.append(product_rates.stored_file())
+        cache.remember_answer(question, key, reads)
+    return kernels
+
+
+def _question(kind: str, target, asked: list, spec: AttentionSpec) -> str | None:
+    """The digest that names a request for CPU kernels as asked, with everything besides it that
+    decides its answer and is known without TVM; None where no warm start applies (CUDA, a
+    ``tvm.target.Target``, prebuilt kernels, a TVM install that names no version)."""
+    if target not in ("llvm", "cpu") and not (isinstance(target, dict) and target.get("kind") == "llvm"):
         return None
-    module, source, so = loaded
-    return FlashKernels(module, meta, source, library=so)
+    if os.environ.get("TVMFLASH_PREBUILT") or _installed_tvm_version() is None:
+        return None
+    try:
+        text = json.dumps([kind, target, asked, _versions(_installed_tvm_version()), product_rates.machine_key(),
+                           [os.environ.get(name) for name in _STEERING_ENV]], sort_keys=True)
+    except TypeError:  # (a target dict with values JSON cannot write)
+        return None
+    return hashlib.sha256(text.encode()).hexdigest()[:24]
+
+
+@functools.lru_cache(maxsize=None)
+def _installed_tvm_version() -> str | None:
+    """TVM's version without importing it (its distribution's metadata), or None if unknown."""
+    try:
+        return importlib.metadata.version("apache-tvm")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _load_answer(key: str, kind: str, spec: AttentionSpec, functions: tuple[str, ...], kernels_class):
+    """The recorded entry, if it holds what the question asks: this request kind and spec, the
+    code of these versions, for instructions this CPU has."""
+    def answers(request: dict) -> bool:
+        return (request.get("kernel", "flash") == kind and request["spec"] == spec.to_json()
+                and request["versions"] == _versions(_installed_tvm_version())
+                and request["target"]["kind"] == "llvm"
+                and not targets.missing_isa_features(request.get("isa_features", ())))
+
+    entry = cache.load(key, answers, functions)
+    if entry is None:
+        return None
+    return kernels_class(entry.module, {**entry.request, "cache_key": key}, entry.source, library=entry.library)
+
+
+def _records_read(meta: dict, spec: AttentionSpec) -> list[Path]:
+    """The tuning-record files ``choose_configs`` read for kernels of this target and spec."""
+    target_key = targets.key(meta["target"])
+    return [records.record_path(root, target_key, spec) for root in (records.user_root(), records.shipped_root())]
+
+
+def _load_from_disk(key: str, request: dict, meta: dict) -> FlashKernels | None:
+    entry = cache.load(key, request, runtime.functions_of(meta))
+    return None if entry is None else FlashKernels(entry.module, meta, entry.source, library=entry.library)
 
 
 def _stored(kernels_class, key: str, request: dict, meta: dict, lib, source: str | None, reload: bool = True):
@@ -319,6 +421,8 @@ def _can_load(target: tvm.target.Target) -> bool:
     """CUDA modules load back only where a GPU driver is present (elsewhere TVM builds a module
     that holds the CUDA source: it exports, for a GPU machine to compile at load, but the disk
     cache could not load it here)."""
+    import tvm
+
     return target.kind.name != "cuda" or tvm.cuda(0).exist
 
 
@@ -548,8 +652,7 @@ def _module_request(kind: str, target: tvm.target.Target, spec: AttentionSpec, c
     """Everything a one-kernel module's build depends on (JSON): its cache key and metadata."""
     return {
         "kernel": kind,
-        "versions": {"tvmflash": __version__, "tvm": tvm.__version__, "tvm_ffi": tvm_ffi.__version__,
-                     "sources": sources_digest()},
+        "versions": _versions(),
         "target": targets.code_json(target),
         "isa_features": targets.isa_features(target),
         "spec": spec.to_json(),
@@ -561,24 +664,35 @@ def compile_decode(target, spec: AttentionSpec, *, config=None, cache: bool = Tr
     """The ``flash_decode`` kernel (``kernels/decode.py``) for a CPU target and spec, from the
     memory or disk cache or built. One kernel serves every batch, cache layout (dense or
     paged), length, split and window; the spec fixes head dim, dtype and softcap / ALiBi."""
-    if not can_compile():
-        raise RuntimeError(f"TVM's runtime alone cannot compile kernels, and prebuild() does not cover the decode "
-                           f"kernel ({spec.describe()}) of flash_attn_with_kvcache: use it where TVM's compiler is "
-                           "installed")
-    target = _cpu_target(target, "flash_attn_with_kvcache")
-    cfg = choose_decode_config(target, spec, config)
-    return _cpu_module("decode", "flash decode", target, spec, cfg.to_json(),
-                       lambda build: build.build_decode_module(target, spec, cfg), runtime.DecodeKernels, cache)
+    def resolve() -> runtime.DecodeKernels:
+        if not can_compile():
+            raise RuntimeError(f"TVM's runtime alone cannot compile kernels, and prebuild() does not cover the "
+                               f"decode kernel ({spec.describe()}) of flash_attn_with_kvcache: use it where TVM's "
+                               "compiler is installed")
+        cpu = _cpu_target(target, "flash_attn_with_kvcache")
+        cfg = choose_decode_config(cpu, spec, config)
+        return _cpu_module("decode", "flash decode", cpu, spec, cfg.to_json(),
+                           lambda build: build.build_decode_module(cpu, spec, cfg), runtime.DecodeKernels, cache)
+
+    if config is not None or not cache:
+        return resolve()
+    return _answered("decode", target, [spec.digest(), _mod_inputs(spec)], spec, runtime.DecodeKernels.FUNCTIONS,
+                     runtime.DecodeKernels, resolve)
 
 
-def compile_sinks(target, spec: AttentionSpec) -> runtime.SinkKernels:
+def compile_sinks(target, spec: AttentionSpec) -> runtime.SinkKernels | None:
     """The attention sinks' rescale and gradient kernels (``kernels/sinks.py``) for a CPU target,
-    head dim and dtype (of out'), from the memory or disk cache or built (~0.1 s)."""
-    if not can_compile():
-        raise RuntimeError("TVM's runtime alone cannot compile the sink kernels (sinks.py keeps its torch ops)")
-    target = _cpu_target(target, "the sink kernels")
-    return _cpu_module("sinks", "the sink kernels", target, spec, None,
-                       lambda build: build.build_sink_module(target, spec), runtime.SinkKernels, True)
+    head dim and dtype (of out'), from the memory or disk cache or built (~0.1 s); None where
+    they are not cached and TVM's runtime alone cannot build them (sinks.py keeps its torch ops)."""
+    def resolve() -> runtime.SinkKernels | None:
+        if not can_compile():
+            return None
+        cpu = _cpu_target(target, "the sink kernels")
+        return _cpu_module("sinks", "the sink kernels", cpu, spec, None,
+                           lambda build: build.build_sink_module(cpu, spec), runtime.SinkKernels, True)
+
+    return _answered("sinks", target, [spec.digest()], spec, runtime.SinkKernels.FUNCTIONS, runtime.SinkKernels,
+                     resolve)
 
 
 def _cpu_target(target, what: str) -> tvm.target.Target:
@@ -599,10 +713,9 @@ def _cpu_module(kind: str, title: str, target: tvm.target.Target, spec: Attentio
 
     def load_or_build():
         if cache:
-            loaded = _cache.load(key, request, kernels_class.FUNCTIONS)
-            if loaded is not None:
-                module, source, so = loaded
-                return kernels_class(module, meta, source, library=so)
+            entry = _cache.load(key, request, kernels_class.FUNCTIONS)
+            if entry is not None:
+                return kernels_class(entry.module, meta, entry.source, library=entry.library)
         settings.progress(f"compiling {title} ({targets.key(target)}, {spec.describe()}) ...")
         start = time.perf_counter()
         from . import build

@@ -32,7 +32,7 @@ import math
 
 import torch
 
-from . import checks, compiler, flex_trace, plan, torch_op
+from . import checks, compiler, plan, torch_op
 from .runtime import FlashKernels
 from .spec import MAX_HEAD_DIM, AttentionSpec
 
@@ -48,7 +48,11 @@ def _traced(kind: str, fn, device: str = "cpu", under_dynamo: bool = False):
     caller (``under_dynamo``), that caller's own guards do (``_read_under_dynamo``): traced
     directly, once per trace of the caller.
     """
-    if fn is None or isinstance(fn, (flex_trace.TracedScoreMod, flex_trace.TracedMaskMod)):
+    if fn is None:
+        return None
+    from . import flex_trace  # (TVM's IR: imported where a mod is traced)
+
+    if isinstance(fn, (flex_trace.TracedScoreMod, flex_trace.TracedMaskMod)):
         return fn  # (traced by the caller: padded.py's mods read nothing but the tensors they hold)
     if under_dynamo:
         trace = flex_trace.trace_score_mod if kind == "score_mod" else flex_trace.trace_mask_mod

@@ -26,16 +26,19 @@ transformers' layout (``repeated_heads_first_training``).
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
-from . import checks, flex_trace, torch_op, uniform_rows
+from . import checks, torch_op, uniform_rows
 from . import sinks as sinks_module
 from .documents import documents_from_positions
 from .tensor_memo import per_tensor, remembered
 from .flex import flex_attention_backward, flex_attention_forward
 from .uniform_rows import UniformRows
+
+if TYPE_CHECKING:
+    from . import flex_trace
 
 
 # --- what a mask says ----------------------------------------------------------------------------
@@ -436,6 +439,8 @@ def _softcap_mod(softcap: float, device: str) -> flex_trace.TracedScoreMod:
     def softcapped(score, b, h, q_idx, kv_idx):
         return softcap * torch.tanh(score / softcap)
 
+    from . import flex_trace  # (TVM's IR: imported where a mod is traced)
+
     return flex_trace.trace_score_mod(softcapped, device=device)
 
 
@@ -468,6 +473,8 @@ def _window_block_mask(mask: torch.Tensor, len_q: int, left: int, right: int, bl
 
     # traced here, once per mask: it reads nothing but the tensors it holds (flex_attention
     # would ask dynamo on each call whether what it reads has changed, also inside compiled graphs)
+    from . import flex_trace
+
     mask_mod = flex_trace.trace_mask_mod(window_over_mask, device=mask.device.type)
 
     device = mask.device

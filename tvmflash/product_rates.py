@@ -178,14 +178,21 @@ def forget_measurements() -> None:
         _measured.clear()
 
 
+def stored_file(key: str | None = None) -> Path:
+    """Where this machine's (``key``: another's) measured rates are kept (``cache.safe_directory``)."""
+    from .cache import safe_directory
+
+    return safe_directory() / f"product-rates-{key or machine_key()}.json"
+
+
 def _stored_or_measured(key: str) -> ProductRates:
-    from .cache import UnsafeCacheError, check_own_file, safe_directory
+    from .cache import UnsafeCacheError, check_own_file
 
     missing = targets.missing_isa_features(targets.BF16_DOT_FEATURES)
     if missing:  # the probe's instructions would fault here
         raise OSError(f"this CPU lacks {', '.join(missing)}")
-    directory = safe_directory()
-    stored = directory / f"product-rates-{key}.json"
+    stored = stored_file(key)
+    directory = stored.parent
     if stored.exists():
         try:
             check_own_file(stored)

@@ -1,5 +1,9 @@
 """Kernel objects users call, and ``load``: TVM's runtime alone (no compiler, no torch).
 
+CPU libraries load with TVM's runtime library alone (``libraries.load_library``), not through
+``import tvm``: a process whose kernels are all in the disk cache never imports TVM's Python
+package (``compiler``'s warm starts).
+
 ``FlashKernels`` wraps a compiled module with its metadata (``meta``: target, spec, configs,
 tuning records) and launches it: it checks the arguments (``checks.py``), plans the work
 (``plan.py``: sequence tables, backward rounds, thread count) and calls the kernels, which write
@@ -18,12 +22,17 @@ import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import tvm
+import numpy as np
 import tvm_ffi
 
 from . import cache, checks, cuda_binaries, plan, settings, threads
 from .config import AMX, BF16_DOT, config_from_json
+from .libraries import load_library
+
+if TYPE_CHECKING:
+    import tvm
 
 CPU_FUNCTIONS = ("flash_fwd", "flash_bwd", "uniform_means", "uniform_grads")
 CUDA_FUNCTIONS = ("flash_fwd", "flash_bwd_prep", "flash_bwd", "flash_bwd_dq")
@@ -129,6 +138,8 @@ class FlashKernels:
     # parsed on demand: loading prebuilt kernels must work without TVM's compiler library
     @property
     def target(self) -> tvm.target.Target:
+        import tvm
+
         return tvm.target.Target(self.meta["target"])
 
     @functools.cached_property
@@ -417,8 +428,7 @@ def _threads(num_threads) -> int:
 def _batched_arrays_cached(batch, seqlen_q, seqlen_k, block_q, block_k, heads_k, diagonal, device_key):
     seqs = plan.batched(batch, seqlen_q, seqlen_k, block_q=block_q, block_k=block_k, heads_k=heads_k,
                         diagonal=diagonal)
-    device = None if device_key is None else tvm.runtime.Device(*device_key)
-    return seqs, [tvm.runtime.tensor(a, device) for a in seqs.arrays()]
+    return seqs, _tables(seqs, device_key)
 
 
 @functools.lru_cache(maxsize=256)
@@ -427,8 +437,7 @@ def _varlen_arrays_cached(cu_q: tuple, cu_k: tuple, block_q, block_k, heads_k, d
     and the forward and backward of each, call with the same ones; the plan and the copies into
     TVM tensors took ~130 us of a 4-sequence call's ~400)."""
     seqs = plan.varlen(cu_q, cu_k, block_q=block_q, block_k=block_k, heads_k=heads_k)
-    device = None if device_key is None else tvm.runtime.Device(*device_key)
-    return seqs, [tvm.runtime.tensor(a, device) for a in seqs.arrays()]
+    return seqs, _tables(seqs, device_key)
 
 
 @functools.lru_cache(maxsize=256)
@@ -437,7 +446,26 @@ def _row_runs_arrays_cached(row_runs: tuple, block_q, block_k, heads_k):
     lengths = [end - start for start, end in zip(starts, ends)]
     seqs = plan.sequences(starts, lengths, starts, lengths, packed=False, block_q=block_q, block_k=block_k,
                           heads_k=heads_k, rows=rows)
-    return seqs, [tvm.runtime.tensor(a) for a in seqs.arrays()]
+    return seqs, _tables(seqs, None)
+
+
+def _tables(seqs: plan.Sequences, device_key) -> list:
+    """A plan's tables as kernel arguments: on the CPU (``device_key`` None) the arrays in place,
+    64-byte aligned as TVM's allocator aligns them; elsewhere copied to the device by TVM."""
+    if device_key is None:
+        return [tvm_ffi.from_dlpack(_aligned(a)) for a in seqs.arrays()]
+    import tvm
+
+    return [tvm.runtime.tensor(a, tvm.runtime.Device(*device_key)) for a in seqs.arrays()]
+
+
+def _aligned(a: np.ndarray) -> np.ndarray:
+    """A C-contiguous copy of a numpy array whose data starts on a 64-byte boundary."""
+    raw = np.empty(a.nbytes + 64, dtype=np.uint8)
+    start = -raw.ctypes.data % 64
+    out = raw[start:start + a.nbytes].view(a.dtype).reshape(a.shape)
+    out[...] = a
+    return out
 
 
 def _batched_arrays(batch, seqlen_q, seqlen_k, block_q, block_k, heads_k, diagonal, device=None):
@@ -473,6 +501,8 @@ def _workspace(like, shape: tuple):
     """An fp32 scratch tensor on the device of ``like`` (torch's allocator for torch tensors)."""
     if type(like).__module__.startswith("torch"):
         return like.new_empty(shape, dtype=sys.modules["torch"].float32)
+    import tvm
+
     return tvm.runtime.empty(shape, "float32", _device_of(like))
 
 
@@ -506,6 +536,8 @@ def load(path: str | os.PathLike) -> FlashKernels:
     meta = read_meta(path)
     if meta["target"]["kind"] == "cuda":
         _load_cuda_runtime()
+        import tvm
+
         if tvm.base._RUNTIME_ONLY:
             cuda_binaries.serve(path.parent, meta["target"].get("arch", "sm_90"))
     else:
@@ -516,7 +548,7 @@ def load(path: str | os.PathLike) -> FlashKernels:
             raise RuntimeError(f"{path} was compiled for {meta['target'].get('mcpu')} and uses instructions "
                                f"this CPU lacks ({', '.join(missing)}); compile the kernels here instead")
     try:
-        module = tvm.runtime.load_module(str(path))
+        module = load_library(path, meta["target"]["kind"])
         return FlashKernels(module, meta, library=path, causal=bool(meta.get("causal", False)))
     except (AttributeError, RuntimeError) as err:
         raise RuntimeError(f"{path} is not a library of tvmflash kernels ({err})") from err
@@ -528,6 +560,8 @@ def _load_cuda_runtime() -> None:
     if tvm_ffi.get_global_func("ffi.Module.load_from_bytes.cuda", allow_missing=True) is not None:
         return
     import ctypes
+
+    import tvm
 
     library = Path(tvm.__file__).parent / "lib" / "libtvm_runtime_cuda.so"
     try:

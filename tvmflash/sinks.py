@@ -58,14 +58,13 @@ def logits(sinks: torch.Tensor) -> torch.Tensor:
 def kernels(dtype: torch.dtype, head_dim: int):
     """The sink kernels (``runtime.SinkKernels``) for CPU tensors of ``dtype`` (out' and dO) and
     ``head_dim``, compiled at the first use (~0.1 s) and cached; None where TVM's compiler is
-    absent (its runtime alone: prebuilt kernels). (Kept whatever ``compiler.request_state`` says
-    later: no tuning record or product choice changes their code.)"""
+    absent (its runtime alone) and no earlier process cached them. (Kept whatever
+    ``compiler.request_state`` says later: no tuning record or product choice changes their code.)"""
     key = (dtype, head_dim)
     found = _kernels.get(key, False)
     if found is False:
-        found = _kernels[key] = (compiler.compile_sinks(torch_op.device_target(torch.device("cpu")),
-                                                        AttentionSpec(head_dim, str(dtype).removeprefix("torch.")))
-                                 if compiler.can_compile() else None)
+        found = _kernels[key] = compiler.compile_sinks(torch_op.device_target(torch.device("cpu")),
+                                                       AttentionSpec(head_dim, str(dtype).removeprefix("torch.")))
     return found
 
 

@@ -19,8 +19,9 @@ in ``_ARM_ISA``. Vectors are NEON's 128 bits (4 fp32 lanes, 32 registers) on eve
 fixed-width vectors are what LLVM lowers to NEON; SVE's scalable vectors are not used.
 ``is_aarch64`` tells a target's architecture (its ``mtriple``, else this machine's).
 
-``resolve`` needs TVM's compiler library; ``host_isa_features`` and ``runs_here`` do not (they
-read the CPU's flags), so prebuilt kernels can be checked against the CPU without it.
+``resolve`` needs TVM's compiler library (each function that asks LLVM imports ``tvm``);
+``host_isa_features``, ``missing_isa_features`` and ``key`` of a JSON dict do not (they read the
+CPU's flags), so cached and prebuilt kernels can be checked against the CPU without it.
 """
 
 from __future__ import annotations
@@ -29,17 +30,26 @@ import functools
 import hashlib
 import json
 import platform
+from typing import TYPE_CHECKING
 
-import tvm
 import tvm_ffi
-from tvm.target import codegen
 
 from .settings import usable_cpus
+
+if TYPE_CHECKING:
+    import tvm
+
+
+def _llvm(name: str):
+    """One of LLVM's functions that TVM's compiler library registers (``import tvm`` loads it)."""
+    import tvm  # noqa: F401
+
+    return tvm_ffi.get_global_func(name)
 
 
 @functools.lru_cache(maxsize=None)
 def host_cpu() -> str:
-    return str(tvm_ffi.get_global_func("target.llvm_get_system_cpu")())
+    return str(_llvm("target.llvm_get_system_cpu")())
 
 
 def host_target() -> tvm.target.Target:
@@ -65,6 +75,8 @@ def full_width_vectors(mcpu: str, mattr: tuple[str, ...]) -> tuple[str, ...]:
     early AVX-512 cores). With it LLVM splits the kernels' 16-lane vectors into ymm halves:
     twice the instructions. Without it, on a Sapphire Rapids-class Xeon (DEVELOPING.md), B1 N2048
     H8 D64 causal: fp32 forward 21.9 -> 20.4 ms, AMX bf16 forward 10.5 -> 9.0 ms."""
+    import tvm
+
     target = tvm.target.Target({"kind": "llvm", "mcpu": mcpu, **({"mattr": list(mattr)} if mattr else {})})
     return ("-prefer-256-bit",) if has_features(target, "avx512f", "prefer-256-bit") else ()
 
@@ -76,6 +88,8 @@ def feature_differences(mcpu: str, cpu_flags) -> tuple[str, ...]:
     LLVM knows (on any x86 model) that the flags have and the model lacks; sorted."""
     if cpu_flags is None:
         return ()
+    import tvm
+
     model = set(isa_features(tvm.target.Target({"kind": "llvm", "mcpu": mcpu})))
     lacking = {name for name in model if not _present(name, cpu_flags)}
     known = set(_ARM_ISA) if platform.machine() in _ARM_MACHINES else _known_isa_features()
@@ -90,7 +104,9 @@ def _present(name: str, cpu_flags) -> bool:
 @functools.lru_cache(maxsize=None)
 def _known_isa_features() -> frozenset[str]:
     """Every instruction-set extension of LLVM's x86 CPU models (~30 ms once)."""
-    archlist = tvm_ffi.get_global_func("target.llvm_get_cpu_archlist")
+    import tvm
+
+    archlist = _llvm("target.llvm_get_cpu_archlist")
     names = {str(name) for name in archlist(tvm.target.Target({"kind": "llvm"}))}
     return frozenset(f for name in names for f in isa_features(tvm.target.Target({"kind": "llvm", "mcpu": name})))
 
@@ -117,14 +133,14 @@ def _host_flags():
 def is_aarch64(target) -> bool:
     """Whether an LLVM target (a Target or its JSON dict) compiles for aarch64: its ``mtriple``,
     else (TVM's default triple) this machine's architecture."""
-    if isinstance(target, tvm.target.Target):
-        if target.kind.name != "llvm":
-            return False
-        triple = str(target.attrs.get("mtriple", ""))
-    else:
+    if isinstance(target, dict):
         if target.get("kind") != "llvm":
             return False
         triple = str(target.get("mtriple", ""))
+    else:
+        if target.kind.name != "llvm":
+            return False
+        triple = str(target.attrs.get("mtriple", ""))
     if triple:
         return triple.startswith(("aarch64", "arm64"))
     return platform.machine() in _ARM_MACHINES
@@ -132,6 +148,8 @@ def is_aarch64(target) -> bool:
 
 def resolve(target) -> tvm.target.Target:
     """Accepts "llvm", "cuda", a target dict or a ``tvm.target.Target``."""
+    import tvm
+
     if isinstance(target, tvm.target.Target):
         config = dict(target.export())
     elif isinstance(target, str):
@@ -147,8 +165,8 @@ def resolve(target) -> tvm.target.Target:
         raise TypeError(f"target must be a str, dict or tvm.target.Target, not {type(target).__name__}")
     kind = config.get("kind")
     if kind == "llvm":
-        mcpu, triple = config.get("mcpu"), str(config.get("mtriple") or codegen.llvm_get_system_triple())
-        if mcpu is not None and not codegen.llvm_is_valid_cpu(str(mcpu), triple):
+        mcpu, triple = config.get("mcpu"), str(config.get("mtriple") or tvm.target.codegen.llvm_get_system_triple())
+        if mcpu is not None and not tvm.target.codegen.llvm_is_valid_cpu(str(mcpu), triple):
             # (LLVM would only print an error and compile for a generic CPU)
             raise ValueError(f"LLVM knows no CPU {mcpu!r} for {triple}: name one LLVM models "
                              f"(tvm.target.codegen.llvm_get_cpu_archlist), or leave mcpu out for this machine's")
@@ -182,7 +200,7 @@ def code_json(target: tvm.target.Target) -> dict:
 def has_features(target: tvm.target.Target, *features: str) -> bool:
     """Whether LLVM compiles for all these features (LLVM names: "avx512f", "avx512bf16") on an
     LLVM target (needs TVM's compiler)."""
-    has = tvm_ffi.get_global_func("target.llvm_cpu_has_feature")
+    has = _llvm("target.llvm_cpu_has_feature")
     return all(bool(has(name, target)) for name in features)
 
 
@@ -259,7 +277,7 @@ _ARM_ISA = ("fp-armv8", "neon", "fullfp16", "dotprod", "bf16", "i8mm", "sve", "s
 
 def isa_features(target: tvm.target.Target) -> list[str]:
     """The instruction-set extensions an LLVM target compiles for (needs TVM's compiler)."""
-    features = tvm_ffi.get_global_func("target.llvm_get_cpu_features")(target)
+    features = _llvm("target.llvm_get_cpu_features")(target)
     if is_aarch64(target):
         return sorted(str(name) for name in features.keys() if str(name) in _ARM_ISA)
     return sorted(str(name) for name in features.keys() if _normal(str(name)).startswith(_ISA_PREFIXES))
