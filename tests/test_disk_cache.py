@@ -141,7 +141,9 @@ q, k, v = (t.requires_grad_() for t in (q, k, v))
 out = flash_attn_func(q, k, v, causal=True)
 out.backward(dout)
 decoded = flash_attn_with_kvcache(qd, k_cache, v_cache)
-torch.save({"out": out.detach(), "grads": [t.grad for t in (q, k, v)], "decoded": decoded,
+# (bf16 flash kernels measure the product rates, which the decode kernel's answer must not depend on)
+out16 = flash_attn_func(q.detach().bfloat16(), k.detach().bfloat16(), v.detach().bfloat16())
+torch.save({"out": out.detach(), "grads": [t.grad for t in (q, k, v)], "decoded": decoded, "out16": out16,
             "tvm imported": (imported_before, "tvm" in sys.modules)}, sys.argv[2])
 """
 
@@ -158,7 +160,8 @@ def _run_warm_script(tmp_path, inputs, n: int) -> tuple[dict, str]:
 def test_a_warm_start_runs_cached_kernels_without_importing_tvm(tmp_path, gen, seed):
     """The second process asks the questions the first answered: it loads the same entries with
     TVM's runtime library alone (``import tvm`` never runs) and computes the same results, which
-    meet the flash-attn rule against float64 (fp32 training call, bf16 decode step)."""
+    meet the flash-attn rule against float64 (fp32 training call, bf16 decode step, bf16 forward:
+    the last measures the product rates after the decode kernel's answer was recorded)."""
     from conftest import assert_flash_rule
     from tvmflash.reference import reference_attention
 
@@ -174,7 +177,7 @@ def test_a_warm_start_runs_cached_kernels_without_importing_tvm(tmp_path, gen, s
     warm, warm_log = _run_warm_script(tmp_path, inputs, 2)
     assert "compiling" in cold_log and cold["tvm imported"] == (False, True)
     assert "compiling" not in warm_log and warm["tvm imported"] == (False, False), warm_log[-2000:]
-    assert torch.equal(warm["out"], cold["out"]) and torch.equal(warm["decoded"], cold["decoded"])
+    assert all(torch.equal(warm[name], cold[name]) for name in ("out", "decoded", "out16"))
     assert all(torch.equal(a, b) for a, b in zip(warm["grads"], cold["grads"]))
 
     q64, k64, v64 = (t.double().requires_grad_() for t in (q, k, v))
@@ -189,6 +192,10 @@ def test_a_warm_start_runs_cached_kernels_without_importing_tvm(tmp_path, gen, s
     dec64, _ = reference_attention(qd, k_cache, v_cache)
     dec16, _ = reference_attention(qd, k_cache, v_cache, dtype=torch.bfloat16)
     assert_flash_rule("decode", warm["decoded"], dec64, dec16, torch.bfloat16, seed)
+    q16, k16, v16 = (t.bfloat16() for t in (q, k, v))
+    out64, _ = reference_attention(q16, k16, v16)
+    plain16, _ = reference_attention(q16, k16, v16, dtype=torch.bfloat16)
+    assert_flash_rule("bf16 out", warm["out16"], out64, plain16, torch.bfloat16, seed)
 
 
 def test_an_answer_holds_while_the_files_it_read_do(tmp_path, monkeypatch):
@@ -226,8 +233,9 @@ def test_an_answer_others_can_write_is_refused(tmp_path, monkeypatch):
 
 def test_compiles_take_recorded_answers_and_resolve_again_when_records_change(tmp_path, monkeypatch):
     """In process: a cleared memory cache takes the recorded answer (no resolution, the same
-    entry); a tuning-record file written since makes it resolve again; an answer pointing at an
-    entry of another spec is not taken (the request is resolved, and the answer rewritten)."""
+    entry); an answer pointing at an entry of another spec is not taken, also where that entry is
+    in memory already (the request is resolved, and the answer rewritten); a tuning-record file
+    written since makes it resolve again."""
     monkeypatch.setenv("TVMFLASH_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setenv("TVMFLASH_TUNE_LOGS", str(tmp_path / "logs"))
     compiler.clear_memory_cache()
@@ -245,6 +253,8 @@ def test_compiles_take_recorded_answers_and_resolve_again_when_records_change(tm
     first_answer = answers[first.meta["cache_key"]]
     first_answer.write_text(first_answer.read_text().replace(first.meta["cache_key"], other.meta["cache_key"]))
     compiler.clear_memory_cache()
+    assert tvmflash.compile("llvm", head_dim=16, dtype="float32").meta == other.meta and len(resolved) == 2
+    # (the entry the answer names is in memory now, loaded for its own question: checked all the same)
     assert tvmflash.compile("llvm", head_dim=32, dtype="float32").meta == first.meta and len(resolved) == 3
     assert json.loads(first_answer.read_text())["key"] == first.meta["cache_key"]
 
@@ -254,3 +264,37 @@ def test_compiles_take_recorded_answers_and_resolve_again_when_records_change(tm
     record.write_text("{}")  # (a record of no kernel: the configs stay, the resolution runs again)
     compiler.clear_memory_cache()
     assert tvmflash.compile("llvm", head_dim=32, dtype="float32").meta == first.meta and len(resolved) == 4
+
+
+def test_a_question_names_the_code_that_resolves_it():
+    """An edit of any module a compile runs (config choice, product rates, tuning records' format,
+    as well as the kernels' code) asks a new question: the old answer could name other configs."""
+    from tvmflash import import_closure
+
+    closure = set(import_closure.closure(compiler.RESOLVING_MODULES))
+    assert {"tvmflash.compiler", "tvmflash.product_rates", "tvmflash.records", "tvmflash.config",
+            "tvmflash.target", "tvmflash.kernels.cpu"} <= closure
+    spec = AttentionSpec(32, "float32")
+    asked = ["llvm", [spec.digest(), [], False, True, None], spec]
+    before = compiler._question("flash", *asked)
+    real = import_closure.digest
+    try:
+        import_closure.digest = lambda entries: "edited" if entries == compiler.RESOLVING_MODULES else real(entries)
+        assert compiler._question("flash", *asked) != before
+    finally:
+        import_closure.digest = real
+    assert compiler._question("flash", *asked) == before and before is not None
+
+
+def test_entries_are_private_whatever_the_umask(tmp_path, monkeypatch):
+    """With umask 002 (a common default) every file of an entry was group-writable, and the next
+    process refused to load it (UnsafeCacheError)."""
+    old = os.umask(0o002)
+    try:
+        kern, so = _entry(tmp_path, monkeypatch)
+    finally:
+        os.umask(old)
+    written = [p for p in tmp_path.rglob("*") if p.is_file()]
+    assert so in written and not [p for p in written if p.stat().st_mode & 0o022]
+    run = _compile_in_fresh_process(tmp_path)
+    assert run.returncode == 0 and "compiling" not in run.stderr, run.stderr[-2000:]

@@ -49,6 +49,9 @@ if TYPE_CHECKING:
 # cache keys hash exactly that (``import_closure``): a change to any of it builds anew. ``build``
 # generates every kernel; a traced mod (``flex_trace``) rides in the spec and emits its own TIR.
 CODEGEN_ENTRY_MODULES = ("tvmflash.build", "tvmflash.flex_trace")
+# What decides which entry a request resolves to (config choice, product rates, tuning records'
+# format) beyond the kernels' code: every module a compile runs. Warm starts' questions hash it.
+RESOLVING_MODULES = ("tvmflash.compiler", *CODEGEN_ENTRY_MODULES)
 _memory_cache: dict[str, FlashKernels] = {}
 # (target, spec, options, steering environment) -> the kernels compile_spec returned: the ops ask
 # on every call, and choosing configs and hashing the request takes ~ms.
@@ -333,35 +336,34 @@ def _answered(kind: str, target, asked: list, spec: AttentionSpec, functions: tu
               resolve, tuned: bool = False):
     """``kernels_class`` for a request: the entry an earlier process resolved the same question to,
     loaded without TVM's compiler; else ``resolve()`` (the kernels, from the disk cache or built),
-    whose answer is recorded with the files the resolution read: the tuning records (``tuned``)
-    and, for bf16, the measured product rates."""
+    whose answer is recorded with the files the resolution read (flash kernels: ``_configs_read``)."""
     question = _question(kind, target, asked, spec)
     if question is not None:
         key = cache.answer(question)
         if key is not None:
             found = _once(_memory_cache, key, lambda: _load_answer(key, kind, spec, functions, kernels_class))
-            if found is not None:
+            # (checked here too: an entry already in memory, loaded for another question, was not)
+            if found is not None and _answers(found.meta, kind, spec):
                 return found
     kernels = resolve()
     key = None if kernels is None else kernels.meta.get("cache_key")
     if question is not None and key is not None:
-        reads = _records_read(kernels.meta, spec) if tuned else []
-        if spec.dtype == "bfloat16":
-            reads.append(product_rates.stored_file())
-        cache.remember_answer(question, key, reads)
+        cache.remember_answer(question, key, _configs_read(kernels.meta, spec, tuned) if kind == "flash" else [])
     return kernels
 
 
 def _question(kind: str, target, asked: list, spec: AttentionSpec) -> str | None:
     """The digest that names a request for CPU kernels as asked, with everything besides it that
-    decides its answer and is known without TVM; None where no warm start applies (CUDA, a
+    decides its answer and is known without TVM (versions, the code of every module a compile
+    runs, this CPU, the steering environment); None where no warm start applies (CUDA, a
     ``tvm.target.Target``, prebuilt kernels, a TVM install that names no version)."""
     if target not in ("llvm", "cpu") and not (isinstance(target, dict) and target.get("kind") == "llvm"):
         return None
     if os.environ.get("TVMFLASH_PREBUILT") or _installed_tvm_version() is None:
         return None
     try:
-        text = json.dumps([kind, target, asked, _versions(_installed_tvm_version()), product_rates.machine_key(),
+        text = json.dumps([kind, target, asked, _versions(_installed_tvm_version()),
+                           import_closure.digest(RESOLVING_MODULES), product_rates.machine_key(),
                            [os.environ.get(name) for name in _STEERING_ENV]], sort_keys=True)
     except TypeError:  # (a target dict with values JSON cannot write)
         return None
@@ -380,22 +382,28 @@ def _installed_tvm_version() -> str | None:
 def _load_answer(key: str, kind: str, spec: AttentionSpec, functions: tuple[str, ...], kernels_class):
     """The recorded entry, if it holds what the question asks: this request kind and spec, the
     code of these versions, for instructions this CPU has."""
-    def answers(request: dict) -> bool:
-        return (request.get("kernel", "flash") == kind and request["spec"] == spec.to_json()
-                and request["versions"] == _versions(_installed_tvm_version())
-                and request["target"]["kind"] == "llvm"
-                and not targets.missing_isa_features(request.get("isa_features", ())))
-
-    entry = cache.load(key, answers, functions)
+    entry = cache.load(key, lambda request: _answers(request, kind, spec), functions)
     if entry is None:
         return None
     return kernels_class(entry.module, {**entry.request, "cache_key": key}, entry.source, library=entry.library)
 
 
-def _records_read(meta: dict, spec: AttentionSpec) -> list[Path]:
-    """The tuning-record files ``choose_configs`` read for kernels of this target and spec."""
+def _answers(request: dict, kind: str, spec: AttentionSpec) -> bool:
+    """Whether kernels built for ``request`` (an entry's, or a kernel object's meta) are what a
+    question of this kind and spec asks: the code of these versions, for instructions this CPU has."""
+    return (request.get("kernel", "flash") == kind and request["spec"] == spec.to_json()
+            and request["versions"] == _versions(_installed_tvm_version())
+            and request["target"]["kind"] == "llvm"
+            and not targets.missing_isa_features(request.get("isa_features", ())))
+
+
+def _configs_read(meta: dict, spec: AttentionSpec, tuned: bool) -> list[Path]:
+    """The files ``choose_configs`` read for flash kernels of this target and spec: the tuning
+    records (``tuned``), and for bf16 the measured product rates."""
     target_key = targets.key(meta["target"])
-    return [records.record_path(root, target_key, spec) for root in (records.user_root(), records.shipped_root())]
+    roots = (records.user_root(), records.shipped_root()) if tuned else ()
+    return ([records.record_path(root, target_key, spec) for root in roots]
+            + ([product_rates.stored_file()] if spec.dtype == "bfloat16" else []))
 
 
 def _load_from_disk(key: str, request: dict, meta: dict) -> FlashKernels | None:
