@@ -392,6 +392,7 @@ def _answers(request: dict, kind: str, spec: AttentionSpec) -> bool:
     """Whether kernels built for ``request`` (an entry's, or a kernel object's meta) are what a
     question of this kind and spec asks: the code of these versions, for instructions this CPU has."""
     return (request.get("kernel", "flash") == kind and request["spec"] == spec.to_json()
+            and request.get("mod_inputs", _mod_inputs(spec)) == _mod_inputs(spec)  # (flash requests list them)
             and request["versions"] == _versions(_installed_tvm_version())
             and request["target"]["kind"] == "llvm"
             and not targets.missing_isa_features(request.get("isa_features", ())))
