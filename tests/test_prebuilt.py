@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -12,7 +13,8 @@ from pathlib import Path
 import pytest
 
 import tvmflash
-from tvmflash import cuda_binaries
+from tvmflash import compiler, cuda_binaries
+from tvmflash.spec import AttentionSpec, Softcap
 
 RUNTIME_ONLY_CHECK = r"""
 import sys, torch, tvm
@@ -63,6 +65,85 @@ def test_prebuilt_cpu_kernels_run_with_the_tvm_runtime_alone(tmp_path, seed):
                          env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stdout + run.stderr[-3000:]
     assert "ok" in run.stdout
+
+
+RUNTIME_ONLY_GENERATE = r"""
+import copy, sys, torch, transformers
+from tvm import base
+assert base._RUNTIME_ONLY, "TVM's compiler library was loaded"
+import tvmflash
+from tvmflash import compiler, kvcache, sinks
+from tvmflash.integrations import transformers as tvm_hf
+prebuilt = sys.argv[1]
+torch.manual_seed(int(sys.argv[2]))
+# gpt-oss: attention sinks, sliding and full layers in turn; head dim 16
+config = transformers.GptOssConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=8,
+                                   layer_types=["sliding_attention", "full_attention"], num_local_experts=4,
+                                   num_experts_per_tok=2, max_position_embeddings=128, initializer_range=0.1)
+eager = transformers.AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation="eager").eval()
+with torch.no_grad():
+    for layer in eager.model.layers:
+        layer.self_attn.sinks.copy_(torch.randn(layer.self_attn.sinks.shape) * 1.5 + 1)
+ours = transformers.AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation=tvm_hf.register())
+ours.load_state_dict(eager.state_dict())
+ids = torch.randint(1, 128, (2, 11))
+mask = torch.ones_like(ids)
+mask[0, :3] = 0  # left padding
+ids = ids.masked_fill(mask == 0, 0)
+kwargs = dict(attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=0, output_scores=True,
+              return_dict_in_generate=True)
+with torch.no_grad():
+    want = eager.generate(ids, **kwargs)
+    got = ours.eval().generate(ids, **kwargs)
+errors = [((a.double() - b.double()).norm() / b.double().norm()).item() for a, b in zip(got.scores, want.scores)]
+assert max(errors) <= 1e-4, errors
+assert torch.equal(got.sequences, want.sequences)
+# every kernel came from the prebuilt directory: the flash kernels, the decode kernel, the sinks'
+used = [k for k in kvcache._kernels.values()] + [k for k in sinks._kernels.values()]
+assert {type(k).__name__ for k in used} == {"DecodeKernels", "SinkKernels"}, used
+assert all(str(k._library).startswith(prebuilt) for k in used), [k._library for k in used]
+assert compiler.builds == 0
+print("ok", max(errors))
+"""
+
+
+def test_prebuilt_decode_and_sink_kernels_serve_generate_with_the_runtime_alone(tmp_path, seed):
+    """A deployment without TVM's compiler: gpt-oss's greedy generate() (prefill, decode steps,
+    attention sinks, a left-padded prompt) on prebuilt kernels alone, scores and tokens as the
+    eager model's."""
+    pytest.importorskip("transformers")
+    written = tvmflash.prebuild(tmp_path, "llvm", head_dims=(16,), dtypes=("float32",), decode=True, sinks=True)
+    stem = f"{written[0].name.split('-d16')[0]}-d16-float32"
+    assert [p.name for p in written] == [f"{stem}.so", f"{stem}-decode.so", f"{stem}-sinks.so"]
+    loaded = [tvmflash.load(p) for p in written]  # each library loads as its own kind
+    assert [type(k).__name__ for k in loaded] == ["FlashKernels", "DecodeKernels", "SinkKernels"]
+    env = dict(os.environ, TVM_USE_RUNTIME_LIB="1", TVMFLASH_PREBUILT=str(tmp_path),
+               TVMFLASH_CACHE_DIR=str(tmp_path / "empty-cache"))
+    run = subprocess.run([sys.executable, "-c", RUNTIME_ONLY_GENERATE, str(tmp_path), str(seed)], env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout + run.stderr[-3000:]
+    assert "ok" in run.stdout
+
+
+def test_prebuilt_libraries_serve_only_their_own_kind(tmp_path, monkeypatch):
+    """A decode or sink library shares its spec with the flash kernels of that head dim and dtype:
+    none may stand in for another (the flash kernels' functions are not in it)."""
+    spec = AttentionSpec(32, "float32")
+    decode = compiler.compile_decode("llvm", spec)
+    decode.export_library(tmp_path / "a-decode.so")
+    compiler.compile_sinks("llvm", spec).export_library(tmp_path / "b-sinks.so")
+    monkeypatch.setenv("TVMFLASH_PREBUILT", str(tmp_path))
+    compiler._prebuilt_cache.clear()
+    assert compiler._find_prebuilt("flash", "llvm", spec) is None
+    assert type(compiler._find_prebuilt("decode", "llvm", spec)).__name__ == "DecodeKernels"
+    assert compiler._find_prebuilt("decode", "llvm", spec, config=decode.config) is not None  # its own config
+    other = dataclasses.replace(decode.config, block_k=decode.config.block_k * 2)
+    assert compiler._find_prebuilt("decode", "llvm", spec, config=other) is None
+    assert type(compiler._find_prebuilt("sinks", "llvm", spec)).__name__ == "SinkKernels"
+    assert compiler._find_prebuilt("decode", "llvm", AttentionSpec(32, "float32", score_mods=(Softcap(),))) is None
+    with pytest.raises(ValueError, match="run on CPUs only"):
+        tvmflash.prebuild(tmp_path / "cuda", {"kind": "cuda", "arch": "sm_90"}, head_dims=(64,), decode=True)
 
 
 def test_cuda_kernels_export_for_a_gpu_machine(tmp_path):
@@ -172,6 +253,8 @@ def test_runtime_only_without_a_matching_prebuilt_kernel_says_what_to_prebuild(t
     assert "tvmflash.prebuild(DIR, {'kind': 'llvm'}, head_dims=(32,), dtypes=('float32',))" in plain
     assert f"no kernel in $TVMFLASH_PREBUILT={tmp_path} matches" in plain
     assert "score_mods=('softcap',)) and point $TVMFLASH_PREBUILT at DIR" in softcap
-    assert "decode" in decode and "llvm_get_system_cpu" not in run.stdout + run.stderr
+    assert "(the decode kernel of flash_attn_with_kvcache)" in decode
+    assert "dtypes=('float32',), decode=True) and point $TVMFLASH_PREBUILT at DIR" in decode
+    assert "llvm_get_system_cpu" not in run.stdout + run.stderr
     # (fp32 results of bf16 inputs: ring attention's, and attention sinks' forward, rounded once after the rescale)
     assert "dtypes=('bfloat16',), fp32_results=(True,)) and point $TVMFLASH_PREBUILT at DIR" in fp32_results

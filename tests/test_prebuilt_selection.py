@@ -20,7 +20,7 @@ def test_prebuilt_kernels_for_another_cpu_are_not_used(tmp_path, monkeypatch):
     here.export_library(tmp_path / "here.so")
     monkeypatch.setenv("TVMFLASH_PREBUILT", str(tmp_path))
     compiler._prebuilt_cache.clear()
-    found = compiler._find_prebuilt("llvm", SPEC32, False, None, True)
+    found = compiler._find_prebuilt("flash", "llvm", SPEC32)
     assert found is not None and found.meta["target"] == here.meta["target"]
     from tvmflash.target import missing_isa_features
 
@@ -28,7 +28,7 @@ def test_prebuilt_kernels_for_another_cpu_are_not_used(tmp_path, monkeypatch):
         (tmp_path / "here.so").unlink()
         (tmp_path / "here.so.json").unlink()
         compiler._prebuilt_cache.clear()
-        assert compiler._find_prebuilt("llvm", SPEC32, False, None, True) is None
+        assert compiler._find_prebuilt("flash", "llvm", SPEC32) is None
         with pytest.raises(RuntimeError, match="uses instructions this CPU lacks"):
             tvmflash.load(tmp_path / "spr.so")
 
@@ -40,10 +40,10 @@ def test_prebuilt_kernels_respect_explicit_arguments(tmp_path, monkeypatch):
     compiler._prebuilt_cache.clear()
     other = tvmflash.CPUKernelConfig("backward", 64, 64, 16, tuple((p, tvmflash.RegisterTile(2, 2))
                                                                    for p in ("scores", "dv", "dprobs", "dk", "dq")))
-    assert compiler._find_prebuilt("llvm", SPEC32, False, None, True) is not None
-    assert compiler._find_prebuilt("llvm", SPEC32, False, other, True) is None  # config
-    assert compiler._find_prebuilt({"kind": "llvm", "mcpu": "znver3"}, SPEC32, False, None,
-                                   True) is None or kern.meta["target"]["mcpu"] == "znver3"  # target
+    assert compiler._find_prebuilt("flash", "llvm", SPEC32) is not None
+    assert compiler._find_prebuilt("flash", "llvm", SPEC32, config=other) is None  # config
+    assert compiler._find_prebuilt("flash", {"kind": "llvm", "mcpu": "znver3"},
+                                   SPEC32) is None or kern.meta["target"]["mcpu"] == "znver3"  # target
     fresh = tvmflash.compile("llvm", head_dim=32, dtype="float32", cache=False)  # cache=False: no prebuilt
     assert fresh._library is None
 
@@ -54,4 +54,4 @@ def test_malformed_prebuilt_metadata_names_the_file(tmp_path, monkeypatch):
     monkeypatch.setenv("TVMFLASH_PREBUILT", str(tmp_path))
     compiler._prebuilt_cache.clear()
     with pytest.warns(TvmflashWarning, match="broken.so.json"):  # skipped: a foreign json broke every call
-        assert compiler._find_prebuilt("llvm", SPEC32, False, None, True) is None
+        assert compiler._find_prebuilt("flash", "llvm", SPEC32) is None

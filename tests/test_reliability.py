@@ -334,7 +334,7 @@ def prebuilt_dir(tmp_path, monkeypatch, stored_kernels):
 
 
 def _find():
-    return compiler._find_prebuilt("llvm", AttentionSpec(32, "float32"), False, None, True)  # stored_kernels' spec
+    return compiler._find_prebuilt("flash", "llvm", AttentionSpec(32, "float32"))  # stored_kernels' spec
 
 
 @pytest.mark.parametrize("damage", ["world-writable library", "foreign-owned library", "modified library",

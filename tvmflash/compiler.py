@@ -275,11 +275,11 @@ def can_compile() -> bool:
 def _compile_spec(target, spec: AttentionSpec, *, causal: bool, config, tuned: bool, seqlen: int | None,
                   cache: bool, deterministic: bool) -> FlashKernels:
     if cache:
-        prebuilt = _find_prebuilt(target, spec, deterministic, config, tuned)
+        prebuilt = _find_prebuilt("flash", target, spec, deterministic=deterministic, config=config, tuned=tuned)
         if prebuilt is not None:
             return prebuilt.with_causal(causal)
     if not can_compile():
-        raise RuntimeError(_nothing_prebuilt(target, spec, deterministic))
+        raise RuntimeError(_nothing_prebuilt("flash", target, spec, deterministic))
     target = targets.resolve(target)
     is_cuda = target.kind.name == "cuda"
     if is_cuda:
@@ -472,7 +472,8 @@ PREBUILD_MODS = {"none": (), "softcap": (Softcap(),), "alibi": (Alibi(),), "soft
 
 
 def prebuild(directory, target="cuda", head_dims=(64, 128), dtypes=("float16", "bfloat16"),
-             deterministic=(False,), score_mods=("none",), fp32_results=(False,)) -> list[Path]:
+             deterministic=(False,), score_mods=("none",), fp32_results=(False,), decode: bool = False,
+             sinks: bool = False) -> list[Path]:
     """Compile and export every combination into ``directory`` (``<target>-d<D>-<dtype>...so``).
 
     Point ``$TVMFLASH_PREBUILT`` at the directory and ``compile()`` (hence the torch op) loads
@@ -482,38 +483,54 @@ def prebuild(directory, target="cuda", head_dims=(64, 128), dtypes=("float16", "
     of flash-attn's built-in mods, keys of ``PREBUILD_MODS`` ("none", "softcap", "alibi",
     "softcap+alibi"). ``fp32_results``: (True,) or (False, True) for 16-bit dtypes' kernels
     whose out and gradients are float32 (``-fp32-results``: ring attention's, and attention
-    sinks' forward, which scales out before rounding it once). Not covered: flex_attention's
-    traced mods and block masks, the decode kernel of flash_attn_with_kvcache. CUDA kernels built
-    on a machine without a GPU hold their CUDA source, which TVM with its compiler compiles when
-    they load; for TVM's runtime alone, which cannot, each is also compiled here with nvcc into a
-    binary beside it (``cuda_binaries``; returned with the libraries).
+    sinks' forward, which scales out before rounding it once). CPU targets only: ``decode``
+    adds, for each of these, the decode kernel of ``flash_attn_with_kvcache`` (``-decode``: a
+    model's ``generate()`` steps); ``sinks``, for each head dim and dtype, the attention sinks'
+    rescale and gradient kernels (``-sinks``; without them a runtime-only process runs those
+    two steps as torch ops). Not covered: flex_attention's traced mods and block masks. CUDA
+    kernels built on a machine without a GPU hold their CUDA source, which TVM with its compiler
+    compiles when they load; for TVM's runtime alone, which cannot, each is also compiled here
+    with nvcc into a binary beside it (``cuda_binaries``; returned with the libraries).
     """
     unknown = [m for m in score_mods if m not in PREBUILD_MODS]
     if unknown:
         raise ValueError(f"score_mods {unknown} unknown: choose from {list(PREBUILD_MODS)}")
+    decode, sinks = checks.require_bool("decode", decode), checks.require_bool("sinks", sinks)
+    is_cuda = targets.resolve(target).kind.name == "cuda"
+    if is_cuda and (decode or sinks):
+        raise ValueError("the decode and sink kernels run on CPUs only: prebuild them for an llvm target "
+                         "(decode=False, sinks=False for CUDA)")
     directory = Path(directory)
     directory.mkdir(mode=0o755, parents=True, exist_ok=True)  # a directory only its owner writes
     written = []
-    is_cuda = targets.resolve(target).kind.name == "cuda"
     cuda_source = is_cuda and not _can_load(targets.resolve(target))  # (no GPU here: the libraries hold source)
     variants = [(mods, det, fp32) for mods in score_mods for det in (deterministic if is_cuda else (False,))
                 for fp32 in dict.fromkeys(checks.require_bool("fp32_results", f) for f in fp32_results)]
+
+    def export(kernels, name: str) -> None:
+        kernels.export_library(directory / name)
+        written.append(directory / name)
+
     for head_dim in head_dims:
         for dtype in dtypes:
+            checks.check_kernel_params(head_dim, dtype)
             for mods, det, fp32 in variants:
-                checks.check_kernel_params(head_dim, dtype)
                 if fp32 and dtype == "float32":  # (float32 kernels' results are float32)
                     continue
                 spec = AttentionSpec(checks.head_dim_value(head_dim), str(dtype), "float32" if fp32 else str(dtype),
                                      score_mods=PREBUILD_MODS[mods])
                 kern = compile_spec(target, spec, deterministic=det, cache=True)
-                name = (f"{targets.key(kern.meta['target'])}-d{head_dim}-{dtype}"
+                stem = (f"{targets.key(kern.meta['target'])}-d{head_dim}-{dtype}"
                         + ("" if mods == "none" else f"-{mods}")
-                        + ("-deterministic" if kern.deterministic else "") + ("-fp32-results" if fp32 else "") + ".so")
-                kern.export_library(directory / name)
-                written.append(directory / name)
+                        + ("-deterministic" if kern.deterministic else "") + ("-fp32-results" if fp32 else ""))
+                export(kern, f"{stem}.so")
                 if cuda_source:
                     written += _prebuild_cuda_binary(directory, kern)
+                if decode:
+                    export(compile_decode(target, spec), f"{stem}-decode.so")
+            if sinks:
+                sink_kernels = compile_sinks(target, AttentionSpec(checks.head_dim_value(head_dim), str(dtype)))
+                export(sink_kernels, f"{targets.key(sink_kernels.meta['target'])}-d{head_dim}-{dtype}-sinks.so")
     return written
 
 
@@ -529,12 +546,14 @@ def _prebuild_cuda_binary(directory: Path, kern: FlashKernels) -> list[Path]:
     return [cuda_binaries.write(directory, source, arch, cuda_binaries.compile_with_nvcc(source, arch))]
 
 
-def _nothing_prebuilt(target, spec: AttentionSpec, deterministic: bool) -> str:
-    """What to prebuild, for a runtime-only TVM that was asked for kernels it cannot build."""
+def _nothing_prebuilt(kind: str, target, spec: AttentionSpec, deterministic: bool) -> str:
+    """What to prebuild, for a runtime-only TVM that was asked for kernels (``kind``: "flash",
+    "decode") it cannot build."""
     wish = _target_wish(target)
     where = os.environ.get("TVMFLASH_PREBUILT")
     found = f"no kernel in $TVMFLASH_PREBUILT={where} matches" if where else "$TVMFLASH_PREBUILT is not set for"
-    asked = f"{wish} {spec.describe()}" + (", deterministic" if deterministic else "")
+    asked = (f"{wish} {spec.describe()}" + (", deterministic" if deterministic else "")
+             + (" (the decode kernel of flash_attn_with_kvcache)" if kind == "decode" else ""))
     mods = next((name for name, m in PREBUILD_MODS.items() if m == spec.score_mods), None)
     if mods is None or spec.mask_mod is not None or spec.block_sparse:
         how = ("prebuild() covers flash-attn's functions only (with softcap and ALiBi), not flex_attention's mods or "
@@ -543,11 +562,12 @@ def _nothing_prebuilt(target, spec: AttentionSpec, deterministic: bool) -> str:
         how = (f"on a machine with TVM's compiler run tvmflash.prebuild(DIR, {wish!r}, head_dims=({spec.head_dim},), "
                f"dtypes=({spec.dtype!r},){', deterministic=(True,)' if deterministic else ''}"
                f"{'' if mods == 'none' else f', score_mods=({mods!r},)'}"
-               f"{', fp32_results=(True,)' if spec.out_dtype != spec.dtype else ''}) and point $TVMFLASH_PREBUILT at DIR")
+               f"{', fp32_results=(True,)' if spec.out_dtype != spec.dtype else ''}"
+               f"{', decode=True' if kind == 'decode' else ''}) and point $TVMFLASH_PREBUILT at DIR")
     return f"TVM's runtime alone cannot compile kernels, and {found} {asked}; {how}"
 
 
-_prebuilt_cache: dict[str, FlashKernels] = {}
+_prebuilt_cache: dict[str, object] = {}  # (FlashKernels, DecodeKernels, SinkKernels)
 
 
 def _target_wish(target) -> dict:
@@ -561,26 +581,32 @@ def _target_wish(target) -> dict:
     return {"kind": target.kind.name, **{k: str(attrs[k]) for k in ("arch", "mcpu") if k in attrs}}
 
 
-def _find_prebuilt(target, spec: AttentionSpec, deterministic: bool, config, tuned: bool):
-    """Kernels from ``$TVMFLASH_PREBUILT`` that are exactly what the call asks for, or None.
+def _find_prebuilt(kind: str, target, spec: AttentionSpec, *, deterministic: bool = False, config=None,
+                   tuned: bool = True):
+    """Kernels of ``kind`` ("flash", "decode", "sinks") from ``$TVMFLASH_PREBUILT`` that are
+    exactly what the call asks for, or None.
 
-    A library matches if its target has the requested kind and, where the call names them, the
-    same CUDA arch or CPU model; its spec equals the request's; CUDA: the same
-    determinism; an explicit ``config`` equals its configs; ``tuned=False`` wants it built
-    without tuning records. CPU libraries are only used where every instruction-set extension
-    they were compiled for is present on this CPU.
+    A library matches if it holds kernels of this kind, its target has the requested kind and,
+    where the call names them, the same CUDA arch or CPU model; its spec equals the request's;
+    CUDA: the same determinism; an explicit ``config`` (flash: per kernel; decode: a
+    ``DecodeConfig``) equals its own; ``tuned=False`` wants it built without tuning records. CPU
+    libraries are only used where every instruction-set extension they were compiled for is
+    present on this CPU.
     """
     directory = os.environ.get("TVMFLASH_PREBUILT")
     if not directory:
         return None
     wish = _target_wish(target)
-    explicit = {k: c.to_json() for k, c in _explicit_configs(config).items()}
-    wanted = json.dumps([wish, spec.to_json(), deterministic, explicit, tuned], sort_keys=True)
+    if kind == "flash":
+        explicit = {k: c.to_json() for k, c in _explicit_configs(config).items()}
+    else:
+        explicit = None if config is None else config.to_json() if hasattr(config, "to_json") else repr(config)
+    wanted = json.dumps([kind, wish, spec.to_json(), deterministic, explicit, tuned], sort_keys=True)
 
-    def find() -> FlashKernels | None:
+    def find():
         for so, meta in cache.prebuilt_libraries(Path(directory)):  # safe, unmodified libraries only
             try:
-                if not _prebuilt_matches(meta, wish, spec, deterministic, explicit, tuned):
+                if not _prebuilt_matches(meta, kind, wish, spec, deterministic, explicit, tuned):
                     continue
             except (KeyError, TypeError, AttributeError) as err:
                 settings.warn(f"skipping prebuilt kernels {so} (metadata without {err})")
@@ -591,14 +617,20 @@ def _find_prebuilt(target, spec: AttentionSpec, deterministic: bool, config, tun
     return _once(_prebuilt_cache, wanted, find)
 
 
-def _prebuilt_matches(meta: dict, wish: dict, spec: AttentionSpec, deterministic: bool, explicit: dict,
+def _prebuilt_matches(meta: dict, kind: str, wish: dict, spec: AttentionSpec, deterministic: bool, explicit,
                       tuned: bool) -> bool:
     have_target = meta["target"]
     is_cuda = have_target["kind"] == "cuda"
+    if runtime.kernel_kind(meta) != kind:
+        return False
+    if kind == "flash":
+        configs_match = all(meta["configs"].get(kernel) == cfg for kernel, cfg in explicit.items())
+    else:  # (an explicit config of a wrong type is its repr: it matches none)
+        configs_match = explicit is None or meta["config"] == explicit
     return (all(have_target.get(field) == value for field, value in wish.items())
             and meta["spec"] == spec.to_json()
             and not (is_cuda and meta.get("deterministic", False) != deterministic)
-            and all(meta["configs"].get(kernel) == cfg for kernel, cfg in explicit.items())
+            and configs_match
             and not (not tuned and meta.get("tuning_record"))
             and not (not is_cuda and targets.missing_isa_features(meta.get("isa_features", []))))
 
@@ -674,10 +706,11 @@ def compile_decode(target, spec: AttentionSpec, *, config=None, cache: bool = Tr
     memory or disk cache or built. One kernel serves every batch, cache layout (dense or
     paged), length, split and window; the spec fixes head dim, dtype and softcap / ALiBi."""
     def resolve() -> runtime.DecodeKernels:
+        prebuilt = _find_prebuilt("decode", target, spec, config=config) if cache else None
+        if prebuilt is not None:
+            return prebuilt
         if not can_compile():
-            raise RuntimeError(f"TVM's runtime alone cannot compile kernels, and prebuild() does not cover the "
-                               f"decode kernel ({spec.describe()}) of flash_attn_with_kvcache: use it where TVM's "
-                               "compiler is installed")
+            raise RuntimeError(_nothing_prebuilt("decode", target, spec, False))
         cpu = _cpu_target(target, "flash_attn_with_kvcache")
         cfg = choose_decode_config(cpu, spec, config)
         return _cpu_module("decode", "flash decode", cpu, spec, cfg.to_json(),
@@ -691,11 +724,12 @@ def compile_decode(target, spec: AttentionSpec, *, config=None, cache: bool = Tr
 
 def compile_sinks(target, spec: AttentionSpec) -> runtime.SinkKernels | None:
     """The attention sinks' rescale and gradient kernels (``kernels/sinks.py``) for a CPU target,
-    head dim and dtype (of out'), from the memory or disk cache or built (~0.1 s); None where
-    they are not cached and TVM's runtime alone cannot build them (sinks.py keeps its torch ops)."""
+    head dim and dtype (of out'), from ``$TVMFLASH_PREBUILT``, the memory or disk cache or built
+    (~0.1 s); None where TVM's runtime alone finds none of these (sinks.py keeps its torch ops)."""
     def resolve() -> runtime.SinkKernels | None:
-        if not can_compile():
-            return None
+        prebuilt = _find_prebuilt("sinks", target, spec)
+        if prebuilt is not None or not can_compile():
+            return prebuilt
         cpu = _cpu_target(target, "the sink kernels")
         return _cpu_module("sinks", "the sink kernels", cpu, spec, None,
                            lambda build: build.build_sink_module(cpu, spec), runtime.SinkKernels, True)

@@ -388,14 +388,8 @@ class FlashKernels:
     # --- export --------------------------------------------------------------------------------
     def export_library(self, path: str | os.PathLike) -> None:
         """Write the compiled module (a shared library) and its metadata (``path + '.json'``)."""
-        path = Path(path)
-        if self._library is not None:  # loaded from a library: its code is that file
-            shutil.copyfile(self._library, path)
-        else:
-            cache.export(self._module, path, self._source)
         # CPU kernels take the mask per call: the export records this object's default
-        meta = {**self.meta, "causal": self.causal, "sha256": cache.file_digest(path)}
-        Path(str(path) + ".json").write_text(json.dumps(meta, indent=1))
+        _export(self._module, self._library, self._source, {**self.meta, "causal": self.causal}, path)
 
     def source(self) -> str:
         """The generated code: LLVM IR for CPU targets, CUDA C for CUDA targets."""
@@ -410,6 +404,17 @@ class FlashKernels:
             raise RuntimeError("assembly is kept for CPU kernels compiled in this process only: compile with "
                                "tvmflash.compile(..., cache=False)")
         return self._module.mod.inspect_source("asm")
+
+
+def _export(module, library: Path | None, source: str | None, meta: dict, path: str | os.PathLike) -> None:
+    """Write a compiled module's shared library to ``path`` and its metadata, with the library's
+    checksum, to ``path + '.json'`` (what ``load`` and ``$TVMFLASH_PREBUILT`` read)."""
+    path = Path(path)
+    if library is not None:  # loaded from a library: its code is that file
+        shutil.copyfile(library, path)
+    else:
+        cache.export(module, path, source)
+    Path(str(path) + ".json").write_text(json.dumps({**meta, "sha256": cache.file_digest(path)}, indent=1))
 
 
 def _len(k) -> int:
@@ -513,10 +518,11 @@ def read_meta(path: Path) -> dict:
         raise FileNotFoundError(f"{meta_path} (written by export_library next to the library) is missing")
     try:
         meta = json.loads(meta_path.read_text())
-        for field in ("target", "spec", "configs"):
+        for field in ("target", "spec", "configs" if kernel_kind(meta) == "flash" else "versions"):
             meta[field]
         meta["target"]["kind"]
-    except (ValueError, KeyError, TypeError) as err:
+        kernel_class(meta)
+    except (ValueError, KeyError, TypeError, AttributeError) as err:
         raise ValueError(f"{meta_path} is not the metadata of exported tvmflash kernels ({type(err).__name__}: "
                          f"{err}); re-export them with this version of tvmflash") from err
     if "sha256" in meta and cache.file_digest(path) != meta["sha256"]:
@@ -525,8 +531,20 @@ def read_meta(path: Path) -> dict:
     return meta
 
 
-def load(path: str | os.PathLike) -> FlashKernels:
-    """Load kernels written by ``FlashKernels.export_library``.
+def kernel_kind(meta: dict) -> str:
+    """Which kernels a library holds, by its metadata: "flash" (forward and backward), "decode" or
+    "sinks" (``compiler._module_request``'s name; flash requests carry none)."""
+    return meta.get("kernel", "flash")
+
+
+def kernel_class(meta: dict):
+    """The kernel object class for a library of this metadata (KeyError for an unknown kind)."""
+    return {"flash": FlashKernels, "decode": DecodeKernels, "sinks": SinkKernels}[kernel_kind(meta)]
+
+
+def load(path: str | os.PathLike) -> FlashKernels | DecodeKernels | SinkKernels:
+    """Load kernels written by ``export_library`` (``FlashKernels``, ``DecodeKernels`` or
+    ``SinkKernels``, as the metadata beside the library says).
 
     CPU kernels built for an instruction set this CPU lacks are refused (they would crash). CUDA
     kernels exported without a GPU hold CUDA source: with TVM's runtime alone, their binaries
@@ -549,6 +567,8 @@ def load(path: str | os.PathLike) -> FlashKernels:
                                f"this CPU lacks ({', '.join(missing)}); compile the kernels here instead")
     try:
         module = load_library(path, meta["target"]["kind"])
+        if kernel_kind(meta) != "flash":
+            return kernel_class(meta)(module, meta, library=path)
         return FlashKernels(module, meta, library=path, causal=bool(meta.get("causal", False)))
     except (AttributeError, RuntimeError) as err:
         raise RuntimeError(f"{path} is not a library of tvmflash kernels ({err})") from err
@@ -610,6 +630,11 @@ class _CPUModule:
         if self._source is None:
             raise RuntimeError("this module was loaded without its source")
         return self._source
+
+    def export_library(self, path: str | os.PathLike) -> None:
+        """Write the compiled module (a shared library) and its metadata (``path + '.json'``):
+        ``load`` reads it back, and ``$TVMFLASH_PREBUILT`` serves it (``tvmflash.prebuild``)."""
+        _export(self._module, self._library, self._source, self.meta, path)
 
 
 class DecodeKernels(_CPUModule):
