@@ -8,12 +8,13 @@ import os
 import shutil
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
 
 import tvmflash
-from tvmflash import compiler, cuda_binaries
+from tvmflash import cache, compiler, cuda_binaries
 from tvmflash.spec import AttentionSpec, Softcap
 
 RUNTIME_ONLY_CHECK = r"""
@@ -124,6 +125,23 @@ def test_prebuilt_decode_and_sink_kernels_serve_generate_with_the_runtime_alone(
                          capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stdout + run.stderr[-3000:]
     assert "ok" in run.stdout
+
+
+def test_prebuilt_files_are_loadable_whatever_the_umask(tmp_path, monkeypatch):
+    """Under umask 002 (Debian's and Ubuntu's default for users with their own group) prebuild
+    wrote group-writable libraries, which $TVMFLASH_PREBUILT then skipped: every one of its own."""
+    old = os.umask(0o002)
+    try:
+        written = tvmflash.prebuild(tmp_path / "kernels", "llvm", head_dims=(32,), dtypes=("float32",), decode=True)
+        binary = cuda_binaries.write(tmp_path / "kernels", "extern \"C\" __global__ void f() {}", "sm_90", b"fatbin")
+    finally:
+        os.umask(old)
+    files = [p for p in (tmp_path / "kernels").iterdir()]
+    assert len(files) == 6 and not [p.name for p in files if p.stat().st_mode & 0o022]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # (a skipped library warns)
+        assert [so for so, _ in cache.prebuilt_libraries(tmp_path / "kernels")] == sorted(written)
+    assert cuda_binaries.find(binary.parent, "extern \"C\" __global__ void f() {}", "sm_90") == b"fatbin"
 
 
 def test_prebuilt_libraries_serve_only_their_own_kind(tmp_path, monkeypatch):

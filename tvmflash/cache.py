@@ -61,7 +61,7 @@ def check_own_file(path: Path) -> None:
         raise UnsafeCacheError(f"tvmflash will not load {path}: {reason}. Delete it and it will be rebuilt.")
 
 
-def _only_mine(path: Path) -> None:
+def only_mine(path: Path) -> None:
     """Clear the group and others' write bits the umask left on a file this process wrote (with
     umask 002, Debian's and Ubuntu's default for users with their own group, every entry was
     group-writable, which the next process refused to load)."""
@@ -108,7 +108,7 @@ def built_from_c(source: Path, name: str, args: list[str], inputs: bytes = b"") 
             built = Path(tmp) / name
             subprocess.run([compiler, *args, "-o", str(built), str(source)], check=True, capture_output=True,
                            timeout=120)
-            _only_mine(built)
+            only_mine(built)
             os.replace(built, built_path)
     check_own_file(built_path)
     return built_path
@@ -208,7 +208,7 @@ def load(key: str, request, functions: tuple[str, ...]) -> Entry | None:
 def _replace(tmp: Path, path: Path) -> None:
     """Rename ``tmp`` (written by this process) to ``path``, over a directory left at ``path`` too
     (a broken entry); writable by this user only, whatever the umask."""
-    _only_mine(tmp)
+    only_mine(tmp)
     if path.is_dir() and not path.is_symlink():
         shutil.rmtree(path)
     os.replace(tmp, path)

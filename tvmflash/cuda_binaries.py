@@ -22,6 +22,7 @@ import os
 import threading
 from pathlib import Path
 
+from . import cache
 from .cache import prebuilt_file_problem
 
 SUFFIX = ".fatbin"
@@ -48,10 +49,13 @@ def write(directory: Path, source: str, arch: str, binary: bytes) -> Path:
     path = Path(directory) / binary_name(source, arch)
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_bytes(binary)
+    cache.only_mine(tmp)  # (under umask 002 ``find`` would refuse it)
     os.replace(tmp, path)
     meta = {"arch": arch, "source_sha256": hashlib.sha256(source.encode()).hexdigest(),
             "sha256": hashlib.sha256(binary).hexdigest()}
-    Path(str(path) + ".json").write_text(json.dumps(meta, indent=1))
+    meta_path = Path(str(path) + ".json")
+    meta_path.write_text(json.dumps(meta, indent=1))
+    cache.only_mine(meta_path)
     return path
 
 

@@ -414,7 +414,10 @@ def _export(module, library: Path | None, source: str | None, meta: dict, path: 
         shutil.copyfile(library, path)
     else:
         cache.export(module, path, source)
-    Path(str(path) + ".json").write_text(json.dumps({**meta, "sha256": cache.file_digest(path)}, indent=1))
+    meta_path = Path(str(path) + ".json")
+    meta_path.write_text(json.dumps({**meta, "sha256": cache.file_digest(path)}, indent=1))
+    for written in (path, meta_path):  # (under umask 002 $TVMFLASH_PREBUILT would skip them)
+        cache.only_mine(written)
 
 
 def _len(k) -> int:
