@@ -216,13 +216,17 @@ def test_two_threads_that_miss_together_load_a_library_once(monkeypatch):
 
 
 def test_without_the_launcher_calls_keep_their_python_path(tmp_path):
-    """No C compiler: one warning, and repeated calls give the results of the full path."""
+    """No C compiler: one warning, and repeated calls give the results of the full path. (The
+    source is changed a little: a launcher built before, from the same source, would serve.)"""
     script = f"""
-        import os, warnings
+        import os, pathlib, warnings
         os.environ["CC"] = "{tmp_path}/no-such-cc"
         os.environ["PATH"] = "{tmp_path}"
         import torch
-        from tvmflash import flash_attn_func, launch
+        from tvmflash import c_helpers, flash_attn_func, launch
+        source = pathlib.Path("{tmp_path}/launch.c")
+        source.write_text(c_helpers.LAUNCH_SOURCE.read_text() + "\\n/* never built */\\n")
+        c_helpers.LAUNCH_SOURCE = source
         q, k, v = (torch.randn(1, 70, 2, 64) for _ in range(3))
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")

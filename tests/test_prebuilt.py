@@ -59,8 +59,8 @@ def test_prebuilt_cpu_kernels_run_with_the_tvm_runtime_alone(tmp_path, seed):
     # kernels take the mask per call: one library serves causal and full attention; float32's
     # results are float32 (no second library)
     stem = f"{written[0].name.split('-d32')[0]}-d32"
-    assert [p.name for p in written] == [f"{stem}-float32.so", f"{stem}-float32-softcap+alibi.so",
-                                         f"{stem}-bfloat16-fp32-results.so"]
+    kernels = [p.name for p in written if not p.name.startswith(("threads-", "launch-"))]  # (and the helpers in C)
+    assert kernels == [f"{stem}-float32.so", f"{stem}-float32-softcap+alibi.so", f"{stem}-bfloat16-fp32-results.so"]
     env = dict(os.environ, TVM_USE_RUNTIME_LIB="1", TVMFLASH_PREBUILT=str(tmp_path))
     run = subprocess.run([sys.executable, "-c", RUNTIME_ONLY_CHECK, str(Path(__file__).parent), str(seed)],
                          env=env, capture_output=True, text=True, timeout=600)
@@ -72,9 +72,13 @@ RUNTIME_ONLY_GENERATE = r"""
 import copy, sys, torch, transformers
 from tvm import base
 assert base._RUNTIME_ONLY, "TVM's compiler library was loaded"
+import os, warnings
+os.environ["CC"] = os.environ["PATH"] = sys.argv[1] + "/no-compiler"  # (none: the helpers in C are prebuilt)
 import tvmflash
-from tvmflash import compiler, kvcache, sinks
+from tvmflash import compiler, kvcache, launch, sinks, torch_op
 from tvmflash.integrations import transformers as tvm_hf
+from tvmflash.settings import TvmflashWarning
+warnings.simplefilter("error", TvmflashWarning)  # (TVM's thread pool, calls from Python: each warns)
 prebuilt = sys.argv[1]
 torch.manual_seed(int(sys.argv[2]))
 # gpt-oss: attention sinks, sliding and full layers in turn; head dim 16
@@ -105,6 +109,9 @@ used = [k for k in kvcache._kernels.values()] + [k for k in sinks._kernels.value
 assert {type(k).__name__ for k in used} == {"DecodeKernels", "SinkKernels"}, used
 assert all(str(k._library).startswith(prebuilt) for k in used), [k._library for k in used]
 assert compiler.builds == 0
+# on torch's threads, repeated calls launched from C: the helpers in C came from the directory too
+flash = torch_op.kernels_for(ids.new_zeros((1, 1, 1, 16), dtype=torch.float32))
+assert all(k._on_torch_threads for k in (flash, *used)) and launch.module() is not None
 print("ok", max(errors))
 """
 
@@ -116,8 +123,9 @@ def test_prebuilt_decode_and_sink_kernels_serve_generate_with_the_runtime_alone(
     pytest.importorskip("transformers")
     written = tvmflash.prebuild(tmp_path, "llvm", head_dims=(16,), dtypes=("float32",), decode=True, sinks=True)
     stem = f"{written[0].name.split('-d16')[0]}-d16-float32"
-    assert [p.name for p in written] == [f"{stem}.so", f"{stem}-decode.so", f"{stem}-sinks.so"]
-    loaded = [tvmflash.load(p) for p in written]  # each library loads as its own kind
+    assert [p.name for p in written[:3]] == [f"{stem}.so", f"{stem}-decode.so", f"{stem}-sinks.so"]
+    assert [p.name.split("-")[0] for p in written[3:]] == ["threads", "launch"]  # (the helpers in C)
+    loaded = [tvmflash.load(p) for p in written[:3]]  # each library loads as its own kind
     assert [type(k).__name__ for k in loaded] == ["FlashKernels", "DecodeKernels", "SinkKernels"]
     env = dict(os.environ, TVM_USE_RUNTIME_LIB="1", TVMFLASH_PREBUILT=str(tmp_path),
                TVMFLASH_CACHE_DIR=str(tmp_path / "empty-cache"))
@@ -137,10 +145,13 @@ def test_prebuilt_files_are_loadable_whatever_the_umask(tmp_path, monkeypatch):
     finally:
         os.umask(old)
     files = [p for p in (tmp_path / "kernels").iterdir()]
-    assert len(files) == 6 and not [p.name for p in files if p.stat().st_mode & 0o022]
+    assert len(files) == 10 and not [p.name for p in files if p.stat().st_mode & 0o022]  # (4 of the helpers in C)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # (a skipped library warns)
-        assert [so for so, _ in cache.prebuilt_libraries(tmp_path / "kernels")] == sorted(written)
+        assert [so for so, _ in cache.prebuilt_libraries(tmp_path / "kernels")] == sorted(written[:2])
+        assert [cache.prebuilt_helper(p.name) for p in written[2:]] == [None, None]  # ($TVMFLASH_PREBUILT unset)
+        monkeypatch.setenv("TVMFLASH_PREBUILT", str(tmp_path / "kernels"))
+        assert [cache.prebuilt_helper(p.name) for p in written[2:]] == written[2:]
     assert cuda_binaries.find(binary.parent, "extern \"C\" __global__ void f() {}", "sm_90") == b"fatbin"
 
 

@@ -92,24 +92,35 @@ def c_compiler() -> str | None:
 
 def built_from_c(source: Path, name: str, args: list[str], inputs: bytes = b"") -> Path:
     """``source`` compiled with ``args`` (``-o`` added) into ``<name>-<digest>`` in the cache
-    directory, once per source, compiler, arguments and ``inputs`` (what else decides the
-    binary: included headers, the Python it is built for). Checked as this user's own: the
-    caller runs or loads it. OSError (or subprocess's errors) where it cannot be built."""
-    compiler = c_compiler()
-    if compiler is None:
-        raise OSError("no C compiler (gcc or $CC) found")
-    key = "\0".join([compiler, *args]).encode()
+    directory, once per source, arguments and ``inputs`` (what else decides the binary: included
+    headers, the Python it is built for). Without a C compiler, the same file from
+    ``$TVMFLASH_PREBUILT`` (``prebuild`` puts the kernels' helpers there: ``export_helper``).
+    Checked as this user's own (or, prebuilt, the prebuilt directory's rules): the caller runs or
+    loads it. OSError (or subprocess's errors) where it cannot be built or found.
+
+    The key leaves out the compiler and the include paths: the headers' bytes are among the
+    ``inputs``, and a deployment without a compiler must name the file its builder made."""
+    key = "\0".join(arg for arg in args if not arg.startswith("-I")).encode()
     digest = hashlib.sha256(source.read_bytes() + inputs + key).hexdigest()[:16]
     directory = safe_directory()
     stem, dot, suffix = name.partition(".")
     built_path = directory / f"{stem}-{digest}{dot}{suffix}"
-    if not built_path.exists():
-        with tempfile.TemporaryDirectory(dir=directory) as tmp:
-            built = Path(tmp) / name
-            subprocess.run([compiler, *args, "-o", str(built), str(source)], check=True, capture_output=True,
-                           timeout=120)
-            only_mine(built)
-            os.replace(built, built_path)
+    if built_path.exists():
+        check_own_file(built_path)
+        return built_path
+    compiler = c_compiler()
+    if compiler is None:
+        prebuilt = prebuilt_helper(built_path.name)
+        if prebuilt is not None:
+            return prebuilt
+        raise OSError("no C compiler (gcc or $CC) found" + (f", and $TVMFLASH_PREBUILT holds no {built_path.name}"
+                                                            if os.environ.get("TVMFLASH_PREBUILT") else ""))
+    with tempfile.TemporaryDirectory(dir=directory) as tmp:
+        built = Path(tmp) / name
+        subprocess.run([compiler, *args, "-o", str(built), str(source)], check=True, capture_output=True,
+                       timeout=120)
+        only_mine(built)
+        os.replace(built, built_path)
     check_own_file(built_path)
     return built_path
 
@@ -312,6 +323,53 @@ def prebuilt_file_problem(path: Path) -> str | None:
         return f"{path.name} is not a regular file"
     reason = _unsafe_reason(path, st, root_too=True)
     return f"{path.name} could have been written by another user: {reason}" if reason else None
+
+
+def export_helper(built: Path, directory: Path) -> list[Path]:
+    """Copy a helper ``built_from_c`` made into a prebuilt directory, under its name, with its
+    checksum in ``<name>.helper.json`` (not ``.so.json``: no kernels' metadata), which
+    ``prebuilt_helper`` serves where there is no C compiler."""
+    path = Path(directory) / built.name
+    shutil.copyfile(built, path)
+    meta = _helper_meta(path)
+    meta.write_text(json.dumps({"sha256": file_digest(path)}, indent=1))
+    for written in (path, meta):
+        only_mine(written)
+    return [path]
+
+
+def _helper_meta(path: Path) -> Path:
+    return Path(str(path) + ".helper.json")
+
+
+def prebuilt_helper(name: str) -> Path | None:
+    """``$TVMFLASH_PREBUILT``'s copy of the helper ``name`` (``export_helper``), or None where it
+    has none; one that may not be loaded (the prebuilt libraries' rules: owned by you or root, not
+    group/world-writable, the checksum in its ``.json``) is skipped with a warning."""
+    directory = os.environ.get("TVMFLASH_PREBUILT")
+    path = Path(directory, name) if directory else None
+    if path is None or not path.exists():
+        return None
+    reason = _unsafe_reason(path.parent, path.parent.stat(), root_too=True)
+    try:
+        if reason:
+            raise _BrokenEntry(f"the directory could have been written by another user: {reason}")
+        for file in (_helper_meta(path), path):
+            problem = prebuilt_file_problem(file)
+            if problem:
+                raise _BrokenEntry(problem)
+        try:
+            digest = json.loads(_helper_meta(path).read_text(encoding="utf-8"))["sha256"]
+        except (ValueError, KeyError, TypeError) as err:
+            raise _BrokenEntry(f"{_helper_meta(path).name} is not a helper's metadata ({type(err).__name__}: "
+                               f"{err})") from err
+        if file_digest(path) != digest:
+            raise _BrokenEntry(f"{path.name} does not match the checksum in {_helper_meta(path).name} (modified "
+                               "after export)")
+    except (OSError, _BrokenEntry) as err:
+        warn(f"skipping prebuilt helper {path} ({err})")
+        return None
+    return path
 
 
 def prebuilt_libraries(directory: Path):

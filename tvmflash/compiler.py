@@ -27,6 +27,7 @@ import importlib.metadata
 import json
 import os
 import shutil
+import subprocess
 import threading
 import time
 from pathlib import Path
@@ -531,7 +532,23 @@ def prebuild(directory, target="cuda", head_dims=(64, 128), dtypes=("float16", "
             if sinks:
                 sink_kernels = compile_sinks(target, AttentionSpec(checks.head_dim_value(head_dim), str(dtype)))
                 export(sink_kernels, f"{targets.key(sink_kernels.meta['target'])}-d{head_dim}-{dtype}-sinks.so")
+    if written and not is_cuda and not targets.other_architecture(targets.code_json(targets.resolve(target))):
+        written += _prebuild_c_helpers(directory)
     return written
+
+
+def _prebuild_c_helpers(directory: Path) -> list[Path]:
+    """The kernels' helpers in C (``c_helpers``: torch's threads for their parallel loops, the C
+    launch of repeated calls) for a machine without a C compiler; none, with a warning, where they
+    cannot be built here."""
+    from . import c_helpers
+
+    try:
+        return c_helpers.export(directory)
+    except (OSError, subprocess.SubprocessError) as err:
+        settings.warn(f"the helpers in C are not prebuilt ({type(err).__name__}: {err}): a machine without a C "
+                      "compiler will run the kernels on TVM's thread pool, and repeated calls from Python")
+        return []
 
 
 def _prebuild_cuda_binary(directory: Path, kern: FlashKernels) -> list[Path]:

@@ -20,14 +20,10 @@ import importlib.machinery
 import importlib.util
 import os
 import subprocess
-import sys
-import sysconfig
 import threading
-from pathlib import Path
 
 from . import settings, threads
 
-_SOURCE = Path(__file__).with_name("launch.c")
 _MODULE_NAME = "tvmflash_launch"  # (PyInit_tvmflash_launch)
 
 _lock = threading.Lock()
@@ -35,28 +31,13 @@ _module = None
 _failed: str | None = None  # why there is no module (None: not tried yet, or loaded)
 
 
-def _headers() -> tuple[list[str], bytes]:
-    """The include flags and the headers' bytes (part of the build's key)."""
-    import tvm_ffi.libinfo
-
-    python = sysconfig.get_paths()["include"]
-    ffi = tvm_ffi.libinfo.find_include_path()
-    dlpack = tvm_ffi.libinfo.find_dlpack_include_path()
-    headers = b"".join(p.read_bytes() for p in (Path(python, "Python.h"), Path(ffi, "tvm/ffi/c_api.h"),
-                                                 Path(dlpack, "dlpack/dlpack.h")))
-    return [f"-I{python}", f"-I{ffi}", f"-I{dlpack}"], headers
-
-
 def _load():
-    from .cache import built_from_c
+    from .c_helpers import launch_library
 
     import tvm_ffi.libinfo
     import torch
 
-    flags, headers = _headers()
-    suffix = sysconfig.get_config_var("EXT_SUFFIX") or ".so"
-    library = built_from_c(_SOURCE, "launch" + suffix, ["-O2", "-shared", "-fPIC", *flags],
-                           inputs=headers + sys.version.encode())
+    library = launch_library()
     loader = importlib.machinery.ExtensionFileLoader(_MODULE_NAME, str(library))
     module = importlib.util.module_from_spec(importlib.util.spec_from_loader(_MODULE_NAME, loader))
     loader.exec_module(module)

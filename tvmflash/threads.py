@@ -28,7 +28,6 @@ from pathlib import Path
 
 from . import settings
 
-_SOURCE = Path(__file__).with_name("threads.c")
 _LAUNCH_SLOT = "__TVMBackendParallelLaunch"
 _BARRIER_SLOT = "__TVMBackendParallelBarrier"
 
@@ -53,10 +52,10 @@ def torch_openmp() -> ctypes.CDLL | None:
 
 
 def _build_shim() -> ctypes.CDLL:
-    """threads.c compiled into the cache directory (once per source and compiler), loaded."""
-    from .cache import built_from_c
+    """threads.c compiled into the cache directory (once per source), or prebuilt; loaded."""
+    from .c_helpers import threads_library
 
-    return ctypes.CDLL(str(built_from_c(_SOURCE, "threads.so", ["-O2", "-shared", "-fPIC", "-pthread"])))
+    return ctypes.CDLL(str(threads_library()))
 
 
 def _single_threaded_torch_after_fork() -> None:
