@@ -3,10 +3,16 @@
 
 from __future__ import annotations
 
+import json
+import os
+import platform
+import re
+
 import pytest
 
 import tvmflash
 from tvmflash import compiler
+from tvmflash.cache import UnsafeCacheError
 from tvmflash.settings import TvmflashWarning
 from tvmflash.spec import AttentionSpec
 
@@ -29,8 +35,112 @@ def test_prebuilt_kernels_for_another_cpu_are_not_used(tmp_path, monkeypatch):
         (tmp_path / "here.so.json").unlink()
         compiler._prebuilt_cache.clear()
         assert compiler._find_prebuilt("flash", "llvm", SPEC32) is None
+        # the error names what was skipped, and why (it named only the prebuild call that made it)
+        lacking = ", ".join(missing_isa_features(spr.meta["isa_features"]))
+        assert f"Skipped for instructions this CPU lacks: spr.so (needs {lacking})" in compiler._nothing_prebuilt(
+            "flash", "llvm", SPEC32, False)
         with pytest.raises(RuntimeError, match="uses instructions this CPU lacks"):
             tvmflash.load(tmp_path / "spr.so")
+
+
+def test_of_several_prebuilt_cpu_models_the_nearest_is_used(tmp_path, monkeypatch):
+    """A directory with kernels for the generic x86-64 and for this CPU: this CPU's (the most
+    instruction-set extensions it has), whatever the names' order (the first by name was taken:
+    6.8x slower here)."""
+    here = tvmflash.compile("llvm", head_dim=32, dtype="float32")
+    generic_cpu = "x86-64" if platform.machine() in ("x86_64", "AMD64") else "generic"
+    generic = tvmflash.compile({"kind": "llvm", "mcpu": generic_cpu}, head_dim=32, dtype="float32")
+    assert len(generic.meta["isa_features"]) < len(here.meta["isa_features"])
+    generic.export_library(tmp_path / "a-generic.so")
+    here.export_library(tmp_path / "b-here.so")
+    monkeypatch.setenv("TVMFLASH_PREBUILT", str(tmp_path))
+    compiler._prebuilt_cache.clear()
+    assert compiler._find_prebuilt("flash", "llvm", SPEC32).meta["target"] == here.meta["target"]
+
+
+def _edit_meta(path, **changes) -> None:
+    """Change an exported library's metadata (its checksum is of the library: it still holds)."""
+    meta_path = path.with_name(path.name + ".json")
+    meta = json.loads(meta_path.read_text())
+    for name, value in changes.items():
+        if value is None:
+            meta.pop(name, None)
+        else:
+            meta[name] = value
+    meta_path.write_text(json.dumps(meta))
+
+
+def test_a_prebuilt_library_that_cannot_serve_is_skipped_and_the_search_goes_on(tmp_path, monkeypatch):
+    """A library whose metadata claims another kind, or was written by another tvmflash, is
+    skipped with a warning naming it, and a good one after it in the directory is found (a
+    load's error ended the search; an old version was loaded)."""
+    flash = tvmflash.compile("llvm", head_dim=32, dtype="float32")
+    decode = compiler.compile_decode("llvm", SPEC32)
+    decode.export_library(tmp_path / "a-decode-claims-flash.so")
+    _edit_meta(tmp_path / "a-decode-claims-flash.so", kernel=None)  # (as old exports: no "kernel")
+    flash.export_library(tmp_path / "b-flash-claims-decode.so")
+    _edit_meta(tmp_path / "b-flash-claims-decode.so", kernel="decode")
+    flash.export_library(tmp_path / "c-flash-of-another-version.so")
+    _edit_meta(tmp_path / "c-flash-of-another-version.so", versions={**flash.meta["versions"], "tvmflash": "0.0.1"})
+    flash.export_library(tmp_path / "d-flash-of-an-unknown-kind.so")
+    _edit_meta(tmp_path / "d-flash-of-an-unknown-kind.so", kernel="prefill")
+    monkeypatch.setenv("TVMFLASH_PREBUILT", str(tmp_path))
+    compiler._prebuilt_cache.clear()
+    with pytest.warns(TvmflashWarning) as caught:
+        assert compiler._find_prebuilt("flash", "llvm", SPEC32) is None
+        assert compiler._find_prebuilt("decode", "llvm", SPEC32) is None
+    said = "\n".join(str(w.message) for w in caught)
+    for name, why in (("a-decode-claims-flash.so", "configs"), ("b-flash-claims-decode.so", "flash_decode"),
+                      ("c-flash-of-another-version.so", "another tvmflash (0.0.1"),
+                      ("d-flash-of-an-unknown-kind.so", "prefill")):
+        assert re.search(f"{re.escape(name)}.*{re.escape(why)}", said), (name, said)
+    flash.export_library(tmp_path / "e-flash.so")
+    decode.export_library(tmp_path / "f-decode.so")
+    compiler._prebuilt_cache.clear()
+    with pytest.warns(TvmflashWarning):
+        assert compiler._find_prebuilt("flash", "llvm", SPEC32)._library == tmp_path / "e-flash.so"
+        assert compiler._find_prebuilt("decode", "llvm", SPEC32)._library == tmp_path / "f-decode.so"
+
+
+def test_kernels_follow_a_changed_prebuilt_directory(tmp_path, monkeypatch):
+    """$TVMFLASH_PREBUILT read again: kernels found in one directory are not served for another
+    (the search was memoized by request alone, the decode kernels by the cache directory)."""
+    from tvmflash import kvcache
+
+    (tmp_path / "a").mkdir(mode=0o755)
+    (tmp_path / "b").mkdir(mode=0o755)
+    compiler.compile_decode("llvm", SPEC32).export_library(tmp_path / "a" / "decode.so")
+    monkeypatch.setenv("TVMFLASH_PREBUILT", str(tmp_path / "a"))
+    assert kvcache.decode_kernels(32, "float32")._library == tmp_path / "a" / "decode.so"
+    monkeypatch.setenv("TVMFLASH_PREBUILT", str(tmp_path / "b"))
+    assert compiler._find_prebuilt("decode", "llvm", SPEC32) is None
+    assert kvcache.decode_kernels(32, "float32")._library != tmp_path / "a" / "decode.so"  # (compiled, cached)
+    monkeypatch.setenv("TVMFLASH_PREBUILT", str(tmp_path / "no-such-directory"))
+    with pytest.raises(FileNotFoundError, match="TVMFLASH_PREBUILT=.*no-such-directory is not a directory"):
+        compiler._find_prebuilt("decode", "llvm", SPEC32)
+
+
+def test_prebuild_checks_every_argument_before_it_builds(tmp_path):
+    """One value where a tuple of choices is asked is that choice; a bad one anywhere is an error
+    before anything is written; so is a directory $TVMFLASH_PREBUILT would refuse."""
+    written = tvmflash.prebuild(tmp_path / "one", "llvm", head_dims=32, dtypes="float32", score_mods="none")
+    assert written[0].name.endswith("-d32-float32.so")
+    for bad, error in ((dict(head_dims=(32, 20)), "head_dim 20 is not supported"),
+                       (dict(dtypes=("float32", "float64")), "dtype 'float64' is not supported"),
+                       (dict(score_mods="tanh"), r"score_mods \['tanh'\] unknown"),
+                       (dict(fp32_results=(True,)), "float32 kernels' results are float32 already"),
+                       (dict(head_dims=None), "head_dims lists the choices")):
+        with pytest.raises((ValueError, TypeError), match=error):
+            tvmflash.prebuild(tmp_path / "bad", "llvm", **{"head_dims": (32,), "dtypes": ("float32",), **bad})
+        assert not (tmp_path / "bad").exists()
+    (tmp_path / "shared").mkdir()
+    os.chmod(tmp_path / "shared", 0o775)
+    with pytest.raises(UnsafeCacheError, match="would refuse it"):
+        tvmflash.prebuild(tmp_path / "shared", "llvm", head_dims=(32,), dtypes=("float32",))
+    assert not list((tmp_path / "shared").iterdir())
+    loaded = tvmflash.load(written[0])
+    loaded.export_library(written[0])  # (over the file it was loaded from: it was SameFileError)
+    assert tvmflash.load(written[0]).meta["spec"] == loaded.meta["spec"]
 
 
 def test_prebuilt_kernels_respect_explicit_arguments(tmp_path, monkeypatch):

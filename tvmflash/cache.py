@@ -350,7 +350,7 @@ def prebuilt_helper(name: str) -> Path | None:
     path = Path(directory, name) if directory else None
     if path is None or not path.exists():
         return None
-    reason = _unsafe_reason(path.parent, path.parent.stat(), root_too=True)
+    reason = prebuilt_directory_problem(path.parent)
     try:
         if reason:
             raise _BrokenEntry(f"the directory could have been written by another user: {reason}")
@@ -372,6 +372,11 @@ def prebuilt_helper(name: str) -> Path | None:
     return path
 
 
+def prebuilt_directory_problem(directory: Path) -> str | None:
+    """Why a prebuilt directory may not be read (another user than you or root could write it), or None."""
+    return _unsafe_reason(directory, directory.stat(), root_too=True)
+
+
 def prebuilt_libraries(directory: Path):
     """(library, metadata) of each library in a ``$TVMFLASH_PREBUILT`` directory that may be
     loaded, in name order. The directory must be owned by this user or root and writable by
@@ -379,7 +384,10 @@ def prebuilt_libraries(directory: Path):
     ``.json`` are regular files owned likewise and not group/world-writable, the metadata parses,
     and the library hashes to the digest ``export_library`` recorded in it."""
     directory = Path(directory)
-    reason = _unsafe_reason(directory, directory.stat(), root_too=True)
+    if not directory.is_dir():
+        raise FileNotFoundError(f"TVMFLASH_PREBUILT={directory} is not a directory: point it at the directory "
+                                "tvmflash.prebuild() wrote, or unset it")
+    reason = prebuilt_directory_problem(directory)
     if reason:
         raise UnsafeCacheError(
             f"tvmflash will not load compiled code from TVMFLASH_PREBUILT={directory}: {reason}. Use a directory "

@@ -493,48 +493,72 @@ def prebuild(directory, target="cuda", head_dims=(64, 128), dtypes=("float16", "
     compiles when they load; for TVM's runtime alone, which cannot, each is also compiled here
     with nvcc into a binary beside it (``cuda_binaries``; returned with the libraries).
     """
+    # (every argument is checked before anything is built: no half-written directory)
+    head_dims, dtypes, deterministic, score_mods, fp32_results = (
+        _several(name, value) for name, value in (("head_dims", head_dims), ("dtypes", dtypes),
+                                                  ("deterministic", deterministic), ("score_mods", score_mods),
+                                                  ("fp32_results", fp32_results)))
     unknown = [m for m in score_mods if m not in PREBUILD_MODS]
     if unknown:
         raise ValueError(f"score_mods {unknown} unknown: choose from {list(PREBUILD_MODS)}")
+    for head_dim in head_dims:
+        for dtype in dtypes:
+            checks.check_kernel_params(head_dim, dtype)
     decode, sinks = checks.require_bool("decode", decode), checks.require_bool("sinks", sinks)
     is_cuda = targets.resolve(target).kind.name == "cuda"
     if is_cuda and (decode or sinks):
         raise ValueError("the decode and sink kernels run on CPUs only: prebuild them for an llvm target "
                          "(decode=False, sinks=False for CUDA)")
-    directory = Path(directory)
-    directory.mkdir(mode=0o755, parents=True, exist_ok=True)  # a directory only its owner writes
-    written = []
-    cuda_source = is_cuda and not _can_load(targets.resolve(target))  # (no GPU here: the libraries hold source)
     variants = [(mods, det, fp32) for mods in score_mods for det in (deterministic if is_cuda else (False,))
                 for fp32 in dict.fromkeys(checks.require_bool("fp32_results", f) for f in fp32_results)]
+    builds = [(head_dim, dtype, variant) for head_dim in head_dims for dtype in dtypes for variant in variants
+              if not (variant[2] and str(dtype) == "float32")]  # (float32 kernels' results are float32)
+    if not builds:
+        raise ValueError(f"nothing to prebuild for head_dims={head_dims}, dtypes={dtypes}, score_mods={score_mods}, "
+                         f"fp32_results={fp32_results}" + (": float32 kernels' results are float32 already "
+                                                           "(fp32_results=True is for 16-bit dtypes)"
+                                                           if head_dims and dtypes and variants else ""))
+    directory = Path(directory)
+    directory.mkdir(mode=0o755, parents=True, exist_ok=True)  # a directory only its owner writes
+    unsafe = cache.prebuilt_directory_problem(directory)
+    if unsafe:  # (an existing one: $TVMFLASH_PREBUILT would refuse it where it is deployed)
+        raise cache.UnsafeCacheError(f"prebuild will not write into {directory}: {unsafe}. $TVMFLASH_PREBUILT "
+                                     f"would refuse it; use a directory only you can write: `chmod go-w {directory}`.")
+    written = []
+    cuda_source = is_cuda and not _can_load(targets.resolve(target))  # (no GPU here: the libraries hold source)
 
     def export(kernels, name: str) -> None:
         kernels.export_library(directory / name)
         written.append(directory / name)
 
-    for head_dim in head_dims:
+    for head_dim, dtype, (mods, det, fp32) in builds:
+        spec = AttentionSpec(checks.head_dim_value(head_dim), str(dtype), "float32" if fp32 else str(dtype),
+                             score_mods=PREBUILD_MODS[mods])
+        kern = compile_spec(target, spec, deterministic=det, cache=True)
+        stem = (f"{targets.key(kern.meta['target'])}-d{head_dim}-{dtype}" + ("" if mods == "none" else f"-{mods}")
+                + ("-deterministic" if kern.deterministic else "") + ("-fp32-results" if fp32 else ""))
+        export(kern, f"{stem}.so")
+        if cuda_source:
+            written += _prebuild_cuda_binary(directory, kern)
+        if decode:
+            export(compile_decode(target, spec), f"{stem}-decode.so")
+    for head_dim in head_dims if sinks else ():
         for dtype in dtypes:
-            checks.check_kernel_params(head_dim, dtype)
-            for mods, det, fp32 in variants:
-                if fp32 and dtype == "float32":  # (float32 kernels' results are float32)
-                    continue
-                spec = AttentionSpec(checks.head_dim_value(head_dim), str(dtype), "float32" if fp32 else str(dtype),
-                                     score_mods=PREBUILD_MODS[mods])
-                kern = compile_spec(target, spec, deterministic=det, cache=True)
-                stem = (f"{targets.key(kern.meta['target'])}-d{head_dim}-{dtype}"
-                        + ("" if mods == "none" else f"-{mods}")
-                        + ("-deterministic" if kern.deterministic else "") + ("-fp32-results" if fp32 else ""))
-                export(kern, f"{stem}.so")
-                if cuda_source:
-                    written += _prebuild_cuda_binary(directory, kern)
-                if decode:
-                    export(compile_decode(target, spec), f"{stem}-decode.so")
-            if sinks:
-                sink_kernels = compile_sinks(target, AttentionSpec(checks.head_dim_value(head_dim), str(dtype)))
-                export(sink_kernels, f"{targets.key(sink_kernels.meta['target'])}-d{head_dim}-{dtype}-sinks.so")
+            sink_kernels = compile_sinks(target, AttentionSpec(checks.head_dim_value(head_dim), str(dtype)))
+            export(sink_kernels, f"{targets.key(sink_kernels.meta['target'])}-d{head_dim}-{dtype}-sinks.so")
     if written and not is_cuda and not targets.other_architecture(targets.code_json(targets.resolve(target))):
         written += _prebuild_c_helpers(directory)
     return written
+
+
+def _several(name: str, value) -> tuple:
+    """A prebuild argument that lists choices, as a tuple (one value alone: a tuple of it)."""
+    if isinstance(value, (str, int, bool)):
+        return (value,)
+    try:
+        return tuple(value)
+    except TypeError:
+        raise TypeError(f"{name} lists the choices to build (a tuple), got {value!r}") from None
 
 
 def _prebuild_c_helpers(directory: Path) -> list[Path]:
@@ -581,6 +605,10 @@ def _nothing_prebuilt(kind: str, target, spec: AttentionSpec, deterministic: boo
                f"{'' if mods == 'none' else f', score_mods=({mods!r},)'}"
                f"{', fp32_results=(True,)' if spec.out_dtype != spec.dtype else ''}"
                f"{', decode=True' if kind == 'decode' else ''}) and point $TVMFLASH_PREBUILT at DIR")
+    lacking = _prebuilt_lacking.get((kind, json.dumps(spec.to_json(), sort_keys=True)))
+    if where and lacking:
+        how += (f". Skipped for instructions this CPU lacks: {'; '.join(lacking)}: prebuild for this CPU's model, or "
+                "for an older one whose instructions it has (\"mcpu\" in the target)")
     return f"TVM's runtime alone cannot compile kernels, and {found} {asked}; {how}"
 
 
@@ -606,9 +634,11 @@ def _find_prebuilt(kind: str, target, spec: AttentionSpec, *, deterministic: boo
     A library matches if it holds kernels of this kind, its target has the requested kind and,
     where the call names them, the same CUDA arch or CPU model; its spec equals the request's;
     CUDA: the same determinism; an explicit ``config`` (flash: per kernel; decode: a
-    ``DecodeConfig``) equals its own; ``tuned=False`` wants it built without tuning records. CPU
-    libraries are only used where every instruction-set extension they were compiled for is
-    present on this CPU.
+    ``DecodeConfig``) equals its own; ``tuned=False`` wants it built without tuning records. It
+    must come from this tvmflash (version and kernel code) and tvm-ffi (skipped with a warning
+    otherwise). CPU libraries are only used where every instruction-set extension they were
+    compiled for is present on this CPU; of several that match, the one compiled for the most of
+    them (the CPU model nearest this one's), then the first by name.
     """
     directory = os.environ.get("TVMFLASH_PREBUILT")
     if not directory:
@@ -618,38 +648,73 @@ def _find_prebuilt(kind: str, target, spec: AttentionSpec, *, deterministic: boo
         explicit = {k: c.to_json() for k, c in _explicit_configs(config).items()}
     else:
         explicit = None if config is None else config.to_json() if hasattr(config, "to_json") else repr(config)
-    wanted = json.dumps([kind, wish, spec.to_json(), deterministic, explicit, tuned], sort_keys=True)
+    wanted = json.dumps([directory, kind, wish, spec.to_json(), deterministic, explicit, tuned], sort_keys=True)
 
     def find():
+        matches, lacking = [], []
         for so, meta in cache.prebuilt_libraries(Path(directory)):  # safe, unmodified libraries only
             try:
-                if not _prebuilt_matches(meta, kind, wish, spec, deterministic, explicit, tuned):
-                    continue
+                mismatch = _prebuilt_mismatch(meta, kind, wish, spec, deterministic, explicit, tuned)
             except (KeyError, TypeError, AttributeError) as err:
-                settings.warn(f"skipping prebuilt kernels {so} (metadata without {err})")
+                settings.warn(f"skipping prebuilt kernels {so} (metadata without, or with a wrong, {err})")
                 continue
-            return runtime.load(so)
+            if mismatch is None:
+                matches.append((so, meta))
+            elif mismatch[0] == "versions":
+                settings.warn(f"skipping prebuilt kernels {so}: built by another {mismatch[1]}; prebuild them again")
+            elif mismatch[0] == "instructions":
+                lacking.append(f"{so.name} (needs {mismatch[1]})")
+        _prebuilt_lacking[(kind, json.dumps(spec.to_json(), sort_keys=True))] = lacking
+        # (a stable sort: among equals, name order)
+        for so, meta in sorted(matches, key=lambda match: -len(match[1].get("isa_features", []))):
+            try:
+                return runtime.load(so)
+            except (ValueError, RuntimeError, OSError) as err:
+                settings.warn(f"skipping prebuilt kernels {so} ({err})")
         return None
 
     return _once(_prebuilt_cache, wanted, find)
 
 
-def _prebuilt_matches(meta: dict, kind: str, wish: dict, spec: AttentionSpec, deterministic: bool, explicit,
-                      tuned: bool) -> bool:
+# Prebuilt libraries of the last search for a kind and spec that need instructions this CPU
+# lacks (the error says why they were not used).
+_prebuilt_lacking: dict[tuple[str, str], list[str]] = {}
+
+
+def _prebuilt_mismatch(meta: dict, kind: str, wish: dict, spec: AttentionSpec, deterministic: bool, explicit,
+                       tuned: bool) -> tuple[str, str] | None:
+    """None where a prebuilt library's metadata is what the request asks for; else why not:
+    ("request", ""), ("versions", what differs) or ("instructions", the extensions this CPU
+    lacks). KeyError, TypeError or AttributeError where the metadata does not say."""
+    have_kind = runtime.kernel_kind(meta)
+    if have_kind not in runtime.KERNEL_KINDS:
+        raise KeyError(f"kernel kind {have_kind!r}")
+    if have_kind != kind:
+        return ("request", "")
     have_target = meta["target"]
     is_cuda = have_target["kind"] == "cuda"
-    if runtime.kernel_kind(meta) != kind:
-        return False
     if kind == "flash":
-        configs_match = all(meta["configs"].get(kernel) == cfg for kernel, cfg in explicit.items())
+        configs = meta["configs"]  # (read whether or not the call names configs: flash metadata has them)
+        configs_match = all(configs.get(kernel) == cfg for kernel, cfg in explicit.items())
     else:  # (an explicit config of a wrong type is its repr: it matches none)
         configs_match = explicit is None or meta["config"] == explicit
-    return (all(have_target.get(field) == value for field, value in wish.items())
+    if not (all(have_target.get(field) == value for field, value in wish.items())
             and meta["spec"] == spec.to_json()
             and not (is_cuda and meta.get("deterministic", False) != deterministic)
             and configs_match
-            and not (not tuned and meta.get("tuning_record"))
-            and not (not is_cuda and targets.missing_isa_features(meta.get("isa_features", []))))
+            and not (not tuned and meta.get("tuning_record"))):
+        return ("request", "")
+    versions = meta["versions"]
+    here = {"tvmflash": __version__, "sources": sources_digest(), "tvm_ffi": tvm_ffi.__version__}
+    differs = [f"{name} ({versions.get(name)}; here {value})" for name, value in here.items()
+               if versions.get(name) != value]
+    if differs:
+        return ("versions", ", ".join(differs))
+    features = meta.get("isa_features", [])
+    if not isinstance(features, list):
+        raise TypeError(f"isa_features {features!r}")
+    missing = [] if is_cuda else targets.missing_isa_features(features)
+    return ("instructions", ", ".join(missing)) if missing else None
 
 
 # --- the unfused baseline -------------------------------------------------------------------------

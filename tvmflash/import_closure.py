@@ -44,7 +44,10 @@ def find_spec(name: str) -> importlib.machinery.ModuleSpec | None:
         path = list(parent_spec.submodule_search_locations)
     for finder in sys.meta_path:
         find = getattr(finder, "find_spec", None)
-        spec = find(name, path) if find is not None else None
+        try:
+            spec = find(name, path) if find is not None else None
+        except ImportError:  # (TVM's alias finder imports what it finds: its CUDA backend fails in runtime-only TVM)
+            continue
         if spec is not None:
             return spec
     return None

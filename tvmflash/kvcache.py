@@ -41,7 +41,7 @@ version.require("torch", torch.__version__, version.MIN_TORCH)
 
 __all__ = ["flash_attn_with_kvcache", "apply_rotary"]
 
-_STEERING_ENV = ("TVMFLASH_CACHE_DIR",)
+_STEERING_ENV = ("TVMFLASH_CACHE_DIR", "TVMFLASH_PREBUILT")
 _steering_values = settings.EnvironmentValues(*_STEERING_ENV)
 _kernels: dict[tuple, object] = {}
 

@@ -411,7 +411,8 @@ def _export(module, library: Path | None, source: str | None, meta: dict, path: 
     checksum, to ``path + '.json'`` (what ``load`` and ``$TVMFLASH_PREBUILT`` read)."""
     path = Path(path)
     if library is not None:  # loaded from a library: its code is that file
-        shutil.copyfile(library, path)
+        if not (path.exists() and path.samefile(library)):  # (exported over itself: the metadata only)
+            shutil.copyfile(library, path)
     else:
         cache.export(module, path, source)
     meta_path = Path(str(path) + ".json")
@@ -540,9 +541,12 @@ def kernel_kind(meta: dict) -> str:
     return meta.get("kernel", "flash")
 
 
+KERNEL_KINDS = ("flash", "decode", "sinks")
+
+
 def kernel_class(meta: dict):
     """The kernel object class for a library of this metadata (KeyError for an unknown kind)."""
-    return {"flash": FlashKernels, "decode": DecodeKernels, "sinks": SinkKernels}[kernel_kind(meta)]
+    return dict(zip(KERNEL_KINDS, (FlashKernels, DecodeKernels, SinkKernels)))[kernel_kind(meta)]
 
 
 def load(path: str | os.PathLike) -> FlashKernels | DecodeKernels | SinkKernels:

@@ -34,7 +34,7 @@ import threading
 
 import torch
 
-from . import compiler, launch, torch_op
+from . import compiler, launch, settings, torch_op
 from .spec import AttentionSpec
 
 
@@ -58,9 +58,10 @@ def logits(sinks: torch.Tensor) -> torch.Tensor:
 def kernels(dtype: torch.dtype, head_dim: int):
     """The sink kernels (``runtime.SinkKernels``) for CPU tensors of ``dtype`` (out' and dO) and
     ``head_dim``, compiled at the first use (~0.1 s) and cached; None where TVM's compiler is
-    absent (its runtime alone) and no earlier process cached them. (Kept whatever
-    ``compiler.request_state`` says later: no tuning record or product choice changes their code.)"""
-    key = (dtype, head_dim)
+    absent (its runtime alone), no earlier process cached them and ``$TVMFLASH_PREBUILT`` holds
+    none. (Kept whatever ``compiler.request_state`` says later: no tuning record or product choice
+    changes their code; where they come from, the cache or prebuilt directory, is in the key.)"""
+    key = (dtype, head_dim, *_steering_values())
     found = _kernels.get(key, False)
     if found is False:
         found = _kernels[key] = compiler.compile_sinks(torch_op.device_target(torch.device("cpu")),
@@ -69,6 +70,7 @@ def kernels(dtype: torch.dtype, head_dim: int):
 
 
 _kernels: dict[tuple, object] = {}
+_steering_values = settings.EnvironmentValues("TVMFLASH_CACHE_DIR", "TVMFLASH_PREBUILT")
 _EVERY_ROW = torch.ones((1, 1), dtype=torch.uint8)  # (expanded: every query row is real)
 _FUNCTIONS = {"rescale": "sink_rescale", "gradient": "sink_gradient"}  # (SinkKernels' method: its function)
 
