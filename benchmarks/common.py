@@ -19,7 +19,11 @@ DOCS = ROOT / "docs"
 def machine() -> str:
     from tvmflash import settings, target
 
-    return (f"{cpu_model()} ({target.host_cpu()}; {isa()}), {settings.num_threads()} threads, torch "
+    try:
+        llvm_cpu = target.host_cpu()
+    except ValueError:  # (TVM's runtime alone: LLVM is in its compiler library)
+        llvm_cpu = "TVM's runtime alone"
+    return (f"{cpu_model()} ({llvm_cpu}; {isa()}), {settings.num_threads()} threads, torch "
             f"{torch.__version__} ({torch.get_num_threads()} threads), Python {platform.python_version()}")
 
 
