@@ -345,7 +345,7 @@ def _helper_meta(path: Path) -> Path:
 def prebuilt_helper(name: str) -> Path | None:
     """``$TVMFLASH_PREBUILT``'s copy of the helper ``name`` (``export_helper``), or None where it
     has none; one that may not be loaded (the prebuilt libraries' rules: owned by you or root, not
-    group/world-writable, the checksum in its ``.json``) is skipped with a warning."""
+    group/world-writable, the checksum in its ``.helper.json``) is skipped with a warning."""
     directory = os.environ.get("TVMFLASH_PREBUILT")
     path = Path(directory, name) if directory else None
     if path is None or not path.exists():

@@ -23,7 +23,6 @@ import threading
 from pathlib import Path
 
 from . import cache
-from .cache import prebuilt_file_problem
 
 SUFFIX = ".fatbin"
 
@@ -66,7 +65,7 @@ def find(directory: Path, source: str, arch: str) -> bytes:
     meta_path = Path(str(path) + ".json")
     for p in (path, meta_path):
         try:
-            problem = prebuilt_file_problem(p)
+            problem = cache.prebuilt_file_problem(p)
         except FileNotFoundError:
             raise RuntimeError(
                 f"TVM's runtime alone cannot compile CUDA source, and {directory} has no binary of these kernels "
