@@ -241,6 +241,41 @@ def test_without_the_launcher_calls_keep_their_python_path(tmp_path):
     assert done.stdout.split() == ["True", "1", "True"], done.stdout + done.stderr
 
 
+def test_kernels_on_tvms_pool_keep_their_python_path(tmp_path):
+    """A torch not on GNU OpenMP (simulated) leaves the kernels on TVM's pool, where each runs in
+    fork_safe's Python wrapper while the C launcher loads: a repeated call made a launch of that
+    wrapper, and every call after the first raised AttributeError (forward, backward, decode)."""
+    script = """
+        import torch
+        from tvmflash import flash_attn_func, flash_attn_with_kvcache, launch, threads, torch_op
+        threads.torch_openmp = lambda: None  # (before any kernel loads: none routed to torch's threads)
+        g = torch.Generator().manual_seed(0)
+        q, k, v = (torch.randn(1, 40, 4, 32, generator=g).requires_grad_() for _ in range(3))
+        kc, vc = (torch.randn(1, 50, 4, 32, generator=g) for _ in range(2))
+        results = []
+        for _ in range(3):
+            out = flash_attn_func(q, k, v, causal=True)
+            grads = torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
+            results.append((out.detach(), *grads, flash_attn_with_kvcache(q[:, :1].detach(), kc, vc)))
+        same = all(torch.equal(a, b) for r in results[1:] for a, b in zip(r, results[0]))
+        print(launch.module() is not None, torch_op.kernels_for(q)._on_torch_threads, same)
+    """
+    done = subprocess.run([sys.executable, "-c", textwrap.dedent(script)], capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "TVMFLASH_QUIET": "1"}, cwd=os.path.dirname(__file__))
+    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+    assert done.stdout.split() == ["True", "False", "True"], done.stdout + done.stderr
+
+
+def test_the_launchers_key_names_the_python_abi_not_its_build(monkeypatch):
+    """A prebuilt launcher serves another build of the same Python minor version (its key held
+    sys.version, whose build date and compiler differ between two builds of 3.11)."""
+    from tvmflash import c_helpers
+
+    before = c_helpers._launch_headers()[1]
+    monkeypatch.setattr(sys, "version", sys.version.split(" ")[0] + " (another build) [another compiler]")
+    assert c_helpers._launch_headers()[1] == before
+
+
 class _Layer(torch.nn.Module):
     is_causal = True
 

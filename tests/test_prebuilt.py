@@ -155,6 +155,24 @@ def test_prebuilt_files_are_loadable_whatever_the_umask(tmp_path, monkeypatch):
     assert cuda_binaries.find(binary.parent, "extern \"C\" __global__ void f() {}", "sm_90") == b"fatbin"
 
 
+def test_prebuild_again_replaces_files_instead_of_rewriting_them(tmp_path):
+    """A process running kernels from a directory while prebuild refreshes it died of SIGBUS:
+    the files were rewritten in place, under its mappings. Each is now a new file renamed into
+    place (another inode); the loaded kernels keep theirs and run."""
+    written = tvmflash.prebuild(tmp_path, "llvm", head_dims=(32,), dtypes=("float32",))
+    loaded = tvmflash.load(written[0])
+    inodes = {p: p.stat().st_ino for p in tmp_path.iterdir()}
+    again = tvmflash.prebuild(tmp_path, "llvm", head_dims=(32,), dtypes=("float32",))
+    assert again == written and sorted(p.name for p in tmp_path.iterdir()) == sorted(p.name for p in inodes)
+    assert all(p.stat().st_ino != inode for p, inode in inodes.items())  # (no temporary file left either)
+    import torch
+
+    q = torch.randn(1, 20, 2, 32)
+    out, lse = torch.empty_like(q), torch.empty(1, 2, 20)
+    loaded.forward(q, q, q, out, lse)
+    assert torch.isfinite(out).all()
+
+
 def test_prebuilt_libraries_serve_only_their_own_kind(tmp_path, monkeypatch):
     """A decode or sink library shares its spec with the flash kernels of that head dim and dtype:
     none may stand in for another (the flash kernels' functions are not in it)."""

@@ -30,15 +30,16 @@ def launch_library() -> Path:
 
 def _launch_headers() -> tuple[list[str], bytes]:
     """launch.c's include flags, and what decides its build besides them (part of its key):
-    tvm-ffi's and DLPack's headers, and the Python it is for (its version and ABI name, not its
-    headers, which a deployment that loads a prebuilt copy may lack)."""
+    tvm-ffi's and DLPack's headers, and the Python it is for (its implementation, minor version
+    and ABI name, not its headers, which a deployment that loads a prebuilt copy may lack)."""
     import tvm_ffi.libinfo
 
     python = sysconfig.get_paths()["include"]
     ffi = tvm_ffi.libinfo.find_include_path()
     dlpack = tvm_ffi.libinfo.find_dlpack_include_path()
     headers = b"".join(p.read_bytes() for p in (Path(ffi, "tvm/ffi/c_api.h"), Path(dlpack, "dlpack/dlpack.h")))
-    abi = f"{sys.version}\0{sysconfig.get_config_var('SOABI')}".encode()
+    # (an extension's ABI is the minor version's: another build of it, or a patch release, serves)
+    abi = f"{sys.implementation.cache_tag}\0{sysconfig.get_config_var('SOABI')}".encode()
     return [f"-I{python}", f"-I{ffi}", f"-I{dlpack}"], headers + abi
 
 

@@ -113,7 +113,8 @@ def built_from_c(source: Path, name: str, args: list[str], inputs: bytes = b"") 
         prebuilt = prebuilt_helper(built_path.name)
         if prebuilt is not None:
             return prebuilt
-        raise OSError("no C compiler (gcc or $CC) found" + (f", and $TVMFLASH_PREBUILT holds no {built_path.name}"
+        raise OSError("no C compiler (gcc or $CC) found" + (f", and $TVMFLASH_PREBUILT holds no usable "
+                                                            f"{built_path.name}"
                                                             if os.environ.get("TVMFLASH_PREBUILT") else ""))
     with tempfile.TemporaryDirectory(dir=directory) as tmp:
         built = Path(tmp) / name
@@ -330,12 +331,23 @@ def export_helper(built: Path, directory: Path) -> list[Path]:
     checksum in ``<name>.helper.json`` (not ``.so.json``: no kernels' metadata), which
     ``prebuilt_helper`` serves where there is no C compiler."""
     path = Path(directory) / built.name
-    shutil.copyfile(built, path)
-    meta = _helper_meta(path)
-    meta.write_text(json.dumps({"sha256": file_digest(path)}, indent=1))
-    for written in (path, meta):
-        only_mine(written)
+    replace_with(path, lambda temporary: shutil.copyfile(built, temporary))
+    replace_with(_helper_meta(path), lambda temporary: temporary.write_text(json.dumps({"sha256": file_digest(path)})))
     return [path]
+
+
+def replace_with(path: Path, write) -> None:
+    """``write(temporary)`` next to ``path``, then renamed over it, writable by this user only: a
+    process that has the old file mapped keeps its pages (writing in place truncated them under
+    it: SIGBUS), and no reader sees half a file."""
+    # (the suffix kept: TVM's export picks the format by it; "*.so.json" does not match it)
+    temporary = path.with_name(f".tmp-{os.getpid()}-{path.stem}.tmp{path.suffix}")
+    try:
+        write(temporary)
+        only_mine(temporary)
+        os.replace(temporary, path)
+    finally:
+        temporary.unlink(missing_ok=True)
 
 
 def _helper_meta(path: Path) -> Path:

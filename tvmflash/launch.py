@@ -77,6 +77,8 @@ def make(function, template: tuple, inputs: tuple, outputs: tuple, *, team: int,
     found = module()
     if found is None or guards is None:
         return None
+    if not hasattr(function, "__chandle__"):  # (a kernel on TVM's pool runs fork_safe's Python wrapper)
+        return None
     if team and not threads.use_limit_of(found):
         return None  # (a kernel on torch's threads without the shim: cannot happen; no launch then)
     made = found.Launch(function, template, inputs, outputs, team, refuse_grad)

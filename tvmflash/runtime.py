@@ -410,15 +410,14 @@ def _export(module, library: Path | None, source: str | None, meta: dict, path: 
     """Write a compiled module's shared library to ``path`` and its metadata, with the library's
     checksum, to ``path + '.json'`` (what ``load`` and ``$TVMFLASH_PREBUILT`` read)."""
     path = Path(path)
+    # (each file renamed into place, private whatever the umask: cache.replace_with)
     if library is not None:  # loaded from a library: its code is that file
         if not (path.exists() and path.samefile(library)):  # (exported over itself: the metadata only)
-            shutil.copyfile(library, path)
+            cache.replace_with(path, lambda temporary: shutil.copyfile(library, temporary))
     else:
-        cache.export(module, path, source)
-    meta_path = Path(str(path) + ".json")
-    meta_path.write_text(json.dumps({**meta, "sha256": cache.file_digest(path)}, indent=1))
-    for written in (path, meta_path):  # (under umask 002 $TVMFLASH_PREBUILT would skip them)
-        cache.only_mine(written)
+        cache.replace_with(path, lambda temporary: cache.export(module, temporary, source))
+    text = json.dumps({**meta, "sha256": cache.file_digest(path)}, indent=1)
+    cache.replace_with(Path(str(path) + ".json"), lambda temporary: temporary.write_text(text))
 
 
 def _len(k) -> int:
