@@ -366,18 +366,7 @@ def prebuilt_helper(name: str) -> Path | None:
     try:
         if reason:
             raise _BrokenEntry(f"the directory could have been written by another user: {reason}")
-        for file in (_helper_meta(path), path):
-            problem = prebuilt_file_problem(file)
-            if problem:
-                raise _BrokenEntry(problem)
-        try:
-            digest = json.loads(_helper_meta(path).read_text(encoding="utf-8"))["sha256"]
-        except (ValueError, KeyError, TypeError) as err:
-            raise _BrokenEntry(f"{_helper_meta(path).name} is not a helper's metadata ({type(err).__name__}: "
-                               f"{err})") from err
-        if file_digest(path) != digest:
-            raise _BrokenEntry(f"{path.name} does not match the checksum in {_helper_meta(path).name} (modified "
-                               "after export)")
+        _checked_prebuilt(path, _helper_meta(path), "a helper's metadata")
     except (OSError, _BrokenEntry) as err:
         warn(f"skipping prebuilt helper {path} ({err})")
         return None
@@ -407,20 +396,26 @@ def prebuilt_libraries(directory: Path):
     for meta_path in sorted(directory.glob("*.so.json")):
         library = meta_path.with_suffix("")
         try:
-            for path in (meta_path, library):
-                problem = prebuilt_file_problem(path)
-                if problem:
-                    raise _BrokenEntry(problem)
-            try:
-                meta = json.loads(meta_path.read_text(encoding="utf-8"))
-                digest = meta["sha256"]
-            except (ValueError, KeyError, TypeError) as err:
-                raise _BrokenEntry(f"{meta_path.name} is not the metadata of kernels exported by this version of "
-                                   f"tvmflash ({type(err).__name__}: {err}); re-export them") from err
-            if _digest(library) != digest:
-                raise _BrokenEntry(f"{library.name} does not match the checksum in {meta_path.name} (modified "
-                                   "after export)")
+            meta = _checked_prebuilt(library, meta_path, "the metadata of kernels exported by this version of tvmflash")
         except (OSError, _BrokenEntry) as err:
             warn(f"skipping prebuilt kernels {library} ({err})")
             continue
         yield library, meta
+
+
+def _checked_prebuilt(file: Path, meta_path: Path, what: str) -> dict:
+    """The metadata of a prebuilt ``file`` (a library or helper) that may be loaded: both files
+    pass ``prebuilt_file_problem``, the metadata parses and the file hashes to its ``sha256``;
+    else _BrokenEntry (or OSError) naming what is wrong. ``what``: what the metadata should be."""
+    for path in (meta_path, file):
+        problem = prebuilt_file_problem(path)
+        if problem:
+            raise _BrokenEntry(problem)
+    try:
+        meta = json.loads(meta_path.read_text(encoding="utf-8"))
+        digest = meta["sha256"]
+    except (ValueError, KeyError, TypeError) as err:
+        raise _BrokenEntry(f"{meta_path.name} is not {what} ({type(err).__name__}: {err}); re-export them") from err
+    if file_digest(file) != digest:
+        raise _BrokenEntry(f"{file.name} does not match the checksum in {meta_path.name} (modified after export)")
+    return meta

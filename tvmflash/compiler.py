@@ -505,7 +505,8 @@ def prebuild(directory, target="cuda", head_dims=(64, 128), dtypes=("float16", "
         for dtype in dtypes:
             checks.check_kernel_params(head_dim, dtype)
     decode, sinks = checks.require_bool("decode", decode), checks.require_bool("sinks", sinks)
-    is_cuda = targets.resolve(target).kind.name == "cuda"
+    resolved = targets.resolve(target)
+    is_cuda = resolved.kind.name == "cuda"
     if is_cuda and (decode or sinks):
         raise ValueError("the decode and sink kernels run on CPUs only: prebuild them for an llvm target "
                          "(decode=False, sinks=False for CUDA)")
@@ -525,7 +526,7 @@ def prebuild(directory, target="cuda", head_dims=(64, 128), dtypes=("float16", "
         raise cache.UnsafeCacheError(f"prebuild will not write into {directory}: {unsafe}. $TVMFLASH_PREBUILT "
                                      f"would refuse it; use a directory only you can write: `chmod go-w {directory}`.")
     written = []
-    cuda_source = is_cuda and not _can_load(targets.resolve(target))  # (no GPU here: the libraries hold source)
+    cuda_source = is_cuda and not _can_load(resolved)  # (no GPU here: the libraries hold source)
 
     def export(kernels, name: str) -> None:
         kernels.export_library(directory / name)
@@ -546,7 +547,7 @@ def prebuild(directory, target="cuda", head_dims=(64, 128), dtypes=("float16", "
         for dtype in dtypes:
             sink_kernels = compile_sinks(target, AttentionSpec(checks.head_dim_value(head_dim), str(dtype)))
             export(sink_kernels, f"{targets.key(sink_kernels.meta['target'])}-d{head_dim}-{dtype}-sinks.so")
-    if written and not is_cuda and not targets.other_architecture(targets.code_json(targets.resolve(target))):
+    if written and not is_cuda and not targets.other_architecture(targets.code_json(resolved)):
         written += _prebuild_c_helpers(directory)
     return written
 
@@ -705,7 +706,8 @@ def _prebuilt_mismatch(meta: dict, kind: str, wish: dict, spec: AttentionSpec, d
             and not (not tuned and meta.get("tuning_record"))):
         return ("request", "")
     versions = meta["versions"]
-    here = {"tvmflash": __version__, "sources": sources_digest(), "tvm_ffi": tvm_ffi.__version__}
+    # (all but TVM's own: the kernels' code and the tables' layout are tvmflash's, their calls tvm-ffi's)
+    here = {name: value for name, value in _versions(_installed_tvm_version() or "").items() if name != "tvm"}
     differs = [f"{name} ({versions.get(name)}; here {value})" for name, value in here.items()
                if versions.get(name) != value]
     if differs:

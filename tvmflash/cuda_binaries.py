@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import threading
 from pathlib import Path
 
@@ -46,15 +45,11 @@ def compile_with_nvcc(source: str, arch: str) -> bytes:
 def write(directory: Path, source: str, arch: str, binary: bytes) -> Path:
     """Store ``binary`` under its name in ``directory``, with a ``.json`` of its digest."""
     path = Path(directory) / binary_name(source, arch)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_bytes(binary)
-    cache.only_mine(tmp)  # (under umask 002 ``find`` would refuse it)
-    os.replace(tmp, path)
     meta = {"arch": arch, "source_sha256": hashlib.sha256(source.encode()).hexdigest(),
             "sha256": hashlib.sha256(binary).hexdigest()}
-    meta_path = Path(str(path) + ".json")
-    meta_path.write_text(json.dumps(meta, indent=1))
-    cache.only_mine(meta_path)
+    # (renamed into place, private whatever the umask: under umask 002 ``find`` would refuse them)
+    cache.replace_with(path, lambda temporary: temporary.write_bytes(binary))
+    cache.replace_with(Path(str(path) + ".json"), lambda temporary: temporary.write_text(json.dumps(meta, indent=1)))
     return path
 
 
