@@ -53,9 +53,11 @@ print("ok", errors)
 
 
 def test_prebuilt_cpu_kernels_run_with_the_tvm_runtime_alone(tmp_path, seed):
+    # (no short sequences' tile classes: these calls (70 queries, 90 keys) run on the long class's)
     written = tvmflash.prebuild(tmp_path, "llvm", head_dims=(32,), dtypes=("float32",),
-                                score_mods=("none", "softcap+alibi"), fp32_results=(False, True))
-    written += tvmflash.prebuild(tmp_path, "llvm", head_dims=(32,), dtypes=("bfloat16",), fp32_results=(True,))
+                                score_mods=("none", "softcap+alibi"), fp32_results=(False, True), short_sequences=False)
+    written += tvmflash.prebuild(tmp_path, "llvm", head_dims=(32,), dtypes=("bfloat16",), fp32_results=(True,),
+                                 short_sequences=False)
     # kernels take the mask per call: one library serves causal and full attention; float32's
     # results are float32 (no second library)
     stem = f"{written[0].name.split('-d32')[0]}-d32"
@@ -108,6 +110,9 @@ assert torch.equal(got.sequences, want.sequences)
 used = [k for k in kvcache._kernels.values()] + [k for k in sinks._kernels.values()]
 assert {type(k).__name__ for k in used} == {"DecodeKernels", "SinkKernels"}, used
 assert all(str(k._library).startswith(prebuilt) for k in used), [k._library for k in used]
+# the prompts (11 tokens) ran on the short sequences' tiles, not on 64-row ones
+flash_used = [k for k in compiler._prebuilt_cache.values() if type(k).__name__ == "FlashKernels"]
+assert [k._library.name.split("-")[-1] for k in flash_used] == ["tiles16x16.so"], flash_used
 assert compiler.builds == 0
 # on torch's threads, repeated calls launched from C: the helpers in C came from the directory too
 flash = torch_op.kernels_for(ids.new_zeros((1, 1, 1, 16), dtype=torch.float32))
@@ -123,10 +128,12 @@ def test_prebuilt_decode_and_sink_kernels_serve_generate_with_the_runtime_alone(
     pytest.importorskip("transformers")
     written = tvmflash.prebuild(tmp_path, "llvm", head_dims=(16,), dtypes=("float32",), decode=True, sinks=True)
     stem = f"{written[0].name.split('-d16')[0]}-d16-float32"
-    assert [p.name for p in written[:3]] == [f"{stem}.so", f"{stem}-decode.so", f"{stem}-sinks.so"]
-    assert [p.name.split("-")[0] for p in written[3:]] == ["threads", "launch"]  # (the helpers in C)
-    loaded = [tvmflash.load(p) for p in written[:3]]  # each library loads as its own kind
-    assert [type(k).__name__ for k in loaded] == ["FlashKernels", "DecodeKernels", "SinkKernels"]
+    classes = [f"{stem}-tiles{q}x{k}.so" for q in (16, 32, 64) for k in (16, 32, 64) if (q, k) != (64, 64)]
+    assert [p.name for p in written[:11]] == [f"{stem}.so", *classes, f"{stem}-decode.so", f"{stem}-sinks.so"]
+    assert [p.name.split("-")[0] for p in written[11:]] == ["threads", "launch"]  # (the helpers in C)
+    loaded = [tvmflash.load(p) for p in [written[0], written[1], *written[9:11]]]  # each loads as its own kind
+    assert [type(k).__name__ for k in loaded] == ["FlashKernels", "FlashKernels", "DecodeKernels", "SinkKernels"]
+    assert [k.meta["configs"]["forward"]["block_q"] for k in loaded[:2]] == [64, 16]
     env = dict(os.environ, TVM_USE_RUNTIME_LIB="1", TVMFLASH_PREBUILT=str(tmp_path),
                TVMFLASH_CACHE_DIR=str(tmp_path / "empty-cache"))
     run = subprocess.run([sys.executable, "-c", RUNTIME_ONLY_GENERATE, str(tmp_path), str(seed)], env=env,
@@ -140,7 +147,8 @@ def test_prebuilt_files_are_loadable_whatever_the_umask(tmp_path, monkeypatch):
     wrote group-writable libraries, which $TVMFLASH_PREBUILT then skipped: every one of its own."""
     old = os.umask(0o002)
     try:
-        written = tvmflash.prebuild(tmp_path / "kernels", "llvm", head_dims=(32,), dtypes=("float32",), decode=True)
+        written = tvmflash.prebuild(tmp_path / "kernels", "llvm", head_dims=(32,), dtypes=("float32",), decode=True,
+                                    short_sequences=False)
         binary = cuda_binaries.write(tmp_path / "kernels", "extern \"C\" __global__ void f() {}", "sm_90", b"fatbin")
     finally:
         os.umask(old)
@@ -159,10 +167,10 @@ def test_prebuild_again_replaces_files_instead_of_rewriting_them(tmp_path):
     """A process running kernels from a directory while prebuild refreshes it died of SIGBUS:
     the files were rewritten in place, under its mappings. Each is now a new file renamed into
     place (another inode); the loaded kernels keep theirs and run."""
-    written = tvmflash.prebuild(tmp_path, "llvm", head_dims=(32,), dtypes=("float32",))
+    written = tvmflash.prebuild(tmp_path, "llvm", head_dims=(32,), dtypes=("float32",), short_sequences=False)
     loaded = tvmflash.load(written[0])
     inodes = {p: p.stat().st_ino for p in tmp_path.iterdir()}
-    again = tvmflash.prebuild(tmp_path, "llvm", head_dims=(32,), dtypes=("float32",))
+    again = tvmflash.prebuild(tmp_path, "llvm", head_dims=(32,), dtypes=("float32",), short_sequences=False)
     assert again == written and sorted(p.name for p in tmp_path.iterdir()) == sorted(p.name for p in inodes)
     assert all(p.stat().st_ino != inode for p, inode in inodes.items())  # (no temporary file left either)
     import torch

@@ -58,6 +58,35 @@ def test_of_several_prebuilt_cpu_models_the_nearest_is_used(tmp_path, monkeypatc
     assert compiler._find_prebuilt("flash", "llvm", SPEC32).meta["target"] == here.meta["target"]
 
 
+def test_prebuilt_kernels_of_the_calls_tile_class_are_used(tmp_path, monkeypatch):
+    """A call of a short sequence gets the library with its tile class (16- or 32-row tiles, as a
+    compiling process would build), a long one the 64-row one; a class the directory lacks falls
+    back to the long class's library, as does one exported before libraries recorded a class."""
+    if platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("tile classes follow the length on x86 only")
+    long = tvmflash.compile("llvm", head_dim=32, dtype="float32")
+    short = tvmflash.compile("llvm", head_dim=32, dtype="float32", seqlen=16)
+    assert (long.meta["tile_class"], short.meta["tile_class"]) == ([64, 64], [16, 16])
+    assert short.meta["configs"]["forward"]["block_q"] == 16
+    short.export_library(tmp_path / "a-short.so")  # (first by name: the search must not take it for long calls)
+    long.export_library(tmp_path / "b-long.so")
+    monkeypatch.setenv("TVMFLASH_PREBUILT", str(tmp_path))
+    compiler._prebuilt_cache.clear()
+
+    def found(seqlen) -> str:
+        return compiler._find_prebuilt("flash", "llvm", SPEC32, seqlen=seqlen)._library.name
+
+    assert [found(n) for n in (None, 16, 48, (16, 16), 1000, (16, 1000), 90)] == [
+        "b-long.so", "a-short.so", "a-short.so", "a-short.so", "b-long.so", "b-long.so", "b-long.so"]
+    _edit_meta(tmp_path / "b-long.so", tile_class=None)  # (as exports before tile classes)
+    compiler._prebuilt_cache.clear()
+    assert [found(n) for n in (None, 16, (16, 1000))] == ["b-long.so", "a-short.so", "b-long.so"]
+    for name in ("b-long.so", "b-long.so.json"):
+        (tmp_path / name).unlink()
+    compiler._prebuilt_cache.clear()
+    assert found(1000) == "a-short.so"  # (every class computes every length: slower, not wrong)
+
+
 def _edit_meta(path, **changes) -> None:
     """Change an exported library's metadata (its checksum is of the library: it still holds)."""
     meta_path = path.with_name(path.name + ".json")
@@ -123,20 +152,22 @@ def test_kernels_follow_a_changed_prebuilt_directory(tmp_path, monkeypatch):
 def test_prebuild_checks_every_argument_before_it_builds(tmp_path):
     """One value where a tuple of choices is asked is that choice; a bad one anywhere is an error
     before anything is written; so is a directory $TVMFLASH_PREBUILT would refuse."""
-    written = tvmflash.prebuild(tmp_path / "one", "llvm", head_dims=32, dtypes="float32", score_mods="none")
+    written = tvmflash.prebuild(tmp_path / "one", "llvm", head_dims=32, dtypes="float32", score_mods="none",
+                                short_sequences=False)
     assert written[0].name.endswith("-d32-float32.so")
     for bad, error in ((dict(head_dims=(32, 20)), "head_dim 20 is not supported"),
                        (dict(dtypes=("float32", "float64")), "dtype 'float64' is not supported"),
                        (dict(score_mods="tanh"), r"score_mods \['tanh'\] unknown"),
                        (dict(fp32_results=(True,)), "float32 kernels' results are float32 already"),
-                       (dict(head_dims=None), "head_dims lists the choices")):
+                       (dict(head_dims=None), "head_dims lists the choices"),
+                       (dict(short_sequences="no"), "short_sequences must be True or False")):
         with pytest.raises((ValueError, TypeError), match=error):
             tvmflash.prebuild(tmp_path / "bad", "llvm", **{"head_dims": (32,), "dtypes": ("float32",), **bad})
         assert not (tmp_path / "bad").exists()
     (tmp_path / "shared").mkdir()
     os.chmod(tmp_path / "shared", 0o775)
     with pytest.raises(UnsafeCacheError, match="would refuse it"):
-        tvmflash.prebuild(tmp_path / "shared", "llvm", head_dims=(32,), dtypes=("float32",))
+        tvmflash.prebuild(tmp_path / "shared", "llvm", head_dims=(32,), dtypes=("float32",), short_sequences=False)
     assert not list((tmp_path / "shared").iterdir())
     loaded = tvmflash.load(written[0])
     loaded.export_library(written[0])  # (over the file it was loaded from: it was SameFileError)

@@ -37,8 +37,8 @@ import tvm_ffi
 
 from . import cache, checks, cuda_binaries, import_closure, product_rates, records, runtime, settings
 from . import target as targets
-from .config import (AMX, AMX_TILE, BF16_DOT, KERNELS, TILE_EDGES, CPUKernelConfig, CUDAKernelConfig, default_arm_config,
-                     default_cpu_config)
+from .config import (AMX, AMX_TILE, BF16_DOT, KERNELS, LONG_TILES, TILE_CLASSES, CPUKernelConfig, CUDAKernelConfig,
+                     default_arm_config, default_cpu_config, tile_class)
 from .runtime import FlashKernels
 from .spec import Alibi, AttentionSpec, Softcap
 from .version import __version__
@@ -103,7 +103,7 @@ def choose_configs(target: tvm.target.Target, spec: AttentionSpec, *, config=Non
                                ) if tuned else None
         tiles = (default.block_q, default.block_k)
         if (found is not None and runnable.get(found[0].products, True)
-                and (tiles == (TILE_EDGES[-1],) * 2 or tiles == (found[0].block_q, found[0].block_k))):
+                and (tiles == LONG_TILES or tiles == (found[0].block_q, found[0].block_k))):
             chosen[kernel], used[kernel] = found
         else:
             chosen[kernel] = default
@@ -147,8 +147,11 @@ def _explicit_configs(config) -> dict:
     raise TypeError(f"config must be a CPUKernelConfig/CUDAKernelConfig or a dict of them by kernel, got {config!r}")
 
 
-def _request(target: tvm.target.Target, spec: AttentionSpec, configs: dict, deterministic: bool, record) -> dict:
-    """Everything a build depends on (JSON): the cache key and the metadata of the result."""
+def _request(target: tvm.target.Target, spec: AttentionSpec, configs: dict, deterministic: bool, record,
+             tiles: tuple[int, int] | None = None) -> dict:
+    """Everything a build depends on (JSON): the cache key and the metadata of the result.
+    ``tiles``: the tile class of the lengths asked for (``_tile_class``), which a prebuilt
+    library's call is matched by."""
     kind = target.kind.name
     is_cuda = kind == "cuda"
     meta = {
@@ -164,7 +167,17 @@ def _request(target: tvm.target.Target, spec: AttentionSpec, configs: dict, dete
     }
     if not is_cuda:
         meta["isa_features"] = targets.isa_features(target)
+    if tiles is not None:
+        meta["tile_class"] = list(tiles)
     return meta
+
+
+def _tile_class(target: tvm.target.Target, seqlen) -> tuple[int, int] | None:
+    """The tile class (``config.tile_class``) of kernels for ``seqlen`` on this target; None
+    where the tiles do not follow the length (CUDA, aarch64)."""
+    if target.kind.name == "cuda" or targets.is_aarch64(target):
+        return None
+    return tile_class(seqlen)
 
 
 def _mod_inputs(spec: AttentionSpec) -> list:
@@ -276,7 +289,8 @@ def can_compile() -> bool:
 def _compile_spec(target, spec: AttentionSpec, *, causal: bool, config, tuned: bool, seqlen: int | None,
                   cache: bool, deterministic: bool) -> FlashKernels:
     if cache:
-        prebuilt = _find_prebuilt("flash", target, spec, deterministic=deterministic, config=config, tuned=tuned)
+        prebuilt = _find_prebuilt("flash", target, spec, deterministic=deterministic, config=config, tuned=tuned,
+                                  seqlen=seqlen)
         if prebuilt is not None:
             return prebuilt.with_causal(causal)
     if not can_compile():
@@ -287,7 +301,7 @@ def _compile_spec(target, spec: AttentionSpec, *, causal: bool, config, tuned: b
         checks.check_cuda_params(spec.head_dim, spec.dtype, target.attrs.get("arch", "sm_90"))
         checks.check_cuda_spec(spec, deterministic)
     configs, record = choose_configs(target, spec, config=config, tuned=tuned, seqlen=seqlen)
-    request = _request(target, spec, configs, deterministic, record)
+    request = _request(target, spec, configs, deterministic, record, _tile_class(target, seqlen))
     key = _key(request)
     meta = {**request, "cache_key": key}
     if not cache:
@@ -446,7 +460,7 @@ def _build(target: tvm.target.Target, spec: AttentionSpec, configs: dict, meta: 
     builds += 1
     desc = f"{targets.key(target)}, {spec.describe()}" + (", deterministic" if meta["deterministic"] else "")
     forward = configs.get("forward")
-    if isinstance(forward, CPUKernelConfig) and (forward.block_q, forward.block_k) != (TILE_EDGES[-1],) * 2:
+    if isinstance(forward, CPUKernelConfig) and (forward.block_q, forward.block_k) != LONG_TILES:
         desc += f", {forward.block_q} x {forward.block_k} tiles for short sequences"
     settings.progress(f"compiling flash attention forward+backward ({desc}) ...")
     start = time.perf_counter()
@@ -474,24 +488,28 @@ PREBUILD_MODS = {"none": (), "softcap": (Softcap(),), "alibi": (Alibi(),), "soft
 
 def prebuild(directory, target="cuda", head_dims=(64, 128), dtypes=("float16", "bfloat16"),
              deterministic=(False,), score_mods=("none",), fp32_results=(False,), decode: bool = False,
-             sinks: bool = False) -> list[Path]:
+             sinks: bool = False, short_sequences: bool = True) -> list[Path]:
     """Compile and export every combination into ``directory`` (``<target>-d<D>-<dtype>...so``).
 
     Point ``$TVMFLASH_PREBUILT`` at the directory and ``compile()`` (hence the torch op) loads
     matching kernels from it before trying to compile: a machine without TVM's compiler library
-    (``TVM_USE_RUNTIME_LIB=1``, or a runtime-only TVM) can then run them. Kernels take the mask
-    per call (causal, windows, varlen), so one library serves every mask. ``score_mods``: which
-    of flash-attn's built-in mods, keys of ``PREBUILD_MODS`` ("none", "softcap", "alibi",
-    "softcap+alibi"). ``fp32_results``: (True,) or (False, True) for 16-bit dtypes' kernels
-    whose out and gradients are float32 (``-fp32-results``: ring attention's, and attention
-    sinks' forward, which scales out before rounding it once). CPU targets only: ``decode``
-    adds, for each of these, the decode kernel of ``flash_attn_with_kvcache`` (``-decode``: a
-    model's ``generate()`` steps); ``sinks``, for each head dim and dtype, the attention sinks'
-    rescale and gradient kernels (``-sinks``; without them a runtime-only process runs those
-    two steps as torch ops). Not covered: flex_attention's traced mods and block masks. CUDA
-    kernels built on a machine without a GPU hold their CUDA source, which TVM with its compiler
-    compiles when they load; for TVM's runtime alone, which cannot, each is also compiled here
-    with nvcc into a binary beside it (``cuda_binaries``; returned with the libraries).
+    (``TVM_USE_RUNTIME_LIB=1``, or a runtime-only TVM) can then run them. Kernels take the mask per
+    call (causal, windows, varlen), so one library serves every mask. ``score_mods``: which of
+    flash-attn's built-in mods, keys of ``PREBUILD_MODS`` ("none", "softcap", "alibi",
+    "softcap+alibi"). ``fp32_results``: (True,) or (False, True) for 16-bit dtypes' kernels whose
+    out and gradients are float32 (``-fp32-results``: ring attention's, and attention sinks'
+    forward, which scales out before rounding it once). CPU targets only: ``decode`` adds, for each
+    of these, the decode kernel of ``flash_attn_with_kvcache`` (``-decode``: a model's
+    ``generate()`` steps); ``sinks``, for each head dim and dtype, the attention sinks' rescale and
+    gradient kernels (``-sinks``; without them a runtime-only process runs those two steps as torch
+    ops); ``short_sequences`` (x86), for each flash library, the eight more with 16- and 32-row
+    tiles that a compiling process builds for calls of up to ~200 queries or keys
+    (``-tiles<Q>x<K>``, ``config.tile_class``; 2-3 s each to build; without them such calls run on
+    64-row tiles: a 16-token forward 3-4x as long). Not covered: flex_attention's traced mods and
+    block masks. CUDA kernels built on a machine without a GPU hold their CUDA source, which TVM
+    with its compiler compiles when they load; for TVM's runtime alone, which cannot, each is also
+    compiled here with nvcc into a binary beside it (``cuda_binaries``; returned with the
+    libraries).
     """
     # (every argument is checked before anything is built: no half-written directory)
     head_dims, dtypes, deterministic, score_mods, fp32_results = (
@@ -505,8 +523,12 @@ def prebuild(directory, target="cuda", head_dims=(64, 128), dtypes=("float16", "
         for dtype in dtypes:
             checks.check_kernel_params(head_dim, dtype)
     decode, sinks = checks.require_bool("decode", decode), checks.require_bool("sinks", sinks)
+    short_sequences = checks.require_bool("short_sequences", short_sequences)
     resolved = targets.resolve(target)
     is_cuda = resolved.kind.name == "cuda"
+    # (the long class first: the library named by the stem alone, which serves every length)
+    tile_classes = [None] + ([t for t in TILE_CLASSES if t != LONG_TILES]
+                             if short_sequences and _tile_class(resolved, None) is not None else [])
     if is_cuda and (decode or sinks):
         raise ValueError("the decode and sink kernels run on CPUs only: prebuild them for an llvm target "
                          "(decode=False, sinks=False for CUDA)")
@@ -535,12 +557,13 @@ def prebuild(directory, target="cuda", head_dims=(64, 128), dtypes=("float16", "
     for head_dim, dtype, (mods, det, fp32) in builds:
         spec = AttentionSpec(checks.head_dim_value(head_dim), str(dtype), "float32" if fp32 else str(dtype),
                              score_mods=PREBUILD_MODS[mods])
-        kern = compile_spec(target, spec, deterministic=det, cache=True)
-        stem = (f"{targets.key(kern.meta['target'])}-d{head_dim}-{dtype}" + ("" if mods == "none" else f"-{mods}")
-                + ("-deterministic" if kern.deterministic else "") + ("-fp32-results" if fp32 else ""))
-        export(kern, f"{stem}.so")
-        if cuda_source:
-            written += _prebuild_cuda_binary(directory, kern)
+        for tiles in tile_classes:
+            kern = compile_spec(target, spec, deterministic=det, cache=True, seqlen=tiles)
+            stem = (f"{targets.key(kern.meta['target'])}-d{head_dim}-{dtype}" + ("" if mods == "none" else f"-{mods}")
+                    + ("-deterministic" if kern.deterministic else "") + ("-fp32-results" if fp32 else ""))
+            export(kern, f"{stem}{'' if tiles is None else '-tiles%dx%d' % tiles}.so")
+            if cuda_source:
+                written += _prebuild_cuda_binary(directory, kern)
         if decode:
             export(compile_decode(target, spec), f"{stem}-decode.so")
     for head_dim in head_dims if sinks else ():
@@ -628,7 +651,7 @@ def _target_wish(target) -> dict:
 
 
 def _find_prebuilt(kind: str, target, spec: AttentionSpec, *, deterministic: bool = False, config=None,
-                   tuned: bool = True):
+                   tuned: bool = True, seqlen=None):
     """Kernels of ``kind`` ("flash", "decode", "sinks") from ``$TVMFLASH_PREBUILT`` that are
     exactly what the call asks for, or None.
 
@@ -639,7 +662,10 @@ def _find_prebuilt(kind: str, target, spec: AttentionSpec, *, deterministic: boo
     must come from this tvmflash (version and kernel code) and tvm-ffi (skipped with a warning
     otherwise). CPU libraries are only used where every instruction-set extension they were
     compiled for is present on this CPU; of several that match, the one compiled for the most of
-    them (the CPU model nearest this one's), then the first by name.
+    them (the CPU model nearest this one's), then (flash kernels on CPUs) the one whose tile class
+    is ``seqlen``'s (``config.tile_class``: 16- or 32-row tiles for short sequences), else one for
+    long sequences (64-row tiles, or a library exported without a tile class), then the first by
+    name. Every tile class computes every length: the class decides speed only.
     """
     directory = os.environ.get("TVMFLASH_PREBUILT")
     if not directory:
@@ -649,7 +675,14 @@ def _find_prebuilt(kind: str, target, spec: AttentionSpec, *, deterministic: boo
         explicit = {k: c.to_json() for k, c in _explicit_configs(config).items()}
     else:
         explicit = None if config is None else config.to_json() if hasattr(config, "to_json") else repr(config)
-    wanted = json.dumps([directory, kind, wish, spec.to_json(), deterministic, explicit, tuned], sort_keys=True)
+    tiles = list(tile_class(seqlen)) if kind == "flash" and wish["kind"] != "cuda" else None
+    wanted = json.dumps([directory, kind, wish, spec.to_json(), deterministic, explicit, tuned, tiles],
+                        sort_keys=True)
+
+    def rank(match) -> tuple[int, int]:
+        meta = match[1]
+        have = meta.get("tile_class", list(LONG_TILES))
+        return -len(meta.get("isa_features", [])), 0 if have == tiles else 1 if have == list(LONG_TILES) else 2
 
     def find():
         matches, lacking = [], []
@@ -666,8 +699,7 @@ def _find_prebuilt(kind: str, target, spec: AttentionSpec, *, deterministic: boo
             elif mismatch[0] == "instructions":
                 lacking.append(f"{so.name} (needs {mismatch[1]})")
         _prebuilt_lacking[(kind, json.dumps(spec.to_json(), sort_keys=True))] = lacking
-        # (a stable sort: among equals, name order)
-        for so, meta in sorted(matches, key=lambda match: -len(match[1].get("isa_features", []))):
+        for so, meta in sorted(matches, key=rank):  # (a stable sort: among equals, name order)
             try:
                 return runtime.load(so)
             except (ValueError, RuntimeError, OSError) as err:

@@ -119,6 +119,18 @@ def tile_edge(seqlen: int | None) -> int:
     return min(edges, key=lambda edge: -seqlen % edge)
 
 
+def tile_class(seqlen) -> tuple[int, int]:
+    """The (block_q, block_k) tile edges for ``seqlen``: None (unknown), an int (queries and keys),
+    or (queries, keys). ``LONG_TILES`` serve long and unknown lengths."""
+    seqlen_q, seqlen_k = seqlen if isinstance(seqlen, tuple) else (seqlen, seqlen)
+    return tile_edge(seqlen_q), tile_edge(seqlen_k)
+
+
+LONG_TILES = (TILE_EDGES[-1], TILE_EDGES[-1])
+# every class a call can fall in (queries and keys are classed apart: a short prompt after a long cache)
+TILE_CLASSES = tuple((edge_q, edge_k) for edge_q in TILE_EDGES for edge_k in TILE_EDGES)
+
+
 def default_cpu_config(kernel: str, avx512: bool, products: str = FP32_FMA, seqlen_q: int | None = None,
                        seqlen_k: int | None = None) -> CPUKernelConfig:
     """The hand-written schedule's choices for a CPU with (or without) AVX-512, and tiles for

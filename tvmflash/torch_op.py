@@ -25,7 +25,7 @@ import torch
 from torch.autograd import forward_ad
 
 from . import checks, compiler, launch, threads, uniform_rows, version
-from .config import TILE_EDGES, tile_edge
+from .config import LONG_TILES, tile_class
 from .runtime import FlashKernels
 from .spec import SUPPORTED_DTYPES, Alibi, AttentionSpec, Softcap
 from .uniform_rows import UniformRows
@@ -50,8 +50,8 @@ def kernels_for(q: torch.Tensor, *, causal: bool = False, deterministic: bool = 
     """
     tiles = None
     if seqlens is not None and q.device.type == "cpu":
-        tiles = (tile_edge(seqlens[0]), tile_edge(seqlens[1]))
-        if tiles == (TILE_EDGES[-1],) * 2:
+        tiles = tile_class(seqlens)
+        if tiles == LONG_TILES:
             tiles = None  # the kernels for long or unknown lengths
     memo = (q.device, q.dtype, q.shape[-1], causal, deterministic, softcap, alibi, fp32_results, tiles,
             compiler.request_state())
