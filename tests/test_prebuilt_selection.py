@@ -164,6 +164,9 @@ def test_prebuild_checks_every_argument_before_it_builds(tmp_path):
         with pytest.raises((ValueError, TypeError), match=error):
             tvmflash.prebuild(tmp_path / "bad", "llvm", **{"head_dims": (32,), "dtypes": ("float32",), **bad})
         assert not (tmp_path / "bad").exists()
+    (tmp_path / "a-file").write_text("")
+    with pytest.raises(NotADirectoryError, match="a-file is not one"):
+        tvmflash.prebuild(tmp_path / "a-file", "llvm", head_dims=(32,), dtypes=("float32",), short_sequences=False)
     (tmp_path / "shared").mkdir()
     os.chmod(tmp_path / "shared", 0o775)
     with pytest.raises(UnsafeCacheError, match="would refuse it"):

@@ -542,6 +542,8 @@ def prebuild(directory, target="cuda", head_dims=(64, 128), dtypes=("float16", "
                                                            "(fp32_results=True is for 16-bit dtypes)"
                                                            if head_dims and dtypes and variants else ""))
     directory = Path(directory)
+    if directory.exists() and not directory.is_dir():
+        raise NotADirectoryError(f"prebuild writes its libraries into a directory; {directory} is not one")
     directory.mkdir(mode=0o755, parents=True, exist_ok=True)  # a directory only its owner writes
     unsafe = cache.prebuilt_directory_problem(directory)
     if unsafe:  # (an existing one: $TVMFLASH_PREBUILT would refuse it where it is deployed)
