@@ -12,6 +12,7 @@ import pytest
 
 import tvmflash
 from tvmflash import compiler
+from tvmflash.config import config_from_json
 from tvmflash.cache import UnsafeCacheError
 from tvmflash.settings import TvmflashWarning
 from tvmflash.spec import AttentionSpec
@@ -68,6 +69,9 @@ def test_prebuilt_kernels_of_the_calls_tile_class_are_used(tmp_path, monkeypatch
     short = tvmflash.compile("llvm", head_dim=32, dtype="float32", seqlen=16)
     assert (long.meta["tile_class"], short.meta["tile_class"]) == ([64, 64], [16, 16])
     assert short.meta["configs"]["forward"]["block_q"] == 16
+    # an explicit config's tiles are its class (the length's class, unknown here, was recorded)
+    forward = config_from_json(short.meta["configs"]["forward"])
+    assert tvmflash.compile("llvm", head_dim=32, dtype="float32", config=forward).meta["tile_class"] == [16, 16]
     short.export_library(tmp_path / "a-short.so")  # (first by name: the search must not take it for long calls)
     long.export_library(tmp_path / "b-long.so")
     monkeypatch.setenv("TVMFLASH_PREBUILT", str(tmp_path))
@@ -85,6 +89,29 @@ def test_prebuilt_kernels_of_the_calls_tile_class_are_used(tmp_path, monkeypatch
         (tmp_path / name).unlink()
     compiler._prebuilt_cache.clear()
     assert found(1000) == "a-short.so"  # (every class computes every length: slower, not wrong)
+
+
+def test_prebuild_compiles_what_the_prebuilt_directory_holds_already(tmp_path, monkeypatch):
+    """prebuild builds for its target, whatever $TVMFLASH_PREBUILT holds: it had exported the
+    library found there (another CPU model's, or the long class's under each short class's
+    name: 64-row tiles where the name promised 16)."""
+    generic_cpu = "x86-64" if platform.machine() in ("x86_64", "AMD64") else "generic"
+    (tmp_path / "deployed").mkdir(mode=0o755)
+    generic = tvmflash.compile({"kind": "llvm", "mcpu": generic_cpu}, head_dim=16, dtype="float32")
+    generic.export_library(tmp_path / "deployed" / "generic.so")
+    here = tvmflash.compile("llvm", head_dim=16, dtype="float32").meta["target"]
+    assert here != generic.meta["target"]
+    monkeypatch.setenv("TVMFLASH_PREBUILT", str(tmp_path / "deployed"))
+    compiler._prebuilt_cache.clear()
+    assert compiler._find_prebuilt("flash", "llvm", AttentionSpec(16, "float32"), seqlen=16) is not None
+    written = tvmflash.prebuild(tmp_path / "new", "llvm", head_dims=(16,), dtypes=("float32",), decode=True)
+    for path in written[:-2]:  # (the helpers in C last)
+        meta = tvmflash.load(path).meta
+        assert meta["target"] == here, path
+        if "-tiles" in path.name:
+            tiles = [int(edge) for edge in path.name.rsplit("-tiles", 1)[1].removesuffix(".so").split("x")]
+            assert meta["tile_class"] == tiles and [meta["configs"]["forward"][f"block_{side}"]
+                                                    for side in "qk"] == tiles, path
 
 
 def _edit_meta(path, **changes) -> None:
@@ -195,7 +222,11 @@ def test_prebuilt_kernels_respect_explicit_arguments(tmp_path, monkeypatch):
 def test_malformed_prebuilt_metadata_names_the_file(tmp_path, monkeypatch):
     (tmp_path / "broken.so").write_bytes(b"")
     (tmp_path / "broken.so.json").write_text("{not json")
+    (tmp_path / "nested.so").write_bytes(b"")
+    (tmp_path / "nested.so.json").write_text("[" * 100_000)  # (json's parser: RecursionError, which broke every call)
     monkeypatch.setenv("TVMFLASH_PREBUILT", str(tmp_path))
     compiler._prebuilt_cache.clear()
-    with pytest.warns(TvmflashWarning, match="broken.so.json"):  # skipped: a foreign json broke every call
+    with pytest.warns(TvmflashWarning) as caught:  # skipped: a foreign json broke every call
         assert compiler._find_prebuilt("flash", "llvm", SPEC32) is None
+    said = "\n".join(str(w.message) for w in caught)
+    assert "broken.so.json" in said and "nested.so.json nests its values too deeply" in said, said

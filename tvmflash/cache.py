@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from .libraries import load_library
-from .settings import cache_dir, warn
+from .settings import cache_dir, read_json, warn
 
 
 class UnsafeCacheError(PermissionError):
@@ -192,7 +192,7 @@ def load(key: str, request, functions: tuple[str, ...]) -> Entry | None:
                                        f"directory {directory}) and it will be rebuilt.")
     try:
         try:
-            meta = json.loads(meta_path.read_text(encoding="utf-8"))
+            meta = read_json(meta_path)
             stored_request, digests = meta["request"], meta["sha256"]
             digests[".so"]
         except (OSError, ValueError, KeyError, TypeError) as err:
@@ -288,7 +288,7 @@ def answer(question: str) -> str | None:
         raise UnsafeCacheError(f"tvmflash will not read {path}: {reason}. Delete it (or the cache directory) "
                                "and it will be written again.")
     try:
-        recorded = json.loads(path.read_text(encoding="utf-8"))
+        recorded = read_json(path)
         key, reads = str(recorded["key"]), dict(recorded["reads"])
     except (OSError, ValueError, KeyError, TypeError):
         return None  # (a damaged answer: resolved again, and rewritten)
@@ -412,7 +412,7 @@ def _checked_prebuilt(file: Path, meta_path: Path, what: str) -> dict:
         if problem:
             raise _BrokenEntry(problem)
     try:
-        meta = json.loads(meta_path.read_text(encoding="utf-8"))
+        meta = read_json(meta_path)
         digest = meta["sha256"]
     except (ValueError, KeyError, TypeError) as err:
         raise _BrokenEntry(f"{meta_path.name} is not {what} ({type(err).__name__}: {err}); re-export them") from err

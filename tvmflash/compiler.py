@@ -150,8 +150,8 @@ def _explicit_configs(config) -> dict:
 def _request(target: tvm.target.Target, spec: AttentionSpec, configs: dict, deterministic: bool, record,
              tiles: tuple[int, int] | None = None) -> dict:
     """Everything a build depends on (JSON): the cache key and the metadata of the result.
-    ``tiles``: the tile class of the lengths asked for (``_tile_class``), which a prebuilt
-    library's call is matched by."""
+    ``tiles``: the tile class of the lengths asked for (``_tile_class``): what ``_find_prebuilt``
+    chooses an exported library by."""
     kind = target.kind.name
     is_cuda = kind == "cuda"
     meta = {
@@ -172,12 +172,15 @@ def _request(target: tvm.target.Target, spec: AttentionSpec, configs: dict, dete
     return meta
 
 
-def _tile_class(target: tvm.target.Target, seqlen) -> tuple[int, int] | None:
-    """The tile class (``config.tile_class``) of kernels for ``seqlen`` on this target; None
-    where the tiles do not follow the length (CUDA, aarch64)."""
+def _tile_class(target: tvm.target.Target, seqlen, config=None) -> tuple[int, int] | None:
+    """The tile class of kernels for ``seqlen`` on this target: that of the length
+    (``config.tile_class``; a tuning record's tiles may differ, for the same lengths), or an
+    explicit forward ``config``'s tiles; None where the tiles do not follow the length (CUDA,
+    aarch64)."""
     if target.kind.name == "cuda" or targets.is_aarch64(target):
         return None
-    return tile_class(seqlen)
+    forward = _explicit_configs(config).get("forward")
+    return tile_class(seqlen) if forward is None else (forward.block_q, forward.block_k)
 
 
 def _mod_inputs(spec: AttentionSpec) -> list:
@@ -287,12 +290,13 @@ def can_compile() -> bool:
 
 
 def _compile_spec(target, spec: AttentionSpec, *, causal: bool, config, tuned: bool, seqlen: int | None,
-                  cache: bool, deterministic: bool) -> FlashKernels:
-    if cache:
-        prebuilt = _find_prebuilt("flash", target, spec, deterministic=deterministic, config=config, tuned=tuned,
-                                  seqlen=seqlen)
-        if prebuilt is not None:
-            return prebuilt.with_causal(causal)
+                  cache: bool, deterministic: bool, prebuilt: bool = True) -> FlashKernels:
+    """``compile_spec`` without its memo, from ``$TVMFLASH_PREBUILT`` first unless not ``prebuilt``."""
+    if cache and prebuilt:
+        found = _find_prebuilt("flash", target, spec, deterministic=deterministic, config=config, tuned=tuned,
+                               seqlen=seqlen)
+        if found is not None:
+            return found.with_causal(causal)
     if not can_compile():
         raise RuntimeError(_nothing_prebuilt("flash", target, spec, deterministic))
     target = targets.resolve(target)
@@ -301,7 +305,7 @@ def _compile_spec(target, spec: AttentionSpec, *, causal: bool, config, tuned: b
         checks.check_cuda_params(spec.head_dim, spec.dtype, target.attrs.get("arch", "sm_90"))
         checks.check_cuda_spec(spec, deterministic)
     configs, record = choose_configs(target, spec, config=config, tuned=tuned, seqlen=seqlen)
-    request = _request(target, spec, configs, deterministic, record, _tile_class(target, seqlen))
+    request = _request(target, spec, configs, deterministic, record, _tile_class(target, seqlen, config))
     key = _key(request)
     meta = {**request, "cache_key": key}
     if not cache:
@@ -524,6 +528,9 @@ def prebuild(directory, target="cuda", head_dims=(64, 128), dtypes=("float16", "
             checks.check_kernel_params(head_dim, dtype)
     decode, sinks = checks.require_bool("decode", decode), checks.require_bool("sinks", sinks)
     short_sequences = checks.require_bool("short_sequences", short_sequences)
+    if not can_compile():
+        raise RuntimeError("prebuild compiles kernels, which TVM's runtime alone cannot: run it where TVM's compiler "
+                           "is installed")
     resolved = targets.resolve(target)
     is_cuda = resolved.kind.name == "cuda"
     # (the long class first: the library named by the stem alone, which serves every length)
@@ -559,18 +566,19 @@ def prebuild(directory, target="cuda", head_dims=(64, 128), dtypes=("float16", "
     for head_dim, dtype, (mods, det, fp32) in builds:
         spec = AttentionSpec(checks.head_dim_value(head_dim), str(dtype), "float32" if fp32 else str(dtype),
                              score_mods=PREBUILD_MODS[mods])
-        for tiles in tile_classes:
-            kern = compile_spec(target, spec, deterministic=det, cache=True, seqlen=tiles)
+        for tiles in tile_classes:  # (never what $TVMFLASH_PREBUILT holds: kernels built for this target)
+            kern = _compile_spec(target, spec, causal=False, config=None, tuned=True, seqlen=tiles, cache=True,
+                                 deterministic=det, prebuilt=False)
             stem = (f"{targets.key(kern.meta['target'])}-d{head_dim}-{dtype}" + ("" if mods == "none" else f"-{mods}")
                     + ("-deterministic" if kern.deterministic else "") + ("-fp32-results" if fp32 else ""))
             export(kern, f"{stem}{'' if tiles is None else '-tiles%dx%d' % tiles}.so")
             if cuda_source:
                 written += _prebuild_cuda_binary(directory, kern)
         if decode:
-            export(compile_decode(target, spec), f"{stem}-decode.so")
+            export(_built_decode(target, spec), f"{stem}-decode.so")
     for head_dim in head_dims if sinks else ():
         for dtype in dtypes:
-            sink_kernels = compile_sinks(target, AttentionSpec(checks.head_dim_value(head_dim), str(dtype)))
+            sink_kernels = _built_sinks(target, AttentionSpec(checks.head_dim_value(head_dim), str(dtype)))
             export(sink_kernels, f"{targets.key(sink_kernels.meta['target'])}-d{head_dim}-{dtype}-sinks.so")
     if written and not is_cuda and not targets.other_architecture(targets.code_json(resolved)):
         written += _prebuild_c_helpers(directory)
@@ -829,15 +837,20 @@ def compile_decode(target, spec: AttentionSpec, *, config=None, cache: bool = Tr
             return prebuilt
         if not can_compile():
             raise RuntimeError(_nothing_prebuilt("decode", target, spec, False))
-        cpu = _cpu_target(target, "flash_attn_with_kvcache")
-        cfg = choose_decode_config(cpu, spec, config)
-        return _cpu_module("decode", "flash decode", cpu, spec, cfg.to_json(),
-                           lambda build: build.build_decode_module(cpu, spec, cfg), runtime.DecodeKernels, cache)
+        return _built_decode(target, spec, config, cache)
 
     if config is not None or not cache:
         return resolve()
     return _answered("decode", target, [spec.digest(), _mod_inputs(spec)], spec, runtime.DecodeKernels.FUNCTIONS,
                      runtime.DecodeKernels, resolve)
+
+
+def _built_decode(target, spec: AttentionSpec, config=None, cache: bool = True) -> runtime.DecodeKernels:
+    """The decode kernel from the memory or disk cache, or built (never prebuilt)."""
+    cpu = _cpu_target(target, "flash_attn_with_kvcache")
+    cfg = choose_decode_config(cpu, spec, config)
+    return _cpu_module("decode", "flash decode", cpu, spec, cfg.to_json(),
+                       lambda build: build.build_decode_module(cpu, spec, cfg), runtime.DecodeKernels, cache)
 
 
 def compile_sinks(target, spec: AttentionSpec) -> runtime.SinkKernels | None:
@@ -848,12 +861,17 @@ def compile_sinks(target, spec: AttentionSpec) -> runtime.SinkKernels | None:
         prebuilt = _find_prebuilt("sinks", target, spec)
         if prebuilt is not None or not can_compile():
             return prebuilt
-        cpu = _cpu_target(target, "the sink kernels")
-        return _cpu_module("sinks", "the sink kernels", cpu, spec, None,
-                           lambda build: build.build_sink_module(cpu, spec), runtime.SinkKernels, True)
+        return _built_sinks(target, spec)
 
     return _answered("sinks", target, [spec.digest()], spec, runtime.SinkKernels.FUNCTIONS, runtime.SinkKernels,
                      resolve)
+
+
+def _built_sinks(target, spec: AttentionSpec) -> runtime.SinkKernels:
+    """The sink kernels from the memory or disk cache, or built (never prebuilt)."""
+    cpu = _cpu_target(target, "the sink kernels")
+    return _cpu_module("sinks", "the sink kernels", cpu, spec, None,
+                       lambda build: build.build_sink_module(cpu, spec), runtime.SinkKernels, True)
 
 
 def _cpu_target(target, what: str) -> tvm.target.Target:

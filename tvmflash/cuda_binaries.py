@@ -21,7 +21,7 @@ import json
 import threading
 from pathlib import Path
 
-from . import cache
+from . import cache, settings
 
 SUFFIX = ".fatbin"
 
@@ -69,7 +69,7 @@ def find(directory: Path, source: str, arch: str) -> bytes:
             raise RuntimeError(f"tvmflash will not load {p}: {problem}")
     binary = path.read_bytes()
     try:
-        digest = json.loads(meta_path.read_text())["sha256"]
+        digest = settings.read_json(meta_path)["sha256"]
     except (ValueError, KeyError, TypeError) as err:
         raise RuntimeError(f"tvmflash will not load {path}: {meta_path.name} is no binary's metadata ({err!r})") from None
     if hashlib.sha256(binary).hexdigest() != digest:

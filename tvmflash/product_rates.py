@@ -196,7 +196,7 @@ def _stored_or_measured(key: str) -> ProductRates:
     if stored.exists():
         try:
             check_own_file(stored)
-            data = json.loads(stored.read_text(encoding="utf-8"))
+            data = settings.read_json(stored)
             return ProductRates(float(data["fp32_fma"]), float(data["bf16_dot"]), float(data.get("amx", 0.0)))
         except UnsafeCacheError as err:
             settings.warn(f"measuring again: {err}")

@@ -22,7 +22,7 @@ import os
 from pathlib import Path
 
 from .config import CPUKernelConfig
-from .settings import cache_dir
+from .settings import cache_dir, read_json
 from .spec import AttentionSpec
 
 # 3: configs name how the products run (``products``); version-2 records were tuned before
@@ -64,7 +64,7 @@ def read(path: Path) -> dict:
     if not path.exists():
         return {}
     try:
-        data = json.loads(path.read_text())
+        data = read_json(path)
         if data.get("version") != VERSION:
             return {}  # written for other kernels: not applicable
         return {kernel: data[kernel] for kernel in ("forward", "backward") if kernel in data}

@@ -520,7 +520,7 @@ def read_meta(path: Path) -> dict:
     if not meta_path.exists():
         raise FileNotFoundError(f"{meta_path} (written by export_library next to the library) is missing")
     try:
-        meta = json.loads(meta_path.read_text())
+        meta = settings.read_json(meta_path)
         for field in ("target", "spec", "configs" if kernel_kind(meta) == "flash" else "versions"):
             meta[field]
         meta["target"]["kind"]

@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import functools
+import json
 import os
 import sys
 import warnings
@@ -101,3 +102,13 @@ def progress(message: str) -> None:
 
 def warn(message: str) -> None:
     warnings.warn(message, TvmflashWarning, stacklevel=3)
+
+
+def read_json(path: Path):
+    """A JSON file's contents. ValueError for any text that is not JSON json can read, nesting too
+    deep for its parser included (a RecursionError, which the callers' checks would not catch)."""
+    text = Path(path).read_text(encoding="utf-8")
+    try:
+        return json.loads(text)
+    except RecursionError:
+        raise ValueError(f"{path} nests its values too deeply to read") from None
