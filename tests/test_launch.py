@@ -157,6 +157,23 @@ def test_decode_launch_checks_the_caches_reach_the_lengths(gen):
                        flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=90))
 
 
+def test_decode_launch_checks_the_caches_reach_the_lengths_of_a_grown_step(gen):
+    """A step whose lengths grew within their key tile rewrites its tables' ends only; the
+    launch's least cache length must follow them (it kept the planned lengths: a 34-key cache
+    with cache_seqlens=40 read six rows past its end, silently)."""
+    q, k_cache, v_cache = (torch.randn(2, n, 2, 64, generator=gen) for n in (1, 100, 100))
+    _fresh_memos()
+    for seqlen in (33, 33, 40):  # (checked, the launch made, the ends rewritten)
+        flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlen)
+    for cache_seqlens in (40, torch.full((2,), 40, dtype=torch.int32)):
+        with pytest.raises(ValueError, match="exceeds"):
+            flash_attn_with_kvcache(q, k_cache[:, :34].clone(), v_cache[:, :34].clone(), cache_seqlens=cache_seqlens)
+    flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=34)  # (shorter again: a 34-key cache serves)
+    short = k_cache[:, :34].clone(), v_cache[:, :34].clone()
+    assert torch.equal(flash_attn_with_kvcache(q, *short, cache_seqlens=34),
+                       flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=34))
+
+
 def test_thread_limit_is_shared_with_the_python_launches(gen, monkeypatch):
     """A C launch sets the shim's per-thread limit (a one-unit decode step: 1); the next Python
     launch must set its own, even the value it set last (no memo of it may skip the call)."""

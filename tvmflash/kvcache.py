@@ -567,7 +567,11 @@ class _DecodeStep:
             cells = scratch.seq_info_cells
             for b, end in enumerate(ends):
                 cells[b * plan.DECODE_SEQ_COLUMNS + plan.DEC_K_END] = end
-            return last._replace(lengths=(ends, starts, threads))
+            tables = last._replace(lengths=(ends, starts, threads))
+            for made in (getattr(scratch, "launch", None), getattr(scratch, "heads_first", None)):
+                if made is not None:  # (the new ends must lie inside the caches it takes)
+                    self._require_keys(made, tables)
+            return tables
         if last is None:
             scratch.seq_info = np.empty((self.batch, plan.DECODE_SEQ_COLUMNS), np.int32)
             scratch.seq_info_cells = memoryview(scratch.seq_info).cast("B").cast("i")  # (numpy's indexing: ~10 us cold)
@@ -613,6 +617,11 @@ class _DecodeStep:
         made.set(self._UNITS, ("tensor", tables.units))
         if self.on_torch_threads:
             made.set_team(tables.team)
+        self._require_keys(made, tables)
+
+    def _require_keys(self, made, tables: _StepTables) -> None:
+        """``made`` takes caches of at least the tables' longest sequence: the kernel reads up to
+        each sequence's end, and its own argument checks do not compare them with the caches."""
         longest = max(tables.lengths[0], default=0)
         for cache in (1, 2):
             made.set_min_size(cache, self._KEYS, longest)
