@@ -6,6 +6,9 @@ opcheck; clear errors."""
 from __future__ import annotations
 
 import functools
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -474,6 +477,44 @@ def test_score_mod_values_are_read_at_call_time(gen, case):
     assert len(keys) == 1, f"{case}: a kernel per value"
 
 
+def test_a_value_read_with_item_is_read_at_call_time(gen):
+    """A score_mod that reads a tensor's value as a Python number: its trace holds the number,
+    which an in-place change of the tensor left as it was at the first call (silently)."""
+    temperature = torch.tensor([0.5])
+
+    def score_mod(score, b, h, q_idx, kv_idx):
+        return score * temperature[0].item()
+
+    q, k, v = (torch.randn(1, 2, 37, 16, generator=gen) for _ in range(3))
+    for value in (0.5, 3.0):
+        temperature[0] = value
+        ref, _ = reference_attention(*(t.double().transpose(1, 2) for t in (q, k, v)),
+                                     score_mod=lambda score, *idx: score * value)
+        torch.testing.assert_close(flex_attention(q, k, v, score_mod=score_mod).double(), ref.transpose(1, 2),
+                                   atol=1e-4, rtol=0, msg=lambda m: f"temperature {value}: {m}")
+
+
+def test_score_and_mask_mods_with_closure_tensors_of_their_own(gen, seed):
+    """ALiBi slopes in score_mod's closure and document ids in mask_mod's: both tensors were named
+    `captured` (dynamo's placeholders of closure cells), an error the user could not rename away."""
+    seqlen = 100
+    slopes = torch.rand(2, generator=gen)
+    documents = torch.tensor([0] * 30 + [1] * 45 + [2] * 25)
+
+    def alibi(score, b, h, q_idx, kv_idx):
+        return score - slopes[h] * (q_idx - kv_idx)
+
+    def in_document(b, h, q_idx, kv_idx):
+        return (q_idx >= kv_idx) & (documents[q_idx] == documents[kv_idx])
+
+    q, k, v = (torch.randn(1, 2, seqlen, 16, generator=gen) for _ in range(3))
+    ours = flex_attention(q, k, v, score_mod=alibi, block_mask=create_block_mask(in_document, None, None, seqlen,
+                                                                                 seqlen))
+    ref, _ = reference_attention(*(t.double().transpose(1, 2) for t in (q, k, v)), score_mod=alibi,
+                                 mask=flex_trace.dense_mask(in_document, 1, 2, seqlen, seqlen))
+    torch.testing.assert_close(ours.double(), ref.transpose(1, 2), atol=1e-4, rtol=0)
+
+
 def test_mask_mod_values_are_read_at_call_time(gen):
     q, k, v = (torch.randn(1, 2, 150, 32, generator=gen) for _ in range(3))
     for window in (10, 70):
@@ -575,3 +616,29 @@ def test_mods_named_like_the_identity_are_applied(gen):
     torch.testing.assert_close(ours.double(), ref.transpose(1, 2), atol=1e-4, rtol=0)
     assert flex_trace.trace_score_mod(lambda s, b, h, i, j: s).is_identity
     assert not flex_trace.trace_score_mod(identity).is_identity
+
+
+COMPILED_LSE_GRADIENT = r"""
+import torch, tvmflash
+torch.manual_seed(0)
+q, k, v = (torch.randn(1, 2, 37, 16, requires_grad=True) for _ in range(3))
+table = torch.randn(2)
+def score_mod(score, b, h, q_idx, kv_idx):
+    return score * 1.5 + table[h]
+out, lse = torch.compile(tvmflash.flex_attention, fullgraph=True)(q, k, v, score_mod=score_mod, return_lse=True)
+(out.sum() + lse.sum()).backward()
+print("ok", float(q.grad.double().norm()))
+"""
+
+
+def test_a_compiled_lse_gradient_loaded_from_torchs_cache_finds_its_kernels(tmp_path):
+    """The second process's compiled backward comes from inductor's cache, and named the lse
+    gradient's wider spec, which only the first process's tracing of it had registered
+    (KeyError)."""
+    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"))
+    runs = [subprocess.run([sys.executable, "-c", COMPILED_LSE_GRADIENT], env=env, capture_output=True, text=True,
+                           timeout=600) for _ in range(2)]
+    for run in runs:
+        assert run.returncode == 0, run.stderr[-3000:]
+    assert runs[0].stdout.split()[-1] == runs[1].stdout.split()[-1]  # (the same gradient)
+

@@ -168,12 +168,22 @@ def _register_spec(spec: AttentionSpec) -> str:
     return key
 
 
+def _spec_of(spec_key: str) -> AttentionSpec:
+    """The spec a key names: a registered spec's digest, or ``<digest>+lse<D>``, that spec at head
+    dim D (the lse gradient's wider inputs, ``_autograd_backward``). A compiled backward loaded
+    from torch's caches in another process names it without having run that Python: only the
+    forward's registration, which runs where dynamo traces the call, is there."""
+    base, _, lse_head_dim = spec_key.partition("+lse")
+    spec = _specs[base]
+    return dataclasses.replace(spec, head_dim=int(lse_head_dim)) if lse_head_dim else spec
+
+
 def _kernels(q: torch.Tensor, spec_key: str) -> FlashKernels:
     return _kernels_for_device(q.device.type, spec_key)
 
 
 def _kernels_for_device(device: str, spec_key: str) -> FlashKernels:
-    return compiler.compile_spec(torch_op.device_target(torch.device(device)), _specs[spec_key])
+    return compiler.compile_spec(torch_op.device_target(torch.device(device)), _spec_of(spec_key))
 
 
 def _layout(t: torch.Tensor) -> torch.Tensor:
@@ -202,7 +212,7 @@ def _(q, k, v, captured, tile_state, kv_range, scale, spec_key):
 
 
 def _out_dtype(spec_key: str) -> torch.dtype:
-    return getattr(torch, _specs[spec_key].out_dtype)
+    return getattr(torch, _spec_of(spec_key).out_dtype)
 
 
 @torch.library.custom_op("tvmflash::flex_backward", mutates_args=())
@@ -210,7 +220,7 @@ def _flex_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
                    lse: torch.Tensor, captured: list[torch.Tensor], tile_state: torch.Tensor | None,
                    scale: float, spec_key: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor]]:
     dq, dk, dv = (torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
-    spec = _specs[spec_key]
+    spec = _spec_of(spec_key)
     # the CPU kernels write these, the CUDA kernels add into them
     fill = torch.zeros if q.device.type == "cuda" else torch.empty
     grads = [fill(math.prod(i.shape), dtype=torch.float32, device=q.device) for i in spec.grad_inputs]
@@ -231,7 +241,7 @@ def _backward_block_mask(tile_state: torch.Tensor | None):
 
 @_flex_backward.register_fake
 def _(dout, q, k, v, out, lse, captured, tile_state, scale, spec_key):
-    spec = _specs[spec_key]
+    spec = _spec_of(spec_key)
     grads = [q.new_empty(math.prod(i.shape), dtype=torch.float32) for i in spec.grad_inputs]
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), grads  # (contiguous, as the op's)
 
@@ -252,15 +262,15 @@ def _autograd_backward(ctx, dout, dlse):
     if dlse is None:
         dout = dout.contiguous()
     else:  # lse is differentiable in torch's flex_attention too
-        spec_key = _register_spec(dataclasses.replace(_specs[spec_key], head_dim=_lse_grad_head_dim(q)))
+        spec_key = f"{spec_key}+lse{_lse_grad_head_dim(q)}"
         if tile_state is not None and _backward_tiles(q, spec_key) != _backward_tiles(q, ctx.spec_key):
             raise NotImplementedError("a gradient through flex_attention's lse with a block mask needs the wider "
                                       "head dim's backward kernel on the forward's tiles")
-        dout, q, k, v, out = _with_lse_grad(dout, q, k, v, out, dlse, _specs[spec_key].head_dim)
+        dout, q, k, v, out = _with_lse_grad(dout, q, k, v, out, dlse, _spec_of(spec_key).head_dim)
     dq, dk, dv, grads = _flex_backward(dout, q, k, v, out, lse, captured, tile_state, ctx.scale, spec_key)
     if dlse is not None:
         dq, dk, dv = (g[..., :head_dim] for g in (dq, dk, dv))
-    spec = _specs[spec_key]
+    spec = _spec_of(spec_key)
     by_name = dict(zip((i.name for i in spec.grad_inputs), grads))
     captured_grads = []
     for info, tensor in zip(spec.mod_inputs, captured):

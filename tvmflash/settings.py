@@ -105,8 +105,8 @@ def warn(message: str) -> None:
 
 
 def read_json(path: Path):
-    """A JSON file's contents. ValueError for any text that is not JSON json can read, nesting too
-    deep for its parser included (a RecursionError, which the callers' checks would not catch)."""
+    """A JSON file's contents; ValueError for any text json cannot read, nesting too deep for its
+    parser included (json raises RecursionError there, which callers that catch ValueError missed)."""
     text = Path(path).read_text(encoding="utf-8")
     try:
         return json.loads(text)

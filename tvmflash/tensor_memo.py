@@ -2,7 +2,8 @@
 forward and hands the same tensor objects to every layer of a kind, so what they say (row runs,
 documents, gather indices, the device syncs for lengths) is found once, not per layer. The memo
 is kept on the tensor itself, valid at the tensor's version (an in-place change finds it
-anew); it must hold no reference back to the tensor (a cycle through a tensor's attributes is
+anew; a write that bypasses the version counter, through ``.data`` or a numpy or DLPack alias,
+is not seen, as autograd does not see it); it must hold no reference back to the tensor (a cycle through a tensor's attributes is
 freed only by the garbage collector, and not at all while C++ holds the tensor too)."""
 
 from __future__ import annotations

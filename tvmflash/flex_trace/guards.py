@@ -95,8 +95,15 @@ def dynamo_graph(kind: str, fn) -> tuple[torch.fx.GraphModule, tuple] | None:
     return found
 
 
-def _friendly_name(placeholder: str) -> str:
-    """A kernel buffer name from dynamo's placeholder name (`G_LIVE_table_` -> `LIVE_table`)."""
+_CELL = re.compile(r"fn_closure_(\d+)_cell_contents")
+
+
+def _friendly_name(placeholder: str, fn=None) -> str:
+    """A kernel buffer name from dynamo's placeholder name (`G_LIVE_table_` -> `LIVE_table`; a
+    closure cell of ``fn``: its variable's name, `L_fn_closure_0_cell_contents` -> `slopes`: a
+    score_mod's and a mask_mod's cells were both `captured`, which the kernel took for one)."""
+    freevars = getattr(getattr(fn, "__code__", None), "co_freevars", ())
+    placeholder = _CELL.sub(lambda m: freevars[int(m[1])] if int(m[1]) < len(freevars) else m[0], placeholder)
     noise = {"L", "G", "fn", "closure", "cell", "contents", "kwdefaults", "defaults", "parameters", "buffers",
              "keywords", "args", "self", "func", "modules", "globals", "getitem", "import", "main"}
     kept = [p for p in re.split(r"_+", placeholder) if p and p not in noise and not p.isdigit()]
@@ -193,7 +200,7 @@ def _trace_graph(kind: str, fn, gm, args, device: str) -> _GraphTrace:
         inputs = [mod_args[roles[p]] if p in roles else a for p, a in zip(placeholders, args)]
         return gm(*inputs)[0]
 
-    names = {id(a): f"{kind}_numbers" if p == "numbers" else _friendly_name(p)
+    names = {id(a): f"{kind}_numbers" if p == "numbers" else _friendly_name(p, fn)
              for p, a in zip(placeholders, args) if p not in roles}
     trace = trace_score_mod if kind == "score_mod" else trace_mask_mod
     try:
@@ -203,6 +210,14 @@ def _trace_graph(kind: str, fn, gm, args, device: str) -> _GraphTrace:
         raise
     positions = [next((i for i, a in enumerate(args) if a is c.tensor), None) for c in traced.captured]
     return _GraphTrace(traced, positions)
+
+
+def _reads_values(gm: torch.fx.GraphModule) -> bool:
+    """Whether the graph reads a tensor's values as Python numbers (``.item()``), which its trace
+    holds as constants and dynamo's guards do not watch: a later in-place change went unseen."""
+    return any(n.op == "call_method" and n.target in ("item", "tolist") or n.op == "call_function"
+               and n.target in (torch.Tensor.item, torch.Tensor.tolist, torch.ops.aten._local_scalar_dense.default)
+               for n in gm.graph.nodes)
 
 
 def _name(fn) -> str:
@@ -216,6 +231,8 @@ def capture(kind: str, fn, *, device: str = "cpu") -> TracedScoreMod | TracedMas
     if found is None:  # dynamo cannot trace it (the direct trace names why): no guards, trace every call
         return (trace_score_mod if kind == "score_mod" else trace_mask_mod)(fn, device=device)
     gm, args = found
+    if _reads_values(gm):  # (the trace holds the numbers read now: traced again every call)
+        return (trace_score_mod if kind == "score_mod" else trace_mask_mod)(fn, device=device)
     if gm not in _numbers:
         _numbers[gm] = _numbers_as_inputs(gm)
     numbered = _numbers[gm]
