@@ -568,9 +568,8 @@ class _DecodeStep:
             for b, end in enumerate(ends):
                 cells[b * plan.DECODE_SEQ_COLUMNS + plan.DEC_K_END] = end
             tables = last._replace(lengths=(ends, starts, threads))
-            for made in (getattr(scratch, "launch", None), getattr(scratch, "heads_first", None)):
-                if made is not None:  # (the new ends must lie inside the caches it takes)
-                    self._require_keys(made, tables)
+            for made in self._launches(scratch):  # (the new ends must lie inside the caches it takes)
+                self._require_keys(made, tables)
             return tables
         if last is None:
             scratch.seq_info = np.empty((self.batch, plan.DECODE_SEQ_COLUMNS), np.int32)
@@ -583,10 +582,15 @@ class _DecodeStep:
                                      head_group=self.group, seq_info=scratch.seq_info)
         tables = _StepTables((ends, starts, threads), seq_info, torch.from_numpy(units),
                              min(threads, max(1, len(units))), (spans, starts, threads))
-        for made in (getattr(scratch, "launch", None), getattr(scratch, "heads_first", None)):
-            if made is not None:
-                self._update_launch(made, tables)
+        for made in self._launches(scratch):
+            self._update_launch(made, tables)
         return tables
+
+    @staticmethod
+    def _launches(scratch) -> list:
+        """This thread's C launches of the step that are made (its own layout's, transformers')."""
+        return [made for made in (getattr(scratch, "launch", None), getattr(scratch, "heads_first", None))
+                if made is not None]
 
     # the kernel's arguments after out and lse: scale, window (2), team, seq_info, units, pages, mods
     _TEAM, _SEQ_INFO, _UNITS = 8, 9, 10
